@@ -1,0 +1,469 @@
+"""Bias + dropout + residual add + RMSNorm after a row-parallel linear, reading the collective's output
+in the standard layout or in the tile-exact layout of the GEMM+ReduceScatter schedule.
+
+Megatron's sequence after linear_proj / linear_fc2 (one row = one token, N = hidden size):
+
+    s = residual + dropout(x + bias)                  the new residual, stored (fp32 or x's dtype)
+    rstd = 1 / sqrt(mean(s^2) + eps)                  one fp32 per row, kept for backward
+    y = s * rstd * g,  g = weight (+ 1 with zero-centered gamma)   the next AG+GEMM's input
+
+All arithmetic is fp32; `s` is rounded to the residual's dtype before it is normalized, so forward and
+backward see exactly the stored residual (as Megatron's unfused bias-dropout-add then norm does).
+
+Tile-exact layout (`TileOrder`): the collective's output is `T = (M/BM) * (N/BN)` row-major BM x BN
+tiles; tile slot `slot_of[r // BM, c // BN]` holds the block of element (r, c), which therefore sits
+at `slot * BM * BN + (r % BM) * BN + c % BN`. The kernels read `x` (forward) and `dy` (backward) by
+that formula; every other tensor is in the standard [M, N] layout. Each program sees its row as an
+[N_TILES, TILE_N] block (TILE_N = BN with a tile order), so the slot is one gather per tile and the
+addresses stay contiguous, vectorizable runs of TILE_N elements.
+
+Dropout keeps element (r, c) iff u >= p, u uniform from Philox(seed; counter = (r, c // 4)), the
+fourth of the four words that counter gives being element c % 4: one Philox call per four elements,
+the mask a function of (seed, r, c) only (not of the launch), regenerated in backward, never stored.
+The seed is drawn from torch's generator of the tensor's device, on the device (no host sync), so runs
+repeat under `torch.manual_seed`, activation recomputation and Megatron's RNG tracker.
+
+Backward (the row's upstream gradients: dy for y, d_res for s; x_hat = s * rstd):
+
+    dw    = sum over rows of dy * x_hat                         (per-program partials, then summed)
+    ds    = rstd * (dy*g - x_hat * mean(dy*g * x_hat)) + d_res  the residual's gradient
+    dx    = ds * keep / (1 - p)                                 the collective output's gradient
+    dbias = sum over rows of dx
+"""
+import functools
+import os
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STANDARD_TILE_N = 256  # columns per block row when the input is in the standard layout
+_CPU_PROGRAMS = 4       # backward programs in the CPU interpreter (several, to exercise the partials)
+
+
+@dataclass(frozen=True)
+class TileOrder:
+    """Where the tile-exact GEMM+ReduceScatter left each BM x BN block of the [M, N] result.
+
+    `slot_of[mi, ni]` (int32, shape [M // BM, N // BN]) is the slot of the block of rows
+    [mi*BM, (mi+1)*BM) and columns [ni*BN, (ni+1)*BN); slot s occupies elements
+    [s*BM*BN, (s+1)*BM*BN) of the buffer, row-major. Checked to be a permutation on construction.
+    """
+    block_m: int
+    block_n: int
+    slot_of: torch.Tensor
+
+    def __post_init__(self):
+        if not (isinstance(self.block_m, int) and self.block_m > 0):
+            raise ValueError(f"TileOrder: block_m must be a positive int, got {self.block_m!r}")
+        if not (isinstance(self.block_n, int) and self.block_n >= 4 and self.block_n & (self.block_n - 1) == 0):
+            raise ValueError(f"TileOrder: block_n must be a power of two >= 4, got {self.block_n!r}")
+        slot_of = self.slot_of
+        if not (isinstance(slot_of, torch.Tensor) and slot_of.dtype == torch.int32 and slot_of.dim() == 2
+                and slot_of.is_contiguous()):
+            raise ValueError("TileOrder: slot_of must be a contiguous 2-D int32 tensor "
+                             f"[M // block_m, N // block_n], got {_describe(slot_of)}")
+        if not torch.equal(slot_of.flatten().sort().values.cpu(), torch.arange(slot_of.numel(), dtype=torch.int32)):
+            raise ValueError(f"TileOrder: slot_of must be a permutation of 0..{slot_of.numel() - 1}")
+
+    @property
+    def shape(self):
+        """The [M, N] of the standard matrix this order describes."""
+        return self.slot_of.shape[0] * self.block_m, self.slot_of.shape[1] * self.block_n
+
+    def undo(self, buf):
+        """Reference: the standard [M, N] matrix held by the tile-ordered buffer `buf`."""
+        (rows, cols), (mb, nb) = self.shape, self.slot_of.shape
+        blocks = buf.reshape(mb * nb, self.block_m, self.block_n)[self.slot_of.long()]
+        return blocks.permute(0, 2, 1, 3).reshape(rows, cols)
+
+    def apply(self, matrix):
+        """Reference: the tile-ordered buffer (flat) that holds the standard [M, N] `matrix`."""
+        mb, nb = self.slot_of.shape
+        blocks = matrix.reshape(mb, self.block_m, nb, self.block_n).permute(0, 2, 1, 3)
+        buf = torch.empty_like(blocks).reshape(mb * nb, self.block_m, self.block_n)
+        buf[self.slot_of.long().flatten()] = blocks.reshape(mb * nb, self.block_m, self.block_n)
+        return buf.flatten()
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _offsets(order_ptr, row, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
+             N_TILES: tl.constexpr, ORDERED: tl.constexpr):
+    """Element offsets of `row`'s [N_TILES, TILE_N] block: standard row-major, or tile-exact (BLOCK_M x
+    BLOCK_N tiles; TILE_N divides BLOCK_N, so each run of TILE_N columns lies in one tile)."""
+    tile = tl.arange(0, N_TILES)[:, None]
+    lane = tl.arange(0, TILE_N)[None, :]
+    if ORDERED:
+        col0 = tile * TILE_N
+        slot = tl.load(order_ptr + (row // BLOCK_M) * (N // BLOCK_N) + col0 // BLOCK_N, mask=col0 < N, other=0)
+        return slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + (row % BLOCK_M) * BLOCK_N + col0 % BLOCK_N + lane
+    return row * N + tile * TILE_N + lane
+
+
+@triton.jit
+def _dropout_keep(seed, row, p, TILE_N: tl.constexpr, N_TILES: tl.constexpr):
+    """Keep mask of `row`'s [N_TILES, TILE_N] block: Philox counter (row, c // 4), word c % 4."""
+    quad = tl.arange(0, N_TILES)[:, None] * (TILE_N // 4) + tl.arange(0, TILE_N // 4)[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, (row << 32) + quad)
+    bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (N_TILES, TILE_N))
+    return tl.random.uint_to_uniform_float(bits) >= p
+
+
+@triton.jit
+def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed_ptr,
+                    y_ptr, residual_out_ptr, rstd_ptr,
+                    row_lo, N, eps, weight_offset, dropout_p,
+                    X_BLOCK_M: tl.constexpr, X_BLOCK_N: tl.constexpr, X_ORDERED: tl.constexpr,
+                    TILE_N: tl.constexpr, N_TILES: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """One program per row: s = residual + dropout(x + bias) (stored), y = s * rstd * g."""
+    row = (row_lo + tl.program_id(0)).to(tl.int64)
+    cols = tl.arange(0, N_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+    mask = cols < N
+    offs = row * N + cols
+
+    x_offs = _offsets(x_order_ptr, row, N, X_BLOCK_M, X_BLOCK_N, TILE_N, N_TILES, X_ORDERED)
+    s = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        s += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DROPOUT:
+        keep = _dropout_keep(tl.load(seed_ptr), row, dropout_p, TILE_N, N_TILES)
+        s = tl.where(keep, s * (1.0 / (1.0 - dropout_p)), 0.0)
+    if HAS_RESIDUAL:
+        s += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = s.to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + offs, s, mask=mask)
+        s = s.to(tl.float32)
+
+    rstd = tl.rsqrt(tl.sum(s * s) / N + eps)
+    g = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    tl.store(y_ptr + offs, (s * rstd * g).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, weight_ptr, seed_ptr,
+                     ds_ptr, dx_ptr, dx_order_ptr, dweight_partial_ptr, dbias_partial_ptr,
+                     M, N, rows_per_program, weight_offset, dropout_p,
+                     DY_BLOCK_M: tl.constexpr, DY_BLOCK_N: tl.constexpr, DY_ORDERED: tl.constexpr,
+                     DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_ORDERED: tl.constexpr,
+                     TILE_N: tl.constexpr, N_TILES: tl.constexpr,
+                     HAS_D_RESIDUAL_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr,
+                     HAS_BIAS: tl.constexpr):
+    """A contiguous run of rows per program, in one pass: ds (and dx) per row; dw and dbias as one
+    fp32 partial row per program."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, N_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+    mask = cols < N
+    g = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    dweight = tl.zeros((N_TILES, TILE_N), dtype=tl.float32)
+    dbias = tl.zeros((N_TILES, TILE_N), dtype=tl.float32)
+    if HAS_DROPOUT:
+        seed = tl.load(seed_ptr)
+
+    first_row = pid * rows_per_program
+    for i in range(0, tl.minimum(rows_per_program, M - first_row)):
+        row = first_row.to(tl.int64) + i
+        offs = row * N + cols
+        dy_offs = _offsets(dy_order_ptr, row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES, DY_ORDERED)
+        dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32) * rstd
+        dx_hat = dy * g
+        ds = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat) / N))
+        if HAS_D_RESIDUAL_OUT:
+            ds += tl.load(d_residual_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(ds_ptr + offs, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+        dweight += dy * x_hat
+
+        dx = ds
+        if HAS_DROPOUT:
+            keep = _dropout_keep(seed, row, dropout_p, TILE_N, N_TILES)
+            dx = tl.where(keep, ds * (1.0 / (1.0 - dropout_p)), 0.0)
+        if STORE_DX:
+            dx_offs = _offsets(dx_order_ptr, row, N, DX_BLOCK_M, DX_BLOCK_N, TILE_N, N_TILES, DX_ORDERED)
+            tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if HAS_BIAS:
+            dbias += dx
+
+    tl.store(dweight_partial_ptr + pid * N + cols, dweight, mask=mask)
+    if HAS_BIAS:
+        tl.store(dbias_partial_ptr + pid * N + cols, dbias, mask=mask)
+
+
+@triton.jit
+def _dropout_mask_kernel(seed_ptr, keep_ptr, N, p, TILE_N: tl.constexpr, N_TILES: tl.constexpr):
+    """The keep mask the forward and backward kernels apply, one row per program (for references)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, N_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+    keep = _dropout_keep(tl.load(seed_ptr), row, p, TILE_N, N_TILES)
+    tl.store(keep_ptr + row * N + cols, keep.to(tl.int8), mask=cols < N)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+def _block(n, *orders):
+    """(TILE_N, N_TILES, num_warps) for rows of n elements read or written in these orders."""
+    tile_n = min([_STANDARD_TILE_N, max(4, triton.next_power_of_2(n))] + [o.block_n for o in orders if o is not None])
+    n_tiles = triton.next_power_of_2(triton.cdiv(n, tile_n))
+    block = tile_n * n_tiles
+    num_warps = 32 if block >= 32768 else 16 if block >= 8192 else 8 if block >= 2048 else 4
+    return tile_n, n_tiles, num_warps
+
+
+def _order_args(order):
+    """(slot_of, block_m, block_n, ordered) kernel arguments for an order or None (standard)."""
+    return (order.slot_of, order.block_m, order.block_n, True) if order is not None else (None, 1, 1, False)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index):
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def dropout_seed(device):
+    """A Philox seed (int64 tensor [1] on `device`) drawn from torch's default generator there."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+
+
+def dropout_keep_mask(seed, num_rows, hidden, p):
+    """The bool [num_rows, hidden] keep mask the kernels derive from `seed` for dropout probability p."""
+    keep = torch.empty(num_rows, hidden, dtype=torch.int8, device=seed.device)
+    tile_n, n_tiles, num_warps = _block(hidden, None)
+    if num_rows:
+        _dropout_mask_kernel[(num_rows,)](seed, keep, hidden, p, TILE_N=tile_n, N_TILES=n_tiles,
+                                          num_warps=num_warps)
+    return keep.bool()
+
+
+class ForwardOutputs(NamedTuple):
+    y: torch.Tensor             # normalized output, x's dtype, residual's shape
+    residual_out: torch.Tensor  # residual + dropout(x + bias), standard layout (absent without residual)
+    rstd: torch.Tensor          # fp32 [M]
+
+
+def empty_forward_outputs(x, residual, residual_dtype):
+    """Uninitialized outputs for `launch_forward` (shapes follow `residual`, or `x` without one)."""
+    like = residual if residual is not None else x
+    rows = like.numel() // like.shape[-1]
+    residual_out = None if residual is None else torch.empty(like.shape, dtype=residual_dtype, device=like.device)
+    return ForwardOutputs(torch.empty(like.shape, dtype=x.dtype, device=x.device), residual_out,
+                          torch.empty(rows, dtype=torch.float32, device=x.device))
+
+
+def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=False, dropout_p=0.0, seed=None,
+                   x_order=None, row_lo=0, row_hi=None):
+    """Write rows [row_lo, row_hi) of `out` (a ForwardOutputs). No checks: call `check_forward` once.
+
+    residual None = plain RMSNorm of x (no bias, dropout or order). dropout_p > 0 needs `seed`.
+    Per-group use: launch on the stream where a group's rows became complete, with that group's rows.
+    """
+    n = weight.shape[0]
+    row_hi = out.rstd.shape[0] if row_hi is None else row_hi
+    if row_hi <= row_lo:
+        return
+    tile_n, n_tiles, num_warps = _block(n, x_order)
+    x_slot_of, x_block_m, x_block_n, x_ordered = _order_args(x_order)
+    _forward_kernel[(row_hi - row_lo,)](
+        x, x_slot_of, bias, residual, weight, seed if dropout_p > 0 else None,
+        out.y, out.residual_out, out.rstd,
+        row_lo, n, eps, 1.0 if zero_centered_gamma else 0.0, dropout_p,
+        X_BLOCK_M=x_block_m, X_BLOCK_N=x_block_n, X_ORDERED=x_ordered, TILE_N=tile_n, N_TILES=n_tiles,
+        HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0,
+        num_warps=num_warps)
+
+
+def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centered_gamma=False, dropout_p=0.0,
+                    seed=None, dy_order=None, dx_order=None, bias_grad=False):
+    """One pass over the rows; returns the fp32 column sums (dweight, dbias or None). No checks.
+
+    Reads dy (in dy_order), d_residual_out (or None: zero), the saved s and rstd. Writes ds (the grad of
+    s: the residual's, or x's for the plain norm, standard layout) and dx (x's grad, in dx_order) unless
+    `dx` is None, which means dx is ds (no dropout, standard layout, same dtype)."""
+    m, n = rstd.shape[0], weight.shape[0]
+    tile_n, n_tiles, num_warps = _block(n, dy_order, dx_order)
+    programs = max(1, min(m, _num_sms(s.device.index or 0) if s.is_cuda else _CPU_PROGRAMS))
+    rows_per_program = triton.cdiv(m, programs)
+    programs = triton.cdiv(m, rows_per_program) if m else 1
+    dweight = torch.empty(programs, n, dtype=torch.float32, device=s.device)
+    dbias = torch.empty(programs, n, dtype=torch.float32, device=s.device) if bias_grad else None
+    dy_slot_of, dy_block_m, dy_block_n, dy_ordered = _order_args(dy_order)
+    dx_slot_of, dx_block_m, dx_block_n, dx_ordered = _order_args(dx_order)
+    _backward_kernel[(programs,)](
+        dy, dy_slot_of, d_residual_out, s, rstd, weight, seed if dropout_p > 0 else None,
+        ds, dx, dx_slot_of, dweight, dbias,
+        m, n, rows_per_program, 1.0 if zero_centered_gamma else 0.0, dropout_p,
+        DY_BLOCK_M=dy_block_m, DY_BLOCK_N=dy_block_n, DY_ORDERED=dy_ordered,
+        DX_BLOCK_M=dx_block_m, DX_BLOCK_N=dx_block_n, DX_ORDERED=dx_ordered, TILE_N=tile_n, N_TILES=n_tiles,
+        HAS_D_RESIDUAL_OUT=d_residual_out is not None, HAS_DROPOUT=dropout_p > 0, STORE_DX=dx is not None,
+        HAS_BIAS=bias_grad, num_warps=num_warps)
+    return dweight.sum(0), None if dbias is None else dbias.sum(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------------------------
+
+def _describe(t):
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}{'' if t.is_contiguous() else ' (non-contiguous)'}"
+
+
+def _check_tensor(name, t, device, dtypes=FLOAT_DTYPES):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}, expected one of {dtypes}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got {_describe(t)}")
+
+
+def _check_order(name, order, rows, n, device):
+    if order is None:
+        return
+    if not isinstance(order, TileOrder):
+        raise ValueError(f"{name} must be a TileOrder or None, got {type(order).__name__}")
+    if order.shape != (rows, n):
+        raise ValueError(f"{name} describes a {order.shape[0]} x {order.shape[1]} matrix (slot_of "
+                         f"{tuple(order.slot_of.shape)} of {order.block_m} x {order.block_n} tiles), "
+                         f"but the rows are {rows} x {n}")
+    if order.slot_of.device != device:
+        raise ValueError(f"{name}.slot_of is on {order.slot_of.device}, expected {device}")
+
+
+def check_forward(x, residual, weight, bias=None, *, eps=1e-5, dropout_p=0.0, residual_dtype=None, x_order=None):
+    """Raise ValueError unless the inputs fit `launch_forward`; return (M, N)."""
+    _check_tensor("weight", weight, weight.device if isinstance(weight, torch.Tensor) else None)
+    device = weight.device
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"tensors on {device} need a CUDA device, or TRITON_INTERPRET=1 set before import")
+    if weight.dim() != 1 or weight.shape[0] == 0:
+        raise ValueError(f"weight must be 1-D [hidden], got {_describe(weight)}")
+    n = weight.shape[0]
+    _check_tensor("x", x, device)
+    if residual is None:
+        if bias is not None or dropout_p or x_order is not None:
+            raise ValueError("bias, dropout and x_order need a residual (plain RMSNorm takes none)")
+        like = x
+    else:
+        _check_tensor("residual", residual, device)
+        if residual_dtype not in (x.dtype, torch.float32):
+            raise ValueError(f"residual_dtype must be x's dtype ({x.dtype}) or torch.float32, got {residual_dtype}")
+        if x.numel() != residual.numel() or (x_order is None and x.shape != residual.shape):
+            raise ValueError(f"x {_describe(x)} does not match residual {_describe(residual)}"
+                             + ("" if x_order is None else " in element count"))
+        like = residual
+    if like.dim() < 1 or like.shape[-1] != n:
+        raise ValueError(f"the last dimension must be the hidden size {n}: {_describe(like)}")
+    if bias is not None:
+        _check_tensor("bias", bias, device)
+        if bias.shape != weight.shape:
+            raise ValueError(f"bias must be [hidden] like weight {tuple(weight.shape)}, got {_describe(bias)}")
+    if not (isinstance(eps, (int, float)) and eps >= 0):
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    if not (isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p <= 1.0):
+        raise ValueError(f"dropout probability must be in [0, 1], got {dropout_p!r}")
+    rows = like.numel() // n
+    _check_order("x_order", x_order, rows, n, device)
+    return rows, n
+
+
+# ----------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------
+
+class FusedAddRMSNormFunction(torch.autograd.Function):
+    """(y, residual_out) = RMSNorm(residual + dropout(x + bias)), see the module docstring.
+
+    x_order: layout of x (and so of its gradient); grad_order: layout in which y's gradient will
+    arrive (the next layer's dgrad ReduceScatter); None = standard."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, eps, zero_centered_gamma, dropout_p, residual_dtype,
+                x_order, grad_order):
+        rows, n = check_forward(x, residual, weight, bias, eps=eps, dropout_p=dropout_p,
+                                residual_dtype=residual_dtype, x_order=x_order)
+        _check_order("grad_order", grad_order, rows, n, weight.device)
+        seed = dropout_seed(x.device) if dropout_p > 0 else None
+        out = empty_forward_outputs(x, residual, residual_dtype)
+        launch_forward(x, residual, weight, bias, out, eps=eps, zero_centered_gamma=zero_centered_gamma,
+                       dropout_p=dropout_p, seed=seed, x_order=x_order)
+        ctx.save_for_backward(out.residual_out, out.rstd, weight, seed)
+        ctx.options = (zero_centered_gamma, dropout_p, x_order, grad_order)
+        ctx.input_meta = (x.shape, x.dtype, residual.dtype, None if bias is None else bias.dtype)
+        ctx.set_materialize_grads(False)
+        return out.y, out.residual_out
+
+    @staticmethod
+    def backward(ctx, dy, d_residual_out):
+        residual_out, rstd, weight, seed = ctx.saved_tensors
+        zero_centered_gamma, dropout_p, x_order, grad_order = ctx.options
+        x_shape, x_dtype, residual_dtype, bias_dtype = ctx.input_meta
+        if dy is None:
+            dy, grad_order = torch.zeros_like(residual_out, dtype=x_dtype), None
+        d_residual = torch.empty_like(residual_out, dtype=residual_dtype)
+        dx_is_d_residual = dropout_p == 0 and x_order is None and x_dtype == residual_dtype
+        dx = None if dx_is_d_residual else torch.empty(x_shape, dtype=x_dtype, device=d_residual.device)
+        d_weight, d_bias = launch_backward(
+            dy.contiguous(), None if d_residual_out is None else d_residual_out.contiguous(), residual_out, rstd,
+            weight, d_residual, dx, zero_centered_gamma=zero_centered_gamma, dropout_p=dropout_p, seed=seed,
+            dy_order=grad_order, dx_order=x_order, bias_grad=bias_dtype is not None and ctx.needs_input_grad[3])
+        return (d_residual if dx_is_d_residual else dx, d_residual, d_weight.to(weight.dtype),
+                None if d_bias is None else d_bias.to(bias_dtype), None, None, None, None, None, None)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """y = x * rstd * g (plain RMSNorm, standard layout), what input_layernorm computes."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, zero_centered_gamma):
+        check_forward(x, None, weight, eps=eps)
+        out = empty_forward_outputs(x, None, None)
+        launch_forward(x, None, weight, None, out, eps=eps, zero_centered_gamma=zero_centered_gamma)
+        ctx.save_for_backward(x, out.rstd, weight)
+        ctx.zero_centered_gamma = zero_centered_gamma
+        return out.y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, rstd, weight = ctx.saved_tensors
+        dx = torch.empty_like(x)
+        d_weight, _ = launch_backward(dy.contiguous(), None, x, rstd, weight, dx, None,
+                                      zero_centered_gamma=ctx.zero_centered_gamma)
+        return dx, d_weight.to(weight.dtype), None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Float64 reference
+# ----------------------------------------------------------------------------------------------
+
+def reference_add_rmsnorm(x, residual, weight, bias=None, *, eps=1e-5, zero_centered_gamma=False, keep=None,
+                          dropout_p=0.0, x_order=None):
+    """Pure-torch float64 (y, residual_out) of the same math; differentiable. residual None = plain
+    RMSNorm of x (then residual_out is x). `keep`: the bool [M, N] dropout mask (dropout_keep_mask)."""
+    n = weight.shape[0]
+    g = weight.double() + (1.0 if zero_centered_gamma else 0.0)
+    if residual is None:
+        s = x.double().reshape(-1, n)
+    else:
+        h = x_order.undo(x.double()) if x_order is not None else x.double().reshape(-1, n)
+        if bias is not None:
+            h = h + bias.double()
+        if keep is not None:
+            h = h * keep / (1.0 - dropout_p)
+        s = residual.double().reshape(-1, n) + h
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * g
+    shape = (residual if residual is not None else x).shape
+    return y.reshape(shape), s.reshape(shape)

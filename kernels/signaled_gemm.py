@@ -1,0 +1,118 @@
+"""Persistent Triton GEMM that signals per group of tiles: C = A @ W.T, W in nn.Linear layout.
+
+The main loop is the plain TMA-fed K loop of a persistent GEMM. Only two things differ from a
+textbook kernel: the tile order comes from a plan table (overlap_tp/plan.py), and the epilogue, after
+storing a tile, raises its group's counter with a release atomic so the comm stream (or the next
+kernel) can start on a group as soon as its last tile is visible.
+
+Ordering argument for the signal: every thread stores its part of the tile with ordinary st.global;
+`tl.debug_barrier()` (bar.sync) orders those stores before the atomic in CTA scope; the atomic is a
+gpu-scope release, which is cumulative, so whoever observes the counter (acquire, or a stream
+wait-value that precedes a kernel launch) observes the whole tile. FlashOverlap's epilogue lacks the
+barrier: a fast warp could signal before a slow warp's stores land.
+
+Counters are never reset: each call adds group_tiles[g] to counter g, and waiters compare cyclically
+against (calls * group_tiles[g]) mod 2**32, so no memset sits on the critical path.
+"""
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from overlap_tp.plan import TILE_FIELDS
+
+# The CPU interpreter's tl.dot mishandles bf16/fp16 operands; upcasting there is exact (a product of
+# two bf16 values is exact in fp32) and leaves the compiled GPU kernel untouched.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def signaled_gemm_kernel(
+    a_desc, w_desc,                 # TMA descriptors: A [M, K] in [BLOCK_M, BLOCK_K] boxes, W [N, K]
+    dst_ptr, ld_dst,                # staging matrix the tiles are stored into, its row stride
+    bias_ptr, bias_row_lo, bias_row_hi,   # bias added to source rows [lo, hi) only
+    tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, 6] in execution order
+    counters_ptr,                   # int32 per group, raised once per stored tile
+    N, K,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+):
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for e in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
+        entry = tiles_ptr + e * 6
+        src_row = tl.load(entry + 0)
+        src_row_end = tl.load(entry + 1)
+        col = tl.load(entry + 2)
+        dst_row = tl.load(entry + 3)
+        dst_col = tl.load(entry + 4)
+        group = tl.load(entry + 5)
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(k_steps):
+            a = a_desc.load([src_row, ks * BLOCK_K])
+            w = w_desc.load([col, ks * BLOCK_K])
+            if UPCAST:
+                a = a.to(tl.float32)
+                w = w.to(tl.float32)
+            acc = tl.dot(a, w.T, acc)
+
+        rows = src_row + tl.arange(0, BLOCK_M)
+        cols = col + tl.arange(0, BLOCK_N)
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+            owns = (rows >= bias_row_lo) & (rows < bias_row_hi)
+            acc += tl.where(owns[:, None], bias[None, :], 0.0)
+        mask = (rows < src_row_end)[:, None] & (cols < N)[None, :]
+        out_rows = (dst_row + tl.arange(0, BLOCK_M)).to(tl.int64)
+        out_cols = dst_col + tl.arange(0, BLOCK_N)
+        tl.store(dst_ptr + out_rows[:, None] * ld_dst + out_cols[None, :],
+                 acc.to(dst_ptr.dtype.element_ty), mask=mask)
+        tl.debug_barrier()
+        tl.atomic_add(counters_ptr + group, 1, sem="release", scope="gpu")
+
+
+def check_operands(a: torch.Tensor, w: torch.Tensor, bias=None):
+    """The kernel's input contract; a ValueError names the broken constraint."""
+    if a.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"expected a[M, K] and w[N, K]; got a{tuple(a.shape)} and w{tuple(w.shape)}")
+    if a.shape[1] != w.shape[1]:
+        raise ValueError(f"inner dimensions differ: a{tuple(a.shape)} @ w{tuple(w.shape)}.T")
+    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype:
+        raise ValueError(f"a and w must both be bf16 or fp16; got {a.dtype} and {w.dtype}")
+    if a.device != w.device:
+        raise ValueError(f"a is on {a.device} but w is on {w.device}")
+    if not (a.is_contiguous() and w.is_contiguous()):
+        raise ValueError("a and w must be contiguous (row-major)")
+    if bias is not None:
+        if bias.shape != (w.shape[0],) or bias.device != a.device or not bias.is_contiguous():
+            raise ValueError(f"bias must be a contiguous [{w.shape[0]}] tensor on {a.device}; "
+                             f"got {tuple(bias.shape)} on {bias.device}")
+
+
+def tma_unsupported_reason(a: torch.Tensor, w: torch.Tensor):
+    """Why TMA descriptors cannot address a and w, or None."""
+    if a.shape[1] % 8:
+        return f"K={a.shape[1]} is not a multiple of 8 (TMA needs 16-byte row strides)"
+    if a.data_ptr() % 16 or w.data_ptr() % 16:
+        return "a or w does not start on a 16-byte boundary (TMA)"
+    return None
+
+
+def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, bias_rows=(0, 0)):
+    """Launch the kernel: the tiles of `tiles` (device int32 table) into `dst`, raising `counters`."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    num_tiles = tiles.shape[0]
+    assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
+    grid = (max(1, min(num_programs, num_tiles)),)
+    signaled_gemm_kernel[grid](
+        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+        dst, dst.stride(0),
+        bias if bias is not None else dst, bias_rows[0], bias_rows[1],
+        tiles, num_tiles, counters,
+        w.shape[0], a.shape[1],
+        HAS_BIAS=bias is not None, UPCAST=INTERPRET,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGRAMS=grid[0],
+        num_stages=config.num_stages, num_warps=config.num_warps,
+    )

@@ -1,0 +1,13 @@
+"""overlap_tp: Megatron TP/SP linear layers whose GEMMs signal per group of tiles so that each
+group's collective starts while the rest of the GEMM still runs.
+
+Public ops (the contract other parts and outside benchmarks call):
+    gemm_rs(a, w, group=None, *, bias=None, config=None)  -> reduce_scatter(a @ w.T) [+ bias]
+    gemm_ar(a, w, group=None, *, bias=None, config=None)  -> all_reduce(a @ w.T) [+ bias]
+    OverlapConfig                                          how they run (method, schedule, groups, ...)
+"""
+from overlap_tp.config import OverlapConfig
+from overlap_tp.ops import gemm_ar, gemm_rs
+
+__all__ = ["OverlapConfig", "gemm_rs", "gemm_ar"]
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m overlap_tp.bench {ops,norm} ...` (see each subcommand's --help)."""

@@ -1,0 +1,208 @@
+"""Operator benchmark: GEMM+ReduceScatter and GEMM+AllReduce against the baselines of BENCHMARKS.md.
+
+    torchrun --nproc-per-node 2 -m overlap_tp.bench ops --out docs/perf
+
+One process per GPU; every baseline runs in the same process on the same inputs:
+  seq        cuBLAS then the NCCL collective on one stream (method='off')
+  gemm/comm  the GEMM alone, the collective alone
+  decomp     M split into c in {2, 4, 8} cuBLAS calls, chunk collectives on the comm stream (best c)
+  async-TP   torch.distributed._symmetric_memory._fused_matmul_reduce_scatter (reduce-scatter only)
+  ours       gemm_rs / gemm_ar with the default config; `--sweep` also times schedule x groups x comm_sms
+Times are medians of --reps calls (CUDA events, inputs rotated over 3 sets), the slowest rank's.
+Every configuration's output is checked against `seq` before it is timed.
+"""
+import argparse
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from overlap_tp import OverlapConfig, gemm_ar, gemm_rs
+from overlap_tp.bench import report
+from overlap_tp.kernels.signaled_gemm import signaled_gemm
+from overlap_tp.ops import gemm_programs, plan_state
+
+# name -> (K_local, N) of the row-parallel GEMMs (GEMM+RS), BENCHMARKS.md
+SHAPES = {
+    "l8b.proj": (2048, 4096),
+    "l8b.fc2": (7168, 4096),
+    "l70b.proj": (4096, 8192),
+    "l70b.fc2": (14336, 8192),
+}
+INPUT_SETS = 3
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m overlap_tp.bench ops", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", default="rs,ar", help="comma list of rs, ar")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
+    p.add_argument("--seq", default="4096,8192,16384", help="tokens M per rank group (GEMM rows)")
+    p.add_argument("--ar-seq", default="8192", help="tokens for gemm_ar (its collective moves 2x the bytes)")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--sweep", action="store_true", help="also time schedule x groups x comm_sms variants")
+    p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
+    p.add_argument("--name", default="gemm_rs_ar", help="report file name (without extension)")
+    return p.parse_args(argv)
+
+
+def timed(fn, sets, reps, group):
+    """Median time (ms) of fn(*set) over `reps` back-to-back calls, the slowest rank's."""
+    for i in range(5):
+        fn(*sets[i % len(sets)])
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn(*sets[i % len(sets)])
+        ends[i].record()
+    torch.cuda.synchronize()
+    median = torch.tensor(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), device="cuda")
+    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
+    return float(median)
+
+
+def agree(got, ref, what):
+    error = float((got.float() - ref.float()).norm() / ref.float().norm())
+    if not error < 1e-2:
+        raise AssertionError(f"{what}: relative error {error:.3g} against the sequential baseline")
+
+
+def ours_variants(sweep):
+    default = OverlapConfig(method="signal")
+    variants = {"ours": default}
+    if sweep:
+        for schedule in ("row_slice", "tile_exact"):
+            for groups in ("auto", 2, 4, 8):
+                for comm_sms in (8, 16, 24):
+                    variants[f"{schedule}/g{groups}/sm{comm_sms}"] = OverlapConfig(
+                        method="signal", schedule=schedule, groups=groups, comm_sms=comm_sms)
+    return variants
+
+
+def bench_shape(op, name, m, k, n, args, group):
+    t = dist.get_world_size(group)
+    sets = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5) for _ in range(INPUT_SETS)]
+    run = gemm_rs if op == "rs" else gemm_ar
+    off = OverlapConfig(method="off")
+    seq_out = run(*sets[0], group, config=off)
+    row = {"op": op, "shape": f"{name}.s{m}", "M": m, "K": k, "N": n}
+    row["seq"] = timed(lambda a, w: run(a, w, group, config=off), sets, args.reps, group)
+    row["gemm"] = timed(lambda a, w: a @ w.t(), sets, args.reps, group)
+    partial = sets[0][0] @ sets[0][1].t()
+    out_rows = m // t if op == "rs" else m
+    comm_out = torch.empty(out_rows, n, device="cuda", dtype=torch.bfloat16)
+    if op == "rs":
+        row["comm"] = timed(lambda: dist.reduce_scatter_tensor(comm_out, partial, group=group), [()], args.reps, group)
+    else:
+        row["comm"] = timed(lambda: dist.all_reduce(partial, group=group), [()], args.reps, group)
+    row["S_ideal"] = row["seq"] / max(row["gemm"], row["comm"])
+
+    # the signaled GEMM alone (full grid, no communication) against cuBLAS
+    full_grid = OverlapConfig(method="signal", comm_sms=0)
+    state = plan_state(full_grid.schedule, m, n, t if op == "rs" else 1, full_grid, 2, sets[0][0].device)
+    staging = torch.empty(state.plan.staging_shape, device="cuda", dtype=torch.bfloat16)
+    counters = torch.zeros_like(state.counters)
+    row["sgemm"] = timed(lambda a, w: signaled_gemm(a, w, staging, state.tiles, counters,
+                                                    gemm_programs(a.device, full_grid), full_grid),
+                         sets, args.reps, group)
+    row["sgemm_vs_cublas"] = row["gemm"] / row["sgemm"]
+
+    decomp = {}
+    for chunks in (2, 4, 8):
+        config = OverlapConfig(method="decompose", chunks=chunks)
+        agree(run(*sets[0], group, config=config), seq_out, f"{op} decompose c={chunks}")
+        decomp[chunks] = timed(lambda a, w: run(a, w, group, config=config), sets, args.reps, group)
+    row["decomp_c"], row["decomp"] = min(decomp.items(), key=lambda kv: kv[1])
+
+    if op == "rs":
+        from torch.distributed import _symmetric_memory as symm
+        fused = symm._fused_matmul_reduce_scatter
+
+        def async_tp(a, w):
+            return fused(a, w.t(), "sum", 0, group.group_name)
+
+        agree(async_tp(*sets[0]), seq_out, "async-TP")
+        row["async_tp"] = timed(async_tp, sets, args.reps, group)
+
+    variants = {}
+    for label, config in ours_variants(args.sweep).items():
+        if config.schedule == "tile_exact" and (out_rows % config.block_m or n % config.block_n):
+            continue
+        agree(run(*sets[0], group, config=config), seq_out, f"{op} {label}")
+        variants[label] = timed(lambda a, w: run(a, w, group, config=config), sets, args.reps, group)
+    row["ours"] = variants.pop("ours")
+    row["S"] = row["seq"] / row["ours"]
+    row["pct_ideal"] = 100 * (row["S"] - 1) / (row["S_ideal"] - 1) if row["S_ideal"] > 1.001 else None
+    if variants:
+        row["best_variant"], row["best"] = min(variants.items(), key=lambda kv: kv[1])
+        row["S_best"] = row["seq"] / row["best"]
+
+    # FlashOverlap's bound: the GEMM plus the last group's collective when the GEMM dominates, else the
+    # first wave of the GEMM plus the whole collective.
+    default = OverlapConfig(method="signal")
+    plan = plan_state(default.schedule, m, n, t if op == "rs" else 1, default, 2, sets[0][0].device).plan
+    last = plan.collectives[-1]
+    if row["gemm"] >= row["comm"]:
+        src = partial[:last.src_hi - last.src_lo]
+        dst = comm_out[:last.dst_hi - last.dst_lo]
+        if op == "rs":
+            last_comm = timed(lambda: dist.reduce_scatter_tensor(dst, src, group=group), [()], args.reps, group)
+        else:
+            last_comm = timed(lambda: dist.all_reduce(src, group=group), [()], args.reps, group)
+        row["fo_bound"] = row["gemm"] + last_comm
+    else:
+        first_wave = min(1.0, gemm_programs(sets[0][0].device, default) / plan.num_tiles)
+        row["fo_bound"] = row["gemm"] * first_wave + row["comm"]
+    row["comm_share"] = row["comm"] / row["gemm"]
+    return row
+
+
+COLUMNS = [
+    ("op", "op", "{}"), ("shape", "shape", "{}"), ("seq", "seq", "{:.3f}"), ("gemm", "gemm", "{:.3f}"),
+    ("comm", "comm", "{:.3f}"), ("S_ideal", "S_ideal", "{:.2f}"), ("decomp", "decomp (best c)", "{:.3f}"),
+    ("async_tp", "async-TP", "{:.3f}"), ("ours", "ours", "{:.3f}"), ("S", "S", "{:.2f}"),
+    ("pct_ideal", "%ideal", "{:.0f}"), ("fo_bound", "FO bound", "{:.3f}"), ("best", "best variant", "{:.3f}"),
+    ("best_variant", "which", "{}"), ("sgemm_vs_cublas", "sgemm/cuBLAS", "{:.3f}"),
+]
+
+
+def main(argv):
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        print("run under torchrun: torchrun --nproc-per-node 2 -m overlap_tp.bench ops ...")
+        return 2
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    from torch.distributed import _symmetric_memory as symm
+    symm.enable_symm_mem_for_group(group.group_name)
+    torch.manual_seed(1234 + dist.get_rank())
+    rows = []
+    for op in args.ops.split(","):
+        seqs = args.seq if op == "rs" else args.ar_seq
+        for m in map(int, seqs.split(",")):
+            for name in args.shapes.split(","):
+                k, n = SHAPES[name]
+                row = bench_shape(op, name, m, k, n, args, group)
+                rows.append(row)
+                if dist.get_rank() == 0:
+                    print(" ".join(f"{key}={row[key]:.3f}" if isinstance(row[key], float) else f"{key}={row[key]}"
+                                   for key in row), flush=True)
+    if dist.get_rank() == 0:
+        sgemm = statistics.median(r["sgemm_vs_cublas"] for r in rows)
+        notes = (f"Signaled GEMM without communication vs cuBLAS, median over rows: {sgemm:.3f}.\n"
+                 "Times in ms (median of calls, slowest rank). S = seq / ours; %ideal = (S-1)/(S_ideal-1); "
+                 "FO bound = FlashOverlap's theoretical bound.")
+        command = f"torchrun --nproc-per-node {dist.get_world_size()} -m overlap_tp.bench ops " + " ".join(argv)
+        report.write(args.out, args.name, "GEMM+ReduceScatter / GEMM+AllReduce, t = %d" % dist.get_world_size(),
+                     rows, COLUMNS, notes, command=command)
+        print(report.markdown_table(rows, COLUMNS))
+        print(notes)
+    dist.destroy_process_group()
+    return 0

@@ -1,0 +1,78 @@
+"""OverlapConfig: everything an overlapped op has to choose, validated up front."""
+from dataclasses import dataclass
+from typing import Tuple, Union
+
+METHODS = ("signal", "decompose", "off", "auto")
+SCHEDULES = ("row_slice", "tile_exact")
+WAITS = ("auto", "stream_memop", "spin_kernel")
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    """How one overlapped op (gemm_rs, gemm_ar, ...) runs.
+
+    method:
+      signal     the persistent Triton GEMM signals per group of tiles; each group's collective starts
+                 on the comm stream as soon as its tiles are stored.
+      decompose  the GEMM split along M into `chunks` cuBLAS calls, each chunk's collective on the comm
+                 stream (what Megatron/TE call pipelining); a baseline and a fallback.
+      off        cuBLAS then the collective, on one stream (Megatron's default path).
+      auto       `signal` where the kernel supports the shape and device, else `off` with a warning
+                 naming the reason (the wave-group tuner refines this choice).
+    schedule:    tile order of the signaled GEMM. `row_slice` writes every group straight into the layout
+                 the collective needs, so the result lands in Megatron's standard layout; `tile_exact`
+                 follows the tile raster and leaves tiles in execution order, undone after the collective.
+    groups:      "auto" (a first rule: about 16 MB of output per group, 2 to 8 groups), an int (that many
+                 near-equal groups) or a tuple of per-group sizes in schedule units (row_slice: row-slices
+                 of block_m rows of every rank's region; tile_exact: tile positions of a rank's region).
+    comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a
+                 communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
+    chunks:      M-chunks of the `decompose` method.
+    wait:        how the comm stream waits for a group's tiles: `stream_memop` (cuStreamWaitValue32, no
+                 SM), `spin_kernel` (a one-thread Triton kernel), or `auto` (stream_memop when available).
+    block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
+    """
+
+    method: str = "auto"
+    schedule: str = "row_slice"
+    groups: Union[str, int, Tuple[int, ...]] = "auto"
+    comm_sms: int = 16
+    chunks: int = 4
+    wait: str = "auto"
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    num_stages: int = 3
+    num_warps: int = 8
+
+    def __post_init__(self):
+        def choice(name, value, allowed):
+            if value not in allowed:
+                raise ValueError(f"OverlapConfig.{name}={value!r}: expected one of {allowed}")
+
+        choice("method", self.method, METHODS)
+        choice("schedule", self.schedule, SCHEDULES)
+        choice("wait", self.wait, WAITS)
+        groups = self.groups
+        if isinstance(groups, list):
+            groups = tuple(groups)
+            object.__setattr__(self, "groups", groups)
+        if isinstance(groups, bool) or not (groups == "auto" or isinstance(groups, (int, tuple))):
+            raise ValueError(f"OverlapConfig.groups={groups!r}: expected 'auto', an int or a tuple of ints")
+        if isinstance(groups, int) and groups < 1:
+            raise ValueError(f"OverlapConfig.groups={groups}: need at least one group")
+        if isinstance(groups, tuple) and (not groups or any(
+                isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in groups)):
+            raise ValueError(f"OverlapConfig.groups={groups!r}: a tuple of positive ints is expected")
+        for name in ("comm_sms",):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"OverlapConfig.{name}={getattr(self, name)!r}: expected an int >= 0")
+        for name in ("chunks", "num_stages", "num_warps"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"OverlapConfig.{name}={getattr(self, name)!r}: expected an int >= 1")
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 16 or value & (value - 1):
+                raise ValueError(f"OverlapConfig.{name}={value!r}: expected a power of two >= 16")
+        if self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"OverlapConfig.num_warps={self.num_warps}: expected a power of two")

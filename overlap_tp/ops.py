@@ -1,0 +1,258 @@
+"""GEMM+ReduceScatter and GEMM+AllReduce: the public ops and their four methods.
+
+    gemm_rs(a[M, K_local], w[N, K_local]) -> [M/t, N] = reduce_scatter(a @ w.T) along dim 0
+    gemm_ar(a[M, K_local], w[N, K_local]) -> [M, N]   = all_reduce(a @ w.T)
+
+Methods (OverlapConfig.method): `signal` (persistent Triton GEMM + per-group collectives on the comm
+stream), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream), `off` (cuBLAS then
+the collective), `auto`. `off` is also the pure-torch reference: on CPU tensors under gloo it is what
+the tests compare everything with. On CPU tensors `signal` runs its Triton kernel in the interpreter
+and the same per-group collectives, so the whole signaled data path is tested without a GPU.
+
+bias: the row-parallel bias is added once, after the reduction (Megatron's semantics). The signaled
+kernel adds it in fp32 to the rows this rank will own (reduce-scatter) or on rank 0 (all-reduce),
+which equals adding it after the sum without another pass over the output.
+"""
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from overlap_tp import comm
+from overlap_tp.config import OverlapConfig
+from overlap_tp.kernels.signaled_gemm import check_operands, signaled_gemm, tma_unsupported_reason
+from overlap_tp.plan import TilePlan, make_plan, undo_tile_order
+
+_DEFAULT_CONFIG = OverlapConfig()
+_warned = set()
+
+
+def _warn_once(message: str):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+def _check_inputs(a, w, bias, t, op):
+    check_operands(a, w, bias)
+    if a.shape[0] % t:
+        raise ValueError(f"{op}: M={a.shape[0]} is not divisible by the group size t={t}")
+    if a.is_cuda and a.device.index != torch.cuda.current_device():
+        raise ValueError(f"{op}: a is on {a.device} but this rank's current CUDA device is "
+                         f"cuda:{torch.cuda.current_device()} (one GPU per rank, set with torch.cuda.set_device)")
+
+
+def _signal_unsupported_reason(a, w, config: OverlapConfig, m_local: int, n: int) -> Optional[str]:
+    """Why the signaled kernel cannot run here, or None."""
+    tma = tma_unsupported_reason(a, w)
+    if tma is not None:
+        return tma
+    if a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
+        return f"the signaled GEMM needs TMA (compute capability >= 9.0), {torch.cuda.get_device_name(a.device)} lacks it"
+    if config.schedule == "tile_exact" and (m_local % config.block_m or n % config.block_n):
+        return (f"schedule 'tile_exact' needs M/t={m_local} % block_m={config.block_m} == 0 and "
+                f"N={n} % block_n={config.block_n} == 0")
+    return None
+
+
+def _resolve_method(config, a, w, m_local, n, op):
+    if config.method != "auto" and config.method != "signal":
+        return config.method
+    reason = _signal_unsupported_reason(a, w, config, m_local, n)
+    if reason is None:
+        return "signal"
+    if config.method == "signal":
+        raise ValueError(f"{op}: method='signal' cannot run: {reason}")
+    _warn_once(f"overlap_tp {op}: falling back to method='off' (cuBLAS then the collective): {reason}")
+    return "off"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plans and their per-device state
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class PlanState:
+    """A plan's tables on the device, its group counters and how many calls have raised them."""
+    plan: TilePlan
+    tiles: torch.Tensor
+    counters: torch.Tensor
+    calls: int = 0
+    done: Optional[torch.cuda.Event] = field(default=None)
+
+    def next_targets(self):
+        self.calls += 1
+        return [(self.calls * g) & 0xFFFFFFFF for g in self.plan.group_tiles]
+
+
+_plan_states = {}
+
+
+def plan_state(schedule, m, n, world, config, elem_bytes, device) -> PlanState:
+    key = (schedule, m, n, world, config.block_m, config.block_n, config.groups, elem_bytes, str(device))
+    if key not in _plan_states:
+        plan = make_plan(schedule, m, n, world, config.block_m, config.block_n, config.groups, elem_bytes)
+        _plan_states[key] = PlanState(plan, plan.tiles.to(device),
+                                      torch.zeros(plan.num_groups, dtype=torch.int32, device=device))
+    return _plan_states[key]
+
+
+def gemm_programs(device: torch.device, config: OverlapConfig) -> int:
+    """Persistent-GEMM grid: every SM but those left to the collective (at least one program)."""
+    if device.type != "cuda":
+        return 4
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, sms - config.comm_sms)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The signaled path, shared by gemm_rs and gemm_ar
+# ---------------------------------------------------------------------------------------------------
+
+def _signaled(a, w, bias, bias_rows, state: PlanState, out, collective, config, describe):
+    """Run the signaled GEMM into a staging matrix (or `out` itself when the plan stores in place)
+    and, on the comm stream, each group's `collective(dst_rows, src_rows)` behind its counter."""
+    plan = state.plan
+    # All-reduce plans (world 1) store in place; reduce-scatter plans need the [t, rows, N] staging.
+    staging = out if plan.world == 1 else torch.empty(plan.staging_shape, dtype=a.dtype, device=a.device)
+    engine = comm.comm_engine(a.device, config.wait)
+    targets = state.next_targets()
+    programs = gemm_programs(a.device, config)
+    if engine.stream is None:   # CPU: the interpreter finishes the kernel before the collectives start
+        signaled_gemm(a, w, staging, state.tiles, state.counters, programs, config, bias, bias_rows)
+        for g, c in enumerate(plan.collectives):
+            engine.wait_counter(state.counters, g, targets[g])
+            collective(out[c.dst_lo:c.dst_hi], staging[c.src_lo:c.src_hi])
+        return staging
+    current = torch.cuda.current_stream(a.device)
+    if state.done is not None:      # counters are shared with the previous call of this plan
+        current.wait_event(state.done)
+    engine.stream.wait_stream(current)   # before the GEMM launch: inputs and buffers ready, no more
+    signaled_gemm(a, w, staging, state.tiles, state.counters, programs, config, bias, bias_rows)
+    with torch.cuda.stream(engine.stream):
+        for g, c in enumerate(plan.collectives):
+            engine.wait_counter(state.counters, g, targets[g])
+            collective(out[c.dst_lo:c.dst_hi], staging[c.src_lo:c.src_hi])
+        state.done = torch.cuda.Event()
+        state.done.record(engine.stream)
+    current.wait_stream(engine.stream)
+    engine.watch(state.done, describe, state.counters, targets)
+    return staging
+
+
+def _chunk_bounds(rows: int, chunks: int):
+    chunks = max(1, min(chunks, rows))
+    base, extra = divmod(rows, chunks)
+    bounds, lo = [], 0
+    for i in range(chunks):
+        hi = lo + base + (i < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def _decomposed(a, w, out, compute_chunk, collective, chunks, rows):
+    """Chunk i's cuBLAS GEMM on the current stream, its collective on the comm stream behind an event."""
+    engine = comm.comm_engine(a.device)
+    current = torch.cuda.current_stream(a.device) if a.is_cuda else None
+    staged_chunks = []   # alive until the current stream has waited for the comm stream
+    for lo, hi in _chunk_bounds(rows, chunks):
+        staged = compute_chunk(lo, hi)
+        if current is None:
+            collective(out[lo:hi], staged)
+            continue
+        staged_chunks.append(staged)
+        engine.stream.wait_stream(current)
+        with torch.cuda.stream(engine.stream):
+            collective(out[lo:hi], staged)
+    if current is not None:
+        current.wait_stream(engine.stream)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public ops
+# ---------------------------------------------------------------------------------------------------
+
+def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
+            config: Optional[OverlapConfig] = None) -> torch.Tensor:
+    """reduce_scatter(a @ w.T + bias) along dim 0: rank k gets rows [k*M/t, (k+1)*M/t), bias added once."""
+    config = config or _DEFAULT_CONFIG
+    group = comm.resolve_group(group)
+    t, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check_inputs(a, w, bias, t, "gemm_rs")
+    m, n = a.shape[0], w.shape[0]
+    m_local = m // t
+    method = _resolve_method(config, a, w, m_local, n, "gemm_rs")
+    pg = comm.capped_group(group, config.comm_sms) if method in ("signal", "decompose") else group
+
+    def collective(dst, src):
+        comm.reduce_scatter(dst, src, pg)
+
+    out = torch.empty(m_local, n, dtype=a.dtype, device=a.device)
+    if method == "off":
+        collective(out, a @ w.t())
+    elif method == "decompose":
+        a3, wt = a.view(t, m_local, -1), w.t()
+
+        def chunk(lo, hi):
+            return torch.matmul(a3[:, lo:hi], wt).view(t * (hi - lo), n)
+
+        _decomposed(a, w, out, chunk, collective, config.chunks, m_local)
+    else:
+        state = plan_state(config.schedule, m, n, t, config, a.element_size(), a.device)
+        describe = f"gemm_rs(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})"
+        if state.plan.slot_of is None:
+            _signaled(a, w, bias, (rank * m_local, (rank + 1) * m_local), state, out, collective, config,
+                      describe)
+            return out
+        tiled = torch.empty(state.plan.out_shape, dtype=a.dtype, device=a.device)
+        _signaled(a, w, bias, (rank * m_local, (rank + 1) * m_local), state, tiled, collective, config,
+                  describe)
+        return undo_tile_order(tiled, state.plan)
+    if bias is not None:
+        out += bias
+    return out
+
+
+def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
+            config: Optional[OverlapConfig] = None) -> torch.Tensor:
+    """all_reduce(a @ w.T) + bias, bias added once."""
+    config = config or _DEFAULT_CONFIG
+    group = comm.resolve_group(group)
+    t, rank = dist.get_world_size(group), dist.get_rank(group)
+    _check_inputs(a, w, bias, 1, "gemm_ar")
+    m, n = a.shape[0], w.shape[0]
+    method = _resolve_method(config, a, w, m, n, "gemm_ar")
+    pg = comm.capped_group(group, config.comm_sms) if method in ("signal", "decompose") else group
+
+    def collective(dst, src):
+        if dst.data_ptr() != src.data_ptr():
+            dst.copy_(src)
+        comm.all_reduce(dst, pg)
+
+    if method == "off":
+        out = a @ w.t()
+        collective(out, out)
+    elif method == "decompose":
+        out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+
+        def chunk(lo, hi):
+            return torch.mm(a[lo:hi], w.t(), out=out[lo:hi])
+
+        _decomposed(a, w, out, chunk, collective, config.chunks, m)
+    else:
+        state = plan_state(config.schedule, m, n, 1, config, a.element_size(), a.device)
+        describe = f"gemm_ar(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})"
+        bias_rows = (0, m) if rank == 0 else (0, 0)
+        if state.plan.slot_of is None:
+            out = torch.empty(m, n, dtype=a.dtype, device=a.device)
+            _signaled(a, w, bias, bias_rows, state, out, collective, config, describe)
+            return out
+        tiled = torch.empty(state.plan.out_shape, dtype=a.dtype, device=a.device)
+        _signaled(a, w, bias, bias_rows, state, tiled, collective, config, describe)
+        return undo_tile_order(tiled, state.plan)
+    if bias is not None:
+        out += bias
+    return out

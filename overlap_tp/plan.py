@@ -1,0 +1,176 @@
+"""Tile plans: the order in which the signaled GEMM computes tiles, where each tile is stored, which
+group it signals, and which collective moves each group.
+
+A plan is a host-side table, so the kernel stays generic (it reads, per execution index e, where to
+load and where to store) and every schedule can be checked against brute force on the CPU.
+
+Notation (DESIGN.md section 2): the GEMM computes C[M, N] = A[M, K] @ W[N, K].T; t ranks; rank k's
+sequence-parallel rows are the region [k*M/t, (k+1)*M/t). For GEMM+ReduceScatter every rank computes a
+partial C and rank k must receive the sum of all partials over its region. For GEMM+AllReduce the
+layout needs no regions: plans are built with t = 1 and the collective is an all-reduce.
+
+Row-slice schedule (lands in the standard layout, no reorder after the collective):
+    execution order: for each row-slice j (block_m rows of every region), for each region k, all
+    N-tiles. A group is a run of whole row-slices [j0, j1) covering local rows [lo, hi). The epilogue
+    stores tile (k, j, n) into the group's staging block laid out as [t, hi - lo, N]:
+        staging row = t*lo + k*(hi - lo) + (j*block_m - lo)
+    so reduce_scatter(staging[t*lo : t*hi]) delivers local rows [lo, hi) straight to every rank.
+
+Tile-exact schedule (FlashOverlap's general case):
+    execution order: the rank-local tile raster (grouped by 8 tile-rows for L2 reuse), each position
+    computed for every region in turn. A group is a run of positions [u0, u1); tile (u, k) is stored
+    as a contiguous block_m x block_n block in slot  t*u0 + k*(u1 - u0) + (u - u0),  so after the
+    reduce-scatter a rank holds its tiles in execution order (slot u); `slot_of[mi, ni]` undoes it.
+"""
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+# One row of the tile table: source rows [src_row, src_row_end) (the end stops a tile at its region's
+# boundary), source/destination column, destination row/column in the staging matrix, group.
+SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP = range(6)
+TILE_FIELDS = 6
+
+# Output bytes per group the first partition rule aims at: NCCL reaches ~130 GB/s bus bandwidth at
+# 16 MB on the H200 pair (shared/DEVICE.md) while smaller messages are latency-bound.
+TARGET_GROUP_BYTES = 16 << 20
+MAX_AUTO_GROUPS = 8
+RASTER_GROUP_M = 8
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One group's collective: staging rows [src_lo, src_hi) -> output rows [dst_lo, dst_hi)."""
+    src_lo: int
+    src_hi: int
+    dst_lo: int
+    dst_hi: int
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    schedule: str
+    m: int
+    n: int
+    world: int              # regions in the layout: t for reduce-scatter, 1 for all-reduce
+    block_m: int
+    block_n: int
+    tiles: torch.Tensor     # int32 [num_tiles, TILE_FIELDS] in execution order
+    group_tiles: Tuple[int, ...]
+    collectives: Tuple[Collective, ...]
+    staging_shape: Tuple[int, int]   # the matrix the epilogue stores into
+    out_shape: Tuple[int, int]       # the matrix the collective writes (per rank)
+    slot_of: Optional[torch.Tensor]  # tile_exact only: int32 [M_local/block_m, N/block_n]
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tiles.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_tiles)
+
+
+def split_units(total: int, groups, unit_bytes: int) -> List[int]:
+    """Sizes (in schedule units) of the groups, in execution order.
+
+    groups: "auto", an int (that many near-equal groups, the larger ones first, at most one group per
+    unit) or an explicit tuple that must cover the units exactly.
+    """
+    if groups == "auto":
+        count = round(total * unit_bytes / TARGET_GROUP_BYTES)
+        groups = max(1, min(total, MAX_AUTO_GROUPS, max(2, count)))
+    if isinstance(groups, int):
+        groups = min(groups, total)
+        base, extra = divmod(total, groups)
+        return [base + (i < extra) for i in range(groups)]
+    sizes = list(groups)
+    if sum(sizes) != total:
+        raise ValueError(f"group sizes {tuple(sizes)} sum to {sum(sizes)}, the schedule has {total} units")
+    return sizes
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_slice_plan(m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",
+                   elem_bytes: int = 2) -> TilePlan:
+    if m % world:
+        raise ValueError(f"M={m} is not divisible by the group size t={world}")
+    m_local = m // world
+    slices, n_tiles = _cdiv(m_local, block_m), _cdiv(n, block_n)
+    sizes = split_units(slices, groups, world * block_m * n * elem_bytes)
+    tiles, group_tiles, collectives = [], [], []
+    j0 = 0
+    for g, size in enumerate(sizes):
+        lo, hi = j0 * block_m, min((j0 + size) * block_m, m_local)
+        for j in range(j0, j0 + size):
+            for k in range(world):
+                src = k * m_local + j * block_m
+                dst = world * lo + k * (hi - lo) + (j * block_m - lo)
+                for nt in range(n_tiles):
+                    tiles.append((src, min(src + block_m, (k + 1) * m_local), nt * block_n, dst,
+                                  nt * block_n, g))
+        group_tiles.append(size * world * n_tiles)
+        collectives.append(Collective(world * lo, world * hi, lo, hi))
+        j0 += size
+    return TilePlan("row_slice", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
+                    tuple(group_tiles), tuple(collectives), (m, n), (m_local, n), None)
+
+
+def raster(m_tiles: int, n_tiles: int, group_m: int = RASTER_GROUP_M) -> List[Tuple[int, int]]:
+    """Tile positions in the grouped raster order of Triton's matmul tutorial (L2-friendly)."""
+    order = []
+    for first_m in range(0, m_tiles, group_m):
+        rows = min(group_m, m_tiles - first_m)
+        for i in range(rows * n_tiles):
+            order.append((first_m + i % rows, i // rows))
+    return order
+
+
+def tile_exact_plan(m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",
+                    elem_bytes: int = 2) -> TilePlan:
+    if m % world:
+        raise ValueError(f"M={m} is not divisible by the group size t={world}")
+    m_local = m // world
+    if m_local % block_m or n % block_n:
+        raise ValueError(f"the tile_exact schedule needs M/t={m_local} divisible by block_m={block_m} and "
+                         f"N={n} divisible by block_n={block_n}; use schedule='row_slice'")
+    m_tiles, n_tiles = m_local // block_m, n // block_n
+    positions = raster(m_tiles, n_tiles)
+    sizes = split_units(len(positions), groups, world * block_m * block_n * elem_bytes)
+    slot_of = torch.empty(m_tiles, n_tiles, dtype=torch.int32)
+    tiles, group_tiles, collectives = [], [], []
+    u0 = 0
+    for g, size in enumerate(sizes):
+        for u in range(u0, u0 + size):
+            mi, ni = positions[u]
+            slot_of[mi, ni] = u
+            for k in range(world):
+                slot = world * u0 + k * size + (u - u0)
+                src = k * m_local + mi * block_m
+                tiles.append((src, src + block_m, ni * block_n, slot * block_m, 0, g))
+        group_tiles.append(size * world)
+        collectives.append(Collective(world * u0 * block_m, world * (u0 + size) * block_m,
+                                      u0 * block_m, (u0 + size) * block_m))
+        u0 += size
+    total = len(positions)
+    return TilePlan("tile_exact", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
+                    tuple(group_tiles), tuple(collectives), (world * total * block_m, block_n),
+                    (total * block_m, block_n), slot_of)
+
+
+def make_plan(schedule: str, m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",
+              elem_bytes: int = 2) -> TilePlan:
+    build = {"row_slice": row_slice_plan, "tile_exact": tile_exact_plan}[schedule]
+    return build(m, n, world, block_m, block_n, groups, elem_bytes)
+
+
+def undo_tile_order(buf: torch.Tensor, plan: TilePlan) -> torch.Tensor:
+    """Reference: the tile_exact output (slots in execution order) -> the standard [M/t, N] matrix."""
+    bm, bn = plan.block_m, plan.block_n
+    m_tiles, n_tiles = plan.slot_of.shape
+    blocks = buf.reshape(-1, bm, bn)[plan.slot_of.to(buf.device).long()]   # [m_tiles, n_tiles, bm, bn]
+    return blocks.permute(0, 2, 1, 3).reshape(m_tiles * bm, n_tiles * bn)

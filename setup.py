@@ -1,0 +1,35 @@
+"""overlap_tp: signaled GEMM + collective overlap for Megatron tensor/sequence/expert parallelism.
+
+`kernels/`, `megatron_patches/` and `launch/` are installed as subpackages of `overlap_tp` so the
+repository keeps the folders people look for while Python sees one namespace (a top-level
+`kernels` would collide with an existing PyPI package).
+"""
+from setuptools import setup
+
+setup(
+    name="overlap_tp",
+    version="0.1.0",
+    description="Overlapped TP/SP/EP communication for Megatron through signaled Triton GEMMs",
+    python_requires=">=3.10",
+    packages=[
+        "overlap_tp",
+        "overlap_tp.bench",
+        "overlap_tp.kernels",
+        "overlap_tp.megatron_patches",
+        "overlap_tp.launch",
+    ],
+    package_dir={
+        "overlap_tp": "overlap_tp",
+        "overlap_tp.kernels": "kernels",
+        "overlap_tp.megatron_patches": "megatron_patches",
+        "overlap_tp.launch": "launch",
+    },
+    install_requires=["torch>=2.6", "triton>=3.4", "numpy"],
+    extras_require={
+        # The Triton CPU interpreter (used by the CPU tests) breaks on numpy >= 2.3, which refuses
+        # to turn its one-element scalar arrays into Python ints.
+        "dev": ["pytest>=7", "numpy<2.3"],
+        "megatron": ["megatron-core>=0.16"],
+        "wandb": ["wandb"],
+    },
+)

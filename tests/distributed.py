@@ -1,0 +1,28 @@
+"""Run a function on N processes joined in one group: gloo on the CPU (the stand-in for a TP group in
+CI), or NCCL with one GPU per process."""
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, init_file, backend, fn, args):
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(world_size, fn, *args, backend="gloo"):
+    """fn(rank, world_size, *args) on every rank; an exception on any rank fails the caller."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(world_size, os.path.join(tmp, "init"), backend, fn, args), nprocs=world_size,
+                 join=True)

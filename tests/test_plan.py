@@ -1,0 +1,106 @@
+"""Tile plans against a brute-force simulation of the GEMM epilogue and the per-group collective."""
+import random
+
+import pytest
+import torch
+
+from overlap_tp.plan import (COL, DST_COL, DST_ROW, GROUP, SRC_ROW, SRC_ROW_END, make_plan, raster,
+                             split_units, undo_tile_order)
+
+
+def simulate(plan):
+    """Store every tile of the source matrix S[r, c] = r * N + c where the plan says, check that no
+    staging element is written twice and that each tile lands inside its own group's collective, then
+    run each group's reduce-scatter (rank k takes block k of the group's staging rows)."""
+    m, n, t = plan.m, plan.n, plan.world
+    source = torch.arange(m * n, dtype=torch.int64).view(m, n)
+    staging = torch.full(plan.staging_shape, -1, dtype=torch.int64)
+    writes = torch.zeros(plan.staging_shape, dtype=torch.int64)
+    groups = plan.tiles[:, GROUP].tolist()
+    assert groups == sorted(groups), "groups must be contiguous in execution order"
+    for g in range(plan.num_groups):
+        assert groups.count(g) == plan.group_tiles[g]
+    for tile in plan.tiles.tolist():
+        rows = tile[SRC_ROW_END] - tile[SRC_ROW]
+        cols = min(plan.block_n, n - tile[COL])
+        assert 0 < rows <= plan.block_m and cols > 0
+        assert tile[SRC_ROW] // (m // t) == (tile[SRC_ROW_END] - 1) // (m // t), "tile crosses a region"
+        dst = (slice(tile[DST_ROW], tile[DST_ROW] + rows), slice(tile[DST_COL], tile[DST_COL] + cols))
+        staging[dst] = source[tile[SRC_ROW]:tile[SRC_ROW_END], tile[COL]:tile[COL] + cols]
+        writes[dst] += 1
+        c = plan.collectives[tile[GROUP]]
+        assert c.src_lo <= tile[DST_ROW] and tile[DST_ROW] + rows <= c.src_hi, "tile outside its group's collective"
+    assert int(writes.max()) == 1
+    outputs = []
+    for k in range(t):
+        out = torch.full(plan.out_shape, -1, dtype=torch.int64)
+        for c in plan.collectives:
+            block = staging[c.src_lo:c.src_hi]
+            out[c.dst_lo:c.dst_hi] = block.view(t, -1, block.shape[1])[k]
+        outputs.append(out if plan.slot_of is None else undo_tile_order(out, plan))
+    return source, outputs
+
+
+CASES = [  # (m, n, t, block_m, block_n, groups)
+    (64, 64, 1, 16, 32, "auto"), (96, 80, 2, 16, 32, 3), (200, 48, 2, 16, 16, (2, 3, 2)),
+    (128, 64, 4, 16, 32, 2), (8 * 40, 100, 8, 16, 32, "auto"), (4 * 33, 17, 4, 16, 16, 1),
+    (2 * 7, 30, 2, 16, 16, "auto"), (512, 256, 2, 32, 64, 5),
+]
+
+
+@pytest.mark.parametrize("m,n,t,bm,bn,groups", CASES)
+def test_row_slice_lands_in_standard_layout(m, n, t, bm, bn, groups):
+    plan = make_plan("row_slice", m, n, t, bm, bn, groups)
+    source, outputs = simulate(plan)
+    for k, out in enumerate(outputs):
+        assert torch.equal(out, source[k * m // t:(k + 1) * m // t]), f"rank {k}"
+
+
+@pytest.mark.parametrize("m,n,t,bm,bn,groups", [c for c in CASES if (c[0] // c[2]) % c[3] == 0 and c[1] % c[4] == 0])
+def test_tile_exact_round_trips(m, n, t, bm, bn, groups):
+    plan = make_plan("tile_exact", m, n, t, bm, bn, groups)
+    source, outputs = simulate(plan)
+    for k, out in enumerate(outputs):
+        assert torch.equal(out, source[k * m // t:(k + 1) * m // t]), f"rank {k}"
+    assert sorted(plan.slot_of.flatten().tolist()) == list(range(plan.slot_of.numel()))
+
+
+def test_random_shapes():
+    rng = random.Random(0)
+    for _ in range(40):
+        t = rng.choice([1, 2, 4, 8])
+        bm, bn = rng.choice([16, 32]), rng.choice([16, 32, 64])
+        m_local = rng.choice([bm * rng.randint(1, 9), rng.randint(1, 150)])
+        n = rng.choice([bn * rng.randint(1, 5), rng.randint(1, 130)])
+        schedule = "tile_exact" if m_local % bm == 0 and n % bn == 0 and rng.random() < 0.5 else "row_slice"
+        units = -(-m_local // bm) if schedule == "row_slice" else (m_local // bm) * (n // bn)
+        groups = rng.choice(["auto", rng.randint(1, units)])
+        plan = make_plan(schedule, m_local * t, n, t, bm, bn, groups)
+        source, outputs = simulate(plan)
+        for k, out in enumerate(outputs):
+            assert torch.equal(out, source[k * m_local:(k + 1) * m_local]), (schedule, m_local, n, t, bm, bn, groups)
+
+
+def test_raster_visits_every_tile_once():
+    for m_tiles, n_tiles in [(1, 1), (3, 5), (8, 4), (17, 3), (16, 16)]:
+        order = raster(m_tiles, n_tiles)
+        assert sorted(order) == [(i, j) for i in range(m_tiles) for j in range(n_tiles)]
+
+
+def test_split_units():
+    assert split_units(10, 3, 1) == [4, 3, 3]
+    assert split_units(10, (1, 9), 1) == [1, 9]
+    assert split_units(64, "auto", 1 << 20) == [16] * 4         # 64 MB in 16 MB groups
+    assert split_units(256, "auto", 1 << 20) == [32] * 8        # 256 MB: capped at 8 groups
+    assert split_units(64, "auto", 1 << 10) == [32, 32]         # tiny output still gets 2 groups
+    assert split_units(1, "auto", 1 << 30) == [1]
+    with pytest.raises(ValueError, match="sum to"):
+        split_units(10, (3, 3), 1)
+    assert split_units(3, 5, 1) == [1, 1, 1]                    # at most one group per unit
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match="not divisible by the group size"):
+        make_plan("row_slice", 10, 16, 4, 16, 16)
+    with pytest.raises(ValueError, match="tile_exact schedule needs"):
+        make_plan("tile_exact", 2 * 24, 32, 2, 16, 16)
