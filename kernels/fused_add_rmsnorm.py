@@ -13,13 +13,13 @@ backward see exactly the stored residual (as Megatron's unfused bias-dropout-add
 Tile-exact layout (`TileOrder`): the collective's output is `T = (M/BM) * (N/BN)` row-major BM x BN
 tiles; tile slot `slot_of[r // BM, c // BN]` holds the block of element (r, c), which therefore sits
 at `slot * BM * BN + (r % BM) * BN + c % BN`. The kernels read `x` (forward) and `dy` (backward) by
-that formula; every other tensor is in the standard [M, N] layout. Each program sees its row as an
-[N_TILES, TILE_N] block (TILE_N = BN with a tile order), so the slot is one gather per tile and the
-addresses stay contiguous, vectorizable runs of TILE_N elements.
+that formula (backward writes dx in x's layout); every other tensor is in the standard [M, N] layout.
+Each program sees its row as an [N_TILES, TILE_N] block with TILE_N dividing BN, so the slot is one
+gather per run of TILE_N columns and the addresses stay contiguous, 16-byte-vectorizable runs.
 
-Dropout keeps element (r, c) iff u >= p, u uniform from Philox(seed; counter = (r, c // 4)), the
-fourth of the four words that counter gives being element c % 4: one Philox call per four elements,
-the mask a function of (seed, r, c) only (not of the launch), regenerated in backward, never stored.
+Dropout keeps element (r, c) iff u >= p, u uniform from word c % 4 of Philox(seed; counter (r, c // 4)):
+one Philox call per four elements, the mask a function of (seed, r, c) only (not of the layout or the
+launch), regenerated in backward, never stored.
 The seed is drawn from torch's generator of the tensor's device, on the device (no host sync), so runs
 repeat under `torch.manual_seed`, activation recomputation and Megatron's RNG tracker.
 
@@ -33,7 +33,7 @@ Backward (the row's upstream gradients: dy for y, d_res for s; x_hat = s * rstd)
 import functools
 import os
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import triton
@@ -101,9 +101,10 @@ def _offsets(order_ptr, row, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TI
     tile = tl.arange(0, N_TILES)[:, None]
     lane = tl.arange(0, TILE_N)[None, :]
     if ORDERED:
-        col0 = tile * TILE_N
-        slot = tl.load(order_ptr + (row // BLOCK_M) * (N // BLOCK_N) + col0 // BLOCK_N, mask=col0 < N, other=0)
-        return slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + (row % BLOCK_M) * BLOCK_N + col0 % BLOCK_N + lane
+        # (tile % RUNS) * TILE_N rather than col % BLOCK_N: the compiler then sees 16-byte alignment.
+        RUNS: tl.constexpr = BLOCK_N // TILE_N  # runs of TILE_N columns per tile row
+        slot = tl.load(order_ptr + (row // BLOCK_M) * (N // BLOCK_N) + tile // RUNS, mask=tile * TILE_N < N, other=0)
+        return slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + (row % BLOCK_M) * BLOCK_N + (tile % RUNS) * TILE_N + lane
     return row * N + tile * TILE_N + lane
 
 
@@ -113,7 +114,7 @@ def _dropout_keep(seed, row, p, TILE_N: tl.constexpr, N_TILES: tl.constexpr):
     quad = tl.arange(0, N_TILES)[:, None] * (TILE_N // 4) + tl.arange(0, TILE_N // 4)[None, :]
     r0, r1, r2, r3 = tl.randint4x(seed, (row << 32) + quad)
     bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (N_TILES, TILE_N))
-    return tl.random.uint_to_uniform_float(bits) >= p
+    return tl.uint_to_uniform_float(bits) >= p
 
 
 @triton.jit
@@ -238,7 +239,7 @@ def dropout_seed(device):
 def dropout_keep_mask(seed, num_rows, hidden, p):
     """The bool [num_rows, hidden] keep mask the kernels derive from `seed` for dropout probability p."""
     keep = torch.empty(num_rows, hidden, dtype=torch.int8, device=seed.device)
-    tile_n, n_tiles, num_warps = _block(hidden, None)
+    tile_n, n_tiles, num_warps = _block(hidden)
     if num_rows:
         _dropout_mask_kernel[(num_rows,)](seed, keep, hidden, p, TILE_N=tile_n, N_TILES=n_tiles,
                                           num_warps=num_warps)
@@ -247,7 +248,7 @@ def dropout_keep_mask(seed, num_rows, hidden, p):
 
 class ForwardOutputs(NamedTuple):
     y: torch.Tensor             # normalized output, x's dtype, residual's shape
-    residual_out: torch.Tensor  # residual + dropout(x + bias), standard layout (absent without residual)
+    residual_out: torch.Tensor  # residual + dropout(x + bias), standard layout (None without a residual)
     rstd: torch.Tensor          # fp32 [M]
 
 
@@ -283,15 +284,16 @@ def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=F
 
 
 def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centered_gamma=False, dropout_p=0.0,
-                    seed=None, dy_order=None, dx_order=None, bias_grad=False):
+                    seed=None, dy_order=None, dx_order=None, bias_grad=False, programs_per_sm=2):
     """One pass over the rows; returns the fp32 column sums (dweight, dbias or None). No checks.
 
     Reads dy (in dy_order), d_residual_out (or None: zero), the saved s and rstd. Writes ds (the grad of
     s: the residual's, or x's for the plain norm, standard layout) and dx (x's grad, in dx_order) unless
-    `dx` is None, which means dx is ds (no dropout, standard layout, same dtype)."""
+    `dx` is None, which means dx is ds (no dropout, standard layout, same dtype). More programs per SM
+    hide more latency but add partial rows (programs x N fp32) to write and sum."""
     m, n = rstd.shape[0], weight.shape[0]
     tile_n, n_tiles, num_warps = _block(n, dy_order, dx_order)
-    programs = max(1, min(m, _num_sms(s.device.index or 0) if s.is_cuda else _CPU_PROGRAMS))
+    programs = max(1, min(m, programs_per_sm * _num_sms(s.device.index or 0) if s.is_cuda else _CPU_PROGRAMS))
     rows_per_program = triton.cdiv(m, programs)
     programs = triton.cdiv(m, rows_per_program) if m else 1
     dweight = torch.empty(programs, n, dtype=torch.float32, device=s.device)

@@ -6,10 +6,13 @@ storing a tile, raises its group's counter with a release atomic so the comm str
 kernel) can start on a group as soon as its last tile is visible.
 
 Ordering argument for the signal: every thread stores its part of the tile with ordinary st.global;
-`tl.debug_barrier()` (bar.sync) orders those stores before the atomic in CTA scope; the atomic is a
+a CTA barrier (bar.sync) orders those stores before the atomic in CTA scope; the atomic is a
 gpu-scope release, which is cumulative, so whoever observes the counter (acquire, or a stream
 wait-value that precedes a kernel launch) observes the whole tile. FlashOverlap's epilogue lacks the
-barrier: a fast warp could signal before a slow warp's stores land.
+barrier: a fast warp could signal before a slow warp's stores land. The barrier is inline PTX rather
+than `tl.debug_barrier()`, because Triton 3.6 refuses to software-pipeline a flattened persistent loop
+that contains the latter (the TTGIR then holds one shared-memory stage instead of `num_stages`, and
+the kernel ran at ~30% of cuBLAS on an H200).
 
 Counters are never reset: each call adds group_tiles[g] to counter g, and waiters compare cyclically
 against (calls * group_tiles[g]) mod 2**32, so no memset sits on the critical path.
@@ -23,9 +26,17 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from overlap_tp.plan import TILE_FIELDS
 
-# The CPU interpreter's tl.dot mishandles bf16/fp16 operands; upcasting there is exact (a product of
-# two bf16 values is exact in fp32) and leaves the compiled GPU kernel untouched.
+# Under the CPU interpreter the kernel upcasts its dot operands (the interpreter's tl.dot mishandles
+# bf16/fp16; the upcast is exact, a product of two bf16 values is exact in fp32) and uses
+# tl.debug_barrier (it has no inline PTX). The compiled GPU kernel is untouched by either.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def cta_barrier_then(value):
+    """bar.sync across the CTA, then `value`: whatever uses the result cannot move above the barrier."""
+    return tl.inline_asm_elementwise("bar.sync 0;\n\tmov.u32 $0, $1;", "=r,r", [value], dtype=tl.int32,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -36,7 +47,7 @@ def signaled_gemm_kernel(
     tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, 6] in execution order
     counters_ptr,                   # int32 per group, raised once per stored tile
     N, K,
-    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     k_steps = tl.cdiv(K, BLOCK_K)
@@ -53,11 +64,13 @@ def signaled_gemm_kernel(
         for ks in range(k_steps):
             a = a_desc.load([src_row, ks * BLOCK_K])
             w = w_desc.load([col, ks * BLOCK_K])
-            if UPCAST:
+            if INTERPRETED:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
             acc = tl.dot(a, w.T, acc)
 
+        col = tl.multiple_of(col, BLOCK_N)           # plans start tiles on block_n columns: lets the
+        dst_col = tl.multiple_of(dst_col, BLOCK_N)   # compiler emit 16-byte stores
         rows = src_row + tl.arange(0, BLOCK_M)
         cols = col + tl.arange(0, BLOCK_N)
         if HAS_BIAS:
@@ -69,7 +82,10 @@ def signaled_gemm_kernel(
         out_cols = dst_col + tl.arange(0, BLOCK_N)
         tl.store(dst_ptr + out_rows[:, None] * ld_dst + out_cols[None, :],
                  acc.to(dst_ptr.dtype.element_ty), mask=mask)
-        tl.debug_barrier()
+        if INTERPRETED:
+            tl.debug_barrier()
+        else:
+            group = cta_barrier_then(group)
         tl.atomic_add(counters_ptr + group, 1, sem="release", scope="gpu")
 
 
@@ -112,7 +128,7 @@ def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, b
         bias if bias is not None else dst, bias_rows[0], bias_rows[1],
         tiles, num_tiles, counters,
         w.shape[0], a.shape[1],
-        HAS_BIAS=bias is not None, UPCAST=INTERPRET,
+        HAS_BIAS=bias is not None, INTERPRETED=INTERPRET,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGRAMS=grid[0],
         num_stages=config.num_stages, num_warps=config.num_warps,
     )

@@ -76,8 +76,8 @@ def ours_variants(sweep):
     variants = {"ours": default}
     if sweep:
         for schedule in ("row_slice", "tile_exact"):
-            for groups in ("auto", 2, 4, 8):
-                for comm_sms in (8, 16, 24):
+            for groups in (2, 4, 8):
+                for comm_sms in (8, 16):
                     variants[f"{schedule}/g{groups}/sm{comm_sms}"] = OverlapConfig(
                         method="signal", schedule=schedule, groups=groups, comm_sms=comm_sms)
     return variants
