@@ -2,9 +2,8 @@
 
 The comm stream is a high-priority CUDA stream per device. For every group of tiles it (1) waits on
 the group's counter without spending an SM (cuStreamWaitValue32: the stream's front end polls the
-word) or, where stream memory operations are unavailable, behind a one-thread Triton spin kernel,
-then (2) issues the group's collective through torch.distributed on a communicator whose CTAs are
-capped at the SMs the GEMM left free.
+word), then (2) issues the group's collective on an NCCL communicator whose CTAs are capped at the
+SMs the GEMM left free.
 
 Why this cannot deadlock: the GEMM never waits on communication (GEMM+RS / GEMM+AR), so its CTAs
 always finish; the collective kernels queue behind waits that the GEMM is guaranteed to satisfy, and
@@ -15,7 +14,6 @@ import os
 import sys
 import threading
 import time
-import warnings
 from collections import deque
 
 import torch
@@ -41,72 +39,61 @@ def resolve_group(group=None):
     return tp_group if tp_group is not None else dist.group.WORLD
 
 
-_capped_groups = {}
+class TorchCollectives:
+    """Collectives through torch.distributed: Megatron's own path (method 'off') and the CPU/gloo path.
+    Gloo has no reduce-scatter and sums bf16 poorly, so there it all-reduces in fp32 and rounds once
+    (what NCCL's bf16 sum gives at t = 2)."""
 
+    def __init__(self, group):
+        self.group = group
+        self.gloo = dist.get_backend(group) == "gloo"
 
-def capped_group(group, max_ctas: int):
-    """An NCCL communicator over the same ranks as `group`, limited to `max_ctas` CTAs, on a
-    high-priority stream. Created once per (group, cap) by the group's ranks only."""
-    if max_ctas == 0 or dist.get_backend(group) != "nccl":
-        return group
-    key = (id(group), max_ctas)
-    if key not in _capped_groups:
-        options = dist.ProcessGroupNCCL.Options()
-        options.config.max_ctas = max_ctas
-        options.is_high_priority_stream = True
-        _capped_groups[key] = dist.new_group(dist.get_process_group_ranks(group), pg_options=options,
-                                             use_local_synchronization=True)
-    return _capped_groups[key]
-
-
-def reduce_scatter(out, inp, group):
-    """out = rank's block of sum over ranks of inp (dim 0). Gloo has no reduce-scatter: all-reduce."""
-    if dist.get_backend(group) == "gloo":
+    def reduce_scatter(self, out, inp):
+        if not self.gloo:
+            dist.reduce_scatter_tensor(out, inp, group=self.group)
+            return
         total = inp.float()
-        dist.all_reduce(total, group=group)
-        rank = dist.get_rank(group)
-        out.copy_(total.view(dist.get_world_size(group), *out.shape)[rank])
-    else:
-        dist.reduce_scatter_tensor(out, inp, group=group)
+        dist.all_reduce(total, group=self.group)
+        out.copy_(total.view(dist.get_world_size(self.group), *out.shape)[dist.get_rank(self.group)])
 
-
-def all_reduce(x, group):
-    """In-place sum over ranks (gloo sums in fp32, then rounds once, like NCCL's bf16 sum at t = 2)."""
-    if dist.get_backend(group) == "gloo" and x.dtype in (torch.bfloat16, torch.float16):
+    def all_reduce(self, x):
+        if not self.gloo or x.dtype == torch.float32:
+            dist.all_reduce(x, group=self.group)
+            return
         total = x.float()
-        dist.all_reduce(total, group=group)
+        dist.all_reduce(total, group=self.group)
         x.copy_(total)
-    else:
-        dist.all_reduce(x, group=group)
+
+
+_communicators = {}
+
+
+def collectives(group, device: torch.device, max_ctas: int):
+    """What the overlapped methods issue their collectives through: a raw NCCL communicator over the
+    group's ranks capped at `max_ctas` CTAs (overlap_tp/nccl.py says why), or torch.distributed on
+    CPU tensors. Created once per (group, device, cap), collectively by the group's ranks."""
+    if device.type != "cuda" or dist.get_backend(group) != "nccl":
+        return TorchCollectives(group)
+    key = (tuple(dist.get_process_group_ranks(group)), device.index, max_ctas)
+    if key not in _communicators:
+        from overlap_tp.nccl import Communicator
+        _communicators[key] = Communicator(group, device, max_ctas)
+    return _communicators[key]
 
 
 # ---------------------------------------------------------------------------------------------------
 # Waiting on counters
 # ---------------------------------------------------------------------------------------------------
 
-def _stream_memop_wait():
-    """cuStreamWaitValue32 through cuda-bindings, or None where it is missing."""
-    try:
-        from cuda.bindings import driver
-    except ImportError:
-        return None
-    geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-
-    def wait(stream, counters, index, target):
-        # GEQ compares cyclically, (int32)(*addr - value) >= 0, so the epoch targets may wrap.
-        address = counters.data_ptr() + 4 * index
-        (err,) = driver.cuStreamWaitValue32(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(address),
-                                            target & 0xFFFFFFFF, geq)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"overlap_tp: cuStreamWaitValue32 failed: {err}")
-
-    return wait
-
-
-def _spin_kernel_wait(stream, counters, index, target):
-    from overlap_tp.kernels.spin_wait import spin_wait
-    with torch.cuda.stream(stream):
-        spin_wait(counters, index, target)
+def _stream_memop_wait(stream, counters, index, target):
+    """cuStreamWaitValue32: the stream's front end polls the word, no SM is spent. GEQ compares
+    cyclically, (int32)(*addr - value) >= 0, so the per-call epoch targets may wrap."""
+    from cuda.bindings import driver
+    (err,) = driver.cuStreamWaitValue32(driver.CUstream(stream.cuda_stream),
+                                        driver.CUdeviceptr(counters.data_ptr() + 4 * index), target & 0xFFFFFFFF,
+                                        driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"overlap_tp: cuStreamWaitValue32 failed: {err}")
 
 
 def _host_wait(stream, counters, index, target):
@@ -119,20 +106,18 @@ def _host_wait(stream, counters, index, target):
 class CommEngine:
     """One per device: the comm stream, the counter wait and the watchdog."""
 
-    def __init__(self, device: torch.device, wait: str):
+    def __init__(self, device: torch.device):
         self.device = device
         if device.type != "cuda":
-            self.stream, self.wait_kind, self._wait = None, "host", _host_wait
+            self.stream, self._wait = None, _host_wait
             return
+        try:
+            import cuda.bindings.driver  # noqa: F401
+        except ImportError as e:
+            raise RuntimeError("overlap_tp: the comm stream waits with CUDA stream memory operations, which need "
+                               "the cuda-bindings package (pip install cuda-bindings)") from e
         self.stream = torch.cuda.Stream(device=device, priority=torch.cuda.Stream.priority_range()[1])
-        memop = _stream_memop_wait() if wait in ("auto", "stream_memop") else None
-        if memop is None and wait == "stream_memop":
-            raise RuntimeError("overlap_tp: wait='stream_memop' needs cuda-bindings (pip install cuda-bindings)")
-        if memop is None and wait == "auto":
-            warnings.warn("overlap_tp: cuda-bindings missing, the comm stream waits behind a one-thread spin "
-                          "kernel (wait='spin_kernel'); install cuda-bindings to wait without an SM")
-        self.wait_kind = "stream_memop" if memop else "spin_kernel"
-        self._wait = memop or _spin_kernel_wait
+        self._wait = _stream_memop_wait
 
     def wait_counter(self, counters: torch.Tensor, index: int, target: int):
         """Make the comm stream wait until counters[index] reaches target (cyclically)."""
@@ -146,10 +131,10 @@ class CommEngine:
 _engines = {}
 
 
-def comm_engine(device: torch.device, wait: str = "auto") -> CommEngine:
-    key = (device.type, device.index, wait)
+def comm_engine(device: torch.device) -> CommEngine:
+    key = (device.type, device.index)
     if key not in _engines:
-        _engines[key] = CommEngine(device, wait)
+        _engines[key] = CommEngine(device)
     return _engines[key]
 
 

@@ -4,7 +4,6 @@ from typing import Tuple, Union
 
 METHODS = ("signal", "decompose", "off", "auto")
 SCHEDULES = ("row_slice", "tile_exact")
-WAITS = ("auto", "stream_memop", "spin_kernel")
 
 
 @dataclass(frozen=True)
@@ -28,8 +27,6 @@ class OverlapConfig:
     comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a
                  communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
     chunks:      M-chunks of the `decompose` method.
-    wait:        how the comm stream waits for a group's tiles: `stream_memop` (cuStreamWaitValue32, no
-                 SM), `spin_kernel` (a one-thread Triton kernel), or `auto` (stream_memop when available).
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
     """
 
@@ -38,7 +35,6 @@ class OverlapConfig:
     groups: Union[str, int, Tuple[int, ...]] = "auto"
     comm_sms: int = 16
     chunks: int = 4
-    wait: str = "auto"
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
@@ -52,7 +48,6 @@ class OverlapConfig:
 
         choice("method", self.method, METHODS)
         choice("schedule", self.schedule, SCHEDULES)
-        choice("wait", self.wait, WAITS)
         groups = self.groups
         if isinstance(groups, list):
             groups = tuple(groups)

@@ -4,8 +4,9 @@
     gemm_ar(a[M, K_local], w[N, K_local]) -> [M, N]   = all_reduce(a @ w.T)
 
 Methods (OverlapConfig.method): `signal` (persistent Triton GEMM + per-group collectives on the comm
-stream), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream), `off` (cuBLAS then
-the collective), `auto`. `off` is also the pure-torch reference: on CPU tensors under gloo it is what
+stream), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream), both through a raw
+NCCL communicator (overlap_tp/nccl.py); `off` (cuBLAS then torch.distributed's collective: Megatron's
+path); `auto`. `off` is also the pure-torch reference: on CPU tensors under gloo it is what
 the tests compare everything with. On CPU tensors `signal` runs its Triton kernel in the interpreter
 and the same per-group collectives, so the whole signaled data path is tested without a GPU.
 
@@ -117,7 +118,7 @@ def _signaled(a, w, bias, bias_rows, state: PlanState, out, collective, config, 
     plan = state.plan
     # All-reduce plans (world 1) store in place; reduce-scatter plans need the [t, rows, N] staging.
     staging = out if plan.world == 1 else torch.empty(plan.staging_shape, dtype=a.dtype, device=a.device)
-    engine = comm.comm_engine(a.device, config.wait)
+    engine = comm.comm_engine(a.device)
     targets = state.next_targets()
     programs = gemm_programs(a.device, config)
     if engine.stream is None:   # CPU: the interpreter finishes the kernel before the collectives start
@@ -185,10 +186,10 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
     m, n = a.shape[0], w.shape[0]
     m_local = m // t
     method = _resolve_method(config, a, w, m_local, n, "gemm_rs")
-    pg = comm.capped_group(group, config.comm_sms) if method in ("signal", "decompose") else group
+    coll = comm.collectives(group, a.device, config.comm_sms) if method != "off" else comm.TorchCollectives(group)
 
     def collective(dst, src):
-        comm.reduce_scatter(dst, src, pg)
+        coll.reduce_scatter(dst, src)
 
     out = torch.empty(m_local, n, dtype=a.dtype, device=a.device)
     if method == "off":
@@ -225,12 +226,12 @@ def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
     _check_inputs(a, w, bias, 1, "gemm_ar")
     m, n = a.shape[0], w.shape[0]
     method = _resolve_method(config, a, w, m, n, "gemm_ar")
-    pg = comm.capped_group(group, config.comm_sms) if method in ("signal", "decompose") else group
+    coll = comm.collectives(group, a.device, config.comm_sms) if method != "off" else comm.TorchCollectives(group)
 
     def collective(dst, src):
         if dst.data_ptr() != src.data_ptr():
             dst.copy_(src)
-        comm.all_reduce(dst, pg)
+        coll.all_reduce(dst)
 
     if method == "off":
         out = a @ w.t()

@@ -15,7 +15,6 @@ def test_list_groups_become_a_tuple():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(method="fast"), "method"),
     (dict(schedule="rows"), "schedule"),
-    (dict(wait="poll"), "wait"),
     (dict(groups=0), "at least one group"),
     (dict(groups=(2, 0)), "positive ints"),
     (dict(groups=()), "positive ints"),

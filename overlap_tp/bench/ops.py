@@ -77,7 +77,7 @@ def ours_variants(sweep):
     if sweep:
         for schedule in ("row_slice", "tile_exact"):
             for groups in (2, 4, 8):
-                for comm_sms in (8, 16):
+                for comm_sms in (0, 8, 16):
                     variants[f"{schedule}/g{groups}/sm{comm_sms}"] = OverlapConfig(
                         method="signal", schedule=schedule, groups=groups, comm_sms=comm_sms)
     return variants

@@ -4,13 +4,13 @@ Checked per shape, with fresh random inputs and outputs allocated over NaN-poiso
 - relative error against an fp32 reference no worse than the sequential bf16 path's (cuBLAS + NCCL);
 - bitwise equal to the same signaled kernel followed by the same collectives run after a full
   device synchronization (overlap must not change a bit);
-- both schedules; 200 back-to-back calls without a hang; the watchdog turns a lost signal into an error.
+- both schedules; 200 back-to-back calls without a hang; the watchdog turns a lost signal into an error;
+- the raw NCCL communicator equals torch.distributed's collectives bit for bit.
 """
 import os
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -58,14 +58,14 @@ def sequential_signaled(a, w, group, config, op):
     signaled_gemm(a, w, staging, state.tiles, counters, gemm_programs(a.device, config), config)
     torch.cuda.synchronize()
     assert counters.tolist() == list(plan.group_tiles)
-    pg = comm.capped_group(group, config.comm_sms)
+    coll = comm.collectives(group, a.device, config.comm_sms)
     out = torch.empty(plan.out_shape, dtype=a.dtype, device=a.device)
     for c in plan.collectives:
         if op == "rs":
-            dist.reduce_scatter_tensor(out[c.dst_lo:c.dst_hi], staging[c.src_lo:c.src_hi], group=pg)
+            coll.reduce_scatter(out[c.dst_lo:c.dst_hi], staging[c.src_lo:c.src_hi])
         else:
             out[c.dst_lo:c.dst_hi] = staging[c.src_lo:c.src_hi]
-            dist.all_reduce(out[c.dst_lo:c.dst_hi], group=pg)
+            coll.all_reduce(out[c.dst_lo:c.dst_hi])
     torch.cuda.synchronize()
     return out if plan.slot_of is None else undo_tile_order(out, plan)
 
@@ -156,18 +156,22 @@ def test_watchdog_turns_a_lost_signal_into_an_error(tmp_path):
     assert "NOT REACHED" not in result.stdout
 
 
-def test_spin_kernel_wait_releases_after_signal():
-    """The spin-kernel fallback waits until the counter passes the target (cyclically), then lets
-    the stream go on."""
-    from overlap_tp.kernels.spin_wait import spin_wait
-    counters = torch.tensor([2**31 - 2], dtype=torch.int32, device="cuda")   # about to wrap
-    side = torch.cuda.Stream()
-    flag = torch.zeros(1, device="cuda")
-    with torch.cuda.stream(side):
-        spin_wait(counters, 0, 2**31 + 1)          # needs 3 increments, across the wrap
-        flag.fill_(1.0)
-    time.sleep(0.5)
-    assert not side.query(), "the spin kernel let its stream go before the counter reached the target"
-    counters.add_(3)
-    side.synchronize()
-    assert flag.item() == 1.0
+def _check_raw_nccl_matches_torch(rank, world):
+    group = dist.group.WORLD
+    torch.manual_seed(rank)
+    coll = comm.collectives(group, torch.device("cuda", rank), 16)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = torch.randn(4096, 1000, device="cuda", dtype=dtype)
+        ours, theirs = torch.empty(2048, 1000, device="cuda", dtype=dtype), torch.empty(2048, 1000, device="cuda", dtype=dtype)
+        coll.reduce_scatter(ours, x)
+        dist.reduce_scatter_tensor(theirs, x, group=group)
+        assert torch.equal(ours, theirs), dtype
+        y, z = x.clone(), x.clone()
+        coll.all_reduce(y)
+        dist.all_reduce(z, group=group)
+        assert torch.equal(y, z), dtype
+
+
+def test_raw_nccl_matches_torch_distributed():
+    needs_two_gpus()
+    run_distributed(2, _check_raw_nccl_matches_torch, backend="nccl")

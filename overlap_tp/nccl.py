@@ -1,0 +1,97 @@
+"""A raw NCCL communicator, called through ctypes, for the overlapped ops' per-group collectives.
+
+Why not torch.distributed for these: on the H200 pair one `dist.reduce_scatter_tensor` call cost
+~90-100 us of host time (torch 2.11: work objects, events, `record_param_comms`), while a 16 MB
+reduce-scatter takes ~80 us on the GPU. A signaled GEMM issues one collective per group behind the
+GEMM launch, so the host, not the GPU, set the pace (docs/perf/gemm_rs_ar.md). ncclReduceScatter
+itself costs a few microseconds to enqueue. The collectives are still NCCL's (communication
+agnosticism); only the Python/C++ wrapper is skipped.
+
+The communicator is created over the ranks of a torch process group (the unique id travels through
+that group) with `maxCTAs` set, which is how the collective is confined to the SMs the GEMM leaves.
+It uses the libnccl that torch already loaded, so it is the same NCCL version as torch's own.
+"""
+import ctypes
+import os
+
+import torch
+import torch.distributed as dist
+
+NCCL_SUM = 0
+NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
+CONFIG_UNDEF_INT = -(2 ** 31)
+CONFIG_MAGIC = 0xCAFEBEEF
+CONFIG_LAYOUT_VERSION = 22800       # the field list below is ncclConfig_v22800 (nccl.h of NCCL 2.28)
+
+
+class UniqueId(ctypes.Structure):
+    _fields_ = [("internal", ctypes.c_char * 128)]
+
+
+class Config(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint), ("version", ctypes.c_uint),
+                ("blocking", ctypes.c_int), ("cgaClusterSize", ctypes.c_int), ("minCTAs", ctypes.c_int),
+                ("maxCTAs", ctypes.c_int), ("netName", ctypes.c_char_p), ("splitShare", ctypes.c_int),
+                ("trafficClass", ctypes.c_int), ("commName", ctypes.c_char_p), ("collnetEnable", ctypes.c_int),
+                ("CTAPolicy", ctypes.c_int), ("shrinkShare", ctypes.c_int), ("nvlsCTAs", ctypes.c_int),
+                ("nChannelsPerNetPeer", ctypes.c_int), ("nvlinkCentricSched", ctypes.c_int)]
+
+
+_lib = None
+
+
+def library():
+    """libnccl.so.2: the copy torch loaded (dlopen by soname returns it), else the nvidia-nccl wheel's."""
+    global _lib
+    if _lib is None:
+        try:
+            lib = ctypes.CDLL("libnccl.so.2")
+        except OSError:
+            import nvidia.nccl
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(nvidia.nccl.__file__), "lib", "libnccl.so.2"))
+        lib.ncclGetErrorString.restype = ctypes.c_char_p
+        lib.ncclCommInitRankConfig.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, UniqueId, ctypes.c_int,
+                                               ctypes.POINTER(Config)]
+        collective = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                      ctypes.c_void_p]
+        lib.ncclReduceScatter.argtypes = collective
+        lib.ncclAllReduce.argtypes = collective
+        _lib = lib
+    return _lib
+
+
+def _check(result, what):
+    if result != 0:
+        raise RuntimeError(f"overlap_tp: {what} failed: {library().ncclGetErrorString(result).decode()}")
+
+
+class Communicator:
+    """NCCL over the ranks of `group`, at most `max_ctas` CTAs per collective (0: NCCL's default)."""
+
+    def __init__(self, group, device: torch.device, max_ctas: int):
+        lib = library()
+        uid = UniqueId()
+        if dist.get_rank(group) == 0:
+            _check(lib.ncclGetUniqueId(ctypes.byref(uid)), "ncclGetUniqueId")
+        raw = torch.frombuffer(bytearray(bytes(uid)), dtype=torch.uint8).to(device)
+        dist.broadcast(raw, src=dist.get_global_rank(group, 0), group=group)
+        ctypes.memmove(ctypes.byref(uid), bytes(raw.cpu().tolist()), 128)
+        config = Config(ctypes.sizeof(Config), CONFIG_MAGIC, CONFIG_LAYOUT_VERSION, *([CONFIG_UNDEF_INT] * 4), None,
+                        CONFIG_UNDEF_INT, CONFIG_UNDEF_INT, None, *([CONFIG_UNDEF_INT] * 6))
+        if max_ctas:
+            config.maxCTAs = max_ctas
+        self.comm = ctypes.c_void_p()
+        with torch.cuda.device(device):
+            _check(lib.ncclCommInitRankConfig(ctypes.byref(self.comm), dist.get_world_size(group), uid,
+                                              dist.get_rank(group), ctypes.byref(config)), "ncclCommInitRankConfig")
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
+        """On the current stream: out = this rank's block of the sum over ranks of inp."""
+        _check(library().ncclReduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(), NCCL_DTYPES[out.dtype],
+                                           NCCL_SUM, self.comm, torch.cuda.current_stream().cuda_stream),
+               "ncclReduceScatter")
+
+    def all_reduce(self, x: torch.Tensor):
+        """On the current stream: x = sum over ranks of x, in place."""
+        _check(library().ncclAllReduce(x.data_ptr(), x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], NCCL_SUM,
+                                       self.comm, torch.cuda.current_stream().cuda_stream), "ncclAllReduce")
