@@ -29,6 +29,8 @@ setup(
         # The Triton CPU interpreter (used by the CPU tests) breaks on numpy >= 2.3, which refuses
         # to turn its one-element scalar arrays into Python ints.
         "dev": ["pytest>=7", "numpy<2.3"],
+        # The comm stream waits on tile counters with cuStreamWaitValue32 from cuda-bindings.
+        "gpu": ["cuda-bindings"],
         "megatron": ["megatron-core>=0.16"],
         "wandb": ["wandb"],
     },

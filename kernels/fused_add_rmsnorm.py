@@ -32,61 +32,17 @@ Backward (the row's upstream gradients: dy for y, d_res for s; x_hat = s * rstd)
 """
 import functools
 import os
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from overlap_tp.plan import TileOrder  # noqa: F401  (the layout contract; re-exported for callers)
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STANDARD_TILE_N = 256  # columns per block row when the input is in the standard layout
 _CPU_PROGRAMS = 4       # backward programs in the CPU interpreter (several, to exercise the partials)
-
-
-@dataclass(frozen=True)
-class TileOrder:
-    """Where the tile-exact GEMM+ReduceScatter left each BM x BN block of the [M, N] result.
-
-    `slot_of[mi, ni]` (int32, shape [M // BM, N // BN]) is the slot of the block of rows
-    [mi*BM, (mi+1)*BM) and columns [ni*BN, (ni+1)*BN); slot s occupies elements
-    [s*BM*BN, (s+1)*BM*BN) of the buffer, row-major. Checked to be a permutation on construction.
-    """
-    block_m: int
-    block_n: int
-    slot_of: torch.Tensor
-
-    def __post_init__(self):
-        if not (isinstance(self.block_m, int) and self.block_m > 0):
-            raise ValueError(f"TileOrder: block_m must be a positive int, got {self.block_m!r}")
-        if not (isinstance(self.block_n, int) and self.block_n >= 4 and self.block_n & (self.block_n - 1) == 0):
-            raise ValueError(f"TileOrder: block_n must be a power of two >= 4, got {self.block_n!r}")
-        slot_of = self.slot_of
-        if not (isinstance(slot_of, torch.Tensor) and slot_of.dtype == torch.int32 and slot_of.dim() == 2
-                and slot_of.is_contiguous()):
-            raise ValueError("TileOrder: slot_of must be a contiguous 2-D int32 tensor "
-                             f"[M // block_m, N // block_n], got {_describe(slot_of)}")
-        if not torch.equal(slot_of.flatten().sort().values.cpu(), torch.arange(slot_of.numel(), dtype=torch.int32)):
-            raise ValueError(f"TileOrder: slot_of must be a permutation of 0..{slot_of.numel() - 1}")
-
-    @property
-    def shape(self):
-        """The [M, N] of the standard matrix this order describes."""
-        return self.slot_of.shape[0] * self.block_m, self.slot_of.shape[1] * self.block_n
-
-    def undo(self, buf):
-        """Reference: the standard [M, N] matrix held by the tile-ordered buffer `buf`."""
-        (rows, cols), (mb, nb) = self.shape, self.slot_of.shape
-        blocks = buf.reshape(mb * nb, self.block_m, self.block_n)[self.slot_of.long()]
-        return blocks.permute(0, 2, 1, 3).reshape(rows, cols)
-
-    def apply(self, matrix):
-        """Reference: the tile-ordered buffer (flat) that holds the standard [M, N] `matrix`."""
-        mb, nb = self.slot_of.shape
-        blocks = matrix.reshape(mb, self.block_m, nb, self.block_n).permute(0, 2, 1, 3)
-        buf = torch.empty_like(blocks).reshape(mb * nb, self.block_m, self.block_n)
-        buf[self.slot_of.long().flatten()] = blocks.reshape(mb * nb, self.block_m, self.block_n)
-        return buf.flatten()
 
 
 # ----------------------------------------------------------------------------------------------

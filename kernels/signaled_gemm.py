@@ -43,8 +43,9 @@ def cta_barrier_then(value):
 def signaled_gemm_kernel(
     a_desc, w_desc,                 # TMA descriptors: A [M, K] in [BLOCK_M, BLOCK_K] boxes, W [N, K]
     dst_ptr, ld_dst,                # staging matrix the tiles are stored into, its row stride
+    dst_offsets_ptr,                # int64 per destination buffer: its element offset from dst_ptr
     bias_ptr, bias_row_lo, bias_row_hi,   # bias added to source rows [lo, hi) only
-    tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, 6] in execution order
+    tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, 7] in execution order
     counters_ptr,                   # int32 per group, raised once per stored tile
     N, K,
     HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -52,13 +53,17 @@ def signaled_gemm_kernel(
 ):
     k_steps = tl.cdiv(K, BLOCK_K)
     for e in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-        entry = tiles_ptr + e * 6
+        entry = tiles_ptr + e * 7
         src_row = tl.load(entry + 0)
         src_row_end = tl.load(entry + 1)
         col = tl.load(entry + 2)
         dst_row = tl.load(entry + 3)
         dst_col = tl.load(entry + 4)
         group = tl.load(entry + 5)
+        # Other buffers (peers' receive buffers mapped into this GPU's address space) are addressed as
+        # offsets from dst_ptr: one flat address space, no integer-to-pointer casts.
+        # The launcher checks that every offset is a multiple of 16 elements, which keeps the stores 16 bytes wide.
+        dst_base = dst_ptr + tl.multiple_of(tl.load(dst_offsets_ptr + tl.load(entry + 6)), 16)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(k_steps):
@@ -80,7 +85,7 @@ def signaled_gemm_kernel(
         mask = (rows < src_row_end)[:, None] & (cols < N)[None, :]
         out_rows = (dst_row + tl.arange(0, BLOCK_M)).to(tl.int64)
         out_cols = dst_col + tl.arange(0, BLOCK_N)
-        tl.store(dst_ptr + out_rows[:, None] * ld_dst + out_cols[None, :],
+        tl.store(dst_base + out_rows[:, None] * ld_dst + out_cols[None, :],
                  acc.to(dst_ptr.dtype.element_ty), mask=mask)
         if INTERPRETED:
             tl.debug_barrier()
@@ -116,15 +121,26 @@ def tma_unsupported_reason(a: torch.Tensor, w: torch.Tensor):
     return None
 
 
-def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, bias_rows=(0, 0)):
-    """Launch the kernel: the tiles of `tiles` (device int32 table) into `dst`, raising `counters`."""
+_zero_offsets = {}
+
+
+def _zero_offset(device):
+    """The offset table of plans that store everything into dst itself."""
+    if device not in _zero_offsets:
+        _zero_offsets[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return _zero_offsets[device]
+
+
+def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, bias_rows=(0, 0), dst_offsets=None):
+    """Launch the kernel: the tiles of `tiles` (device int32 table) into `dst` (or, for a tile whose
+    DST_BUF is b, into the buffer `dst_offsets[b]` elements away from dst), raising `counters`."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     num_tiles = tiles.shape[0]
     assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
     grid = (max(1, min(num_programs, num_tiles)),)
     signaled_gemm_kernel[grid](
         TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
-        dst, dst.stride(0),
+        dst, dst.stride(0), dst_offsets if dst_offsets is not None else _zero_offset(dst.device),
         bias if bias is not None else dst, bias_rows[0], bias_rows[1],
         tiles, num_tiles, counters,
         w.shape[0], a.shape[1],

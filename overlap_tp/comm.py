@@ -74,7 +74,7 @@ def collectives(group, device: torch.device, max_ctas: int):
     CPU tensors. Created once per (group, device, cap), collectively by the group's ranks."""
     if device.type != "cuda" or dist.get_backend(group) != "nccl":
         return TorchCollectives(group)
-    key = (tuple(dist.get_process_group_ranks(group)), device.index, max_ctas)
+    key = (id(group), device.index, max_ctas)
     if key not in _communicators:
         from overlap_tp.nccl import Communicator
         _communicators[key] = Communicator(group, device, max_ctas)

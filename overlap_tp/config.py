@@ -4,6 +4,7 @@ from typing import Tuple, Union
 
 METHODS = ("signal", "decompose", "off", "auto")
 SCHEDULES = ("row_slice", "tile_exact")
+TRANSPORTS = ("nccl", "p2p")
 
 
 @dataclass(frozen=True)
@@ -16,14 +17,19 @@ class OverlapConfig:
       decompose  the GEMM split along M into `chunks` cuBLAS calls, each chunk's collective on the comm
                  stream (what Megatron/TE call pipelining); a baseline and a fallback.
       off        cuBLAS then the collective, on one stream (Megatron's default path).
-      auto       `signal` where the kernel supports the shape and device, else `off` with a warning
-                 naming the reason (the wave-group tuner refines this choice).
+      auto       for now `off`, with a one-time warning: no per-shape plan is tuned yet and every
+                 signaled variant measured slower than `off` on the H200 pair (docs/perf/gemm_rs_ar.md).
+                 The wave-group tuner (issue 4) makes this choose per shape.
     schedule:    tile order of the signaled GEMM. `row_slice` writes every group straight into the layout
                  the collective needs, so the result lands in Megatron's standard layout; `tile_exact`
                  follows the tile raster and leaves tiles in execution order, undone after the collective.
     groups:      "auto" (a first rule: about 16 MB of output per group, 2 to 8 groups), an int (that many
                  near-equal groups) or a tuple of per-group sizes in schedule units (row_slice: row-slices
                  of block_m rows of every rank's region; tile_exact: tile positions of a rank's region).
+    transport:   how `signal` moves a reduce-scatter's partials. `nccl`: one NCCL collective per group on
+                 the comm stream. `p2p` (gemm_rs on CUDA only): no collective; the epilogue stores each
+                 region's tiles straight into the owner's symmetric-memory buffer over NVLink, then a
+                 barrier and one add per rank (schedule and groups do not apply).
     comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a
                  communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
     chunks:      M-chunks of the `decompose` method.
@@ -33,6 +39,7 @@ class OverlapConfig:
     method: str = "auto"
     schedule: str = "row_slice"
     groups: Union[str, int, Tuple[int, ...]] = "auto"
+    transport: str = "nccl"
     comm_sms: int = 16
     chunks: int = 4
     block_m: int = 128
@@ -48,6 +55,7 @@ class OverlapConfig:
 
         choice("method", self.method, METHODS)
         choice("schedule", self.schedule, SCHEDULES)
+        choice("transport", self.transport, TRANSPORTS)
         groups = self.groups
         if isinstance(groups, list):
             groups = tuple(groups)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from overlap_tp import comm
 from overlap_tp.config import OverlapConfig
 from overlap_tp.kernels.signaled_gemm import check_operands, signaled_gemm, tma_unsupported_reason
-from overlap_tp.plan import TilePlan, make_plan, undo_tile_order
+from overlap_tp.plan import TileOrder, TilePlan, make_plan
 
 _DEFAULT_CONFIG = OverlapConfig()
 _warned = set()
@@ -58,16 +58,21 @@ def _signal_unsupported_reason(a, w, config: OverlapConfig, m_local: int, n: int
     return None
 
 
+AUTO_FALLBACK = ("method='auto' runs 'off' (cuBLAS then the collective): no tuned per-shape plan exists yet, and "
+                 "on the H200 pair every signaled variant measured slower than 'off' (docs/perf/gemm_rs_ar.md); "
+                 "pass method='signal' or 'decompose' to use them")
+
+
 def _resolve_method(config, a, w, m_local, n, op):
-    if config.method != "auto" and config.method != "signal":
-        return config.method
-    reason = _signal_unsupported_reason(a, w, config, m_local, n)
-    if reason is None:
-        return "signal"
+    """The method that runs. 'auto' is Megatron's sequential path until a tuned plan says overlap pays."""
+    if config.method == "auto":
+        _warn_once(f"overlap_tp {op}: {AUTO_FALLBACK}")
+        return "off"
     if config.method == "signal":
-        raise ValueError(f"{op}: method='signal' cannot run: {reason}")
-    _warn_once(f"overlap_tp {op}: falling back to method='off' (cuBLAS then the collective): {reason}")
-    return "off"
+        reason = _signal_unsupported_reason(a, w, config, m_local, n)
+        if reason is not None:
+            raise ValueError(f"{op}: method='signal' cannot run: {reason}")
+    return config.method
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -80,6 +85,7 @@ class PlanState:
     plan: TilePlan
     tiles: torch.Tensor
     counters: torch.Tensor
+    tile_order: Optional[TileOrder]   # the plan's TileOrder with its map on the device
     calls: int = 0
     done: Optional[torch.cuda.Event] = field(default=None)
 
@@ -95,8 +101,11 @@ def plan_state(schedule, m, n, world, config, elem_bytes, device) -> PlanState:
     key = (schedule, m, n, world, config.block_m, config.block_n, config.groups, elem_bytes, str(device))
     if key not in _plan_states:
         plan = make_plan(schedule, m, n, world, config.block_m, config.block_n, config.groups, elem_bytes)
+        order = plan.tile_order
+        if order is not None:
+            order = TileOrder(order.block_m, order.block_n, order.slot_of.to(device))
         _plan_states[key] = PlanState(plan, plan.tiles.to(device),
-                                      torch.zeros(plan.num_groups, dtype=torch.int32, device=device))
+                                      torch.zeros(plan.num_groups, dtype=torch.int32, device=device), order)
     return _plan_states[key]
 
 
@@ -186,6 +195,11 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
     m, n = a.shape[0], w.shape[0]
     m_local = m // t
     method = _resolve_method(config, a, w, m_local, n, "gemm_rs")
+    if method == "signal" and config.transport == "p2p":
+        if not a.is_cuda or dist.get_backend(group) != "nccl":
+            raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors and an NCCL group (symmetric memory)")
+        from overlap_tp.p2p import gemm_rs_p2p
+        return gemm_rs_p2p(a, w, bias, group, rank, t, config, gemm_programs(a.device, config))
     coll = comm.collectives(group, a.device, config.comm_sms) if method != "off" else comm.TorchCollectives(group)
 
     def collective(dst, src):
@@ -204,14 +218,14 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
     else:
         state = plan_state(config.schedule, m, n, t, config, a.element_size(), a.device)
         describe = f"gemm_rs(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})"
-        if state.plan.slot_of is None:
+        if state.tile_order is None:
             _signaled(a, w, bias, (rank * m_local, (rank + 1) * m_local), state, out, collective, config,
                       describe)
             return out
         tiled = torch.empty(state.plan.out_shape, dtype=a.dtype, device=a.device)
         _signaled(a, w, bias, (rank * m_local, (rank + 1) * m_local), state, tiled, collective, config,
                   describe)
-        return undo_tile_order(tiled, state.plan)
+        return state.tile_order.undo(tiled)
     if bias is not None:
         out += bias
     return out
@@ -226,6 +240,8 @@ def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
     _check_inputs(a, w, bias, 1, "gemm_ar")
     m, n = a.shape[0], w.shape[0]
     method = _resolve_method(config, a, w, m, n, "gemm_ar")
+    if method == "signal" and config.transport != "nccl":
+        raise ValueError(f"gemm_ar: transport={config.transport!r} is implemented for gemm_rs only; use 'nccl'")
     coll = comm.collectives(group, a.device, config.comm_sms) if method != "off" else comm.TorchCollectives(group)
 
     def collective(dst, src):
@@ -247,13 +263,13 @@ def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
         state = plan_state(config.schedule, m, n, 1, config, a.element_size(), a.device)
         describe = f"gemm_ar(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})"
         bias_rows = (0, m) if rank == 0 else (0, 0)
-        if state.plan.slot_of is None:
+        if state.tile_order is None:
             out = torch.empty(m, n, dtype=a.dtype, device=a.device)
             _signaled(a, w, bias, bias_rows, state, out, collective, config, describe)
             return out
         tiled = torch.empty(state.plan.out_shape, dtype=a.dtype, device=a.device)
         _signaled(a, w, bias, bias_rows, state, tiled, collective, config, describe)
-        return undo_tile_order(tiled, state.plan)
+        return state.tile_order.undo(tiled)
     if bias is not None:
         out += bias
     return out

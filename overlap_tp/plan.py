@@ -20,7 +20,8 @@ Tile-exact schedule (FlashOverlap's general case):
     execution order: the rank-local tile raster (grouped by 8 tile-rows for L2 reuse), each position
     computed for every region in turn. A group is a run of positions [u0, u1); tile (u, k) is stored
     as a contiguous block_m x block_n block in slot  t*u0 + k*(u1 - u0) + (u - u0),  so after the
-    reduce-scatter a rank holds its tiles in execution order (slot u); `slot_of[mi, ni]` undoes it.
+    reduce-scatter a rank holds its tiles in execution order (slot u); the plan's TileOrder
+    (`slot_of[mi, ni]` = u) undoes it, or the fused RMSNorm reads the tiles where they are.
 """
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
@@ -28,15 +29,61 @@ from typing import List, Optional, Tuple
 import torch
 
 # One row of the tile table: source rows [src_row, src_row_end) (the end stops a tile at its region's
-# boundary), source/destination column, destination row/column in the staging matrix, group.
-SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP = range(6)
-TILE_FIELDS = 6
+# boundary), source/destination column, destination row/column in the staging matrix, group, and the
+# destination buffer (0 = local staging; the p2p plan stores region k's tiles into rank k's buffer).
+SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF = range(7)
+TILE_FIELDS = 7
 
 # Output bytes per group the first partition rule aims at: NCCL reaches ~130 GB/s bus bandwidth at
 # 16 MB on the H200 pair (shared/DEVICE.md) while smaller messages are latency-bound.
 TARGET_GROUP_BYTES = 16 << 20
 MAX_AUTO_GROUPS = 8
 RASTER_GROUP_M = 8
+
+
+@dataclass(frozen=True)
+class TileOrder:
+    """Where the tile-exact GEMM+ReduceScatter left each BM x BN block of the [M, N] result.
+
+    `slot_of[mi, ni]` (int32, shape [M // BM, N // BN]) is the slot of the block of rows
+    [mi*BM, (mi+1)*BM) and columns [ni*BN, (ni+1)*BN); slot s occupies elements
+    [s*BM*BN, (s+1)*BM*BN) of the buffer, row-major. Checked to be a permutation on construction.
+    """
+    block_m: int
+    block_n: int
+    slot_of: torch.Tensor
+
+    def __post_init__(self):
+        if not (isinstance(self.block_m, int) and self.block_m > 0):
+            raise ValueError(f"TileOrder: block_m must be a positive int, got {self.block_m!r}")
+        if not (isinstance(self.block_n, int) and self.block_n >= 4 and self.block_n & (self.block_n - 1) == 0):
+            raise ValueError(f"TileOrder: block_n must be a power of two >= 4, got {self.block_n!r}")
+        slot_of = self.slot_of
+        if not (isinstance(slot_of, torch.Tensor) and slot_of.dtype == torch.int32 and slot_of.dim() == 2
+                and slot_of.is_contiguous()):
+            raise ValueError("TileOrder: slot_of must be a contiguous 2-D int32 tensor "
+                             f"[M // block_m, N // block_n], got {slot_of!r:.80}")
+        if not torch.equal(slot_of.flatten().sort().values.cpu(), torch.arange(slot_of.numel(), dtype=torch.int32)):
+            raise ValueError(f"TileOrder: slot_of must be a permutation of 0..{slot_of.numel() - 1}")
+
+    @property
+    def shape(self):
+        """The [M, N] of the standard matrix this order describes."""
+        return self.slot_of.shape[0] * self.block_m, self.slot_of.shape[1] * self.block_n
+
+    def undo(self, buf):
+        """Reference: the standard [M, N] matrix held by the tile-ordered buffer `buf`."""
+        (rows, cols), (mb, nb) = self.shape, self.slot_of.shape
+        blocks = buf.reshape(mb * nb, self.block_m, self.block_n)[self.slot_of.long()]
+        return blocks.permute(0, 2, 1, 3).reshape(rows, cols)
+
+    def apply(self, matrix):
+        """Reference: the tile-ordered buffer (flat) that holds the standard [M, N] `matrix`."""
+        mb, nb = self.slot_of.shape
+        blocks = matrix.reshape(mb, self.block_m, nb, self.block_n).permute(0, 2, 1, 3)
+        buf = torch.empty_like(blocks).reshape(mb * nb, self.block_m, self.block_n)
+        buf[self.slot_of.long().flatten()] = blocks.reshape(mb * nb, self.block_m, self.block_n)
+        return buf.flatten()
 
 
 @dataclass(frozen=True)
@@ -61,7 +108,7 @@ class TilePlan:
     collectives: Tuple[Collective, ...]
     staging_shape: Tuple[int, int]   # the matrix the epilogue stores into
     out_shape: Tuple[int, int]       # the matrix the collective writes (per rank)
-    slot_of: Optional[torch.Tensor]  # tile_exact only: int32 [M_local/block_m, N/block_n]
+    tile_order: Optional[TileOrder]  # tile_exact only: where each output block sits after the collective
 
     @property
     def num_tiles(self) -> int:
@@ -112,7 +159,7 @@ def row_slice_plan(m: int, n: int, world: int, block_m: int, block_n: int, group
                 dst = world * lo + k * (hi - lo) + (j * block_m - lo)
                 for nt in range(n_tiles):
                     tiles.append((src, min(src + block_m, (k + 1) * m_local), nt * block_n, dst,
-                                  nt * block_n, g))
+                                  nt * block_n, g, 0))
         group_tiles.append(size * world * n_tiles)
         collectives.append(Collective(world * lo, world * hi, lo, hi))
         j0 += size
@@ -151,7 +198,7 @@ def tile_exact_plan(m: int, n: int, world: int, block_m: int, block_n: int, grou
             for k in range(world):
                 slot = world * u0 + k * size + (u - u0)
                 src = k * m_local + mi * block_m
-                tiles.append((src, src + block_m, ni * block_n, slot * block_m, 0, g))
+                tiles.append((src, src + block_m, ni * block_n, slot * block_m, 0, g, 0))
         group_tiles.append(size * world)
         collectives.append(Collective(world * u0 * block_m, world * (u0 + size) * block_m,
                                       u0 * block_m, (u0 + size) * block_m))
@@ -159,18 +206,31 @@ def tile_exact_plan(m: int, n: int, world: int, block_m: int, block_n: int, grou
     total = len(positions)
     return TilePlan("tile_exact", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
                     tuple(group_tiles), tuple(collectives), (world * total * block_m, block_n),
-                    (total * block_m, block_n), slot_of)
+                    (total * block_m, block_n), TileOrder(block_m, block_n, slot_of))
+
+
+def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) -> TilePlan:
+    """Epilogue peer-to-peer reduce-scatter: no collective at all. Rank `rank` stores its partial of
+    region k straight into rank k's receive buffer [t, M/t, N] at slot `rank` (over NVLink for k !=
+    rank); after a barrier every rank sums its t slots. Row-slice order, so every wave writes all
+    regions at once and the NVLink traffic is spread over the whole GEMM. One group: nothing waits on
+    a part of it."""
+    if m % world:
+        raise ValueError(f"M={m} is not divisible by the group size t={world}")
+    m_local = m // world
+    slices, n_tiles = _cdiv(m_local, block_m), _cdiv(n, block_n)
+    tiles = []
+    for j in range(slices):
+        for k in range(world):
+            src = k * m_local + j * block_m
+            for nt in range(n_tiles):
+                tiles.append((src, min(src + block_m, (k + 1) * m_local), nt * block_n,
+                              rank * m_local + j * block_m, nt * block_n, 0, k))
+    return TilePlan("p2p", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
+                    (len(tiles),), (), (world * m_local, n), (m_local, n), None)
 
 
 def make_plan(schedule: str, m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",
               elem_bytes: int = 2) -> TilePlan:
     build = {"row_slice": row_slice_plan, "tile_exact": tile_exact_plan}[schedule]
     return build(m, n, world, block_m, block_n, groups, elem_bytes)
-
-
-def undo_tile_order(buf: torch.Tensor, plan: TilePlan) -> torch.Tensor:
-    """Reference: the tile_exact output (slots in execution order) -> the standard [M/t, N] matrix."""
-    bm, bn = plan.block_m, plan.block_n
-    m_tiles, n_tiles = plan.slot_of.shape
-    blocks = buf.reshape(-1, bm, bn)[plan.slot_of.to(buf.device).long()]   # [m_tiles, n_tiles, bm, bn]
-    return blocks.permute(0, 2, 1, 3).reshape(m_tiles * bm, n_tiles * bn)

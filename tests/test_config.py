@@ -15,6 +15,7 @@ def test_list_groups_become_a_tuple():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(method="fast"), "method"),
     (dict(schedule="rows"), "schedule"),
+    (dict(transport="mpi"), "transport"),
     (dict(groups=0), "at least one group"),
     (dict(groups=(2, 0)), "positive ints"),
     (dict(groups=()), "positive ints"),

@@ -12,7 +12,6 @@ from overlap_tp.norm import OverlapRMSNorm, fused_add_rmsnorm, rmsnorm
 
 # The interpreter turns the backward kernel's runtime loop bound (a 1-element array) into an int; numpy
 # < 2.3 (pinned for that reason) warns about it.
-pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 

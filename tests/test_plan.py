@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from overlap_tp.plan import (COL, DST_COL, DST_ROW, GROUP, SRC_ROW, SRC_ROW_END, make_plan, raster,
-                             split_units, undo_tile_order)
+from overlap_tp.plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, SRC_ROW, SRC_ROW_END, make_plan, p2p_plan, raster,
+                             split_units)
 
 
 def simulate(plan):
@@ -37,7 +37,7 @@ def simulate(plan):
         for c in plan.collectives:
             block = staging[c.src_lo:c.src_hi]
             out[c.dst_lo:c.dst_hi] = block.view(t, -1, block.shape[1])[k]
-        outputs.append(out if plan.slot_of is None else undo_tile_order(out, plan))
+        outputs.append(out if plan.tile_order is None else plan.tile_order.undo(out))
     return source, outputs
 
 
@@ -62,7 +62,7 @@ def test_tile_exact_round_trips(m, n, t, bm, bn, groups):
     source, outputs = simulate(plan)
     for k, out in enumerate(outputs):
         assert torch.equal(out, source[k * m // t:(k + 1) * m // t]), f"rank {k}"
-    assert sorted(plan.slot_of.flatten().tolist()) == list(range(plan.slot_of.numel()))
+    assert plan.tile_order.shape == (m // t, n)
 
 
 def test_random_shapes():
@@ -104,3 +104,26 @@ def test_plan_errors():
         make_plan("row_slice", 10, 16, 4, 16, 16)
     with pytest.raises(ValueError, match="tile_exact schedule needs"):
         make_plan("tile_exact", 2 * 24, 32, 2, 16, 16)
+
+
+@pytest.mark.parametrize("m,n,t,bm,bn", [(96, 80, 2, 16, 32), (4 * 33, 17, 4, 16, 16), (8 * 40, 100, 8, 16, 32)])
+def test_p2p_plan_delivers_every_partial_to_its_owner(m, n, t, bm, bn):
+    """Every rank stores region k of its partial into rank k's receive buffer, slot = its own rank:
+    after all ranks ran, buffer k slot r holds rank r's rows of region k, each element written once."""
+    m_local = m // t
+    received = torch.full((t, t * m_local, n), -1, dtype=torch.int64)
+    for rank in range(t):
+        plan = p2p_plan(m, n, t, rank, bm, bn)
+        assert plan.num_groups == 1 and plan.group_tiles == (plan.num_tiles,)
+        source = torch.arange(m * n, dtype=torch.int64).view(m, n) + rank * m * n   # rank's own partial
+        for tile in plan.tiles.tolist():
+            rows, cols = tile[SRC_ROW_END] - tile[SRC_ROW], min(bn, n - tile[COL])
+            region = tile[SRC_ROW] // m_local
+            assert tile[DST_BUF] == region
+            dst = received[region, tile[DST_ROW]:tile[DST_ROW] + rows, tile[DST_COL]:tile[DST_COL] + cols]
+            assert (dst == -1).all(), "written twice"
+            dst.copy_(source[tile[SRC_ROW]:tile[SRC_ROW_END], tile[COL]:tile[COL] + cols])
+    for k in range(t):
+        for r in range(t):
+            expected = torch.arange(m * n, dtype=torch.int64).view(m, n)[k * m_local:(k + 1) * m_local] + r * m * n
+            assert torch.equal(received[k, r * m_local:(r + 1) * m_local], expected)

@@ -71,15 +71,17 @@ def agree(got, ref, what):
         raise AssertionError(f"{what}: relative error {error:.3g} against the sequential baseline")
 
 
-def ours_variants(sweep):
-    default = OverlapConfig(method="signal")
-    variants = {"ours": default}
+def ours_variants(op, sweep):
+    """`ours` is the default signal config; --sweep adds the schedule x groups x comm_sms corners that
+    won in earlier runs (docs/perf/) and, for reduce-scatter, the epilogue peer-to-peer transport."""
+    variants = {"ours": OverlapConfig(method="signal")}
     if sweep:
-        for schedule in ("row_slice", "tile_exact"):
-            for groups in (2, 4, 8):
-                for comm_sms in (0, 8, 16):
-                    variants[f"{schedule}/g{groups}/sm{comm_sms}"] = OverlapConfig(
-                        method="signal", schedule=schedule, groups=groups, comm_sms=comm_sms)
+        for schedule, groups, comm_sms in (("row_slice", 2, 0), ("row_slice", 4, 0), ("row_slice", 2, 16),
+                                           ("tile_exact", 8, 0)):
+            variants[f"{schedule}/g{groups}/sm{comm_sms}"] = OverlapConfig(
+                method="signal", schedule=schedule, groups=groups, comm_sms=comm_sms)
+        if op == "rs":
+            variants["p2p"] = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     return variants
 
 
@@ -130,7 +132,7 @@ def bench_shape(op, name, m, k, n, args, group):
         row["async_tp"] = timed(async_tp, sets, args.reps, group)
 
     variants = {}
-    for label, config in ours_variants(args.sweep).items():
+    for label, config in ours_variants(op, args.sweep).items():
         if config.schedule == "tile_exact" and (out_rows % config.block_m or n % config.block_n):
             continue
         agree(run(*sets[0], group, config=config), seq_out, f"{op} {label}")
@@ -141,6 +143,9 @@ def bench_shape(op, name, m, k, n, args, group):
     if variants:
         row["best_variant"], row["best"] = min(variants.items(), key=lambda kv: kv[1])
         row["S_best"] = row["seq"] / row["best"]
+        if "p2p" in variants:
+            row["p2p"] = variants["p2p"]
+            row["S_p2p"] = row["seq"] / row["p2p"]
 
     # FlashOverlap's bound: the GEMM plus the last group's collective when the GEMM dominates, else the
     # first wave of the GEMM plus the whole collective.
@@ -167,7 +172,8 @@ COLUMNS = [
     ("comm", "comm", "{:.3f}"), ("S_ideal", "S_ideal", "{:.2f}"), ("decomp", "decomp (best c)", "{:.3f}"),
     ("async_tp", "async-TP", "{:.3f}"), ("ours", "ours", "{:.3f}"), ("S", "S", "{:.2f}"),
     ("pct_ideal", "%ideal", "{:.0f}"), ("fo_bound", "FO bound", "{:.3f}"), ("best", "best variant", "{:.3f}"),
-    ("best_variant", "which", "{}"), ("sgemm_vs_cublas", "sgemm/cuBLAS", "{:.3f}"),
+    ("best_variant", "which", "{}"), ("p2p", "p2p", "{:.3f}"), ("S_p2p", "S p2p", "{:.2f}"),
+    ("sgemm_vs_cublas", "sgemm/cuBLAS", "{:.3f}"),
 ]
 
 
