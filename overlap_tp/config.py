@@ -17,9 +17,9 @@ class OverlapConfig:
       decompose  the GEMM split along M into `chunks` cuBLAS calls, each chunk's collective on the comm
                  stream (what Megatron/TE call pipelining); a baseline and a fallback.
       off        cuBLAS then the collective, on one stream (Megatron's default path).
-      auto       for now `off`, with a one-time warning: no per-shape plan is tuned yet and every
-                 signaled variant measured slower than `off` on the H200 pair (docs/perf/gemm_rs_ar.md).
-                 The wave-group tuner (issue 4) makes this choose per shape.
+      auto       for now `off`, with a one-time warning: no per-shape plan is tuned yet and the winner
+                 depends on the shape (docs/perf/README.md). The wave-group tuner (issue 4) makes this
+                 choose per shape.
     schedule:    tile order of the signaled GEMM. `row_slice` writes every group straight into the layout
                  the collective needs, so the result lands in Megatron's standard layout; `tile_exact`
                  follows the tile raster and leaves tiles in execution order, undone after the collective.

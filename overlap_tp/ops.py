@@ -59,8 +59,9 @@ def _signal_unsupported_reason(a, w, config: OverlapConfig, m_local: int, n: int
 
 
 AUTO_FALLBACK = ("method='auto' runs 'off' (cuBLAS then the collective): no tuned per-shape plan exists yet, and "
-                 "on the H200 pair every signaled variant measured slower than 'off' (docs/perf/gemm_rs_ar.md); "
-                 "pass method='signal' or 'decompose' to use them")
+                 "which method wins depends on the shape (docs/perf/README.md: on the H200 pair the p2p transport "
+                 "won 7 of 12 reduce-scatter shapes, up to 1.5x, and lost the GEMM-dominated ones); pass "
+                 "method='signal' (transport='p2p' or 'nccl') or 'decompose' to choose")
 
 
 def _resolve_method(config, a, w, m_local, n, op):
