@@ -123,34 +123,35 @@ def gemm_programs(device: torch.device, config: OverlapConfig) -> int:
 # ---------------------------------------------------------------------------------------------------
 
 def _signaled(a, w, bias, bias_rows, state: PlanState, out, collective, config, describe):
-    """Run the signaled GEMM into a staging matrix (or `out` itself when the plan stores in place)
-    and, on the comm stream, each group's `collective(dst_rows, src_rows)` behind its counter."""
+    """Run the signaled GEMM into a staging matrix (all-reduce plans: into `out` itself) and, on the
+    comm stream, each group's `collective(out_rows, staging_rows)` behind the group's counter."""
     plan = state.plan
     # All-reduce plans (world 1) store in place; reduce-scatter plans need the [t, rows, N] staging.
     staging = out if plan.world == 1 else torch.empty(plan.staging_shape, dtype=a.dtype, device=a.device)
     engine = comm.comm_engine(a.device)
     targets = state.next_targets()
     programs = gemm_programs(a.device, config)
-    if engine.stream is None:   # CPU: the interpreter finishes the kernel before the collectives start
-        signaled_gemm(a, w, staging, state.tiles, state.counters, programs, config, bias, bias_rows)
+
+    def collectives_behind_counters():
         for g, c in enumerate(plan.collectives):
             engine.wait_counter(state.counters, g, targets[g])
             collective(out[c.dst_lo:c.dst_hi], staging[c.src_lo:c.src_hi])
-        return staging
+
+    if engine.stream is None:   # CPU: the interpreter finishes the kernel before the collectives start
+        signaled_gemm(a, w, staging, state.tiles, state.counters, programs, config, bias, bias_rows)
+        collectives_behind_counters()
+        return
     current = torch.cuda.current_stream(a.device)
     if state.done is not None:      # counters are shared with the previous call of this plan
         current.wait_event(state.done)
     engine.stream.wait_stream(current)   # before the GEMM launch: inputs and buffers ready, no more
     signaled_gemm(a, w, staging, state.tiles, state.counters, programs, config, bias, bias_rows)
     with torch.cuda.stream(engine.stream):
-        for g, c in enumerate(plan.collectives):
-            engine.wait_counter(state.counters, g, targets[g])
-            collective(out[c.dst_lo:c.dst_hi], staging[c.src_lo:c.src_hi])
+        collectives_behind_counters()
         state.done = torch.cuda.Event()
         state.done.record(engine.stream)
     current.wait_stream(engine.stream)
     engine.watch(state.done, describe, state.counters, targets)
-    return staging
 
 
 def _chunk_bounds(rows: int, chunks: int):
@@ -218,15 +219,11 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
         _decomposed(a, w, out, chunk, collective, config.chunks, m_local)
     else:
         state = plan_state(config.schedule, m, n, t, config, a.element_size(), a.device)
-        describe = f"gemm_rs(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})"
-        if state.tile_order is None:
-            _signaled(a, w, bias, (rank * m_local, (rank + 1) * m_local), state, out, collective, config,
-                      describe)
-            return out
-        tiled = torch.empty(state.plan.out_shape, dtype=a.dtype, device=a.device)
-        _signaled(a, w, bias, (rank * m_local, (rank + 1) * m_local), state, tiled, collective, config,
-                  describe)
-        return state.tile_order.undo(tiled)
+        order = state.tile_order
+        received = out if order is None else torch.empty(state.plan.out_shape, dtype=a.dtype, device=a.device)
+        _signaled(a, w, bias, (rank * m_local, (rank + 1) * m_local), state, received, collective, config,
+                  f"gemm_rs(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})")
+        return out if order is None else order.undo(received)
     if bias is not None:
         out += bias
     return out
@@ -245,9 +242,7 @@ def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
         raise ValueError(f"gemm_ar: transport={config.transport!r} is implemented for gemm_rs only; use 'nccl'")
     coll = comm.collectives(group, a.device, config.comm_sms) if method != "off" else comm.TorchCollectives(group)
 
-    def collective(dst, src):
-        if dst.data_ptr() != src.data_ptr():
-            dst.copy_(src)
+    def collective(dst, src):   # every all-reduce path stores its rows in place: src is dst
         coll.all_reduce(dst)
 
     if method == "off":
@@ -262,15 +257,10 @@ def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
         _decomposed(a, w, out, chunk, collective, config.chunks, m)
     else:
         state = plan_state(config.schedule, m, n, 1, config, a.element_size(), a.device)
-        describe = f"gemm_ar(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})"
-        bias_rows = (0, m) if rank == 0 else (0, 0)
-        if state.tile_order is None:
-            out = torch.empty(m, n, dtype=a.dtype, device=a.device)
-            _signaled(a, w, bias, bias_rows, state, out, collective, config, describe)
-            return out
-        tiled = torch.empty(state.plan.out_shape, dtype=a.dtype, device=a.device)
-        _signaled(a, w, bias, bias_rows, state, tiled, collective, config, describe)
-        return state.tile_order.undo(tiled)
+        out = torch.empty(state.plan.out_shape, dtype=a.dtype, device=a.device)
+        _signaled(a, w, bias, (0, m) if rank == 0 else (0, 0), state, out, collective, config,
+                  f"gemm_ar(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})")
+        return out if state.tile_order is None else state.tile_order.undo(out)
     if bias is not None:
         out += bias
     return out
