@@ -88,7 +88,11 @@ def collectives(group, device: torch.device, max_ctas: int):
 def _stream_memop_wait(stream, counters, index, target):
     """cuStreamWaitValue32: the stream's front end polls the word, no SM is spent. GEQ compares
     cyclically, (int32)(*addr - value) >= 0, so the per-call epoch targets may wrap."""
-    from cuda.bindings import driver
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise RuntimeError("overlap_tp: the comm stream waits with CUDA stream memory operations, which need "
+                           "the cuda-bindings package (pip install 'overlap_tp[gpu]')") from e
     (err,) = driver.cuStreamWaitValue32(driver.CUstream(stream.cuda_stream),
                                         driver.CUdeviceptr(counters.data_ptr() + 4 * index), target & 0xFFFFFFFF,
                                         driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
@@ -111,11 +115,6 @@ class CommEngine:
         if device.type != "cuda":
             self.stream, self._wait = None, _host_wait
             return
-        try:
-            import cuda.bindings.driver  # noqa: F401
-        except ImportError as e:
-            raise RuntimeError("overlap_tp: the comm stream waits with CUDA stream memory operations, which need "
-                               "the cuda-bindings package (pip install cuda-bindings)") from e
         self.stream = torch.cuda.Stream(device=device, priority=torch.cuda.Stream.priority_range()[1])
         self._wait = _stream_memop_wait
 
@@ -124,7 +123,7 @@ class CommEngine:
         self._wait(self.stream, counters, index, target)
 
     def watch(self, event, describe, counters=None, targets=None):
-        """Have the watchdog check that `event` (recorded on the comm stream) completes in time."""
+        """Have the watchdog check that `event` (the end of an op, recorded on its stream) completes in time."""
         _watchdog().watch(event, describe, counters, targets)
 
 
