@@ -61,8 +61,8 @@ def signaled_gemm_kernel(
         dst_col = tl.load(entry + 4)
         group = tl.load(entry + 5)
         # Other buffers (peers' receive buffers mapped into this GPU's address space) are addressed as
-        # offsets from dst_ptr: one flat address space, no integer-to-pointer casts.
-        # The launcher checks that every offset is a multiple of 16 elements, which keeps the stores 16 bytes wide.
+        # offsets from dst_ptr: one flat address space, no integer-to-pointer casts. Their owner
+        # (overlap_tp/p2p.py) checks that each offset is a multiple of 16 elements: 16-byte stores stay.
         dst_base = dst_ptr + tl.multiple_of(tl.load(dst_offsets_ptr + tl.load(entry + 6)), 16)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
