@@ -154,6 +154,11 @@ def _signaled(a, w, bias, bias_rows, state: PlanState, out, collective, config, 
     engine.watch(state.done, describe, state.counters, targets)
 
 
+def _collectives(method, group, device, config):
+    """`off` is Megatron's path, torch.distributed; the overlapped methods use the capped communicator."""
+    return comm.TorchCollectives(group) if method == "off" else comm.collectives(group, device, config.comm_sms)
+
+
 def _chunk_bounds(rows: int, chunks: int):
     chunks = max(1, min(chunks, rows))
     base, extra = divmod(rows, chunks)
@@ -202,7 +207,7 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
             raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors and an NCCL group (symmetric memory)")
         from overlap_tp.p2p import gemm_rs_p2p
         return gemm_rs_p2p(a, w, bias, group, rank, t, config, gemm_programs(a.device, config))
-    coll = comm.collectives(group, a.device, config.comm_sms) if method != "off" else comm.TorchCollectives(group)
+    coll = _collectives(method, group, a.device, config)
 
     def collective(dst, src):
         coll.reduce_scatter(dst, src)
@@ -240,7 +245,7 @@ def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
     method = _resolve_method(config, a, w, m, n, "gemm_ar")
     if method == "signal" and config.transport != "nccl":
         raise ValueError(f"gemm_ar: transport={config.transport!r} is implemented for gemm_rs only; use 'nccl'")
-    coll = comm.collectives(group, a.device, config.comm_sms) if method != "off" else comm.TorchCollectives(group)
+    coll = _collectives(method, group, a.device, config)
 
     def collective(dst, src):   # every all-reduce path stores its rows in place: src is dst
         coll.all_reduce(dst)

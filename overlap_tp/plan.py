@@ -23,6 +23,7 @@ Tile-exact schedule (FlashOverlap's general case):
     reduce-scatter a rank holds its tiles in execution order (slot u); the plan's TileOrder
     (`slot_of[mi, ni]` = u) undoes it, or the fused RMSNorm reads the tiles where they are.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -212,22 +213,15 @@ def tile_exact_plan(m: int, n: int, world: int, block_m: int, block_n: int, grou
 def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) -> TilePlan:
     """Epilogue peer-to-peer reduce-scatter: no collective at all. Rank `rank` stores its partial of
     region k straight into rank k's receive buffer [t, M/t, N] at slot `rank` (over NVLink for k !=
-    rank); after a barrier every rank sums its t slots. Row-slice order, so every wave writes all
-    regions at once and the NVLink traffic is spread over the whole GEMM. One group: nothing waits on
-    a part of it."""
-    if m % world:
-        raise ValueError(f"M={m} is not divisible by the group size t={world}")
+    rank); after a barrier every rank sums its t slots. It is the one-group row-slice plan (every wave
+    writes all regions, spreading the NVLink traffic over the whole GEMM) with its destinations moved:
+    there, region k's rows sit at staging rows k*M/t + local row."""
+    plan = row_slice_plan(m, n, world, block_m, block_n, groups=1)
     m_local = m // world
-    slices, n_tiles = _cdiv(m_local, block_m), _cdiv(n, block_n)
-    tiles = []
-    for j in range(slices):
-        for k in range(world):
-            src = k * m_local + j * block_m
-            for nt in range(n_tiles):
-                tiles.append((src, min(src + block_m, (k + 1) * m_local), nt * block_n,
-                              rank * m_local + j * block_m, nt * block_n, 0, k))
-    return TilePlan("p2p", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
-                    (len(tiles),), (), (world * m_local, n), (m_local, n), None)
+    tiles = plan.tiles.clone()
+    tiles[:, DST_BUF] = tiles[:, DST_ROW] // m_local
+    tiles[:, DST_ROW] = rank * m_local + tiles[:, DST_ROW] % m_local
+    return dataclasses.replace(plan, schedule="p2p", tiles=tiles, collectives=())
 
 
 def make_plan(schedule: str, m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",
