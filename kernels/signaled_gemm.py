@@ -16,6 +16,12 @@ the kernel ran at ~30% of cuBLAS on an H200).
 
 Counters are never reset: each call adds group_tiles[g] to counter g, and waiters compare cyclically
 against (calls * group_tiles[g]) mod 2**32, so no memset sits on the critical path.
+
+AllGather+GEMM runs the same kernel the other way round (WAIT, no SIGNAL): a tile whose WAIT field
+names a ready flag spins on it before its first load, with acquire loads, until the flag reaches this
+call's epoch (compared cyclically); the comm stream raises the flag with cuStreamWriteValue32 once the
+chunk's transfer completed. The TMA loads that follow read through the async proxy, so a
+`fence.proxy.async` orders them after the acquire.
 """
 import os
 
@@ -40,20 +46,52 @@ def cta_barrier_then(value):
 
 
 @triton.jit
+def load_acquire(ptr):
+    """ld.acquire.gpu of one int32 word (the same word in every thread)."""
+    return tl.inline_asm_elementwise("ld.global.acquire.gpu.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def fence_async_proxy_then(value):
+    """fence.proxy.async, then `value`: TMA (async proxy) loads addressed with the result are issued
+    after the fence and see what the preceding acquire made visible."""
+    return tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, $1;", "=r,r", [value],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def wait_flag_then(flags_ptr, flag, target, value, INTERPRETED: tl.constexpr):
+    """Spin until flags[flag] - target >= 0 (int32, cyclic: the epochs may wrap), then `value`, which
+    the caller uses to address its loads: they depend on the wait through the opaque asm and cannot
+    be hoisted above it (by the compiler or the software pipeliner)."""
+    if INTERPRETED:
+        while tl.atomic_add(flags_ptr + flag, 0) - target < 0:
+            pass
+    else:
+        while load_acquire(flags_ptr + flag) - target < 0:
+            pass
+        value = fence_async_proxy_then(value)
+    return value
+
+
+@triton.jit
 def signaled_gemm_kernel(
     a_desc, w_desc,                 # TMA descriptors: A [M, K] in [BLOCK_M, BLOCK_K] boxes, W [N, K]
     dst_ptr, ld_dst,                # staging matrix the tiles are stored into, its row stride
     dst_offsets_ptr,                # int64 per destination buffer: its element offset from dst_ptr
     bias_ptr, bias_row_lo, bias_row_hi,   # bias added to source rows [lo, hi) only
-    tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, 7] in execution order
-    counters_ptr,                   # int32 per group, raised once per stored tile
+    tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, TILE_FIELDS] in execution order
+    counters_ptr,                   # SIGNAL: int32 per group, raised once per stored tile
+    flags_ptr, wait_target,         # WAIT: int32 ready flags and this call's epoch
     N, K,
-    HAS_BIAS: tl.constexpr, INTERPRETED: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, INTERPRETED: tl.constexpr,
+    TILE_FIELDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
     k_steps = tl.cdiv(K, BLOCK_K)
     for e in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-        entry = tiles_ptr + e * 7
+        entry = tiles_ptr + e * TILE_FIELDS
         src_row = tl.load(entry + 0)
         src_row_end = tl.load(entry + 1)
         col = tl.load(entry + 2)
@@ -64,6 +102,11 @@ def signaled_gemm_kernel(
         # offsets from dst_ptr: one flat address space, no integer-to-pointer casts. Their owner
         # (overlap_tp/p2p.py) checks that each offset is a multiple of 16 elements: 16-byte stores stay.
         dst_base = dst_ptr + tl.multiple_of(tl.load(dst_offsets_ptr + tl.load(entry + 6)), 16)
+
+        if WAIT:
+            flag = tl.load(entry + 7)
+            if flag >= 0:
+                src_row = wait_flag_then(flags_ptr, flag, wait_target, src_row, INTERPRETED)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(k_steps):
@@ -87,11 +130,12 @@ def signaled_gemm_kernel(
         out_cols = dst_col + tl.arange(0, BLOCK_N)
         tl.store(dst_base + out_rows[:, None] * ld_dst + out_cols[None, :],
                  acc.to(dst_ptr.dtype.element_ty), mask=mask)
-        if INTERPRETED:
-            tl.debug_barrier()
-        else:
-            group = cta_barrier_then(group)
-        tl.atomic_add(counters_ptr + group, 1, sem="release", scope="gpu")
+        if SIGNAL:
+            if INTERPRETED:
+                tl.debug_barrier()
+            else:
+                group = cta_barrier_then(group)
+            tl.atomic_add(counters_ptr + group, 1, sem="release", scope="gpu")
 
 
 def check_operands(a: torch.Tensor, w: torch.Tensor, bias=None):
@@ -131,9 +175,11 @@ def _zero_offset(device):
     return _zero_offsets[device]
 
 
-def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, bias_rows=(0, 0), dst_offsets=None):
+def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, bias_rows=(0, 0), dst_offsets=None,
+                  flags=None, wait_target=0):
     """Launch the kernel: the tiles of `tiles` (device int32 table) into `dst` (or, for a tile whose
-    DST_BUF is b, into the buffer `dst_offsets[b]` elements away from dst), raising `counters`."""
+    DST_BUF is b, into the buffer `dst_offsets[b]` elements away from dst), raising `counters` (unless
+    None); with `flags`, a tile whose WAIT field is f >= 0 first waits until flags[f] reaches wait_target."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     num_tiles = tiles.shape[0]
     assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
@@ -142,9 +188,11 @@ def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, b
         TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
         dst, dst.stride(0), dst_offsets if dst_offsets is not None else _zero_offset(dst.device),
         bias if bias is not None else dst, bias_rows[0], bias_rows[1],
-        tiles, num_tiles, counters,
+        tiles, num_tiles, counters if counters is not None else tiles,
+        flags if flags is not None else tiles, wait_target,
         w.shape[0], a.shape[1],
-        HAS_BIAS=bias is not None, INTERPRETED=INTERPRET,
+        HAS_BIAS=bias is not None, SIGNAL=counters is not None, WAIT=flags is not None, INTERPRETED=INTERPRET,
+        TILE_FIELDS=TILE_FIELDS,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGRAMS=grid[0],
         num_stages=config.num_stages, num_warps=config.num_warps,
     )

@@ -4,10 +4,13 @@ group's collective starts while the rest of the GEMM still runs.
 Public ops (the contract other parts and outside benchmarks call):
     gemm_rs(a, w, group=None, *, bias=None, config=None)  -> reduce_scatter(a @ w.T) [+ bias]
     gemm_ar(a, w, group=None, *, bias=None, config=None)  -> all_reduce(a @ w.T) [+ bias]
+    ag_gemm(a_shard, w, group=None, *, bias=None, config=None, return_gathered=False)
+                                                           -> all_gather(a_shard) @ w.T [+ bias]
     OverlapConfig                                          how they run (method, schedule, groups, ...)
 """
 from overlap_tp.config import OverlapConfig
+from overlap_tp.gather_gemm import ag_gemm
 from overlap_tp.ops import gemm_ar, gemm_rs
 
-__all__ = ["OverlapConfig", "gemm_rs", "gemm_ar"]
+__all__ = ["OverlapConfig", "ag_gemm", "gemm_rs", "gemm_ar"]
 __version__ = "0.1.0"

@@ -56,6 +56,12 @@ class TorchCollectives:
         dist.all_reduce(total, group=self.group)
         out.copy_(total.view(dist.get_world_size(self.group), *out.shape)[dist.get_rank(self.group)])
 
+    def all_gather_rows(self, gathered, src, lo, hi):
+        """Rows [lo, hi) of every rank's shard `src` into the same rows of that rank's region of
+        `gathered` [t * rows, K] (the standard order)."""
+        regions = gathered.chunk(dist.get_world_size(self.group))
+        dist.all_gather([region[lo:hi] for region in regions], src[lo:hi], group=self.group)
+
     def all_reduce(self, x):
         if not self.gloo or x.dtype == torch.float32:
             dist.all_reduce(x, group=self.group)
@@ -85,22 +91,37 @@ def collectives(group, device: torch.device, max_ctas: int):
 # Waiting on counters
 # ---------------------------------------------------------------------------------------------------
 
-def _stream_memop_wait(stream, counters, index, target):
-    """cuStreamWaitValue32: the stream's front end polls the word, no SM is spent. GEQ compares
-    cyclically, (int32)(*addr - value) >= 0, so the per-call epoch targets may wrap."""
+def _driver():
     try:
         from cuda.bindings import driver
     except ImportError as e:
-        raise RuntimeError("overlap_tp: the comm stream waits with CUDA stream memory operations, which need "
-                           "the cuda-bindings package (pip install 'overlap_tp[gpu]')") from e
-    (err,) = driver.cuStreamWaitValue32(driver.CUstream(stream.cuda_stream),
-                                        driver.CUdeviceptr(counters.data_ptr() + 4 * index), target & 0xFFFFFFFF,
-                                        driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        raise RuntimeError("overlap_tp: the comm stream waits and signals with CUDA stream memory operations, "
+                           "which need the cuda-bindings package (pip install 'overlap_tp[gpu]')") from e
+    return driver
+
+
+def stream_wait_value(stream, address: int, target: int):
+    """cuStreamWaitValue32 on the word at `address` (local or peer-mapped): the stream's front end polls
+    it, no SM is spent. GEQ compares cyclically, (int32)(*addr - value) >= 0, so epochs may wrap."""
+    driver = _driver()
+    (err,) = driver.cuStreamWaitValue32(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(address),
+                                        target & 0xFFFFFFFF, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"overlap_tp: cuStreamWaitValue32 failed: {err}")
 
 
-def _host_wait(stream, counters, index, target):
+def stream_write_value(stream, address: int, value: int):
+    """cuStreamWriteValue32 of `value` to the word at `address` (local or peer-mapped), after all prior
+    work of the stream. The default flags put a system-scope memory fence before the write, so whoever
+    observes the value also observes everything the stream wrote before it."""
+    driver = _driver()
+    (err,) = driver.cuStreamWriteValue32(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(address),
+                                         value & 0xFFFFFFFF, driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"overlap_tp: cuStreamWriteValue32 failed: {err}")
+
+
+def _host_wait(counters, index, target):
     """CPU tensors (the Triton interpreter runs kernels synchronously): the tiles must all be there."""
     got = int(counters[index]) & 0xFFFFFFFF
     if got != target & 0xFFFFFFFF:
@@ -112,15 +133,22 @@ class CommEngine:
 
     def __init__(self, device: torch.device):
         self.device = device
-        if device.type != "cuda":
-            self.stream, self._wait = None, _host_wait
-            return
-        self.stream = torch.cuda.Stream(device=device, priority=torch.cuda.Stream.priority_range()[1])
-        self._wait = _stream_memop_wait
+        self.stream = None if device.type != "cuda" else torch.cuda.Stream(
+            device=device, priority=torch.cuda.Stream.priority_range()[1])
 
     def wait_counter(self, counters: torch.Tensor, index: int, target: int):
         """Make the comm stream wait until counters[index] reaches target (cyclically)."""
-        self._wait(self.stream, counters, index, target)
+        if self.stream is None:
+            _host_wait(counters, index, target)
+        else:
+            stream_wait_value(self.stream, counters.data_ptr() + 4 * index, target)
+
+    def raise_flag(self, flags: torch.Tensor, index: int, value: int):
+        """flags[index] = value once everything the comm stream issued so far has completed."""
+        if self.stream is None:
+            flags[index] = value
+        else:
+            stream_write_value(self.stream, flags.data_ptr() + 4 * index, value)
 
     def watch(self, event, describe, counters=None, targets=None):
         """Have the watchdog check that `event` (the end of an op, recorded on its stream) completes in time."""

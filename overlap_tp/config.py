@@ -20,16 +20,20 @@ class OverlapConfig:
       auto       for now `off`, with a one-time warning: no per-shape plan is tuned yet and the winner
                  depends on the shape (docs/perf/README.md). The wave-group tuner (issue 4) makes this
                  choose per shape.
-    schedule:    tile order of the signaled GEMM. `row_slice` writes every group straight into the layout
-                 the collective needs, so the result lands in Megatron's standard layout; `tile_exact`
-                 follows the tile raster and leaves tiles in execution order, undone after the collective.
+    schedule:    tile order of the signaled GEMM+collective. `row_slice` writes every group straight into
+                 the layout the collective needs, so the result lands in Megatron's standard layout;
+                 `tile_exact` follows the tile raster and leaves tiles in execution order, undone after the
+                 collective. ag_gemm has one schedule (local rows first, then the peers' chunks).
     groups:      "auto" (a first rule: about 16 MB of output per group, 2 to 8 groups), an int (that many
                  near-equal groups) or a tuple of per-group sizes in schedule units (row_slice: row-slices
-                 of block_m rows of every rank's region; tile_exact: tile positions of a rank's region).
+                 of block_m rows of every rank's region; tile_exact: tile positions of a rank's region;
+                 ag_gemm: the chunks in which the peers' rows arrive, in row-slices of the local rows).
     transport:   how `signal` moves a reduce-scatter's partials. `nccl`: one NCCL collective per group on
                  the comm stream. `p2p` (gemm_rs on CUDA only): no collective; the epilogue stores each
                  region's tiles straight into the owner's symmetric-memory buffer over NVLink, then a
-                 barrier and one add per rank (schedule and groups do not apply).
+                 barrier and one add per rank (schedule and groups do not apply). For ag_gemm, `nccl`
+                 broadcasts each chunk in place (needs comm_sms >= 1); `p2p` pulls the peers' rows with
+                 copy-engine copies from their symmetric-memory shard buffers (no SM).
     comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a
                  communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
     chunks:      M-chunks of the `decompose` method.

@@ -56,6 +56,8 @@ def library():
                       ctypes.c_void_p]
         lib.ncclReduceScatter.argtypes = collective
         lib.ncclAllReduce.argtypes = collective
+        lib.ncclBroadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p]
         _lib = lib
     return _lib
 
@@ -80,7 +82,13 @@ class Communicator:
                         CONFIG_UNDEF_INT, CONFIG_UNDEF_INT, None, *([CONFIG_UNDEF_INT] * 6))
         if max_ctas:
             config.maxCTAs = max_ctas
+        # No thread-block clusters: NCCL's default on Hopper launches clusters of CTAs, which must be
+        # co-scheduled within one GPC. Next to a persistent GEMM that holds all but `max_ctas` SMs, the
+        # free SMs are scattered over GPCs and a cluster may never fit; an AllGather+GEMM whose CTAs
+        # spin on the broadcast's ready flags then hangs (seen on the H200 pair: docs/perf/README.md).
+        config.cgaClusterSize = 1
         self.comm = ctypes.c_void_p()
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         with torch.cuda.device(device):
             _check(lib.ncclCommInitRankConfig(ctypes.byref(self.comm), dist.get_world_size(group), uid,
                                               dist.get_rank(group), ctypes.byref(config)), "ncclCommInitRankConfig")
@@ -95,3 +103,18 @@ class Communicator:
         """On the current stream: x = sum over ranks of x, in place."""
         _check(library().ncclAllReduce(x.data_ptr(), x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], NCCL_SUM,
                                        self.comm, torch.cuda.current_stream().cuda_stream), "ncclAllReduce")
+
+    def all_gather_rows(self, gathered: torch.Tensor, src: torch.Tensor, lo: int, hi: int):
+        """On the current stream: rows [lo, hi) of every rank's shard into the same rows of that rank's
+        region of `gathered` [t * rows, K], in place (one broadcast per root in one NCCL group call), so
+        the rows land in the standard order with no staging copy. This rank's own rows are expected to
+        be in `gathered` already (in-place broadcast); `src` is checked to be this rank's shard shape."""
+        lib, stream = library(), torch.cuda.current_stream().cuda_stream
+        regions = gathered.chunk(self.world)
+        assert src.shape == regions[self.rank].shape, (src.shape, regions[self.rank].shape)
+        _check(lib.ncclGroupStart(), "ncclGroupStart")
+        for root, region in enumerate(regions):
+            rows = region[lo:hi]
+            _check(lib.ncclBroadcast(rows.data_ptr(), rows.data_ptr(), rows.numel(), NCCL_DTYPES[rows.dtype], root,
+                                     self.comm, stream), "ncclBroadcast")
+        _check(lib.ncclGroupEnd(), "ncclGroupEnd")

@@ -26,7 +26,7 @@ from overlap_tp.config import OverlapConfig
 from overlap_tp.kernels.signaled_gemm import check_operands, signaled_gemm, tma_unsupported_reason
 from overlap_tp.plan import TileOrder, TilePlan, make_plan
 
-_DEFAULT_CONFIG = OverlapConfig()
+DEFAULT_CONFIG = OverlapConfig()
 _warned = set()
 
 
@@ -36,7 +36,7 @@ def _warn_once(message: str):
         warnings.warn(message, stacklevel=3)
 
 
-def _check_inputs(a, w, bias, t, op):
+def check_inputs(a, w, bias, t, op):
     check_operands(a, w, bias)
     if a.shape[0] % t:
         raise ValueError(f"{op}: M={a.shape[0]} is not divisible by the group size t={t}")
@@ -45,14 +45,14 @@ def _check_inputs(a, w, bias, t, op):
                          f"cuda:{torch.cuda.current_device()} (one GPU per rank, set with torch.cuda.set_device)")
 
 
-def _signal_unsupported_reason(a, w, config: OverlapConfig, m_local: int, n: int) -> Optional[str]:
+def _signal_unsupported_reason(a, w, config: OverlapConfig, m_local: int, n: int, op: str) -> Optional[str]:
     """Why the signaled kernel cannot run here, or None."""
     tma = tma_unsupported_reason(a, w)
     if tma is not None:
         return tma
     if a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
         return f"the signaled GEMM needs TMA (compute capability >= 9.0), {torch.cuda.get_device_name(a.device)} lacks it"
-    if config.schedule == "tile_exact" and (m_local % config.block_m or n % config.block_n):
+    if op != "ag_gemm" and config.schedule == "tile_exact" and (m_local % config.block_m or n % config.block_n):
         return (f"schedule 'tile_exact' needs M/t={m_local} % block_m={config.block_m} == 0 and "
                 f"N={n} % block_n={config.block_n} == 0")
     return None
@@ -64,13 +64,13 @@ AUTO_FALLBACK = ("method='auto' runs 'off' (cuBLAS then the collective): no tune
                  "method='signal' (transport='p2p' or 'nccl') or 'decompose' to choose")
 
 
-def _resolve_method(config, a, w, m_local, n, op):
+def resolve_method(config, a, w, m_local, n, op):
     """The method that runs. 'auto' is Megatron's sequential path until a tuned plan says overlap pays."""
     if config.method == "auto":
         _warn_once(f"overlap_tp {op}: {AUTO_FALLBACK}")
         return "off"
     if config.method == "signal":
-        reason = _signal_unsupported_reason(a, w, config, m_local, n)
+        reason = _signal_unsupported_reason(a, w, config, m_local, n, op)
         if reason is not None:
             raise ValueError(f"{op}: method='signal' cannot run: {reason}")
     return config.method
@@ -154,12 +154,12 @@ def _signaled(a, w, bias, bias_rows, state: PlanState, out, collective, config, 
     engine.watch(state.done, describe, state.counters, targets)
 
 
-def _collectives(method, group, device, config):
+def collectives_for(method, group, device, config):
     """`off` is Megatron's path, torch.distributed; the overlapped methods use the capped communicator."""
     return comm.TorchCollectives(group) if method == "off" else comm.collectives(group, device, config.comm_sms)
 
 
-def _chunk_bounds(rows: int, chunks: int):
+def chunk_bounds(rows: int, chunks: int):
     chunks = max(1, min(chunks, rows))
     base, extra = divmod(rows, chunks)
     bounds, lo = [], 0
@@ -175,7 +175,7 @@ def _decomposed(a, w, out, compute_chunk, collective, chunks, rows):
     engine = comm.comm_engine(a.device)
     current = torch.cuda.current_stream(a.device) if a.is_cuda else None
     staged_chunks = []   # alive until the current stream has waited for the comm stream
-    for lo, hi in _chunk_bounds(rows, chunks):
+    for lo, hi in chunk_bounds(rows, chunks):
         staged = compute_chunk(lo, hi)
         if current is None:
             collective(out[lo:hi], staged)
@@ -195,19 +195,19 @@ def _decomposed(a, w, out, compute_chunk, collective, chunks, rows):
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
             config: Optional[OverlapConfig] = None) -> torch.Tensor:
     """reduce_scatter(a @ w.T + bias) along dim 0: rank k gets rows [k*M/t, (k+1)*M/t), bias added once."""
-    config = config or _DEFAULT_CONFIG
+    config = config or DEFAULT_CONFIG
     group = comm.resolve_group(group)
     t, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_inputs(a, w, bias, t, "gemm_rs")
+    check_inputs(a, w, bias, t, "gemm_rs")
     m, n = a.shape[0], w.shape[0]
     m_local = m // t
-    method = _resolve_method(config, a, w, m_local, n, "gemm_rs")
+    method = resolve_method(config, a, w, m_local, n, "gemm_rs")
     if method == "signal" and config.transport == "p2p":
         if not a.is_cuda or dist.get_backend(group) != "nccl":
             raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors and an NCCL group (symmetric memory)")
         from overlap_tp.p2p import gemm_rs_p2p
         return gemm_rs_p2p(a, w, bias, group, rank, t, config, gemm_programs(a.device, config))
-    coll = _collectives(method, group, a.device, config)
+    coll = collectives_for(method, group, a.device, config)
 
     def collective(dst, src):
         coll.reduce_scatter(dst, src)
@@ -237,15 +237,15 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
 def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
             config: Optional[OverlapConfig] = None) -> torch.Tensor:
     """all_reduce(a @ w.T) + bias, bias added once."""
-    config = config or _DEFAULT_CONFIG
+    config = config or DEFAULT_CONFIG
     group = comm.resolve_group(group)
     t, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_inputs(a, w, bias, 1, "gemm_ar")
+    check_inputs(a, w, bias, 1, "gemm_ar")
     m, n = a.shape[0], w.shape[0]
-    method = _resolve_method(config, a, w, m, n, "gemm_ar")
+    method = resolve_method(config, a, w, m, n, "gemm_ar")
     if method == "signal" and config.transport != "nccl":
         raise ValueError(f"gemm_ar: transport={config.transport!r} is implemented for gemm_rs only; use 'nccl'")
-    coll = _collectives(method, group, a.device, config)
+    coll = collectives_for(method, group, a.device, config)
 
     def collective(dst, src):   # every all-reduce path stores its rows in place: src is dst
         coll.all_reduce(dst)

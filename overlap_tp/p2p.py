@@ -1,6 +1,12 @@
-"""GEMM+ReduceScatter with no collective: the GEMM epilogue stores each region's tiles straight into
-the owning rank's receive buffer (PyTorch symmetric memory, peer-mapped over NVLink), then a barrier,
-then every rank sums the t partial slots it received.
+"""Peer-to-peer transports through PyTorch symmetric memory (peer-mapped over NVLink), no collective.
+
+GEMM+ReduceScatter (`gemm_rs_p2p`): the GEMM epilogue stores each region's tiles straight into the
+owning rank's receive buffer, then a barrier, then every rank sums the t partial slots it received.
+
+AllGather+GEMM (`ShardPull`): every rank copies its shard into a symmetric buffer and tells its peers
+so by writing the call's epoch into their `ready` words (cuStreamWriteValue32 on peer-mapped memory);
+each rank then pulls the peers' rows chunk by chunk with copy-engine copies. No SM is spent on the
+transfer; waits and signals are stream memory operations.
 
 What it removes against per-group NCCL reduce-scatters (shared/DEVICE.md, contention section): the
 collective's CTAs (no SM is taken from the GEMM), the partial's round trip through local HBM before
@@ -74,3 +80,67 @@ def gemm_rs_p2p(a, w, bias, group, rank, t, config, programs):
     comm.comm_engine(a.device).watch(done, f"gemm_rs(M={m}, N={n}, K={a.shape[1]}, t={t}, p2p) barrier")
     # bf16 sum over the slots accumulates in fp32 and rounds once: at t = 2, NCCL's bf16 a + b exactly.
     return buf.view(t, m_local, n).sum(0)
+
+
+@dataclass
+class ShardPull:
+    """AllGather by copy-engine pulls, for one (group, shard shape): double-buffered symmetric copies of
+    this rank's shard and a symmetric int32 `ready[t]` word per source rank.
+
+    Why double buffering with one epoch per call is safe: a rank overwrites shard buffer b in call i
+    only after its comm stream saw every peer's epoch i-1, which a peer writes only after its pulls of
+    call i-2 (from buffer b) completed (stream order on that peer)."""
+    rank: int
+    world: int
+    shards: List[Tuple[torch.Tensor, object]]   # (symmetric [M/t, K] buffer, handle) x 2
+    ready: torch.Tensor                          # symmetric int32 [t]: ready[p] = epoch of p's shard
+    peer_ready: List[int]                        # address of ready[rank] on each rank
+    calls: int = 0
+
+    def start(self, engine, a_shard):
+        """On the comm stream: publish a_shard to the peers and wait until theirs are published.
+        Returns the peers' shard buffers for this call, as tensors on this device."""
+        buf, handle = self.shards[self.calls % 2]
+        self.calls += 1
+        buf.copy_(a_shard)
+        for p in range(self.world):
+            if p != self.rank:
+                comm.stream_write_value(engine.stream, self.peer_ready[p], self.calls)
+        for p in range(self.world):
+            if p != self.rank:
+                comm.stream_wait_value(engine.stream, self.ready.data_ptr() + 4 * p, self.calls)
+        offset = (buf.data_ptr() - handle.buffer_ptrs[self.rank]) // buf.element_size()
+        return [None if p == self.rank else handle.get_buffer(p, tuple(buf.shape), buf.dtype, offset)
+                for p in range(self.world)]
+
+    @staticmethod
+    def pull(gathered, peer_shards, lo, hi):
+        """On the current (comm) stream: rows [lo, hi) of every peer's shard into its region of `gathered`."""
+        regions = gathered.chunk(len(peer_shards))
+        for region, shard in zip(regions, peer_shards):
+            if shard is not None:
+                region[lo:hi].copy_(shard[lo:hi])
+
+
+_pulls = {}
+
+
+def shard_pull(group, rank, t, m_local, k, dtype, device) -> ShardPull:
+    """The ShardPull of this group and shard shape, created collectively on first use."""
+    key = (id(group), m_local, k, dtype, device.index)
+    if key not in _pulls:
+        from torch.distributed import _symmetric_memory as symm_mem
+        shards = []
+        for _ in range(2):
+            buf = symm_mem.empty(m_local, k, dtype=dtype, device=device)
+            shards.append((buf, symm_mem.rendezvous(buf, group)))
+        ready = symm_mem.empty(t, dtype=torch.int32, device=device)
+        ready.zero_()
+        handle = symm_mem.rendezvous(ready, group)
+        within = ready.data_ptr() - handle.buffer_ptrs[rank]
+        peer_ready = [handle.buffer_ptrs[p] + within + 4 * rank for p in range(t)]
+        torch.cuda.synchronize(device)
+        handle.barrier(channel=0)   # every rank's ready words are zero before anyone writes a peer's
+        torch.cuda.synchronize(device)
+        _pulls[key] = ShardPull(rank, t, shards, ready, peer_ready)
+    return _pulls[key]

@@ -11,7 +11,8 @@ layout needs no regions: plans are built with t = 1 and the collective is an all
 
 Row-slice schedule (lands in the standard layout, no reorder after the collective):
     execution order: for each row-slice j (block_m rows of every region), for each region k, all
-    N-tiles. A group is a run of whole row-slices [j0, j1) covering local rows [lo, hi). The epilogue
+    N-tiles, rastered within a group (`raster`: runs of 8 tile rows share the N-tiles of W in L2). A
+    group is a run of whole row-slices [j0, j1) covering local rows [lo, hi). The epilogue
     stores tile (k, j, n) into the group's staging block laid out as [t, hi - lo, N]:
         staging row = t*lo + k*(hi - lo) + (j*block_m - lo)
     so reduce_scatter(staging[t*lo : t*hi]) delivers local rows [lo, hi) straight to every rank.
@@ -30,10 +31,12 @@ from typing import List, Optional, Tuple
 import torch
 
 # One row of the tile table: source rows [src_row, src_row_end) (the end stops a tile at its region's
-# boundary), source/destination column, destination row/column in the staging matrix, group, and the
-# destination buffer (0 = local staging; the p2p plan stores region k's tiles into rank k's buffer).
-SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF = range(7)
-TILE_FIELDS = 7
+# boundary), source/destination column, destination row/column in the staging matrix, group, the
+# destination buffer (0 = local staging; the p2p plan stores region k's tiles into rank k's buffer),
+# and the ready flag the tile waits for before loading A (-1: none; AllGather+GEMM plans only).
+SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF, WAIT = range(8)
+TILE_FIELDS = 8
+NO_WAIT = -1
 
 # Output bytes per group the first partition rule aims at: NCCL reaches ~130 GB/s bus bandwidth at
 # 16 MB on the H200 pair (shared/DEVICE.md) while smaller messages are latency-bound.
@@ -154,13 +157,14 @@ def row_slice_plan(m: int, n: int, world: int, block_m: int, block_n: int, group
     j0 = 0
     for g, size in enumerate(sizes):
         lo, hi = j0 * block_m, min((j0 + size) * block_m, m_local)
+        rows = []   # the group's tile rows (source, source end, staging row), rastered with the N-tiles below
         for j in range(j0, j0 + size):
             for k in range(world):
                 src = k * m_local + j * block_m
-                dst = world * lo + k * (hi - lo) + (j * block_m - lo)
-                for nt in range(n_tiles):
-                    tiles.append((src, min(src + block_m, (k + 1) * m_local), nt * block_n, dst,
-                                  nt * block_n, g, 0))
+                rows.append((src, min(src + block_m, (k + 1) * m_local), world * lo + k * (hi - lo) + (j * block_m - lo)))
+        for r, nt in raster(len(rows), n_tiles):
+            src, end, dst = rows[r]
+            tiles.append((src, end, nt * block_n, dst, nt * block_n, g, 0, NO_WAIT))
         group_tiles.append(size * world * n_tiles)
         collectives.append(Collective(world * lo, world * hi, lo, hi))
         j0 += size
@@ -199,7 +203,7 @@ def tile_exact_plan(m: int, n: int, world: int, block_m: int, block_n: int, grou
             for k in range(world):
                 slot = world * u0 + k * size + (u - u0)
                 src = k * m_local + mi * block_m
-                tiles.append((src, src + block_m, ni * block_n, slot * block_m, 0, g, 0))
+                tiles.append((src, src + block_m, ni * block_n, slot * block_m, 0, g, 0, NO_WAIT))
         group_tiles.append(size * world)
         collectives.append(Collective(world * u0 * block_m, world * (u0 + size) * block_m,
                                       u0 * block_m, (u0 + size) * block_m))
@@ -222,6 +226,45 @@ def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) 
     tiles[:, DST_BUF] = tiles[:, DST_ROW] // m_local
     tiles[:, DST_ROW] = rank * m_local + tiles[:, DST_ROW] % m_local
     return dataclasses.replace(plan, schedule="p2p", tiles=tiles, collectives=())
+
+
+def ag_plan(m: int, n: int, k: int, world: int, rank: int, block_m: int, block_n: int, groups="auto",
+            elem_bytes: int = 2) -> TilePlan:
+    """AllGather+GEMM on rank `rank`: C[M, N] = gathered A[M, K] @ W.T, rows in the standard order.
+
+    The local region's tiles come first and wait for nothing. The peers' rows arrive in chunks: chunk
+    c is the same run of row-slices [j0, j1) (local rows [lo, hi)) of every peer region; its tiles, in
+    peer order rank+1, rank+2, ..., wait on ready flag c. A tile's rows never cross a region, so no
+    tile reads rows of a chunk that has not arrived (a tile's load box may overhang into the next
+    region; those rows are masked out of the store and never used). `collectives[c]` holds the chunk's
+    local row range as (lo, hi, lo, hi); `group_tiles[c]` counts the tiles that wait on it.
+    """
+    if m % world:
+        raise ValueError(f"M={m} is not divisible by the group size t={world}")
+    m_local = m // world
+    slices, n_tiles = _cdiv(m_local, block_m), _cdiv(n, block_n)
+
+    def region_tiles(regions, j0, j1, wait):
+        rows = [(p * m_local + j * block_m, min(p * m_local + (j + 1) * block_m, (p + 1) * m_local))
+                for p in regions for j in range(j0, j1)]
+        return [(src, end, nt * block_n, src, nt * block_n, 0, 0, wait)
+                for r, nt in raster(len(rows), n_tiles) for src, end in [rows[r]]]
+
+    tiles = region_tiles([rank], 0, slices, NO_WAIT)
+    group_tiles, collectives = [], []
+    peers = [(rank + i) % world for i in range(1, world)]
+    if peers:
+        sizes = split_units(slices, groups, (world - 1) * block_m * k * elem_bytes)
+        j0 = 0
+        for c, size in enumerate(sizes):
+            chunk = region_tiles(peers, j0, j0 + size, c)
+            tiles += chunk
+            group_tiles.append(len(chunk))
+            lo, hi = j0 * block_m, min((j0 + size) * block_m, m_local)
+            collectives.append(Collective(lo, hi, lo, hi))
+            j0 += size
+    return TilePlan("ag", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
+                    tuple(group_tiles), tuple(collectives), (m, n), (m, n), None)
 
 
 def make_plan(schedule: str, m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",

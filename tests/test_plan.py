@@ -4,8 +4,8 @@ import random
 import pytest
 import torch
 
-from overlap_tp.plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, SRC_ROW, SRC_ROW_END, make_plan, p2p_plan, raster,
-                             split_units)
+from overlap_tp.plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, NO_WAIT, SRC_ROW, SRC_ROW_END, WAIT, ag_plan,
+                             make_plan, p2p_plan, raster, split_units)
 
 
 def simulate(plan):
@@ -127,3 +127,34 @@ def test_p2p_plan_delivers_every_partial_to_its_owner(m, n, t, bm, bn):
         for r in range(t):
             expected = torch.arange(m * n, dtype=torch.int64).view(m, n)[k * m_local:(k + 1) * m_local] + r * m * n
             assert torch.equal(received[k, r * m_local:(r + 1) * m_local], expected)
+
+
+@pytest.mark.parametrize("m,n,t,bm,bn,groups", CASES)
+def test_ag_plan_covers_every_output_tile_after_its_rows_arrive(m, n, t, bm, bn, groups):
+    """For every rank: each output element is computed exactly once, from its own rows, at its standard
+    position; local rows come first and wait for nothing; a peer row is read only by tiles that wait
+    on the chunk that carries it (chunks: the same local row range of every peer region)."""
+    m_local = m // t
+    for rank in range(t):
+        plan = ag_plan(m, n, 64, t, rank, bm, bn, groups)
+        written = torch.zeros(m, n, dtype=torch.int64)
+        waits = plan.tiles[:, WAIT].tolist()
+        first_wait = next((i for i, f in enumerate(waits) if f != NO_WAIT), len(waits))
+        assert all(f == NO_WAIT for f in waits[:first_wait]) and all(f != NO_WAIT for f in waits[first_wait:])
+        assert waits[first_wait:] == sorted(waits[first_wait:]), "chunks in arrival order"
+        for tile in plan.tiles.tolist():
+            src, end, col = tile[SRC_ROW], tile[SRC_ROW_END], tile[COL]
+            region = src // m_local
+            assert region == (end - 1) // m_local and 0 < end - src <= bm
+            assert (tile[DST_ROW], tile[DST_COL]) == (src, col)
+            if tile[WAIT] == NO_WAIT:
+                assert region == rank
+            else:
+                chunk = plan.collectives[tile[WAIT]]
+                assert region != rank and chunk.src_lo <= src - region * m_local and end - region * m_local <= chunk.src_hi
+            written[src:end, col:col + bn] += 1
+        assert int(written.min()) == 1 and int(written.max()) == 1
+        if t > 1:
+            assert plan.collectives[0].src_lo == 0 and plan.collectives[-1].src_hi == m_local
+            assert all(a.src_hi == b.src_lo for a, b in zip(plan.collectives, plan.collectives[1:]))
+            assert sum(plan.group_tiles) == int((plan.tiles[:, WAIT] != NO_WAIT).sum())

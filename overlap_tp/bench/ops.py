@@ -1,13 +1,14 @@
-"""Operator benchmark: GEMM+ReduceScatter and GEMM+AllReduce against the baselines of BENCHMARKS.md.
+"""Operator benchmark: GEMM+ReduceScatter, GEMM+AllReduce and AllGather+GEMM against the baselines of
+BENCHMARKS.md.
 
     torchrun --nproc-per-node 2 -m overlap_tp.bench ops --out docs/perf
 
 One process per GPU; every baseline runs in the same process on the same inputs:
-  seq        cuBLAS then the NCCL collective on one stream (method='off')
+  seq        cuBLAS then the NCCL collective on one stream (method='off'; AG: the all-gather first)
   gemm/comm  the GEMM alone, the collective alone
   decomp     M split into c in {2, 4, 8} cuBLAS calls, chunk collectives on the comm stream (best c)
-  async-TP   torch.distributed._symmetric_memory._fused_matmul_reduce_scatter (reduce-scatter only)
-  ours       gemm_rs / gemm_ar with the default config; `--sweep` also times schedule x groups x comm_sms
+  async-TP   torch.distributed._symmetric_memory._fused_matmul_reduce_scatter / _fused_all_gather_matmul
+  ours       gemm_rs / gemm_ar / ag_gemm with the default config; `--sweep` also times other configs
 Times are medians of --reps calls (CUDA events, inputs rotated over 3 sets), the slowest rank's.
 Every configuration's output is checked against `seq` before it is timed.
 """
@@ -18,17 +19,25 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from overlap_tp import OverlapConfig, gemm_ar, gemm_rs
+from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
 from overlap_tp.bench import report
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops import gemm_programs, plan_state
+from overlap_tp.plan import ag_plan
 
-# name -> (K_local, N) of the row-parallel GEMMs (GEMM+RS), BENCHMARKS.md
+# name -> (K_local, N) of the row-parallel GEMMs (GEMM+RS, GEMM+AR), BENCHMARKS.md
 SHAPES = {
     "l8b.proj": (2048, 4096),
     "l8b.fc2": (7168, 4096),
     "l70b.proj": (4096, 8192),
     "l70b.fc2": (14336, 8192),
+}
+# name -> (K, N_local) of the column-parallel GEMMs (AG+GEMM), BENCHMARKS.md
+AG_SHAPES = {
+    "l8b.qkv": (4096, 3072),
+    "l8b.fc1": (4096, 14336),
+    "l70b.qkv": (8192, 5120),
+    "l70b.fc1": (8192, 28672),
 }
 INPUT_SETS = 3
 
@@ -36,8 +45,10 @@ INPUT_SETS = 3
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m overlap_tp.bench ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ops", default="rs,ar", help="comma list of rs, ar")
+    p.add_argument("--ops", default="rs,ar,ag", help="comma list of rs, ar, ag")
     p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
+    p.add_argument("--ag-shapes", default=",".join(AG_SHAPES), help="comma list of " + ",".join(AG_SHAPES))
+    p.add_argument("--ag-seq", default="4096,8192,16384", help="tokens M for ag_gemm")
     p.add_argument("--seq", default="4096,8192,16384", help="tokens M per rank group (GEMM rows)")
     p.add_argument("--ar-seq", default="8192", help="tokens for gemm_ar (its collective moves 2x the bytes)")
     p.add_argument("--reps", type=int, default=50)
@@ -73,7 +84,17 @@ def agree(got, ref, what):
 
 def ours_variants(op, sweep):
     """`ours` is the default signal config; --sweep adds the schedule x groups x comm_sms corners that
-    won in earlier runs (docs/perf/) and, for reduce-scatter, the epilogue peer-to-peer transport."""
+    won in earlier runs (docs/perf/) and, for reduce-scatter, the epilogue peer-to-peer transport.
+    AllGather+GEMM: copy-engine pulls (p2p, no SM) and in-place NCCL broadcasts, by chunk count."""
+    if op == "ag":
+        variants = {"ours": OverlapConfig(method="signal", transport="p2p", comm_sms=0)}
+        if sweep:
+            for groups in (2, 4, 8):
+                variants[f"p2p/g{groups}"] = OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=groups)
+            for groups, comm_sms in ((2, 16), (4, 16), (4, 8)):
+                variants[f"nccl/g{groups}/sm{comm_sms}"] = OverlapConfig(method="signal", groups=groups,
+                                                                         comm_sms=comm_sms)
+        return variants
     variants = {"ours": OverlapConfig(method="signal")}
     if sweep:
         for schedule, groups, comm_sms in (("row_slice", 2, 0), ("row_slice", 4, 0), ("row_slice", 2, 16),
@@ -87,31 +108,44 @@ def ours_variants(op, sweep):
 
 def bench_shape(op, name, m, k, n, args, group):
     t = dist.get_world_size(group)
-    sets = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+    a_rows = m // t if op == "ag" else m      # ag_gemm's input is this rank's shard of the rows
+    sets = [(torch.randn(a_rows, k, device="cuda", dtype=torch.bfloat16),
              torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5) for _ in range(INPUT_SETS)]
-    run = gemm_rs if op == "rs" else gemm_ar
+    run = {"rs": gemm_rs, "ar": gemm_ar, "ag": ag_gemm}[op]
     off = OverlapConfig(method="off")
     seq_out = run(*sets[0], group, config=off)
     row = {"op": op, "shape": f"{name}.s{m}", "M": m, "K": k, "N": n}
     row["seq"] = timed(lambda a, w: run(a, w, group, config=off), sets, args.reps, group)
-    row["gemm"] = timed(lambda a, w: a @ w.t(), sets, args.reps, group)
-    partial = sets[0][0] @ sets[0][1].t()
-    out_rows = m // t if op == "rs" else m
-    comm_out = torch.empty(out_rows, n, device="cuda", dtype=torch.bfloat16)
-    if op == "rs":
-        row["comm"] = timed(lambda: dist.reduce_scatter_tensor(comm_out, partial, group=group), [()], args.reps, group)
+    gathered = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    if op == "ag":
+        row["gemm"] = timed(lambda a, w: gathered @ w.t(), sets, args.reps, group)
+        row["comm"] = timed(lambda a, w: dist.all_gather_into_tensor(gathered, a, group=group), sets, args.reps, group)
     else:
-        row["comm"] = timed(lambda: dist.all_reduce(partial, group=group), [()], args.reps, group)
+        row["gemm"] = timed(lambda a, w: a @ w.t(), sets, args.reps, group)
+        partial = sets[0][0] @ sets[0][1].t()
+        out_rows = m // t if op == "rs" else m
+        comm_out = torch.empty(out_rows, n, device="cuda", dtype=torch.bfloat16)
+        if op == "rs":
+            row["comm"] = timed(lambda: dist.reduce_scatter_tensor(comm_out, partial, group=group), [()], args.reps,
+                                group)
+        else:
+            row["comm"] = timed(lambda: dist.all_reduce(partial, group=group), [()], args.reps, group)
     row["S_ideal"] = row["seq"] / max(row["gemm"], row["comm"])
 
-    # the signaled GEMM alone (full grid, no communication) against cuBLAS
+    # the signaled GEMM alone (full grid, no communication, no waits) against cuBLAS
     full_grid = OverlapConfig(method="signal", comm_sms=0)
-    state = plan_state(full_grid.schedule, m, n, t if op == "rs" else 1, full_grid, 2, sets[0][0].device)
-    staging = torch.empty(state.plan.staging_shape, device="cuda", dtype=torch.bfloat16)
-    counters = torch.zeros_like(state.counters)
-    row["sgemm"] = timed(lambda a, w: signaled_gemm(a, w, staging, state.tiles, counters,
-                                                    gemm_programs(a.device, full_grid), full_grid),
-                         sets, args.reps, group)
+    programs = gemm_programs(sets[0][0].device, full_grid)
+    if op == "ag":
+        tiles = ag_plan(m, n, k, t, dist.get_rank(group), full_grid.block_m, full_grid.block_n).tiles.cuda()
+        out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        row["sgemm"] = timed(lambda a, w: signaled_gemm(gathered, w, out, tiles, None, programs, full_grid),
+                             sets, args.reps, group)
+    else:
+        state = plan_state(full_grid.schedule, m, n, t if op == "rs" else 1, full_grid, 2, sets[0][0].device)
+        staging = torch.empty(state.plan.staging_shape, device="cuda", dtype=torch.bfloat16)
+        counters = torch.zeros_like(state.counters)
+        row["sgemm"] = timed(lambda a, w: signaled_gemm(a, w, staging, state.tiles, counters, programs, full_grid),
+                             sets, args.reps, group)
     row["sgemm_vs_cublas"] = row["gemm"] / row["sgemm"]
 
     decomp = {}
@@ -121,19 +155,20 @@ def bench_shape(op, name, m, k, n, args, group):
         decomp[chunks] = timed(lambda a, w: run(a, w, group, config=config), sets, args.reps, group)
     row["decomp_c"], row["decomp"] = min(decomp.items(), key=lambda kv: kv[1])
 
-    if op == "rs":
+    if op in ("rs", "ag"):
         from torch.distributed import _symmetric_memory as symm
-        fused = symm._fused_matmul_reduce_scatter
 
         def async_tp(a, w):
-            return fused(a, w.t(), "sum", 0, group.group_name)
+            if op == "rs":
+                return symm._fused_matmul_reduce_scatter(a, w.t(), "sum", 0, group.group_name)
+            return symm._fused_all_gather_matmul(a, [w.t()], 0, group.group_name)[1][0]
 
         agree(async_tp(*sets[0]), seq_out, "async-TP")
         row["async_tp"] = timed(async_tp, sets, args.reps, group)
 
     variants = {}
     for label, config in ours_variants(op, args.sweep).items():
-        if config.schedule == "tile_exact" and (out_rows % config.block_m or n % config.block_n):
+        if op != "ag" and config.schedule == "tile_exact" and (out_rows % config.block_m or n % config.block_n):
             continue
         agree(run(*sets[0], group, config=config), seq_out, f"{op} {label}")
         variants[label] = timed(lambda a, w: run(a, w, group, config=config), sets, args.reps, group)
@@ -147,6 +182,9 @@ def bench_shape(op, name, m, k, n, args, group):
             row["p2p"] = variants["p2p"]
             row["S_p2p"] = row["seq"] / row["p2p"]
 
+    row["comm_share"] = row["comm"] / row["gemm"]
+    if op == "ag":
+        return row
     # FlashOverlap's bound: the GEMM plus the last group's collective when the GEMM dominates, else the
     # first wave of the GEMM plus the whole collective.
     default = OverlapConfig(method="signal")
@@ -163,7 +201,6 @@ def bench_shape(op, name, m, k, n, args, group):
     else:
         first_wave = min(1.0, gemm_programs(sets[0][0].device, default) / plan.num_tiles)
         row["fo_bound"] = row["gemm"] * first_wave + row["comm"]
-    row["comm_share"] = row["comm"] / row["gemm"]
     return row
 
 
@@ -191,10 +228,11 @@ def main(argv):
     torch.manual_seed(1234 + dist.get_rank())
     rows = []
     for op in args.ops.split(","):
-        seqs = args.seq if op == "rs" else args.ar_seq
+        seqs = {"rs": args.seq, "ar": args.ar_seq, "ag": args.ag_seq}[op]
+        table, names = (AG_SHAPES, args.ag_shapes) if op == "ag" else (SHAPES, args.shapes)
         for m in map(int, seqs.split(",")):
-            for name in args.shapes.split(","):
-                k, n = SHAPES[name]
+            for name in names.split(","):
+                k, n = table[name]
                 row = bench_shape(op, name, m, k, n, args, group)
                 rows.append(row)
                 if dist.get_rank() == 0:
@@ -206,7 +244,8 @@ def main(argv):
                  "Times in ms (median of calls, slowest rank). S = seq / ours; %ideal = (S-1)/(S_ideal-1); "
                  "FO bound = FlashOverlap's theoretical bound.")
         command = f"torchrun --nproc-per-node {dist.get_world_size()} -m overlap_tp.bench ops " + " ".join(argv)
-        report.write(args.out, args.name, "GEMM+ReduceScatter / GEMM+AllReduce, t = %d" % dist.get_world_size(),
+        report.write(args.out, args.name, "GEMM+ReduceScatter / GEMM+AllReduce / AllGather+GEMM, t = %d"
+                     % dist.get_world_size(),
                      rows, COLUMNS, notes, command=command)
         print(report.markdown_table(rows, COLUMNS))
         print(notes)
