@@ -147,7 +147,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def row_slice_plan(m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",
-                   elem_bytes: int = 2) -> TilePlan:
+                   elem_bytes: int = 2, raster_group_m: int = RASTER_GROUP_M) -> TilePlan:
     if m % world:
         raise ValueError(f"M={m} is not divisible by the group size t={world}")
     m_local = m // world
@@ -162,7 +162,7 @@ def row_slice_plan(m: int, n: int, world: int, block_m: int, block_n: int, group
             for k in range(world):
                 src = k * m_local + j * block_m
                 rows.append((src, min(src + block_m, (k + 1) * m_local), world * lo + k * (hi - lo) + (j * block_m - lo)))
-        for r, nt in raster(len(rows), n_tiles):
+        for r, nt in raster(len(rows), n_tiles, raster_group_m):
             src, end, dst = rows[r]
             tiles.append((src, end, nt * block_n, dst, nt * block_n, g, 0, NO_WAIT))
         group_tiles.append(size * world * n_tiles)
@@ -219,8 +219,10 @@ def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) 
     region k straight into rank k's receive buffer [t, M/t, N] at slot `rank` (over NVLink for k !=
     rank); after a barrier every rank sums its t slots. It is the one-group row-slice plan (every wave
     writes all regions, spreading the NVLink traffic over the whole GEMM) with its destinations moved:
-    there, region k's rows sit at staging rows k*M/t + local row."""
-    plan = row_slice_plan(m, n, world, block_m, block_n, groups=1)
+    there, region k's rows sit at staging rows k*M/t + local row. Row-major (no raster): each tile row's
+    stores go to one owner at a time, which measured faster than the rastered order's interleaving
+    (docs/perf/README.md)."""
+    plan = row_slice_plan(m, n, world, block_m, block_n, groups=1, raster_group_m=1)
     m_local = m // world
     tiles = plan.tiles.clone()
     tiles[:, DST_BUF] = tiles[:, DST_ROW] // m_local
