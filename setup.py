@@ -14,6 +14,7 @@ setup(
     packages=[
         "overlap_tp",
         "overlap_tp.bench",
+        "overlap_tp.tune",
         "overlap_tp.kernels",
         "overlap_tp.megatron_patches",
         "overlap_tp.launch",
@@ -28,10 +29,19 @@ setup(
     extras_require={
         # The Triton CPU interpreter (used by the CPU tests) breaks on numpy >= 2.3, which refuses
         # to turn its one-element scalar arrays into Python ints.
-        "dev": ["pytest>=7", "numpy<2.3"],
+        # matplotlib: the training report (overlap_tp.report) and its test.
+        "dev": ["pytest>=7", "numpy<2.3", "matplotlib"],
         # The comm stream waits on tile counters with cuStreamWaitValue32 from cuda-bindings.
         "gpu": ["cuda-bindings"],
         "megatron": ["megatron-core>=0.16"],
-        "wandb": ["wandb"],
+        # wandb-workspaces: the W&B dashboard (python -m overlap_tp.wandb_dashboard).
+        "wandb": ["wandb", "wandb-workspaces"],
+        "report": ["matplotlib"],
+    },
+    entry_points={
+        "console_scripts": [
+            "overlap-tp-pretrain = overlap_tp.launch.pretrain:main",
+            "overlap-tp-report = overlap_tp.report:main",
+        ],
     },
 )

@@ -1,2 +1,3 @@
-"""Launchers (installed as `overlap_tp.launch`): the environment check now; the torchrun training entry
-point and the SLURM template arrive with the training integration."""
+"""Launchers (installed as `overlap_tp.launch`): `env_check` (what this machine can run), `pretrain`
+(Megatron's pretrain flow with overlap_tp's arguments, torchrun entry point) and `slurm_template.sh`
+(multi-node torchrun rendezvous)."""

@@ -8,8 +8,8 @@ import torch
 
 from overlap_tp import OverlapConfig, ag_gemm
 from distributed import run_distributed
+from problems import SMALL_TILES, assert_each_raises, dense_problem, rel_error
 
-SMALL_TILES = dict(block_m=16, block_n=32, block_k=16)
 CONFIGS = [
     OverlapConfig(method="off"),
     OverlapConfig(method="decompose", chunks=3),
@@ -17,14 +17,6 @@ CONFIGS = [
     OverlapConfig(method="signal", groups="auto", **SMALL_TILES),
 ]
 SHAPES = [(64, 64, 32), (96, 80, 48), (40, 24, 16)]   # (M, N, K); M is split over the ranks
-
-
-def dense_problem(m, n, k, seed, bias):
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
-    return a, w, b
 
 
 def _check(rank, world):
@@ -39,7 +31,7 @@ def _check(rank, world):
                 out, gathered = ag_gemm(shard, w, bias=b, config=config, return_gathered=True)
                 assert out.shape == (m, n) and out.dtype == torch.bfloat16
                 assert torch.equal(gathered, a), (config, m, n, k)
-                err = float((out.double() - ref).norm() / ref.norm())
+                err = rel_error(out, ref)
                 assert err < 1e-2, (config, m, n, k, bias, err)
                 assert torch.equal(ag_gemm(shard, w, bias=b, config=config), out), "return_gathered changed out"
     # repeated calls move the ready flags' epoch on: every call must wait for its own chunks
@@ -68,9 +60,7 @@ def _check_bad_input(rank, world):
         (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", groups=(1, 1, 1), **SMALL_TILES)), "sum to"),
         (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", transport="p2p")), "needs CUDA tensors"),
     ]
-    for call, match in cases:
-        with pytest.raises(ValueError, match=match):
-            call()
+    assert_each_raises(cases)
     with pytest.warns(UserWarning, match="method='auto' runs 'off'"):
         got = ag_gemm(a, w)
     assert torch.equal(got, ag_gemm(a, w, config=OverlapConfig(method="off")))

@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 from overlap_tp import OverlapConfig, gemm_ar, gemm_rs
 from distributed import run_distributed
+from problems import SMALL_TILES, assert_each_raises, dense_problem, rel_error
 
-SMALL_TILES = dict(block_m=16, block_n=32, block_k=16)
 CONFIGS = [
     OverlapConfig(method="off"),
     OverlapConfig(method="decompose", chunks=3),
@@ -19,18 +19,6 @@ CONFIGS = [
     OverlapConfig(method="signal", schedule="tile_exact", groups=2, **SMALL_TILES),
 ]
 SHAPES = [(64, 64, 32), (96, 96, 64)]   # (M, N, K); K is split over the ranks
-
-
-def dense_problem(m, n, k, seed, bias):
-    g = torch.Generator().manual_seed(seed)
-    a = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
-    return a, w, b
-
-
-def rel_error(got, ref):
-    return float((got.double() - ref).norm() / ref.norm())
 
 
 def _check_ops(rank, world):
@@ -84,9 +72,7 @@ def _check_bad_input(rank, world):
         (lambda: gemm_rs(a, w, config=OverlapConfig(method="signal", transport="p2p")), "needs CUDA tensors"),
         (lambda: gemm_ar(a, w, config=OverlapConfig(method="signal", transport="p2p")), "gemm_rs only"),
     ]
-    for call, match in cases:
-        with pytest.raises(ValueError, match=match):
-            call()
+    assert_each_raises(cases)
     # method='auto' runs the named 'off' path, with a warning saying why, and gives the off result
     with pytest.warns(UserWarning, match="method='auto' runs 'off'"):
         got = gemm_rs(a, w)

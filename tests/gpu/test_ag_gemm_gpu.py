@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
+from gpu_checks import needs_two_gpus, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, ag_gemm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops import gemm_programs
@@ -30,19 +31,6 @@ CONFIGS = {
     "p2p": OverlapConfig(method="signal", transport="p2p", comm_sms=0),
     "p2p/g8": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=8),
 }
-
-
-def needs_two_gpus():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-
-
-def poison_allocator(nbytes=1 << 30):
-    torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
-
-
-def rel_error(got, ref):
-    return float((got.float() - ref).norm() / ref.norm())
 
 
 def after_full_gather(gathered, w, config, rank, world):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
+from gpu_checks import needs_two_gpus, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, comm, gemm_ar, gemm_rs
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops import gemm_programs, plan_state
@@ -30,24 +31,10 @@ BENCH_SHAPES = [(s, k, n) for s in (4096, 8192, 16384)
 ODD_SHAPES = [(2 * 1000, 1024, 4096), (2 * 520, 512, 1000), (256, 64, 128), (2 * 4096, 4096, 3072 + 64)]
 
 
-def needs_two_gpus():
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
-
-
-def poison_allocator(nbytes=1 << 30):
-    """Fill freed caching-allocator memory with NaN so that an unwritten output element shows."""
-    torch.full((nbytes // 2,), float("nan"), dtype=torch.bfloat16, device="cuda")
-
-
-def rel_error(got, ref):
-    return float((got.float() - ref).norm() / ref.norm())
-
-
 def sequential_signaled(a, w, group, config, op):
     """The same kernel and the same per-group collectives, but the collectives start only after a full
     synchronization: what the overlapped call must equal bit for bit."""
-    t, rank = dist.get_world_size(group), dist.get_rank(group)
+    t = dist.get_world_size(group)
     m, n = a.shape[0], w.shape[0]
     world = t if op == "rs" else 1
     state = plan_state(config.schedule, m, n, world, config, a.element_size(), a.device)

@@ -1,0 +1,149 @@
+"""`apply(args)`: switch a Megatron training run to overlap_tp's layers, through Megatron's own hooks.
+
+What it changes (only when `--overlap-tp` is not off, or `--overlap-tp-layers` is given):
+
+- `args.spec` becomes `["overlap_tp.megatron_patches.apply", "overlap_layer_spec"]`. Megatron's
+  GPT builders read `--spec` (megatron-core >= 0.19: `gpt_config_from_args` turns it into
+  `GPTModelConfig.transformer_layer_spec`, and `GPTModelBuilder` calls a callable spec with the model
+  config and `vp_stage`), so the model is built with `overlap_layer_spec`, which asks
+  `overlap_tp.layer_spec.get_gpt_layer_overlap_spec` for the TransformerLayer spec. No Megatron
+  function is patched. (A builder that uses `--spec` as a ModuleSpec directly, i.e. Megatron-LM's
+  `gpt_builders.py` before 0.19, needs `overlap_layer_spec(config)` called first;
+  `overlap_tp.launch.pretrain` does that on those versions.)
+- the process-wide OverlapConfig the layers use: `overlap_tp.layers.set_default_overlap_config`
+  (every op kind; gemm_ar keeps transport nccl, p2p being gemm_rs/ag_gemm only), also readable as
+  `get_overlap_config()`.
+- `OVERLAP_TP_TUNE_CACHE` in the environment, from `--overlap-tp-tune-cache`.
+
+Applying twice changes nothing more (the second report lists no change). With `--overlap-tp off`
+(and no `--overlap-tp-layers`) nothing is touched. Run `validate_overlap_args(args)` first.
+"""
+import dataclasses
+import inspect
+import os
+
+from overlap_tp.arguments import TUNE_CACHE_ENV, overlap_config_kwargs
+from overlap_tp.config import OverlapConfig
+
+SPEC = ("overlap_tp.megatron_patches.apply", "overlap_layer_spec")
+
+_STATE = {"config": None}
+
+
+@dataclasses.dataclass
+class ApplyReport:
+    """What `apply` did. `active`: overlap_tp's layers are in use; `changed`: what this call changed."""
+
+    active: bool
+    overlap_config: object = None
+    changed: list = dataclasses.field(default_factory=list)
+
+    def __str__(self):
+        if not self.active:
+            return "[overlap_tp] --overlap-tp off: Megatron's own layers, nothing changed"
+        head = f"[overlap_tp] layers on, {self.overlap_config}"
+        if not self.changed:
+            return head + "; already applied, nothing changed"
+        return head + "".join(f"\n[overlap_tp]   {line}" for line in self.changed)
+
+
+def get_overlap_config():
+    """The OverlapConfig set by `apply` (None before, or when overlap_tp's layers are off)."""
+    return _STATE["config"]
+
+
+def reset():
+    """Forget the process-wide state (tests)."""
+    _STATE["config"] = None
+
+
+def wanted(args):
+    return getattr(args, "overlap_tp", "off") != "off" or bool(getattr(args, "overlap_tp_layers", False))
+
+
+def apply(args, *, log=None):
+    """Make `args` build overlap_tp's layers; return an ApplyReport (also printed on rank 0)."""
+    if log is None:
+        log = _log_rank0
+    if not wanted(args):
+        report = ApplyReport(active=False)
+        log(str(report))
+        return report
+
+    config = OverlapConfig(**overlap_config_kwargs(args))
+    report = ApplyReport(active=True, overlap_config=config)
+
+    if _STATE["config"] != config:
+        before = _STATE["config"]
+        _STATE["config"] = config
+        report.changed.append(f"OverlapConfig for the layers: {before} -> {config}")
+    _set_layer_defaults(config)
+
+    spec = getattr(args, "spec", None)
+    if not spec or list(spec) != list(SPEC):
+        if spec:
+            raise ValueError(f"--spec {' '.join(spec)} is set; overlap_tp would replace it (run "
+                             "validate_overlap_args first: it explains the choice)")
+        args.spec = list(SPEC)
+        report.changed.append(f"--spec {' '.join(SPEC)} (was {spec})")
+
+    cache = getattr(args, "overlap_tp_tune_cache", None)
+    if cache and os.environ.get(TUNE_CACHE_ENV) != cache:
+        os.environ[TUNE_CACHE_ENV] = cache
+        report.changed.append(f"{TUNE_CACHE_ENV}={cache}")
+
+    log(str(report))
+    return report
+
+
+def _set_layer_defaults(config):
+    try:
+        from overlap_tp import layers
+    except ImportError:  # no megatron-core: nothing can be built anyway; the spec says why when asked
+        return
+    gemm_ar = dataclasses.replace(config, transport="nccl") if config.transport != "nccl" else config
+    layers.set_default_overlap_config(config, gemm_ar=gemm_ar)
+
+
+def overlap_layer_spec(config, vp_stage=None):
+    """The decoder block spec with overlap_tp's layers, for a GPTModelConfig (0.19+) or a
+    TransformerConfig: every layer is `get_gpt_layer_overlap_spec` with the TransformerConfig's values
+    for the keywords it names (num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
+    qk_l2_norm, normalization; config and vp_stage if it takes them), and the block's final norm is
+    OverlapRMSNorm. A block spec rather than a layer spec: given a layer spec, Megatron picks the final
+    norm itself, and without TE or Apex that is WrappedTorchNorm, which refuses sequence parallel."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from overlap_tp.norm import OverlapRMSNorm
+    transformer = getattr(config, "transformer", config)
+    if "vp_stage" in inspect.signature(get_num_layers_to_build).parameters:
+        layers = get_num_layers_to_build(transformer, vp_stage=vp_stage)
+    else:
+        layers = get_num_layers_to_build(transformer)
+    return TransformerBlockSubmodules(layer_specs=[overlap_transformer_layer_spec(config, vp_stage)] * layers,
+                                      layer_norm=OverlapRMSNorm)
+
+
+def overlap_transformer_layer_spec(config, vp_stage=None):
+    """One TransformerLayer ModuleSpec with overlap_tp's linears and norms (see overlap_layer_spec)."""
+    from overlap_tp.layer_spec import get_gpt_layer_overlap_spec
+
+    transformer = getattr(config, "transformer", config)
+    offered = {
+        "num_experts": getattr(transformer, "num_moe_experts", None),
+        "moe_grouped_gemm": getattr(transformer, "moe_grouped_gemm", False),
+        "qk_layernorm": getattr(transformer, "qk_layernorm", False),
+        "multi_latent_attention": getattr(transformer, "multi_latent_attention", False),
+        "qk_l2_norm": getattr(transformer, "qk_l2_norm", False),
+        "normalization": getattr(transformer, "normalization", None),
+        "config": transformer,
+        "vp_stage": vp_stage,
+    }
+    parameters = inspect.signature(get_gpt_layer_overlap_spec).parameters
+    kwargs = {name: value for name, value in offered.items() if name in parameters}
+    return get_gpt_layer_overlap_spec(**kwargs)
+
+
+def _log_rank0(message):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)

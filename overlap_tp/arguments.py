@@ -1,0 +1,204 @@
+"""overlap_tp's command-line flags for Megatron training.
+
+`add_overlap_args(parser)` is an `extra_args_provider` for Megatron's
+`megatron.training.arguments.parse_args` / `parse_and_validate_args` (it adds the argument group
+"overlap_tp" and returns the parser); it works the same on a plain `argparse.ArgumentParser`.
+`validate_overlap_args(args)` runs after Megatron's own `validate_args` (which turns
+`--sequence-parallel` off at TP=1) and checks the combination with Megatron's flags, with messages
+that say what to change. Both touch only attributes that exist on `args`, reading Megatron's with
+`getattr(..., default)`, so a plain namespace in a test works too.
+
+    --overlap-tp {off,signal,decompose,auto}   OverlapConfig.method for the TP/SP linear layers (off)
+    --overlap-tp-transport {nccl,p2p}          OverlapConfig.transport (nccl)
+    --overlap-tp-comm-sms N                    OverlapConfig.comm_sms (the OverlapConfig default)
+    --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans
+    --overlap-tp-layers                        use overlap_tp's layer spec even with --overlap-tp off
+    --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
+    --overlap-moe                              MoE all-to-all overlap: not implemented yet (error)
+"""
+import argparse
+import os
+import warnings
+
+from overlap_tp.config import METHODS, TRANSPORTS
+
+GROUP_TITLE = "overlap_tp"
+TUNE_CACHE_ENV = "OVERLAP_TP_TUNE_CACHE"
+
+
+class OverlapArgumentError(ValueError):
+    """A flag combination overlap_tp cannot run; the message says what to change."""
+
+
+def add_overlap_args(parser):
+    """Add the "overlap_tp" argument group to `parser` and return the parser (Megatron's contract).
+
+    Adding twice to the same parser is a no-op, so a launcher and a user's own provider can both call it.
+    """
+    if "--overlap-tp" in getattr(parser, "_option_string_actions", {}):
+        return parser
+    group = parser.add_argument_group(
+        title=GROUP_TITLE,
+        description="Overlap the tensor-/sequence-parallel GEMMs with their communication "
+                    "(overlap_tp signaled GEMMs). Off by default: Megatron runs unchanged.")
+    group.add_argument(
+        "--overlap-tp", choices=list(_ordered(METHODS)), default="off",
+        help="How the TP/SP linear layers (qkv, proj, fc1, fc2) run their GEMM + collective. "
+             "off: Megatron's own layers, untouched. signal: a persistent Triton GEMM signals each group "
+             "of finished tiles so its collective starts while the GEMM runs. decompose: the GEMM split "
+             "into chunks, each chunk's collective on a side stream. auto: chosen per shape by the "
+             "tuner. Needs --sequence-parallel and TP > 1.")
+    group.add_argument(
+        "--overlap-tp-transport", choices=list(TRANSPORTS), default="nccl",
+        help="How partial results move for --overlap-tp signal: nccl (one NCCL collective per group "
+             "of tiles) or p2p (the GEMM epilogue stores into the owning GPU's symmetric-memory "
+             "buffer over NVLink; GEMM+ReduceScatter on CUDA only).")
+    group.add_argument(
+        "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
+        help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "
+             "0 gives the GEMM every SM. Default: OverlapConfig's default.")
+    group.add_argument(
+        "--overlap-tp-tune-cache", type=str, default=None, metavar="PATH",
+        help="File where the per-shape tuner (--overlap-tp auto) keeps its measured plans, so "
+             f"tuning happens once per shape and machine (exported as {TUNE_CACHE_ENV}).")
+    group.add_argument(
+        "--overlap-tp-layers", action="store_true",
+        help="Use overlap_tp's layer spec even with --overlap-tp off: its modules then run cuBLAS then "
+             "the collective on one stream (Megatron's sequence). An A/B baseline that differs from "
+             "--overlap-tp signal only in the overlap, and a way to run --sequence-parallel where "
+             "neither Transformer Engine nor Apex provides Megatron's SP norm.")
+    group.add_argument(
+        "--overlap-tp-peak-tflops", type=float, default=None, metavar="TFLOPS",
+        help="Per-GPU peak for the MFU that overlap_tp logs. Default: $OVERLAP_TP_PEAK_TFLOPS, else "
+             "989 (H100/H200 SXM dense BF16).")
+    group.add_argument(
+        "--overlap-moe", action="store_true",
+        help="Overlap the MoE token all-to-all with the expert GEMMs. NOT IMPLEMENTED YET (it lands "
+             "with the MoE issue): passing it is an error.")
+    return parser
+
+
+def _ordered(methods):
+    """off first (the default), then the rest in OverlapConfig's order."""
+    return ("off",) + tuple(m for m in methods if m != "off")
+
+
+def _warn(message):
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        warnings.warn(message, stacklevel=3)
+
+
+def validate_overlap_args(args, *, warn=_warn):
+    """Check overlap_tp's flags against Megatron's; raise OverlapArgumentError with what to change.
+
+    Call it after Megatron's `validate_args`. May set `args.overlap_tp = "off"` (TP=1: nothing to
+    overlap). Returns the list of warnings it gave (each also passed to `warn`).
+    """
+    given = []
+
+    def note(message):
+        given.append(message)
+        if warn is not None:
+            warn(message)
+
+    method = getattr(args, "overlap_tp", "off")
+    if method not in METHODS:
+        raise OverlapArgumentError(f"--overlap-tp {method!r}: expected one of {_ordered(METHODS)}")
+    transport = getattr(args, "overlap_tp_transport", "nccl")
+    if transport not in TRANSPORTS:
+        raise OverlapArgumentError(f"--overlap-tp-transport {transport!r}: expected one of {TRANSPORTS}")
+    peak = getattr(args, "overlap_tp_peak_tflops", None)
+    if peak is not None and not peak > 0:
+        raise OverlapArgumentError(f"--overlap-tp-peak-tflops {peak!r}: expected a positive number")
+    comm_sms = getattr(args, "overlap_tp_comm_sms", None)
+    if comm_sms is not None and (isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 0):
+        raise OverlapArgumentError(f"--overlap-tp-comm-sms {comm_sms!r}: expected an integer >= 0")
+
+    if getattr(args, "overlap_moe", False):
+        raise OverlapArgumentError(
+            "--overlap-moe: overlapping the MoE all-to-all with the expert GEMMs is not implemented yet "
+            "(it arrives with the MoE issue). Remove --overlap-moe; --overlap-tp covers the dense "
+            "TP/SP linear layers.")
+
+    use_layers = method != "off" or getattr(args, "overlap_tp_layers", False)
+    if not use_layers:
+        return given
+
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if tp == 1:
+        if method != "off":
+            note(f"--overlap-tp {method} with --tensor-model-parallel-size 1: there is no TP "
+                 "communication to overlap; running with --overlap-tp off.")
+            args.overlap_tp = method = "off"
+        if getattr(args, "overlap_tp_layers", False):
+            note("--overlap-tp-layers with --tensor-model-parallel-size 1: Megatron's own layers are "
+                 "used (nothing to communicate).")
+            args.overlap_tp_layers = False
+        return given
+
+    flag = f"--overlap-tp {method}" if method != "off" else "--overlap-tp-layers"
+    if not getattr(args, "sequence_parallel", False):
+        raise OverlapArgumentError(
+            f"{flag} needs --sequence-parallel. overlap_tp's Megatron layers replace the sequence-"
+            "parallel pairs AllGather+GEMM (qkv, fc1) and GEMM+ReduceScatter (proj, fc2). Without "
+            "SP, Megatron's row-parallel layers use GEMM+AllReduce (and the column-parallel ones an "
+            "AllReduce of the input gradient), which these layers do not replace. Add "
+            "--sequence-parallel (same math, half the bytes per collective), or use --overlap-tp off.")
+    if getattr(args, "num_experts", None):
+        raise OverlapArgumentError(
+            f"{flag} with --num-experts: the overlap layer spec covers dense transformer layers; the "
+            "MoE path (--overlap-moe) is not implemented yet. Use --overlap-tp off for MoE models.")
+    if getattr(args, "tp_comm_overlap", False):
+        raise OverlapArgumentError(
+            f"{flag} with --tp-comm-overlap: both overlap the same TP communication (Transformer "
+            "Engine userbuffers vs overlap_tp). Pick one: drop --tp-comm-overlap, or use --overlap-tp off.")
+    spec = getattr(args, "spec", None)
+    if spec and not _is_our_spec(spec):
+        raise OverlapArgumentError(
+            f"{flag} sets the transformer layer spec itself (overlap_tp.layer_spec."
+            f"get_gpt_layer_overlap_spec); --spec {' '.join(spec)} sets it too and one of them would "
+            "be silently ignored. Remove --spec to train with overlap_tp's layers, or use "
+            "--overlap-tp off to keep your spec.")
+    normalization = getattr(args, "normalization", "RMSNorm")
+    if normalization != "RMSNorm":
+        raise OverlapArgumentError(
+            f"{flag} with --normalization {normalization}: overlap_tp's layer spec provides RMSNorm "
+            "only (OverlapRMSNorm, sequence-parallel). Use --normalization RMSNorm, or --overlap-tp off.")
+    if getattr(args, "fp8", None):
+        raise OverlapArgumentError(
+            f"{flag} with --fp8-format: the overlapped GEMMs are bf16/fp16. Use --bf16, or --overlap-tp off.")
+    for name, what in (("yaml_cfg", "--yaml-cfg"),
+                       ("multi_latent_attention", "--multi-latent-attention"),
+                       ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
+                       ("experimental_attention_variant", "--experimental-attention-variant")):
+        if getattr(args, name, None):
+            raise OverlapArgumentError(
+                f"{flag} with {what}: that path builds its own layer specs, which overlap_tp does not "
+                "replace yet. Use --overlap-tp off.")
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        note(f"{flag} with --transformer-impl transformer_engine: overlap_tp's layer spec takes "
+             "precedence over it for every transformer layer. qkv/proj/fc1/fc2 become overlap_tp "
+             "modules and the norms separate OverlapRMSNorm modules (TE's fused LayerNorm+Linear is "
+             "not used); core attention is TE's where Transformer Engine imports, else PyTorch SDPA. "
+             "Pass --transformer-impl local to silence this.")
+    return given
+
+
+def _is_our_spec(spec):
+    from overlap_tp.megatron_patches.apply import SPEC
+    return list(spec) == list(SPEC)
+
+
+def overlap_config_kwargs(args):
+    """The OverlapConfig fields that the flags set (only those given; the rest keep their defaults)."""
+    kwargs = {"method": getattr(args, "overlap_tp", "off"),
+              "transport": getattr(args, "overlap_tp_transport", "nccl")}
+    if getattr(args, "overlap_tp_comm_sms", None) is not None:
+        kwargs["comm_sms"] = args.overlap_tp_comm_sms
+    return kwargs
+
+
+def build_parser():
+    """A stand-alone parser with only overlap_tp's flags (tests, `--help`)."""
+    return add_overlap_args(argparse.ArgumentParser(prog="overlap_tp", allow_abbrev=False))

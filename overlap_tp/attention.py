@@ -1,0 +1,105 @@
+"""Core attention for the overlap layer spec where Transformer Engine is absent.
+
+`SDPAttention` has the constructor and forward signature of Megatron's `DotProductAttention`
+(the `core_attention` slot of `SelfAttentionSubmodules`) and runs
+`torch.nn.functional.scaled_dot_product_attention`: flash / memory-efficient kernels on the GPU, the
+math kernel on the CPU, so a layer built from our spec also runs in CPU tests (Megatron's own
+DotProductAttention allocates its score buffer on CUDA).
+
+Input/output layout is Megatron's: query [sq, b, np, hn], key/value [sk, b, ng, hn] (GQA: ng divides
+np) -> context [sq, b, np * hn]. Masks follow Megatron's convention (True = masked out); with
+attn_mask_type causal and no mask given, the causal mask is implied (is_causal).
+"""
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.utils import divide
+
+__all__ = ["SDPAttention", "core_attention_module"]
+
+
+class SDPAttention(MegatronModule):
+    """Megatron's DotProductAttention contract on torch's scaled_dot_product_attention."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str,
+                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 cp_comm_type: Optional[str] = None, pg_collection=None, **unused_kwargs):
+        super().__init__(config=config)
+        name = type(self).__name__
+        if getattr(config, "context_parallel_size", 1) != 1:
+            raise NotImplementedError(f"{name}: context_parallel_size={config.context_parallel_size} needs "
+                                      f"Transformer Engine's TEDotProductAttention (install transformer-engine)")
+        if getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise NotImplementedError(f"{name}: softmax_type={config.softmax_type!r} is not supported")
+        if getattr(config, "window_size", None) is not None:
+            raise NotImplementedError(f"{name}: sliding-window attention (window_size) is not supported")
+        if pg_collection is not None and hasattr(pg_collection, "tp"):
+            tp_size = pg_collection.tp.size()
+        else:
+            from megatron.core import parallel_state
+            tp_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.layer_number = max(1, layer_number)
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        projection_size = config.kv_channels * config.num_attention_heads
+        self.hidden_size_per_partition = divide(projection_size, tp_size)
+        self.hidden_size_per_attention_head = divide(projection_size, config.num_attention_heads)
+        self.num_attention_heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.num_query_groups_per_partition = divide(config.num_query_groups, tp_size)
+        # apply_query_key_layer_scaling divides the scale by the layer number and multiplies the fp32
+        # scores back: the same softmax, so it needs no handling here.
+        self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_attention_head)
+                              if softmax_scale is None else softmax_scale)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused_kwargs):
+        name = type(self).__name__
+        if packed_seq_params is not None:
+            raise NotImplementedError(f"{name}: packed sequences need TEDotProductAttention")
+        if attention_bias is not None:
+            raise NotImplementedError(f"{name}: attention_bias is not supported")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if groups > 1:
+            key = key.repeat_interleave(groups, dim=2)
+            value = value.repeat_interleave(groups, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [b, np, s, hn]
+        mask, is_causal = None, False
+        if attention_mask is not None:
+            mask = ~attention_mask if attention_mask.dtype == torch.bool else attention_mask
+        elif mask_type == AttnMaskType.causal and q.shape[2] > 1:
+            is_causal = True
+        elif mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask, AttnMaskType.padding):
+            raise NotImplementedError(f"{name}: attn_mask_type={mask_type} needs an explicit attention_mask")
+        dropout_p = self.dropout_p if self.training else 0.0
+        context = self._attend(q, k, v, mask, is_causal, dropout_p)
+        # [b, np, sq, hn] -> [sq, b, np * hn]
+        return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], self.hidden_size_per_partition)
+
+    def _attend(self, q, k, v, mask, is_causal, dropout_p):
+        def attend():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=self.softmax_scale)
+
+        if dropout_p > 0.0 and q.is_cuda and not self.config.sequence_parallel:
+            # Megatron draws attention dropout from the model-parallel RNG stream (different per TP rank)
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+            with get_cuda_rng_tracker().fork():
+                return attend()
+        return attend()
+
+
+def core_attention_module():
+    """TEDotProductAttention when Transformer Engine is importable, else SDPAttention."""
+    try:
+        import transformer_engine  # noqa: F401  pylint: disable=unused-import
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+        return TEDotProductAttention
+    except ImportError:
+        return SDPAttention

@@ -1,0 +1,128 @@
+"""Megatron layer specs whose dense linear layers are overlap_tp's (docs/layers.md).
+
+    get_gpt_layer_overlap_spec(...)   a ModuleSpec for Megatron's TransformerLayer, like
+                                      get_gpt_layer_local_spec, with
+        linear_qkv, linear_fc1                 -> OverlapColumnParallelLinear
+        linear_proj, linear_fc2                -> OverlapRowParallelLinear
+        input_layernorm, pre_mlp_layernorm     -> OverlapRMSNorm (separate norm slots, SP-capable)
+        core_attention                         -> TEDotProductAttention if Transformer Engine is
+                                                  importable, else overlap_tp.attention.SDPAttention
+    OverlapSpecProvider                         the BackendSpecProvider behind it
+
+Use it where Megatron takes a layer spec, e.g. `GPTModel(config, transformer_layer_spec=
+get_gpt_layer_overlap_spec(qk_layernorm=True), ...)`, with config.normalization = "RMSNorm" and
+bf16/fp16 params. The overlap methods come from `overlap_tp.layers.set_default_overlap_config` /
+`set_overlap_config(model, ...)`.
+"""
+from typing import Optional, Tuple
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import BackendSpecProvider
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import L2Norm
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from overlap_tp.attention import core_attention_module
+from overlap_tp.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+from overlap_tp.norm import OverlapRMSNorm
+
+__all__ = ["OverlapQKRMSNorm", "OverlapSpecProvider", "get_gpt_layer_overlap_spec"]
+
+MOE_NOT_YET = ("overlap_tp: MoE layers (num_experts / grouped GEMM) are a later issue; the overlap spec builds dense "
+               "layers only. Use Megatron's own spec for MoE models for now")
+
+
+class OverlapQKRMSNorm(OverlapRMSNorm):
+    """OverlapRMSNorm for the q/k layernorm slots: its input is a strided view of the fused QKV output.
+    Megatron all-reduces these weights' grads over TP by name (q_layernorm / k_layernorm)."""
+
+    def forward(self, x):
+        return super().forward(x.contiguous())
+
+
+class OverlapSpecProvider(BackendSpecProvider):
+    """Megatron's BackendSpecProvider for overlap_tp: our linears, our RMSNorm, TE or SDPA attention."""
+
+    def column_parallel_linear(self) -> type:
+        return OverlapColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        return OverlapRowParallelLinear
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        """The norm stays a separate module (its own input_layernorm / pre_mlp_layernorm slot)."""
+        return False
+
+    def column_parallel_layer_norm_linear(self) -> Optional[type]:
+        return None
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        if not rms_norm:
+            raise NotImplementedError("OverlapSpecProvider provides RMSNorm only (OverlapRMSNorm); set "
+                                      "config.normalization='RMSNorm' / --normalization RMSNorm")
+        return OverlapQKRMSNorm if for_qk else OverlapRMSNorm
+
+    def core_attention(self) -> type:
+        return core_attention_module()
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool,
+                            moe_use_legacy_grouped_gemm: bool) -> Tuple[type, Optional[MLPSubmodules]]:
+        raise NotImplementedError(MOE_NOT_YET)
+
+    def activation_func(self) -> type:
+        return None
+
+
+def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False,
+                               qk_layernorm: Optional[bool] = False, multi_latent_attention: Optional[bool] = False,
+                               fp8: Optional[str] = None, moe_use_legacy_grouped_gemm: Optional[bool] = False,
+                               normalization: Optional[str] = None, qk_l2_norm: Optional[bool] = False,
+                               **unused_kwargs) -> ModuleSpec:
+    """A TransformerLayer spec (the arguments of get_gpt_layer_local_spec) on overlap_tp's layers."""
+    if num_experts is not None:   # moe_grouped_gemm alone (no experts) means nothing, as in Megatron's specs
+        raise NotImplementedError(MOE_NOT_YET)
+    if multi_latent_attention:
+        raise NotImplementedError("overlap_tp: multi-latent attention is not supported by the overlap spec")
+    if fp8 is not None:
+        raise NotImplementedError("overlap_tp: FP8 is not supported by the overlap layers (bf16/fp16 GEMMs)")
+    if normalization not in (None, "RMSNorm"):
+        raise NotImplementedError(f"overlap_tp: normalization={normalization!r}: the overlap spec provides RMSNorm "
+                                  f"only (OverlapRMSNorm)")
+    backend = OverlapSpecProvider()
+    layer_norm = backend.layer_norm(rms_norm=True, for_qk=False)
+    qk_norm = L2Norm if qk_l2_norm else (backend.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm
+                                         else IdentityOp)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=layer_norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=backend.column_parallel_linear(),
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=layer_norm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(linear_fc1=backend.column_parallel_linear(),
+                                         linear_fc2=backend.row_parallel_linear()),
+            ),
+            mlp_bda=get_bias_dropout_add,
+            # checkpoints interchange with Megatron's local and TE specs (same key map as the local spec)
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+            },
+        ),
+    )

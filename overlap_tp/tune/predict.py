@@ -1,0 +1,263 @@
+"""The predictor (FlashOverlap Alg. 1, adapted): a candidate's latency from measured curves.
+
+GEMM+collective (rs, ar), one collective per group on the comm stream, group by group:
+
+    t_p_acc = finish(tiles of groups 1..i)          the GEMM has stored group i's tiles
+    t_m     = max(t_p_acc, t_m_acc) + comm(bytes_i)  group i's transfer ends (t_m_acc: group i-1's end)
+    total   = max(t_m of the last group, t_gemm) + post
+
+finish(): `linear` is the brief's  t_gemm(sms) * tiles / T;  `wave` rounds up to the end of the wave
+that holds the group's last tile,  t_gemm * ceil(tiles / W) / ceil(T / W)  (W = tiles per wave): a
+persistent grid computes W tiles at once, so a group ending mid-wave is only ready at the wave's end.
+The default is `wave`; --validate reports the error of both, and the better one should become the
+default. t_gemm(sms) is the signaled GEMM alone with (SMs - comm_sms) programs (measured at a few
+budgets, linearly interpolated): the slowdown from SMs left to the collective lives there. comm(bytes)
+is log-log linear between measured points of the collective's latency-vs-bytes curve for (kind,
+max_ctas); below the smallest point it is the smallest point's latency (the latency floor). post: work
+after the collectives (the tile_exact reorder).
+
+AllGather+GEMM (ag): the chunks' transfers run back to back on the comm stream from the start; the
+local rows' tiles need no data; chunk c's tiles cannot start before its transfer ends:
+
+    arrive_c = arrive_{c-1} + comm(bytes_c);   t_p = max(t_p, arrive_c) + t_gemm * tiles_c / T
+
+MoE (load imbalance): `predict_max_over_ranks` predicts every rank's own shape and takes the max
+(a step waits for the slowest rank).
+
+Candidates that cannot be predicted from the curves (the p2p reduce-scatter transport; anything whose
+curve was not measured) come back as None unless `Measurements.direct` holds an end-to-end time.
+"""
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from overlap_tp.config import OverlapConfig
+from overlap_tp.plan import split_units
+from overlap_tp.tune.candidates import Layout, Shape, label, layout, wave_tiles
+
+PROGRESS = ("wave", "linear")
+DEFAULT_PROGRESS = "wave"
+
+
+class CommCurve:
+    """Latency (ms) vs bytes, log-log linear between points; the smallest point's latency below it; the
+    last segment's log-log slope (clamped to [0, 1]) above the largest point."""
+
+    def __init__(self, points: Iterable[Tuple[float, float]]):
+        pts = sorted((float(b), float(ms)) for b, ms in points if b > 0 and ms > 0)
+        if not pts:
+            raise ValueError("a comm curve needs at least one (bytes > 0, ms > 0) point")
+        self.xs = [math.log(b) for b, _ in pts]
+        self.ys = [math.log(ms) for _, ms in pts]
+
+    def __call__(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        x, xs, ys = math.log(nbytes), self.xs, self.ys
+        if x <= xs[0]:
+            return math.exp(ys[0])
+        if len(xs) == 1:
+            return math.exp(ys[0] + (x - xs[0]))        # bandwidth-bound above the only point
+        i = min(bisect.bisect_right(xs, x), len(xs) - 1)
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        if x > xs[-1]:
+            return math.exp(ys[-1] + min(1.0, max(0.0, slope)) * (x - xs[-1]))
+        return math.exp(ys[i - 1] + slope * (x - xs[i - 1]))
+
+
+def interp_linear(points: Dict[int, float], x: float) -> float:
+    """Piecewise-linear through {x: y}, extended linearly beyond the ends (constant for one point)."""
+    xs = sorted(points)
+    if not xs:
+        raise ValueError("no points to interpolate")
+    if len(xs) == 1:
+        return points[xs[0]]
+    i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class Measurements:
+    """What the predictor needs for one shape on one device; identical on every rank (all-reduced MAX).
+
+    gemm:   schedule -> {comm_sms: ms} of the signaled GEMM alone (ag: under "row_slice")
+    comm:   kind -> {max_ctas: [(bytes, ms), ...]}; kinds: rs (reduce-scatter input bytes), ar, ag
+            (all-gather output bytes, NCCL), ag_p2p (the same through copy-engine pulls); max_ctas 0 =
+            uncapped
+    post:   schedule -> ms of work after the collectives (tile_exact: the reorder back to rows)
+    cublas: ms of the cuBLAS GEMM (the decompose model)
+    direct: candidate label -> ms measured end to end (off, decompose, p2p, verified picks)
+    """
+    sms: int
+    gemm: Dict[str, Dict[int, float]] = field(default_factory=dict)
+    comm: Dict[str, Dict[int, List[Tuple[int, float]]]] = field(default_factory=dict)
+    post: Dict[str, float] = field(default_factory=dict)
+    cublas: Optional[float] = None
+    direct: Dict[str, float] = field(default_factory=dict)
+
+    def curve(self, kind: str, max_ctas: int) -> Optional[CommCurve]:
+        """The (kind, max_ctas) curve; the uncapped one stands in where only it was measured."""
+        by_cap = self.comm.get(kind, {})
+        points = by_cap.get(max_ctas) or by_cap.get(0)
+        return CommCurve(points) if points else None
+
+    def t_gemm(self, schedule: str, comm_sms: int) -> Optional[float]:
+        points = self.gemm.get(schedule)
+        return interp_linear(points, comm_sms) if points else None
+
+    # JSON: int keys become strings, tuples lists
+    def to_dict(self) -> dict:
+        return {"sms": self.sms,
+                "gemm": {s: {str(c): v for c, v in d.items()} for s, d in self.gemm.items()},
+                "comm": {k: {str(c): [list(p) for p in pts] for c, pts in d.items()} for k, d in self.comm.items()},
+                "post": dict(self.post), "cublas": self.cublas, "direct": dict(self.direct)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Measurements":
+        return cls(sms=int(d["sms"]),
+                   gemm={s: {int(c): float(v) for c, v in x.items()} for s, x in d.get("gemm", {}).items()},
+                   comm={k: {int(c): [(int(b), float(ms)) for b, ms in pts] for c, pts in x.items()}
+                         for k, x in d.get("comm", {}).items()},
+                   post={s: float(v) for s, v in d.get("post", {}).items()},
+                   cublas=None if d.get("cublas") is None else float(d["cublas"]),
+                   direct={k: float(v) for k, v in d.get("direct", {}).items()})
+
+    def numbers(self) -> List[float]:
+        """Every measured number in a fixed order (what the ranks all-reduce)."""
+        out = [float(self.cublas) if self.cublas is not None else -1.0]
+        out += [v for s in sorted(self.gemm) for _, v in sorted(self.gemm[s].items())]
+        out += [ms for k in sorted(self.comm) for _, pts in sorted(self.comm[k].items()) for _, ms in pts]
+        out += [self.post[s] for s in sorted(self.post)] + [self.direct[k] for k in sorted(self.direct)]
+        return out
+
+    def with_numbers(self, values: Sequence[float]) -> "Measurements":
+        """A copy holding `values` (from numbers(), e.g. after an all-reduce) in place of its own."""
+        it = iter(values)
+        cublas = next(it)
+        gemm = {s: {c: next(it) for c, _ in sorted(self.gemm[s].items())} for s in sorted(self.gemm)}
+        comm = {k: {c: [(b, next(it)) for b, _ in pts] for c, pts in sorted(self.comm[k].items())}
+                for k in sorted(self.comm)}
+        post = {s: next(it) for s in sorted(self.post)}
+        direct = {k: next(it) for k in sorted(self.direct)}
+        return Measurements(self.sms, gemm, comm, post, None if cublas < 0 else cublas, direct)
+
+
+def comm_kind(shape: Shape, config: OverlapConfig) -> str:
+    if shape.op == "ag":
+        return "ag_p2p" if config.transport == "p2p" else "ag"
+    return shape.op
+
+
+def gemm_finish(t_gemm: float, tiles_done: int, total_tiles: int, wave: int, progress: str) -> float:
+    """When the GEMM has stored its first `tiles_done` tiles (execution order)."""
+    if tiles_done <= 0:
+        return 0.0
+    if progress == "linear":
+        return t_gemm * tiles_done / total_tiles
+    if progress != "wave":
+        raise ValueError(f"progress={progress!r}: expected one of {PROGRESS}")
+    return t_gemm * math.ceil(tiles_done / wave) / math.ceil(total_tiles / wave)
+
+
+def gemm_then_comm(t_gemm: float, group_tiles: Sequence[int], group_bytes: Sequence[int], comm, total_tiles: int,
+                   wave: int, progress: str) -> float:
+    """Alg. 1's recurrence for GEMM+collective; the predicted end of the last transfer (or the GEMM)."""
+    t_m, done = 0.0, 0
+    for tiles, nbytes in zip(group_tiles, group_bytes):
+        done += tiles
+        t_m = max(gemm_finish(t_gemm, done, total_tiles, wave, progress), t_m) + comm(nbytes)
+    return max(t_m, t_gemm)
+
+
+def comm_then_gemm(t_gemm: float, lead_tiles: int, chunk_tiles: Sequence[int], chunk_bytes: Sequence[int], comm,
+                   total_tiles: int) -> float:
+    """The AG+GEMM analogue: transfers back to back from t = 0; chunk c computes after it arrived."""
+    t_p = t_gemm * lead_tiles / total_tiles
+    arrive = 0.0
+    for tiles, nbytes in zip(chunk_tiles, chunk_bytes):
+        arrive += comm(nbytes)
+        t_p = max(t_p, arrive) + t_gemm * tiles / total_tiles
+    return t_p
+
+
+def _group_sizes(lay: Layout, groups) -> List[int]:
+    return split_units(lay.units, groups, lay.unit_bytes)
+
+
+def _decompose(shape: Shape, config: OverlapConfig, meas: Measurements) -> Optional[float]:
+    """M-chunked cuBLAS with chunk collectives behind it (ag: local rows first, then per chunk)."""
+    curve = meas.curve(comm_kind(shape, config), config.comm_sms)
+    if meas.cublas is None or curve is None:
+        return None
+    eb, t = shape.elem_bytes, shape.t
+    rows = shape.m_local if shape.op in ("rs", "ag") else shape.m
+    chunks = max(1, min(config.chunks, rows))
+    sizes = [rows // chunks + (i < rows % chunks) for i in range(chunks)]
+    if shape.op == "ag":   # the local rows (1/t of the GEMM) need no data; chunk i computes (t-1) * rows_i
+        tiles = [(t - 1) * r for r in sizes]
+        return comm_then_gemm(meas.cublas, rows, tiles, [t * r * shape.k * eb for r in sizes], curve, t * rows)
+    mult = t if shape.op == "rs" else 1
+    return gemm_then_comm(meas.cublas, sizes, [mult * r * shape.n * eb for r in sizes], curve, rows, 1, "linear")
+
+
+def predict(shape: Shape, config: OverlapConfig, meas: Measurements,
+            progress: str = DEFAULT_PROGRESS) -> Optional[float]:
+    """Predicted latency (ms) of `config` on `shape`, or None where the measurements cannot tell.
+    A direct (end-to-end) measurement of the same candidate wins over the model."""
+    name = label(config)
+    if name in meas.direct:
+        return meas.direct[name]
+    if config.method == "off":
+        curve = meas.curve(comm_kind(shape, config), 0)
+        if meas.cublas is None or curve is None:
+            return None
+        eb = shape.elem_bytes
+        return meas.cublas + curve(shape.m * (shape.k if shape.op == "ag" else shape.n) * eb)
+    if config.method == "decompose":
+        return _decompose(shape, config, meas)
+    if config.method != "signal":
+        raise ValueError(f"cannot predict method={config.method!r}")
+    if shape.op == "rs" and config.transport == "p2p":
+        return None   # no collective to model: measured end to end only
+    schedule = "row_slice" if shape.op == "ag" else config.schedule
+    lay = layout(shape, schedule, config.block_m, config.block_n)
+    t_gemm = meas.t_gemm(schedule, config.comm_sms)
+    cap = 0 if config.transport == "p2p" else config.comm_sms
+    curve = meas.curve(comm_kind(shape, config), cap)
+    if lay is None or t_gemm is None or curve is None:
+        return None
+    sizes = _group_sizes(lay, config.groups)
+    nbytes, tiles = lay.sizes_bytes_tiles(sizes)
+    if shape.op == "ag":
+        return comm_then_gemm(t_gemm, lay.lead_tiles, tiles, nbytes, curve, lay.total_tiles)
+    wave = wave_tiles(meas.sms, config.comm_sms, lay.total_tiles)
+    return (gemm_then_comm(t_gemm, tiles, nbytes, curve, lay.total_tiles, wave, progress)
+            + meas.post.get(schedule, 0.0))
+
+
+def predict_max_over_ranks(per_rank: Iterable[Tuple[Shape, Measurements]], config: OverlapConfig,
+                           progress: str = DEFAULT_PROGRESS) -> Optional[float]:
+    """MoE entry point: every rank's own shape (its token count) and measurements; a step waits for the
+    slowest rank, so the prediction is the max. None if any rank cannot be predicted."""
+    times = [predict(shape, config, meas, progress) for shape, meas in per_rank]
+    return None if not times or any(x is None for x in times) else max(times)
+
+
+def rank(shape: Shape, configs: Iterable[OverlapConfig], meas: Measurements,
+         progress: str = DEFAULT_PROGRESS) -> List[Tuple[float, str, OverlapConfig]]:
+    """(predicted ms, label, config), fastest first; equal predictions (to 1e-9 ms, common under the wave
+    model) prefer fewer groups (less per-group host and launch cost), then the label; unpredictable
+    ones dropped."""
+    out = []
+    for config in configs:
+        ms = predict(shape, config, meas, progress)
+        if ms is not None:
+            out.append((ms, label(config), config))
+
+    def groups(config):
+        return len(config.groups) if isinstance(config.groups, tuple) else 0
+
+    out.sort(key=lambda x: (round(x[0], 9), groups(x[2]), x[1]))
+    return out

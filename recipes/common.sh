@@ -1,0 +1,79 @@
+# Shared by the recipes (sourced, not run). A recipe sets RECIPE, MODEL_ARGS and TRAIN_ARGS, then
+# calls run_recipe "$@". Environment knobs (all optional):
+#   OVERLAP=signal|decompose|auto|off   --overlap-tp (default signal); off = the baseline
+#   TRANSPORT=nccl|p2p  COMM_SMS=N      --overlap-tp-transport / --overlap-tp-comm-sms
+#   TP=2  NPROC=2  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static rendezvous)
+#   RDZV_ENDPOINT=host:port  RDZV_ID=job  torchrun's c10d rendezvous instead (multi-node, SLURM)
+#   TRANSFORMER_IMPL=local|transformer_engine   (default: transformer_engine where it imports)
+#   WANDB_PROJECT (default overlap_tp; "" turns W&B off)  WANDB_MODE (offline unless set)  EXP_NAME
+#   OUT_DIR (default runs/$RECIPE-$OVERLAP): train.log, tensorboard/, wandb/
+#   DRY_RUN=1                           print the launch command instead of running it
+# Arguments given to the recipe are appended to the Megatron command line (they win).
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
+export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+
+OVERLAP=${OVERLAP:-signal}
+TP=${TP:-2}
+NPROC=${NPROC:-2}
+PYTHON=${PYTHON:-python3}
+
+_imports() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
+
+run_recipe() {
+  local out_dir=${OUT_DIR:-runs/$RECIPE-$OVERLAP}
+  local exp_name=${EXP_NAME:-$RECIPE-$OVERLAP}
+  local impl=${TRANSFORMER_IMPL:-}
+  if [[ -z $impl ]]; then
+    if [[ ${DRY_RUN:-0} != 1 ]] && _imports transformer_engine; then impl=transformer_engine; else impl=local; fi
+  fi
+  local overlap_args=(--overlap-tp "$OVERLAP")
+  [[ -n ${TRANSPORT:-} ]] && overlap_args+=(--overlap-tp-transport "$TRANSPORT")
+  [[ -n ${COMM_SMS:-} ]] && overlap_args+=(--overlap-tp-comm-sms "$COMM_SMS")
+  local env_args=()
+  if [[ ${DRY_RUN:-0} != 1 ]] && ! _imports transformer_engine && ! _imports fused_weight_gradient_mlp_cuda; then
+    # Megatron's fused wgrad accumulation needs Apex or TE, its RoPE fusion TE.
+    env_args+=(--no-gradient-accumulation-fusion --no-rope-fusion)
+    if [[ $OVERLAP == off ]] && ! _imports apex; then
+      # Megatron's local spec has no sequence-parallel norm without TE or Apex (WrappedTorchNorm
+      # refuses SP): run the baseline on overlap_tp's modules with the overlap off (cuBLAS, then the
+      # collective, on one stream).
+      echo "[recipe] neither Transformer Engine nor Apex: baseline runs overlap_tp's layers with --overlap-tp off" >&2
+      overlap_args+=(--overlap-tp-layers)
+    fi
+  fi
+  local log_args=(--log-interval "${LOG_INTERVAL:-5}" --log-throughput --log-timers-to-tensorboard
+                  --tensorboard-dir "$out_dir/tensorboard" --eval-iters 0 --eval-interval 1000000)
+  local project=${WANDB_PROJECT-overlap_tp}
+  if [[ -n $project ]]; then
+    if [[ ${DRY_RUN:-0} == 1 ]] || _imports wandb; then
+      export WANDB_MODE=${WANDB_MODE:-offline}
+      log_args+=(--wandb-project "$project" --wandb-exp-name "$exp_name" --wandb-save-dir "$out_dir/wandb")
+    else
+      echo "[recipe] wandb does not import here: W&B logging off (pip install wandb)" >&2
+    fi
+  fi
+  local rendezvous=(--node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-localhost}"
+                    --master-port "${MASTER_PORT:-29500}")
+  if [[ -n ${RDZV_ENDPOINT:-} ]]; then  # multi-node: torchrun's c10d rendezvous (launch/slurm_template.sh)
+    rendezvous=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-overlap_tp}")
+  fi
+  local cmd=(torchrun --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" "${rendezvous[@]}"
+             -m overlap_tp.launch.pretrain
+             --tensor-model-parallel-size "$TP" --sequence-parallel --transformer-impl "$impl"
+             "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${log_args[@]}" "${overlap_args[@]}" "${env_args[@]}" "$@")
+  if [[ ${DRY_RUN:-0} == 1 ]]; then
+    printf '%q ' "${cmd[@]}"; echo
+    return 0
+  fi
+  mkdir -p "$out_dir"
+  echo "[recipe] $RECIPE, --overlap-tp $OVERLAP, log: $out_dir/train.log" >&2
+  set -o pipefail
+  "${cmd[@]}" 2>&1 | tee "$out_dir/train.log"
+}
+
+# Llama-style model flags shared by the Llama recipes: RMSNorm, SwiGLU, GQA, no biases, RoPE, bf16.
+LLAMA_ARGS=(--normalization RMSNorm --norm-epsilon 1e-5 --swiglu --disable-bias-linear
+            --group-query-attention --position-embedding-type rope --untie-embeddings-and-output-weights
+            --attention-dropout 0.0 --hidden-dropout 0.0 --bf16 --attention-softmax-in-fp32
+            --tokenizer-type NullTokenizer)

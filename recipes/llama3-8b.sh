@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Llama-3-8B shapes (32 layers, hidden 4096, FFN 14336, 32 heads / 8 KV groups, vocab 128256,
+# RoPE base 500000), sequence 8192, TP=2 with sequence parallelism on 2 GPUs (H200 141 GB: the
+# distributed optimizer state of 8B over TP=2 is ~72 GB per GPU). Mock data unless --data-path is given.
+#   bash recipes/llama3-8b.sh             overlap on (--overlap-tp signal)
+#   OVERLAP=off bash recipes/llama3-8b.sh baseline: Megatron's path, overlap off
+# Add flags after the script name, e.g. `--recompute-granularity selective` where attention is not fused.
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+RECIPE=llama3-8b
+MODEL_ARGS=("${LLAMA_ARGS[@]}"
+            --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
+            --num-query-groups 8 --kv-channels 128 --seq-length 8192 --max-position-embeddings 8192
+            --vocab-size 128256 --rotary-base 500000)
+TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "${TRAIN_ITERS:-50}"
+            --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1
+            --clip-grad 1.0 --init-method-std 0.02 --use-distributed-optimizer --seed 1234)
+run_recipe "$@"

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Smoke test of the whole training path: a tiny Llama-style GPT on 2 GPUs (TP=2, sequence parallel),
+# Megatron's mock data, about a minute; W&B offline (wandb/ under OUT_DIR), TensorBoard, train.log.
+#   bash recipes/smoke.sh                 overlap on (--overlap-tp signal)
+#   OVERLAP=off bash recipes/smoke.sh     the same run, overlap off (baseline)
+# Then: python -m overlap_tp.report runs/smoke-off/train.log runs/smoke-signal/train.log --out runs/report
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+RECIPE=smoke
+MODEL_ARGS=("${LLAMA_ARGS[@]}"
+            --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16
+            --num-query-groups 4 --kv-channels 64 --seq-length 2048 --max-position-embeddings 2048
+            --vocab-size 32000 --rotary-base 10000)
+TRAIN_ARGS=(--micro-batch-size 2 --global-batch-size 8 --train-iters "${TRAIN_ITERS:-60}"
+            --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
+            --clip-grad 1.0 --init-method-std 0.02 --seed 1234)
+run_recipe "$@"

@@ -1,0 +1,129 @@
+"""megatron_patches.apply: off leaves Megatron's args untouched; on switches the spec and the layers'
+OverlapConfig; applying twice changes nothing more."""
+import copy
+from types import SimpleNamespace
+
+import pytest
+
+from overlap_tp import OverlapConfig
+from overlap_tp.arguments import TUNE_CACHE_ENV
+from overlap_tp.megatron_patches import apply as patch
+
+
+@pytest.fixture(autouse=True)
+def clean_state(monkeypatch):
+    monkeypatch.delenv(TUNE_CACHE_ENV, raising=False)
+    patch.reset()
+    try:
+        from overlap_tp import layers
+    except ImportError:
+        layers = None
+    saved = {op: layers.get_default_overlap_config(op) for op in layers.OP_KINDS} if layers else None
+    yield
+    patch.reset()
+    if layers:
+        layers.set_default_overlap_config(**saved)
+
+
+def fake_args(**overrides):
+    values = dict(overlap_tp="signal", overlap_tp_transport="nccl", overlap_tp_comm_sms=8,
+                  overlap_tp_tune_cache=None, overlap_tp_layers=False, spec=None,
+                  tensor_model_parallel_size=2, sequence_parallel=True, num_layers=2)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def quiet(message):
+    pass
+
+
+def test_off_leaves_megatron_untouched():
+    args = fake_args(overlap_tp="off")
+    before = copy.deepcopy(vars(args))
+    report = patch.apply(args, log=quiet)
+    assert not report.active and report.changed == []
+    assert vars(args) == before
+    assert patch.get_overlap_config() is None
+    assert "nothing changed" in str(report)
+
+
+def test_on_sets_spec_and_config():
+    args = fake_args()
+    report = patch.apply(args, log=quiet)
+    assert report.active
+    assert args.spec == list(patch.SPEC)
+    assert patch.get_overlap_config() == OverlapConfig(method="signal", transport="nccl", comm_sms=8)
+    assert len(report.changed) == 2  # the OverlapConfig and --spec
+
+
+def test_apply_twice_changes_nothing_more():
+    args = fake_args(overlap_tp_tune_cache="/tmp/overlap_tp_tune.json")
+    first = patch.apply(args, log=quiet)
+    state = copy.deepcopy(vars(args))
+    config = patch.get_overlap_config()
+    second = patch.apply(args, log=quiet)
+    assert len(first.changed) == 3 and second.changed == []
+    assert vars(args) == state and patch.get_overlap_config() is config
+    assert "already applied" in str(second)
+
+
+def test_tune_cache_is_exported(monkeypatch):
+    patch.apply(fake_args(overlap_tp="auto", overlap_tp_tune_cache="/tmp/cache.json"), log=quiet)
+    import os
+    assert os.environ[TUNE_CACHE_ENV] == "/tmp/cache.json"
+
+
+def test_a_foreign_spec_is_never_overwritten():
+    args = fake_args(spec=["my.module", "my_spec"])
+    with pytest.raises(ValueError, match="--spec"):
+        patch.apply(args, log=quiet)
+    assert args.spec == ["my.module", "my_spec"]
+
+
+def test_overlap_tp_layers_with_off_uses_our_spec_with_method_off():
+    args = fake_args(overlap_tp="off", overlap_tp_layers=True)
+    patch.apply(args, log=quiet)
+    assert args.spec == list(patch.SPEC) and patch.get_overlap_config().method == "off"
+
+
+def test_the_report_is_logged():
+    lines = []
+    patch.apply(fake_args(), log=lines.append)
+    assert len(lines) == 1 and "--spec overlap_tp.megatron_patches.apply overlap_layer_spec" in lines[0]
+
+
+def test_layers_receive_the_config():
+    layers = pytest.importorskip("overlap_tp.layers", reason="overlap_tp.layers needs megatron-core")
+    patch.apply(fake_args(overlap_tp_transport="p2p"), log=quiet)
+    assert layers.get_default_overlap_config("gemm_rs").transport == "p2p"
+    assert layers.get_default_overlap_config("ag_gemm").transport == "p2p"
+    assert layers.get_default_overlap_config("gemm_ar").transport == "nccl"  # p2p is RS/AG only
+    assert layers.get_default_overlap_config("gemm_rs").comm_sms == 8
+
+
+def test_spec_callable_builds_our_block_spec(monkeypatch):
+    """--spec resolves to a decoder block spec: our layer in every slot and OverlapRMSNorm as the final
+    norm (given a layer spec, Megatron would pick WrappedTorchNorm, which refuses SP, without TE/Apex)."""
+    layer_spec = pytest.importorskip("overlap_tp.layer_spec", reason="the layer spec needs megatron-core")
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from overlap_tp.norm import OverlapRMSNorm
+    # the pipeline split is Megatron's business (it needs initialized parallel state): 3 layers here
+    monkeypatch.setattr(transformer_block, "get_num_layers_to_build", lambda config, vp_stage=None: config.num_layers)
+    transformer = SimpleNamespace(num_moe_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                                  multi_latent_attention=False, qk_l2_norm=False, normalization="RMSNorm",
+                                  num_layers=3)
+    model_config = SimpleNamespace(transformer=transformer)  # megatron-core 0.19's GPTModelConfig shape
+    for config in (model_config, transformer):
+        block = patch.overlap_layer_spec(config, vp_stage=None)
+        assert isinstance(block, transformer_block.TransformerBlockSubmodules)
+        assert len(block.layer_specs) == 3 and block.layer_norm is OverlapRMSNorm
+        spec = block.layer_specs[0]
+        assert spec.module is TransformerLayer
+        qkv = spec.submodules.self_attention.submodules.linear_qkv
+        assert qkv.__module__ == "overlap_tp.layers"
+    # Megatron's import_module(--spec) resolves to this very function
+    module = __import__(patch.SPEC[0], fromlist=[patch.SPEC[1]])
+    assert getattr(module, patch.SPEC[1]) is patch.overlap_layer_spec
+    assert layer_spec.get_gpt_layer_overlap_spec is not None

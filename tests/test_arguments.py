@@ -1,0 +1,123 @@
+"""overlap_tp's Megatron flags: parsing (plain argparse and, where importable, Megatron's own parser)
+and the combination checks of validate_overlap_args."""
+import argparse
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from overlap_tp import OverlapConfig
+from overlap_tp.arguments import (OverlapArgumentError, add_overlap_args, build_parser, overlap_config_kwargs,
+                                  validate_overlap_args)
+from overlap_tp.megatron_patches.apply import SPEC
+
+
+def megatron_like(**overrides):
+    """The Megatron attributes validate_overlap_args reads, as after Megatron's validate_args."""
+    values = dict(overlap_tp="signal", overlap_tp_transport="nccl", overlap_tp_comm_sms=None,
+                  overlap_tp_tune_cache=None, overlap_tp_layers=False, overlap_tp_peak_tflops=None,
+                  overlap_moe=False, tensor_model_parallel_size=2, sequence_parallel=True,
+                  transformer_impl="local", spec=None, num_experts=None, tp_comm_overlap=False,
+                  normalization="RMSNorm", fp8=None, yaml_cfg=None, multi_latent_attention=False,
+                  heterogeneous_layers_config_path=None, experimental_attention_variant=None)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def test_defaults_leave_overlap_off():
+    args = build_parser().parse_args([])
+    assert args.overlap_tp == "off" and args.overlap_tp_transport == "nccl"
+    assert args.overlap_tp_comm_sms is None and args.overlap_tp_tune_cache is None
+    assert not args.overlap_moe and not args.overlap_tp_layers
+    assert validate_overlap_args(args, warn=None) == []
+    assert OverlapConfig(**overlap_config_kwargs(args)).method == "off"
+
+
+def test_all_flags_parse_into_an_overlap_config():
+    args = build_parser().parse_args(["--overlap-tp", "signal", "--overlap-tp-transport", "p2p",
+                                      "--overlap-tp-comm-sms", "0", "--overlap-tp-tune-cache", "/tmp/t.json",
+                                      "--overlap-tp-peak-tflops", "900"])
+    config = OverlapConfig(**overlap_config_kwargs(args))
+    assert (config.method, config.transport, config.comm_sms) == ("signal", "p2p", 0)
+    assert args.overlap_tp_tune_cache == "/tmp/t.json" and args.overlap_tp_peak_tflops == 900.0
+
+
+@pytest.mark.parametrize("argv", [["--overlap-tp", "fast"], ["--overlap-tp-transport", "ib"],
+                                  ["--overlap-tp-comm-sms", "x"]])
+def test_bad_values_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+
+
+def test_group_is_added_once_and_the_parser_returned():
+    parser = argparse.ArgumentParser()
+    assert add_overlap_args(parser) is parser
+    assert add_overlap_args(parser) is parser  # no argparse conflict the second time
+    assert any(group.title == "overlap_tp" for group in parser._action_groups)
+
+
+def test_overlap_moe_is_not_implemented_yet():
+    with pytest.raises(OverlapArgumentError, match="not implemented yet"):
+        validate_overlap_args(megatron_like(overlap_tp="off", overlap_moe=True), warn=None)
+
+
+def test_tp1_warns_and_runs_off():
+    args = megatron_like(tensor_model_parallel_size=1, sequence_parallel=False)
+    warnings = validate_overlap_args(args, warn=None)
+    assert args.overlap_tp == "off"
+    assert len(warnings) == 1 and "no TP communication" in warnings[0]
+
+
+def test_without_sequence_parallel_explains_the_allreduce_path():
+    with pytest.raises(OverlapArgumentError) as error:
+        validate_overlap_args(megatron_like(sequence_parallel=False), warn=None)
+    message = str(error.value)
+    assert "--sequence-parallel" in message and "GEMM+AllReduce" in message and "--overlap-tp off" in message
+
+
+def test_transformer_engine_gets_a_precedence_note():
+    warnings = validate_overlap_args(megatron_like(transformer_impl="transformer_engine"), warn=None)
+    assert len(warnings) == 1 and "precedence" in warnings[0]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"spec": ["my.module", "my_spec"]}, "Remove --spec"),
+    ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
+    ({"num_experts": 8}, "MoE"),
+    ({"normalization": "LayerNorm"}, "RMSNorm"),
+    ({"fp8": "hybrid"}, "bf16"),
+    ({"overlap_tp_comm_sms": -1}, ">= 0"),
+    ({"multi_latent_attention": True}, "--multi-latent-attention"),
+])
+def test_conflicts_say_what_to_change(overrides, match):
+    with pytest.raises(OverlapArgumentError, match=match):
+        validate_overlap_args(megatron_like(**overrides), warn=None)
+
+
+def test_our_own_spec_is_accepted():
+    assert validate_overlap_args(megatron_like(spec=list(SPEC)), warn=None) == []
+
+
+def test_overlap_tp_layers_alone_is_checked_like_overlap():
+    with pytest.raises(OverlapArgumentError, match="--overlap-tp-layers needs --sequence-parallel"):
+        validate_overlap_args(megatron_like(overlap_tp="off", overlap_tp_layers=True, sequence_parallel=False),
+                              warn=None)
+
+
+def test_warnings_go_to_the_given_callback():
+    seen = []
+    validate_overlap_args(megatron_like(transformer_impl="transformer_engine"), warn=seen.append)
+    assert len(seen) == 1
+
+
+def test_inside_megatrons_parser(monkeypatch):
+    arguments = pytest.importorskip(
+        "megatron.training.arguments",
+        reason="megatron.training is not importable (megatron-core >= 0.17 on Python >= 3.12 ships it)")
+    monkeypatch.setattr(sys, "argv", ["pretrain", "--num-layers", "2", "--hidden-size", "64",
+                                      "--num-attention-heads", "4", "--overlap-tp", "decompose",
+                                      "--overlap-tp-comm-sms", "8", "--sequence-parallel",
+                                      "--tensor-model-parallel-size", "2"])
+    args = arguments.parse_args(extra_args_provider=add_overlap_args)
+    assert args.overlap_tp == "decompose" and args.overlap_tp_comm_sms == 8 and args.sequence_parallel
+    assert args.num_layers == 2
