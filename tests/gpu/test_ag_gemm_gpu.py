@@ -93,3 +93,37 @@ def _check_bias_and_back_to_back(rank, world):
 def test_bias_and_200_back_to_back_calls():
     needs_two_gpus()
     run_distributed(2, _check_bias_and_back_to_back, backend="nccl")
+
+
+def _check_slow_peer(rank, world):
+    """The GEMM on every SM spins on flags that a late peer's transfers raise: rank 1 starts its call
+    2 s late (host) and, in a second round, behind 0.5 s of GPU work on its stream. Both complete with
+    the right result (no SM is needed to release the spinning GEMM on the p2p transport; the NCCL
+    transport keeps comm_sms free for NCCL)."""
+    import time
+    group = dist.group.WORLD
+    torch.manual_seed(rank)
+    shard = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(7)
+    w = torch.randn(3072, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    ref = ag_gemm(shard, w, group, config=OverlapConfig(method="off"))
+    for label, config in CONFIGS.items():
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 1:
+            time.sleep(2.0)
+        got = ag_gemm(shard, w, group, config=config)
+        torch.cuda.synchronize()
+        assert torch.equal(got, ag_gemm(shard, w, group, config=config)), label
+        assert rel_error(got, ref.float()) < 1e-2, label
+        dist.barrier()
+        if rank == 1:
+            torch.cuda._sleep(1_000_000_000)   # 1e9 GPU clock cycles, ~0.5 s
+        got = ag_gemm(shard, w, group, config=config)
+        torch.cuda.synchronize()
+        assert rel_error(got, ref.float()) < 1e-2, label
+
+
+def test_late_peer_does_not_hang():
+    needs_two_gpus()
+    run_distributed(2, _check_slow_peer, backend="nccl")
