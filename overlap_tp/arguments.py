@@ -50,9 +50,10 @@ def add_overlap_args(parser):
              "tuner. Needs --sequence-parallel and TP > 1.")
     group.add_argument(
         "--overlap-tp-transport", choices=list(TRANSPORTS), default="nccl",
-        help="How partial results move for --overlap-tp signal: nccl (one NCCL collective per group "
-             "of tiles) or p2p (the GEMM epilogue stores into the owning GPU's symmetric-memory "
-             "buffer over NVLink; GEMM+ReduceScatter on CUDA only).")
+        help="How data moves for --overlap-tp signal: nccl (one NCCL collective per group of tiles) "
+             "or p2p (peer-to-peer through symmetric memory over NVLink, CUDA only: the GEMM epilogue "
+             "stores into the owner's buffer for GEMM+ReduceScatter, copy-engine pulls for "
+             "AllGather+GEMM; GEMM+AllReduce keeps nccl).")
     group.add_argument(
         "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
         help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "

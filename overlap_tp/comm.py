@@ -71,6 +71,18 @@ class TorchCollectives:
         x.copy_(total)
 
 
+def all_gather_rows(x: torch.Tensor, group, async_op: bool = False):
+    """torch.distributed's all-gather of [m, ...] shards into a new [t*m, ...] tensor in rank order
+    (gloo has no all_gather_into_tensor: a list of row blocks there). Returns (gathered, work or None)."""
+    t = dist.get_world_size(group)
+    out = torch.empty((t * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    if dist.get_backend(group) == "gloo":
+        handle = dist.all_gather(list(out.chunk(t)), x, group=group, async_op=async_op)
+    else:
+        handle = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
+    return out, handle
+
+
 _communicators = {}
 
 

@@ -53,14 +53,6 @@ def _gather_state(m, n, k, t, rank, config, elem_bytes, device) -> GatherState:
     return _states[key]
 
 
-def _gather_reference(gathered, a_shard, group):
-    """torch.distributed's all-gather of the shards into the standard row order."""
-    if dist.get_backend(group) == "gloo":   # gloo has no all_gather_into_tensor
-        dist.all_gather(list(gathered.chunk(dist.get_world_size(group))), a_shard, group=group)
-    else:
-        dist.all_gather_into_tensor(gathered, a_shard, group=group)
-
-
 def _decomposed(a_shard, w, gathered, out, coll, rank, t, chunks):
     """The local rows' cuBLAS GEMM at once; chunk c's rows gathered on the comm stream, then its GEMM."""
     m_local = a_shard.shape[0]
@@ -149,15 +141,16 @@ def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optiona
         raise ValueError("ag_gemm: method='signal' with transport='nccl' needs comm_sms >= 1: the GEMM spins on "
                          "ready flags that NCCL kernels raise, so NCCL must have SMs the GEMM does not hold "
                          "(transport='p2p' spends no SM and runs with comm_sms=0)")
-    gathered = torch.empty(m, k, dtype=a_shard.dtype, device=a_shard.device)
     out = torch.empty(m, n, dtype=a_shard.dtype, device=a_shard.device)
     if method == "off":
-        _gather_reference(gathered, a_shard, group)
+        gathered, _ = comm.all_gather_rows(a_shard, group)
         torch.mm(gathered, w.t(), out=out)
     elif method == "decompose":
+        gathered = torch.empty(m, k, dtype=a_shard.dtype, device=a_shard.device)
         _decomposed(a_shard, w, gathered, out, collectives_for(method, group, a_shard.device, config), rank, t,
                     config.chunks)
     else:
+        gathered = torch.empty(m, k, dtype=a_shard.dtype, device=a_shard.device)
         _signaled(a_shard, w, bias, gathered, out, group, rank, t, config)
         bias = None   # added in the epilogue
     if bias is not None:

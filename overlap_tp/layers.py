@@ -37,6 +37,7 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
     raise ImportError("overlap_tp.layers needs megatron-core (pip install 'overlap_tp[megatron]' or "
                       "'megatron-core>=0.16')") from error
 
+from overlap_tp import comm
 from overlap_tp.config import OverlapConfig
 from overlap_tp.gather_gemm import ag_gemm
 from overlap_tp.ops import gemm_ar, gemm_rs
@@ -135,17 +136,6 @@ def _flatten_input(x: torch.Tensor, features: int, layer: str) -> torch.Tensor:
         raise ValueError(f"{layer}: expected input [..., {features}] (Megatron's [s, b, h]); got {tuple(x.shape)}")
     x2d = x.reshape(-1, features)
     return x2d if x2d.is_contiguous() else x2d.contiguous()
-
-
-def _all_gather_rows(x: torch.Tensor, group, async_op: bool = False):
-    """[m, ...] shards -> [t*m, ...] in rank order; returns (gathered, work handle or None)."""
-    t = dist.get_world_size(group)
-    out = torch.empty((t * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    if dist.get_backend(group) == "gloo":   # gloo has no all_gather_into_tensor
-        handle = dist.all_gather(list(out.chunk(t)), x, group=group, async_op=async_op)
-    else:
-        handle = dist.all_gather_into_tensor(out, x, group=group, async_op=async_op)
-    return out, handle
 
 
 _addmm_out_dtype_works = True
@@ -248,7 +238,7 @@ class _ColumnParallelFn(torch.autograd.Function):
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gathered, handle = x, None
         if need_dw and args.sequence_parallel:
-            gathered, handle = _all_gather_rows(x, args.group, async_op=True)   # overlaps the dgrad below
+            gathered, handle = comm.all_gather_rows(x, args.group, async_op=True)   # overlaps the dgrad below
         dx = None
         if need_dx:
             if args.sequence_parallel:
@@ -289,7 +279,7 @@ class _RowParallelFn(torch.autograd.Function):
                 dy, dz_full = ag_gemm(dz, weight.t().contiguous(), args.group, config=args.config("ag_gemm"),
                                       return_gathered=True)
             elif need_dw:
-                dz_full, _ = _all_gather_rows(dz, args.group)
+                dz_full, _ = comm.all_gather_rows(dz, args.group)
         elif need_dy:
             dy = dz.matmul(weight)
         dw = _weight_grad(ctx, weight, dz_full, y) if need_dw else None
