@@ -17,9 +17,10 @@ class OverlapConfig:
       decompose  the GEMM split along M into `chunks` cuBLAS calls, each chunk's collective on the comm
                  stream (what Megatron/TE call pipelining); a baseline and a fallback.
       off        cuBLAS then the collective, on one stream (Megatron's default path).
-      auto       for now `off`, with a one-time warning: no per-shape plan is tuned yet and the winner
-                 depends on the shape (docs/perf/README.md). The wave-group tuner (issue 4) makes this
-                 choose per shape.
+      auto       the wave-group tuner's choice for the shape (overlap_tp.tune.choose, docs/tuner.md): read
+                 from the tuning cache, else measured once on every rank of the group together at the
+                 first call of the shape and cached; `off` where overlap does not beat it. CPU tensors
+                 run `off` (with a warning).
     schedule:    tile order of the signaled GEMM+collective. `row_slice` writes every group straight into
                  the layout the collective needs, so the result lands in Megatron's standard layout;
                  `tile_exact` follows the tile raster and leaves tiles in execution order, undone after the

@@ -16,7 +16,7 @@ Methods (OverlapConfig.method):
                      leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it).
                p2p   copy-engine pulls (cudaMemcpyAsync from the peers' symmetric-memory copies of their
                      shards): no SM spent on communication (ConCCL/FiCCO).
-  auto       `off`, with a one-time warning, until the tuner (issue 4) chooses per shape.
+  auto       the tuner's choice for the shape (overlap_tp.tune.choose; `off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer.
 """
 from dataclasses import dataclass
@@ -28,7 +28,8 @@ import torch.distributed as dist
 from overlap_tp import comm
 from overlap_tp.config import OverlapConfig
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops import DEFAULT_CONFIG, check_inputs, chunk_bounds, collectives_for, gemm_programs, resolve_method
+from overlap_tp.ops import (DEFAULT_CONFIG, check_inputs, chunk_bounds, collectives_for, gemm_programs, resolve_method,
+                            tuned_config)
 from overlap_tp.plan import TilePlan, ag_plan
 
 
@@ -132,6 +133,7 @@ def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optiona
     group = comm.resolve_group(group)
     t, rank = dist.get_world_size(group), dist.get_rank(group)
     check_inputs(a_shard, w, bias, 1, "ag_gemm")
+    config = tuned_config(config, "ag_gemm", a_shard, w, group)
     m_local, k = a_shard.shape
     m, n = t * m_local, w.shape[0]
     method = resolve_method(config, a_shard, w, m_local, n, "ag_gemm")

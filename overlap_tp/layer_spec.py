@@ -1,6 +1,7 @@
 """Megatron layer specs whose dense linear layers are overlap_tp's (docs/layers.md).
 
-    get_gpt_layer_overlap_spec(...)   a ModuleSpec for Megatron's TransformerLayer, like
+    get_gpt_layer_overlap_spec(...)   a ModuleSpec for OverlapTransformerLayer (Megatron's TransformerLayer
+                                      with self_attn_bda + pre_mlp_layernorm fused into one kernel), like
                                       get_gpt_layer_local_spec, with
         linear_qkv, linear_fc1                 -> OverlapColumnParallelLinear
         linear_proj, linear_fc2                -> OverlapRowParallelLinear
@@ -24,11 +25,12 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import L2Norm
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from overlap_tp.attention import core_attention_module
 from overlap_tp.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
 from overlap_tp.norm import OverlapRMSNorm
+from overlap_tp.transformer_layer import OverlapTransformerLayer
 
 __all__ = ["OverlapQKRMSNorm", "OverlapSpecProvider", "get_gpt_layer_overlap_spec"]
 
@@ -97,7 +99,7 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
     qk_norm = L2Norm if qk_l2_norm else (backend.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm
                                          else IdentityOp)
     return ModuleSpec(
-        module=TransformerLayer,
+        module=OverlapTransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=layer_norm,
             self_attention=ModuleSpec(

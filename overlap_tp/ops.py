@@ -6,7 +6,7 @@
 Methods (OverlapConfig.method): `signal` (persistent Triton GEMM + per-group collectives on the comm
 stream), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream), both through a raw
 NCCL communicator (overlap_tp/nccl.py); `off` (cuBLAS then torch.distributed's collective: Megatron's
-path); `auto`. `off` is also the pure-torch reference: on CPU tensors under gloo it is what
+path); `auto` (the tuner's choice per shape, `tuned_config`). `off` is also the pure-torch reference: on CPU tensors under gloo it is what
 the tests compare everything with. On CPU tensors `signal` runs its Triton kernel in the interpreter
 and the same per-group collectives, so the whole signaled data path is tested without a GPU.
 
@@ -14,6 +14,7 @@ bias: the row-parallel bias is added once, after the reduction (Megatron's seman
 kernel adds it in fp32 to the rows this rank will own (reduce-scatter) or on rank 0 (all-reduce),
 which equals adding it after the sum without another pass over the output.
 """
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
@@ -58,17 +59,21 @@ def _signal_unsupported_reason(a, w, config: OverlapConfig, m_local: int, n: int
     return None
 
 
-AUTO_FALLBACK = ("method='auto' runs 'off' (cuBLAS then the collective): no tuned per-shape plan exists yet, and "
-                 "which method wins depends on the shape (docs/perf/README.md: on the H200 pair the p2p transport "
-                 "won 7 of 12 reduce-scatter shapes, up to 1.5x, and lost the GEMM-dominated ones); pass "
-                 "method='signal' (transport='p2p' or 'nccl') or 'decompose' to choose")
+def tuned_config(config: OverlapConfig, op: str, a, w, group) -> OverlapConfig:
+    """method='auto': the tuner's config for this op and shape (overlap_tp.tune.choose: this process's memo,
+    else the tuning cache, else measured once on every rank of the group together; it returns 'off' where
+    overlap does not pay). CPU tensors run 'off' with a warning: there is nothing to tune without a GPU."""
+    if config.method != "auto":
+        return config
+    if not a.is_cuda:
+        _warn_once(f"overlap_tp {op}: method='auto' runs 'off' on CPU tensors (the tuner measures on GPUs only)")
+        return dataclasses.replace(config, method="off")
+    from overlap_tp import tune
+    return tune.choose(op, a, w, group, base=config)
 
 
 def resolve_method(config, a, w, m_local, n, op):
-    """The method that runs. 'auto' is Megatron's sequential path until a tuned plan says overlap pays."""
-    if config.method == "auto":
-        _warn_once(f"overlap_tp {op}: {AUTO_FALLBACK}")
-        return "off"
+    """The method that runs (config.method after tuned_config), checked to be runnable."""
     if config.method == "signal":
         reason = _signal_unsupported_reason(a, w, config, m_local, n, op)
         if reason is not None:
@@ -199,6 +204,7 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
     group = comm.resolve_group(group)
     t, rank = dist.get_world_size(group), dist.get_rank(group)
     check_inputs(a, w, bias, t, "gemm_rs")
+    config = tuned_config(config, "gemm_rs", a, w, group)
     m, n = a.shape[0], w.shape[0]
     m_local = m // t
     method = resolve_method(config, a, w, m_local, n, "gemm_rs")
@@ -241,6 +247,7 @@ def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
     group = comm.resolve_group(group)
     t, rank = dist.get_world_size(group), dist.get_rank(group)
     check_inputs(a, w, bias, 1, "gemm_ar")
+    config = tuned_config(config, "gemm_ar", a, w, group)
     m, n = a.shape[0], w.shape[0]
     method = resolve_method(config, a, w, m, n, "gemm_ar")
     if method == "signal" and config.transport != "nccl":

@@ -106,7 +106,7 @@ def test_spec_callable_builds_our_block_spec(monkeypatch):
     norm (given a layer spec, Megatron would pick WrappedTorchNorm, which refuses SP, without TE/Apex)."""
     layer_spec = pytest.importorskip("overlap_tp.layer_spec", reason="the layer spec needs megatron-core")
     from megatron.core.transformer import transformer_block
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from overlap_tp.transformer_layer import OverlapTransformerLayer
 
     from overlap_tp.norm import OverlapRMSNorm
     # the pipeline split is Megatron's business (it needs initialized parallel state): 3 layers here
@@ -120,7 +120,7 @@ def test_spec_callable_builds_our_block_spec(monkeypatch):
         assert isinstance(block, transformer_block.TransformerBlockSubmodules)
         assert len(block.layer_specs) == 3 and block.layer_norm is OverlapRMSNorm
         spec = block.layer_specs[0]
-        assert spec.module is TransformerLayer
+        assert spec.module is OverlapTransformerLayer
         qkv = spec.submodules.self_attention.submodules.linear_qkv
         assert qkv.__module__ == "overlap_tp.layers"
     # Megatron's import_module(--spec) resolves to this very function

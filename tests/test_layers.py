@@ -303,10 +303,13 @@ def _layer_config(world, sp):
 
 
 def _megatron_linears_spec(spec):
-    """The same layer spec with Megatron's ColumnParallelLinear / RowParallelLinear."""
+    """The same layer spec with Megatron's TransformerLayer (separate bda and pre-MLP norm) and its
+    ColumnParallelLinear / RowParallelLinear."""
     import copy
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_layer import TransformerLayer
     spec = copy.deepcopy(spec)
+    spec.module = TransformerLayer
     attn = spec.submodules.self_attention.submodules
     attn.linear_qkv, attn.linear_proj = ColumnParallelLinear, RowParallelLinear
     mlp = spec.submodules.mlp.submodules
@@ -344,6 +347,7 @@ def _check_transformer_layer(rank, world):
         assert isinstance(layer.mlp.linear_fc2, OverlapRowParallelLinear)
         assert isinstance(layer.input_layernorm, OverlapRMSNorm) and isinstance(layer.pre_mlp_layernorm, OverlapRMSNorm)
         assert layer.self_attention.linear_proj.sequence_parallel == sp
+        assert layer.fused_attn_norm, "the fused bda + pre-MLP norm path should run"
         for (n, p), (_, q) in zip(layer.named_parameters(), ref_layer.named_parameters()):
             assert torch.equal(p, q), f"{n}: weights differ from the Megatron-linears layer"
         what = f"TransformerLayer sp={sp} world={world}"
@@ -363,6 +367,15 @@ def _check_transformer_layer(rank, world):
                 _close(grad, ref, f"{what} grad {n} (TP-summed)", 3e-2)
                 continue
             _close(grad, grads_ref[n], f"{what} grad {n}", 3e-2)
+
+    # Without an OverlapRMSNorm to fuse into, the layer is Megatron's and says why.
+    from megatron.core.transformer.identity_op import IdentityOp
+    import copy
+    plain = copy.deepcopy(spec)
+    plain.submodules.pre_mlp_layernorm = IdentityOp
+    with pytest.warns(UserWarning, match="pre_mlp_layernorm is IdentityOp"):
+        layer = build_module(plain, config=_layer_config(world, False), layer_number=1)
+    assert not layer.fused_attn_norm
     ps.destroy_model_parallel()
 
 
@@ -432,8 +445,9 @@ def test_spec_and_provider():
     from overlap_tp.layer_spec import OverlapSpecProvider, get_gpt_layer_overlap_spec
     from overlap_tp.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
     from overlap_tp.norm import OverlapRMSNorm
+    from overlap_tp.transformer_layer import OverlapTransformerLayer
     spec = get_gpt_layer_overlap_spec()
-    assert spec.module is TransformerLayer
+    assert issubclass(spec.module, TransformerLayer) and spec.module is OverlapTransformerLayer
     sub = spec.submodules
     assert sub.input_layernorm is OverlapRMSNorm and sub.pre_mlp_layernorm is OverlapRMSNorm
     assert sub.self_attention.submodules.linear_qkv is OverlapColumnParallelLinear

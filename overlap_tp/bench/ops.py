@@ -53,6 +53,9 @@ def parse_args(argv):
     p.add_argument("--ar-seq", default="8192", help="tokens for gemm_ar (its collective moves 2x the bytes)")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--sweep", action="store_true", help="also time schedule x groups x comm_sms variants")
+    p.add_argument("--auto", action="store_true",
+                   help="also time method='auto' (the tuner's pick; tunes each shape once, cache: "
+                        "$OVERLAP_TP_TUNE_CACHE) and report it against seq")
     p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="gemm_rs_ar", help="report file name (without extension)")
     return p.parse_args(argv)
@@ -182,6 +185,14 @@ def bench_shape(op, name, m, k, n, args, group):
             row["p2p"] = variants["p2p"]
             row["S_p2p"] = row["seq"] / row["p2p"]
 
+    if args.auto:
+        from overlap_tp.tune import choose, label
+        auto = OverlapConfig(method="auto")
+        agree(run(*sets[0], group, config=auto), seq_out, f"{op} auto")   # the first call tunes the shape
+        row["auto_pick"] = label(choose(op, *sets[0], group, base=auto))
+        row["auto"] = timed(lambda a, w: run(a, w, group, config=auto), sets, args.reps, group)
+        row["auto_vs_seq"] = row["seq"] / row["auto"]
+
     row["comm_share"] = row["comm"] / row["gemm"]
     if op == "ag":
         return row
@@ -210,7 +221,8 @@ COLUMNS = [
     ("async_tp", "async-TP", "{:.3f}"), ("ours", "ours", "{:.3f}"), ("S", "S", "{:.2f}"),
     ("pct_ideal", "%ideal", "{:.0f}"), ("fo_bound", "FO bound", "{:.3f}"), ("best", "best variant", "{:.3f}"),
     ("best_variant", "which", "{}"), ("p2p", "p2p", "{:.3f}"), ("S_p2p", "S p2p", "{:.2f}"),
-    ("sgemm_vs_cublas", "sgemm/cuBLAS", "{:.3f}"),
+    ("sgemm_vs_cublas", "sgemm/cuBLAS", "{:.3f}"), ("auto", "auto", "{:.3f}"), ("auto_vs_seq", "seq/auto", "{:.2f}"),
+    ("auto_pick", "auto pick", "{}"),
 ]
 
 

@@ -172,3 +172,33 @@ def _check_raw_nccl_matches_torch(rank, world):
 def test_raw_nccl_matches_torch_distributed():
     needs_two_gpus()
     run_distributed(2, _check_raw_nccl_matches_torch, backend="nccl")
+
+
+def _check_auto(rank, world, cache_path):
+    """method='auto' runs the tuner's pick (measured once, then cached) and still computes the same thing;
+    the pick is the same on both ranks and lands in the cache file that a later process reads."""
+    from overlap_tp import ag_gemm, tune
+    from overlap_tp.tune.cache import TuneCache
+    os.environ["OVERLAP_TP_TUNE_CACHE"] = cache_path
+    group = dist.group.WORLD
+    torch.manual_seed(rank)
+    a = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) / 2048 ** 0.5
+    auto, off = OverlapConfig(method="auto"), OverlapConfig(method="off")
+    for op, run, x in (("gemm_rs", gemm_rs, a), ("gemm_ar", gemm_ar, a), ("ag_gemm", ag_gemm, a[:4096])):
+        ref = run(x, w, group, config=off)
+        got = run(x, w, group, config=auto)
+        assert rel_error(got, ref.float()) < 1e-2, op
+        pick = tune.choose(op, x, w, group, base=auto)   # memo: no new measurement
+        picks = [None] * world
+        dist.all_gather_object(picks, pick, group=group)
+        assert picks[0] == picks[1], f"{op}: ranks chose differently: {picks}"
+        print(f"auto {op}: {pick}", flush=True)
+    dist.barrier()
+    if rank == 0:
+        assert len(TuneCache(cache_path, None).entries()) >= 3
+
+
+def test_auto_runs_the_tuned_config(tmp_path):
+    needs_two_gpus()
+    run_distributed(2, _check_auto, str(tmp_path / "tune.json"), backend="nccl")
