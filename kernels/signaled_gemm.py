@@ -22,6 +22,10 @@ names a ready flag spins on it before its first load, with acquire loads, until 
 call's epoch (compared cyclically); the comm stream raises the flag with cuStreamWriteValue32 once the
 chunk's transfer completed. The TMA loads that follow read through the async proxy, so a
 `fence.proxy.async` orders them after the acquire.
+
+Grouped expert GEMMs (overlap_tp/expert_ops.py) run it over L weights W[L, N, K] seen as one [L*N, K]
+matrix: a tile's W_ROW field is l*N for its expert l, and its W box starts at row W_ROW + col. A box
+that overhangs into expert l+1 (N % BLOCK_N != 0) only feeds columns >= N, which the store masks out.
 """
 import os
 
@@ -77,14 +81,14 @@ def wait_flag_then(flags_ptr, flag, target, value, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def signaled_gemm_kernel(
-    a_desc, w_desc,                 # TMA descriptors: A [M, K] in [BLOCK_M, BLOCK_K] boxes, W [N, K]
+    a_desc, w_desc,                 # TMA descriptors: A [M, K] in [BLOCK_M, BLOCK_K] boxes, W [L*N, K]
     dst_ptr, ld_dst,                # staging matrix the tiles are stored into, its row stride
     dst_offsets_ptr,                # int64 per destination buffer: its element offset from dst_ptr
     bias_ptr, bias_row_lo, bias_row_hi,   # bias added to source rows [lo, hi) only
     tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, TILE_FIELDS] in execution order
     counters_ptr,                   # SIGNAL: int32 per group, raised once per stored tile
     flags_ptr, wait_target,         # WAIT: int32 ready flags and this call's epoch
-    N, K,
+    N, K,                           # N: the output columns of one weight (one expert)
     HAS_BIAS: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, INTERPRETED: tl.constexpr,
     TILE_FIELDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
@@ -102,6 +106,7 @@ def signaled_gemm_kernel(
         # offsets from dst_ptr: one flat address space, no integer-to-pointer casts. Their owner
         # (overlap_tp/p2p.py) checks that each offset is a multiple of 16 elements: 16-byte stores stay.
         dst_base = dst_ptr + tl.multiple_of(tl.load(dst_offsets_ptr + tl.load(entry + 6)), 16)
+        w_row = tl.load(entry + 8) + col             # the tile's weight rows in W [L*N, K]
 
         if WAIT:
             flag = tl.load(entry + 7)
@@ -111,7 +116,7 @@ def signaled_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(k_steps):
             a = a_desc.load([src_row, ks * BLOCK_K])
-            w = w_desc.load([col, ks * BLOCK_K])
+            w = w_desc.load([w_row, ks * BLOCK_K])
             if INTERPRETED:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
@@ -179,18 +184,20 @@ def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, b
                   flags=None, wait_target=0):
     """Launch the kernel: the tiles of `tiles` (device int32 table) into `dst` (or, for a tile whose
     DST_BUF is b, into the buffer `dst_offsets[b]` elements away from dst), raising `counters` (unless
-    None); with `flags`, a tile whose WAIT field is f >= 0 first waits until flags[f] reaches wait_target."""
+    None); with `flags`, a tile whose WAIT field is f >= 0 first waits until flags[f] reaches wait_target.
+    `w` is one weight [N, K] or L expert weights [L, N, K] (contiguous) that the tiles pick by W_ROW."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
+    n = w.shape[-2]
     num_tiles = tiles.shape[0]
     assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
     grid = (max(1, min(num_programs, num_tiles)),)
     signaled_gemm_kernel[grid](
-        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [bn, bk]),
         dst, dst.stride(0), dst_offsets if dst_offsets is not None else _zero_offset(dst.device),
         bias if bias is not None else dst, bias_rows[0], bias_rows[1],
         tiles, num_tiles, counters if counters is not None else tiles,
         flags if flags is not None else tiles, wait_target,
-        w.shape[0], a.shape[1],
+        n, a.shape[1],
         HAS_BIAS=bias is not None, SIGNAL=counters is not None, WAIT=flags is not None, INTERPRETED=INTERPRET,
         TILE_FIELDS=TILE_FIELDS,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGRAMS=grid[0],

@@ -6,11 +6,15 @@ Public ops (the contract other parts and outside benchmarks call):
     gemm_ar(a, w, group=None, *, bias=None, config=None)  -> all_reduce(a @ w.T) [+ bias]
     ag_gemm(a_shard, w, group=None, *, bias=None, config=None, return_gathered=False)
                                                            -> all_gather(a_shard) @ w.T [+ bias]
+    a2a_gemm(x, counts, w, group=None, *, config=None, return_received=False)
+                                                           -> MoE dispatch (all-to-all) + grouped fc1 GEMM
+    gemm_a2a(h, counts, w, group=None, *, config=None)     -> grouped fc2 GEMM + MoE combine (all-to-all)
     OverlapConfig                                          how they run (method, schedule, groups, ...)
 """
 from overlap_tp.config import OverlapConfig
+from overlap_tp.expert_ops import a2a_gemm, gemm_a2a
 from overlap_tp.gather_gemm import ag_gemm
 from overlap_tp.ops import gemm_ar, gemm_rs
 
-__all__ = ["OverlapConfig", "ag_gemm", "gemm_rs", "gemm_ar"]
+__all__ = ["OverlapConfig", "ag_gemm", "gemm_rs", "gemm_ar", "a2a_gemm", "gemm_a2a"]
 __version__ = "0.1.0"

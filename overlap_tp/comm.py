@@ -39,6 +39,23 @@ def resolve_group(group=None):
     return tp_group if tp_group is not None else dist.group.WORLD
 
 
+def resolve_ep_group(group=None):
+    """The expert ops' group: `None` means Megatron's expert-model-parallel group when Megatron is
+    initialized, else the default group."""
+    if group is not None:
+        return group
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("overlap_tp: torch.distributed is not initialized; call "
+                           "dist.init_process_group() (torchrun) or pass group=")
+    try:
+        from megatron.core import parallel_state
+    except ImportError:
+        return dist.group.WORLD
+    if not parallel_state.model_parallel_is_initialized():
+        return dist.group.WORLD
+    return parallel_state.get_expert_model_parallel_group()
+
+
 class TorchCollectives:
     """Collectives through torch.distributed: Megatron's own path (method 'off') and the CPU/gloo path.
     Gloo has no reduce-scatter and sums bf16 poorly, so there it all-reduces in fp32 and rounds once
@@ -61,6 +78,15 @@ class TorchCollectives:
         `gathered` [t * rows, K] (the standard order)."""
         regions = gathered.chunk(dist.get_world_size(self.group))
         dist.all_gather([region[lo:hi] for region in regions], src[lo:hi], group=self.group)
+
+    def exchange(self, sends, recvs):
+        """Send every (peer, tensor) of `sends` and receive every (peer, tensor) of `recvs` in place, as one
+        batch of point-to-point ops (peers are ranks of the group)."""
+        ops = [dist.P2POp(op, x, dist.get_global_rank(self.group, peer), self.group)
+               for op, pairs in ((dist.isend, sends), (dist.irecv, recvs)) for peer, x in pairs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
     def all_reduce(self, x):
         if not self.gloo or x.dtype == torch.float32:

@@ -58,6 +58,9 @@ def library():
         lib.ncclAllReduce.argtypes = collective
         lib.ncclBroadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
                                       ctypes.c_void_p, ctypes.c_void_p]
+        point_to_point = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        lib.ncclSend.argtypes = point_to_point
+        lib.ncclRecv.argtypes = point_to_point
         _lib = lib
     return _lib
 
@@ -117,4 +120,16 @@ class Communicator:
             rows = region[lo:hi]
             _check(lib.ncclBroadcast(rows.data_ptr(), rows.data_ptr(), rows.numel(), NCCL_DTYPES[rows.dtype], root,
                                      self.comm, stream), "ncclBroadcast")
+        _check(lib.ncclGroupEnd(), "ncclGroupEnd")
+
+    def exchange(self, sends, recvs):
+        """On the current stream: send every (peer, tensor) of `sends` and receive every (peer, tensor) of
+        `recvs` in place, in one NCCL group call (the MoE all-to-all of one group of rows; peers are
+        ranks of the group, tensors contiguous)."""
+        lib, stream = library(), torch.cuda.current_stream().cuda_stream
+        _check(lib.ncclGroupStart(), "ncclGroupStart")
+        for peer, x in sends:
+            _check(lib.ncclSend(x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], peer, self.comm, stream), "ncclSend")
+        for peer, x in recvs:
+            _check(lib.ncclRecv(x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], peer, self.comm, stream), "ncclRecv")
         _check(lib.ncclGroupEnd(), "ncclGroupEnd")

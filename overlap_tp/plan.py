@@ -33,9 +33,11 @@ import torch
 # One row of the tile table: source rows [src_row, src_row_end) (the end stops a tile at its region's
 # boundary), source/destination column, destination row/column in the staging matrix, group, the
 # destination buffer (0 = local staging; the p2p plan stores region k's tiles into rank k's buffer),
-# and the ready flag the tile waits for before loading A (-1: none; AllGather+GEMM plans only).
-SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF, WAIT = range(8)
-TILE_FIELDS = 8
+# the ready flag the tile waits for before loading A (-1: none; AllGather+GEMM plans only), and the
+# row of W where the tile's weight starts, W viewed as [L*N, K] (grouped expert GEMMs,
+# overlap_tp/moe_plan.py: l*N for local expert l; 0 in every single-weight plan).
+SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF, WAIT, W_ROW = range(9)
+TILE_FIELDS = 9
 NO_WAIT = -1
 
 # Output bytes per group the first partition rule aims at: NCCL reaches ~130 GB/s bus bandwidth at
@@ -164,7 +166,7 @@ def row_slice_plan(m: int, n: int, world: int, block_m: int, block_n: int, group
                 rows.append((src, min(src + block_m, (k + 1) * m_local), world * lo + k * (hi - lo) + (j * block_m - lo)))
         for r, nt in raster(len(rows), n_tiles, raster_group_m):
             src, end, dst = rows[r]
-            tiles.append((src, end, nt * block_n, dst, nt * block_n, g, 0, NO_WAIT))
+            tiles.append((src, end, nt * block_n, dst, nt * block_n, g, 0, NO_WAIT, 0))
         group_tiles.append(size * world * n_tiles)
         collectives.append(Collective(world * lo, world * hi, lo, hi))
         j0 += size
@@ -203,7 +205,7 @@ def tile_exact_plan(m: int, n: int, world: int, block_m: int, block_n: int, grou
             for k in range(world):
                 slot = world * u0 + k * size + (u - u0)
                 src = k * m_local + mi * block_m
-                tiles.append((src, src + block_m, ni * block_n, slot * block_m, 0, g, 0, NO_WAIT))
+                tiles.append((src, src + block_m, ni * block_n, slot * block_m, 0, g, 0, NO_WAIT, 0))
         group_tiles.append(size * world)
         collectives.append(Collective(world * u0 * block_m, world * (u0 + size) * block_m,
                                       u0 * block_m, (u0 + size) * block_m))
@@ -249,7 +251,7 @@ def ag_plan(m: int, n: int, k: int, world: int, rank: int, block_m: int, block_n
     def region_tiles(regions, j0, j1, wait):
         rows = [(p * m_local + j * block_m, min(p * m_local + (j + 1) * block_m, (p + 1) * m_local))
                 for p in regions for j in range(j0, j1)]
-        return [(src, end, nt * block_n, src, nt * block_n, 0, 0, wait)
+        return [(src, end, nt * block_n, src, nt * block_n, 0, 0, wait, 0)
                 for r, nt in raster(len(rows), n_tiles) for src, end in [rows[r]]]
 
     tiles = region_tiles([rank], 0, slices, NO_WAIT)

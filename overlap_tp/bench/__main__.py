@@ -5,6 +5,7 @@ import sys
 SUBCOMMANDS = {
     "ops": "overlap_tp.bench.ops",    # GEMM+RS / GEMM+AR against the BENCHMARKS.md baselines (torchrun)
     "norm": "overlap_tp.bench.norm",  # fused reorder + residual add + RMSNorm (one GPU)
+    "moe": "overlap_tp.bench.moe",    # MoE a2a_gemm / gemm_a2a against all_to_all + cuBLAS (torchrun)
 }
 
 

@@ -1,0 +1,154 @@
+"""a2a_gemm / gemm_a2a under gloo with 1, 2 and 4 CPU processes against one dense single-process
+computation (every rank's tokens routed by the same counts, per-expert matmuls in fp32, autograd).
+
+`off` is the pure-torch reference (all_to_all_single + per-segment matmuls); `decompose` checks the
+plan's parts with cuBLAS-style matmuls; `signal` runs the grouped Triton kernel in the CPU interpreter
+over the real plans (a2a_gemm's chunks behind ready flags, gemm_a2a's groups behind counters) with the
+real per-group exchanges (batch_isend_irecv here). Forward and backward (input and weight grads)."""
+import pytest
+import torch
+
+from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
+from distributed import run_distributed
+from problems import SMALL_TILES, assert_each_raises
+
+L, H, N, F = 2, 32, 48, 48   # N, F not multiples of block_n = 32: a tile's W box overhangs into the next expert
+CONFIGS = [
+    OverlapConfig(method="off"),
+    OverlapConfig(method="decompose", groups=2, **SMALL_TILES),
+    OverlapConfig(method="signal", groups=2, **SMALL_TILES),
+    OverlapConfig(method="signal", groups=3, **SMALL_TILES),
+]
+
+
+def count_matrices(ep):
+    """Random counts with zeros, one hot expert, a rank with no tokens and a rank that receives nothing."""
+    g = torch.Generator().manual_seed(ep)
+    E = ep * L
+    random = torch.randint(0, 12, (ep, E), generator=g)
+    hot = torch.randint(0, 3, (ep, E), generator=g)
+    hot[:, 0] = 37                                       # expert 0 (rank 0) takes most tokens, > 2 row tiles
+    empty = torch.randint(0, 9, (ep, E), generator=g)
+    empty[ep - 1] = 0                                    # the last rank sends nothing
+    if ep > 1:
+        empty[:, :L] = 0                                 # rank 0 receives nothing
+    return [random, hot, empty]
+
+
+def routing(counts):
+    """Per rank r, its received rows in the contract's order (source rank major, local expert minor) as
+    (source rank, row of the source's x, global expert); the source's x is sorted by global expert."""
+    ep, E = counts.shape
+    starts = torch.cumsum(counts, 1) - counts
+    return [[(s, int(starts[s, r * L + l]) + i, r * L + l)
+             for s in range(ep) for l in range(L) for i in range(int(counts[s, r * L + l]))] for r in range(ep)]
+
+
+def dense(counts, seed):
+    """Inputs and output gradients of every rank, and the fp32 reference outputs and gradients."""
+    ep = counts.shape[0]
+    route = routing(counts)
+    tokens = counts.sum(1).tolist()
+    received = [len(rows) for rows in route]
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(torch.bfloat16)
+
+    xs, w1, gys = [rand(t, H) for t in tokens], rand(ep * L, N, H), [rand(r, N) for r in received]
+    hs, w2, gzs = [rand(r, F) for r in received], rand(ep * L, H, F), [rand(t, H) for t in tokens]
+    starts = [sum(tokens[:s]) for s in range(ep)]          # rank s's tokens in the concatenation of all
+    rows = [torch.tensor([starts[s] + i for s, i, _ in route[r]], dtype=torch.long) for r in range(ep)]
+    experts = [torch.tensor([e for _, _, e in route[r]], dtype=torch.long) for r in range(ep)]
+    x32, h32 = [[t.float().requires_grad_() for t in ts] for ts in (xs, hs)]
+    w1_32, w2_32 = w1.float().requires_grad_(), w2.float().requires_grad_()
+    every_x = torch.cat(x32)
+    ys = [torch.einsum("rh,rnh->rn", every_x[rows[r]], w1_32[experts[r]]) for r in range(ep)]
+    outs = [torch.einsum("rf,rhf->rh", h32[r], w2_32[experts[r]]) for r in range(ep)]
+    zs = torch.zeros(sum(tokens), H).index_add(0, torch.cat(rows), torch.cat(outs)).split(tokens)
+    loss = sum((y * gy.float()).sum() for y, gy in zip(ys, gys)) + sum((z * gz.float()).sum() for z, gz in zip(zs, gzs))
+    loss.backward()
+    ref = dict(y=ys, dx=[x.grad for x in x32], dw1=w1_32.grad, z=zs, dh=[h.grad for h in h32], dw2=w2_32.grad)
+    return xs, w1, gys, hs, w2, gzs, ref
+
+
+def close(got, ref, what):
+    assert got.shape == ref.shape, (what, tuple(got.shape), tuple(ref.shape))
+    got, ref = got.detach().double(), ref.detach().double()
+    error = float((got - ref).norm())
+    assert error <= 1e-2 * float(ref.norm()) + 1e-3, (what, error, float(ref.norm()))
+
+
+def _check(rank, world):
+    experts = slice(rank * L, (rank + 1) * L)
+    signaled = []   # (counts, x, w1, h, w2, y, z) of the signal runs with groups=2
+    for m, counts in enumerate(count_matrices(world)):
+        xs, w1, gys, hs, w2, gzs, ref = dense(counts, seed=10 * world + m)
+        for config in CONFIGS:
+            what = (m, config.method, config.groups)
+            x = xs[rank].clone().requires_grad_()
+            w = w1[experts].contiguous().requires_grad_()
+            y, xr = a2a_gemm(x, counts, w, config=config, return_received=True)
+            assert y.dtype == torch.bfloat16 and not xr.requires_grad
+            close(y, ref["y"][rank], what + ("y",))
+            received = [xs[s][i] for s, i, _ in routing(counts)[rank]]
+            assert torch.equal(xr, torch.stack(received) if received else x.new_empty(0, H)), what
+            y.backward(gys[rank])
+            close(x.grad, ref["dx"][rank], what + ("dx",))
+            close(w.grad, ref["dw1"][experts], what + ("dw1",))
+
+            h = hs[rank].clone().requires_grad_()
+            w = w2[experts].contiguous().requires_grad_()
+            z = gemm_a2a(h, counts, w, config=config)
+            close(z, ref["z"][rank], what + ("z",))
+            z.backward(gzs[rank])
+            close(h.grad, ref["dh"][rank], what + ("dh",))
+            close(w.grad, ref["dw2"][experts], what + ("dw2",))
+            if config == CONFIGS[2]:
+                signaled.append((counts, xs[rank], w1[experts].contiguous(), hs[rank], w2[experts].contiguous(),
+                                 y.detach(), z.detach()))
+    # again, after every other call moved the counters and flags on by its own plan's tiles: the same bits
+    for counts, x, w1, h, w2, y, z in signaled:
+        assert torch.equal(a2a_gemm(x, counts, w1, config=CONFIGS[2]), y)
+        assert torch.equal(gemm_a2a(h, counts, w2, config=CONFIGS[2]), z)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_expert_ops_match_dense(world):
+    run_distributed(world, _check)
+
+
+def _check_bad_input(rank, world):
+    counts = torch.tensor([[3, 1, 2, 0], [1, 2, 0, 4]])
+    x = torch.randn(int(counts[rank].sum()), 32).to(torch.bfloat16)
+    w = torch.randn(2, 16, 32).to(torch.bfloat16)
+    h = torch.randn(int(counts[:, 2 * rank:2 * rank + 2].sum()), 16).to(torch.bfloat16)
+    w2 = torch.randn(2, 32, 16).to(torch.bfloat16)
+    signal = OverlapConfig(method="signal", **SMALL_TILES)
+    cases = [
+        (lambda: a2a_gemm(x, counts.int(), w), "CPU int64"),
+        (lambda: a2a_gemm(x, counts[:1], w), "EP group has 2 ranks"),
+        (lambda: a2a_gemm(x, torch.zeros(2, 3, dtype=torch.int64), w), "multiple of ep"),
+        (lambda: a2a_gemm(x, -counts, w), "negative"),
+        (lambda: a2a_gemm(x[1:], counts, w), "rows but counts gives"),
+        (lambda: a2a_gemm(x, counts, w[:1]), "experts"),
+        (lambda: a2a_gemm(x, counts, w[..., :16].contiguous()), "inner dimensions"),
+        (lambda: a2a_gemm(x, counts, w[0]), "2-D input and w"),
+        (lambda: a2a_gemm(x.float(), counts, w.float()), "bf16 or fp16"),
+        (lambda: a2a_gemm(x, counts, w.half()), "bf16 or fp16"),
+        (lambda: a2a_gemm(x, counts, w.transpose(1, 2).contiguous().transpose(1, 2)), "contiguous"),
+        (lambda: gemm_a2a(h[1:], counts, w2), "rows but counts gives"),
+        (lambda: gemm_a2a(h, counts, w2[:, :, :8].contiguous()), "inner dimensions"),
+        (lambda: a2a_gemm(x, counts, w, config=OverlapConfig(method="signal", transport="p2p")), "transport"),
+        (lambda: gemm_a2a(h, counts, w2, config=OverlapConfig(method="signal", groups=(1, 2))), "parts per peer"),
+        (lambda: gemm_a2a(torch.randn(len(h), 12).to(torch.bfloat16), counts, torch.randn(2, 32, 12).to(torch.bfloat16),
+                          config=signal), "multiple of 8"),
+    ]
+    assert_each_raises(cases)
+    with pytest.warns(UserWarning, match="method='auto' runs 'off'"):
+        got = a2a_gemm(x, counts, w)
+    assert torch.equal(got, a2a_gemm(x, counts, w, config=OverlapConfig(method="off")))
+
+
+def test_bad_input_is_named():
+    run_distributed(2, _check_bad_input)
