@@ -1,6 +1,6 @@
 """`apply(args)`: switch a Megatron training run to overlap_tp's layers, through Megatron's own hooks.
 
-What it changes (only when `--overlap-tp` is not off, or `--overlap-tp-layers` is given):
+What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--overlap-tp-layers` is given):
 
 - `args.spec` becomes `["overlap_tp.megatron_patches.apply", "overlap_layer_spec"]`. Megatron's
   GPT builders read `--spec` (megatron-core >= 0.19: `gpt_config_from_args` turns it into
@@ -13,21 +13,25 @@ What it changes (only when `--overlap-tp` is not off, or `--overlap-tp-layers` i
 - the process-wide OverlapConfig the layers use: `overlap_tp.layers.set_default_overlap_config`
   (every op kind; gemm_ar keeps transport nccl, p2p being gemm_rs/ag_gemm only), also readable as
   `get_overlap_config()`.
+- MoE models: with `--overlap-moe` on, every layer's MLP is overlap_tp's OverlapMoELayer and its
+  OverlapConfig (`overlap_tp.moe_layer.set_default_moe_overlap_config`, `get_moe_overlap_config()`) comes
+  from `--overlap-moe` and `--overlap-tp-comm-sms`; with it off, the MLP slot of overlap_tp's layer spec
+  holds the MoE module Megatron's own spec would build (its MoELayer, untouched).
 - `OVERLAP_TP_TUNE_CACHE` in the environment, from `--overlap-tp-tune-cache`.
 
-Applying twice changes nothing more (the second report lists no change). With `--overlap-tp off`
-(and no `--overlap-tp-layers`) nothing is touched. Run `validate_overlap_args(args)` first.
+Applying twice changes nothing more (the second report lists no change). With `--overlap-tp off`,
+`--overlap-moe off` and no `--overlap-tp-layers` nothing is touched. Run `validate_overlap_args(args)` first.
 """
 import dataclasses
 import inspect
 import os
 
-from overlap_tp.arguments import TUNE_CACHE_ENV, overlap_config_kwargs
+from overlap_tp.arguments import TUNE_CACHE_ENV, moe_overlap_config_kwargs, overlap_config_kwargs
 from overlap_tp.config import OverlapConfig
 
 SPEC = ("overlap_tp.megatron_patches.apply", "overlap_layer_spec")
 
-_STATE = {"config": None}
+_STATE = {"config": None, "moe_config": None}
 
 
 @dataclasses.dataclass
@@ -36,12 +40,15 @@ class ApplyReport:
 
     active: bool
     overlap_config: object = None
+    moe_config: object = None
     changed: list = dataclasses.field(default_factory=list)
 
     def __str__(self):
         if not self.active:
             return "[overlap_tp] --overlap-tp off: Megatron's own layers, nothing changed"
         head = f"[overlap_tp] layers on, {self.overlap_config}"
+        if self.moe_config is not None:
+            head += f"; MoE layers on, {self.moe_config}"
         if not self.changed:
             return head + "; already applied, nothing changed"
         return head + "".join(f"\n[overlap_tp]   {line}" for line in self.changed)
@@ -52,13 +59,19 @@ def get_overlap_config():
     return _STATE["config"]
 
 
+def get_moe_overlap_config():
+    """The MoE layers' OverlapConfig set by `apply` (None before, or when --overlap-moe is off)."""
+    return _STATE["moe_config"]
+
+
 def reset():
     """Forget the process-wide state (tests)."""
-    _STATE["config"] = None
+    _STATE["config"] = _STATE["moe_config"] = None
 
 
 def wanted(args):
-    return getattr(args, "overlap_tp", "off") != "off" or bool(getattr(args, "overlap_tp_layers", False))
+    return (getattr(args, "overlap_tp", "off") != "off" or bool(getattr(args, "overlap_tp_layers", False))
+            or getattr(args, "overlap_moe", "off") != "off")
 
 
 def apply(args, *, log=None):
@@ -71,13 +84,15 @@ def apply(args, *, log=None):
         return report
 
     config = OverlapConfig(**overlap_config_kwargs(args))
-    report = ApplyReport(active=True, overlap_config=config)
+    moe = getattr(args, "overlap_moe", "off")
+    moe_config = OverlapConfig(**moe_overlap_config_kwargs(args)) if moe != "off" else None
+    report = ApplyReport(active=True, overlap_config=config, moe_config=moe_config)
 
-    if _STATE["config"] != config:
-        before = _STATE["config"]
-        _STATE["config"] = config
-        report.changed.append(f"OverlapConfig for the layers: {before} -> {config}")
-    _set_layer_defaults(config)
+    for key, value, what in (("config", config, "the layers"), ("moe_config", moe_config, "the MoE layers")):
+        if _STATE[key] != value:
+            report.changed.append(f"OverlapConfig for {what}: {_STATE[key]} -> {value}")
+            _STATE[key] = value
+    _set_layer_defaults(config, moe_config)
 
     spec = getattr(args, "spec", None)
     if not spec or list(spec) != list(SPEC):
@@ -96,13 +111,15 @@ def apply(args, *, log=None):
     return report
 
 
-def _set_layer_defaults(config):
+def _set_layer_defaults(config, moe_config):
     try:
-        from overlap_tp import layers
+        from overlap_tp import layers, moe_layer
     except ImportError:  # no megatron-core: nothing can be built anyway; the spec says why when asked
         return
     gemm_ar = dataclasses.replace(config, transport="nccl") if config.transport != "nccl" else config
     layers.set_default_overlap_config(config, gemm_ar=gemm_ar)
+    if moe_config is not None:
+        moe_layer.set_default_moe_overlap_config(moe_config)
 
 
 def overlap_layer_spec(config, vp_stage=None):
@@ -125,7 +142,8 @@ def overlap_layer_spec(config, vp_stage=None):
 
 
 def overlap_transformer_layer_spec(config, vp_stage=None):
-    """One TransformerLayer ModuleSpec with overlap_tp's linears and norms (see overlap_layer_spec)."""
+    """One TransformerLayer ModuleSpec with overlap_tp's linears and norms (see overlap_layer_spec); for an
+    MoE model its MLP is OverlapMoELayer with --overlap-moe on, else Megatron's own MoE module."""
     from overlap_tp.layer_spec import get_gpt_layer_overlap_spec
 
     transformer = getattr(config, "transformer", config)
@@ -141,7 +159,20 @@ def overlap_transformer_layer_spec(config, vp_stage=None):
     }
     parameters = inspect.signature(get_gpt_layer_overlap_spec).parameters
     kwargs = {name: value for name, value in offered.items() if name in parameters}
-    return get_gpt_layer_overlap_spec(**kwargs)
+    spec = get_gpt_layer_overlap_spec(**kwargs)
+    if offered["num_experts"] and _STATE["moe_config"] is None:   # --overlap-moe off: Megatron's MoE layer
+        spec.submodules.mlp = megatron_moe_spec(transformer)
+    return spec
+
+
+def megatron_moe_spec(transformer):
+    """The MoE module Megatron's own layer spec builds for this TransformerConfig (TE's experts with
+    --transformer-impl transformer_engine where TE imports, else the local ones)."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    use_te = HAVE_TE and getattr(transformer, "transformer_impl", "local") == "transformer_engine"
+    return get_moe_module_spec(use_te=use_te, num_experts=transformer.num_moe_experts,
+                               moe_grouped_gemm=transformer.moe_grouped_gemm)
 
 
 def _log_rank0(message):

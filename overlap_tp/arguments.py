@@ -14,7 +14,7 @@ that say what to change. Both touch only attributes that exist on `args`, readin
     --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans
     --overlap-tp-layers                        use overlap_tp's layer spec even with --overlap-tp off
     --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
-    --overlap-moe                              MoE all-to-all overlap: not implemented yet (error)
+    --overlap-moe {off,signal,decompose,auto}  OverlapConfig.method for the MoE expert ops (off)
 """
 import argparse
 import os
@@ -73,9 +73,13 @@ def add_overlap_args(parser):
         help="Per-GPU peak for the MFU that overlap_tp logs. Default: $OVERLAP_TP_PEAK_TFLOPS, else "
              "989 (H100/H200 SXM dense BF16).")
     group.add_argument(
-        "--overlap-moe", action="store_true",
-        help="Overlap the MoE token all-to-all with the expert GEMMs. NOT IMPLEMENTED YET (it lands "
-             "with the MoE issue): passing it is an error.")
+        "--overlap-moe", choices=list(_ordered(METHODS)), default="off",
+        help="How MoE layers run their token all-to-all and expert GEMMs. off: Megatron's own MoE "
+             "layer, untouched. signal / decompose / auto: overlap_tp's OverlapMoELayer, whose "
+             "dispatch all-to-all is overlapped with the grouped fc1 GEMM (a2a_gemm) and whose fc2 "
+             "GEMM with the combine all-to-all (gemm_a2a); methods as for --overlap-tp (auto runs off "
+             "for now), transport always nccl, --overlap-tp-comm-sms applies. Needs --num-experts, "
+             "--moe-token-dispatcher-type alltoall and --expert-tensor-parallel-size 1.")
     return parser
 
 
@@ -116,14 +120,14 @@ def validate_overlap_args(args, *, warn=_warn):
     if comm_sms is not None and (isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 0):
         raise OverlapArgumentError(f"--overlap-tp-comm-sms {comm_sms!r}: expected an integer >= 0")
 
-    if getattr(args, "overlap_moe", False):
-        raise OverlapArgumentError(
-            "--overlap-moe: overlapping the MoE all-to-all with the expert GEMMs is not implemented yet "
-            "(it arrives with the MoE issue). Remove --overlap-moe; --overlap-tp covers the dense "
-            "TP/SP linear layers.")
+    moe = getattr(args, "overlap_moe", "off")
+    if moe not in METHODS:
+        raise OverlapArgumentError(f"--overlap-moe {moe!r}: expected one of {_ordered(METHODS)}")
 
     use_layers = method != "off" or getattr(args, "overlap_tp_layers", False)
-    if not use_layers:
+    if moe != "off":
+        _validate_moe(args, moe, comm_sms)
+    elif not use_layers:
         return given
 
     tp = getattr(args, "tensor_model_parallel_size", 1) or 1
@@ -132,43 +136,49 @@ def validate_overlap_args(args, *, warn=_warn):
             note(f"--overlap-tp {method} with --tensor-model-parallel-size 1: there is no TP "
                  "communication to overlap; running with --overlap-tp off.")
             args.overlap_tp = method = "off"
-        if getattr(args, "overlap_tp_layers", False):
-            note("--overlap-tp-layers with --tensor-model-parallel-size 1: Megatron's own layers are "
-                 "used (nothing to communicate).")
-            args.overlap_tp_layers = False
-        return given
+        if moe == "off":
+            if getattr(args, "overlap_tp_layers", False):
+                note("--overlap-tp-layers with --tensor-model-parallel-size 1: Megatron's own layers are "
+                     "used (nothing to communicate).")
+                args.overlap_tp_layers = False
+            return given
+        use_layers = False
 
-    flag = f"--overlap-tp {method}" if method != "off" else "--overlap-tp-layers"
-    if not getattr(args, "sequence_parallel", False):
+    if use_layers:
+        flag, off = (f"--overlap-tp {method}" if method != "off" else "--overlap-tp-layers"), "--overlap-tp off"
+    else:   # only the MoE layers: the dense layers come from the same spec, with the overlap off
+        flag, off = f"--overlap-moe {moe}", "--overlap-moe off"
+    if tp > 1 and not getattr(args, "sequence_parallel", False):
         raise OverlapArgumentError(
             f"{flag} needs --sequence-parallel. overlap_tp's Megatron layers replace the sequence-"
             "parallel pairs AllGather+GEMM (qkv, fc1) and GEMM+ReduceScatter (proj, fc2). Without "
             "SP, Megatron's row-parallel layers use GEMM+AllReduce (and the column-parallel ones an "
             "AllReduce of the input gradient), which these layers do not replace. Add "
-            "--sequence-parallel (same math, half the bytes per collective), or use --overlap-tp off.")
-    if getattr(args, "num_experts", None):
+            f"--sequence-parallel (same math, half the bytes per collective), or use {off}.")
+    moe_layer_freq = getattr(args, "moe_layer_freq", 1)
+    if getattr(args, "num_experts", None) and moe_layer_freq not in (1, None):
         raise OverlapArgumentError(
-            f"{flag} with --num-experts: the overlap layer spec covers dense transformer layers; the "
-            "MoE path (--overlap-moe) is not implemented yet. Use --overlap-tp off for MoE models.")
+            f"{flag} with --moe-layer-freq {moe_layer_freq}: overlap_tp's layer spec makes every layer an "
+            f"MoE layer of --num-experts experts. Drop --moe-layer-freq, or use {off}.")
     if getattr(args, "tp_comm_overlap", False):
         raise OverlapArgumentError(
             f"{flag} with --tp-comm-overlap: both overlap the same TP communication (Transformer "
-            "Engine userbuffers vs overlap_tp). Pick one: drop --tp-comm-overlap, or use --overlap-tp off.")
+            f"Engine userbuffers vs overlap_tp). Pick one: drop --tp-comm-overlap, or use {off}.")
     spec = getattr(args, "spec", None)
     if spec and not _is_our_spec(spec):
         raise OverlapArgumentError(
             f"{flag} sets the transformer layer spec itself (overlap_tp.layer_spec."
             f"get_gpt_layer_overlap_spec); --spec {' '.join(spec)} sets it too and one of them would "
             "be silently ignored. Remove --spec to train with overlap_tp's layers, or use "
-            "--overlap-tp off to keep your spec.")
+            f"{off} to keep your spec.")
     normalization = getattr(args, "normalization", "RMSNorm")
     if normalization != "RMSNorm":
         raise OverlapArgumentError(
             f"{flag} with --normalization {normalization}: overlap_tp's layer spec provides RMSNorm "
-            "only (OverlapRMSNorm, sequence-parallel). Use --normalization RMSNorm, or --overlap-tp off.")
+            f"only (OverlapRMSNorm, sequence-parallel). Use --normalization RMSNorm, or {off}.")
     if getattr(args, "fp8", None):
         raise OverlapArgumentError(
-            f"{flag} with --fp8-format: the overlapped GEMMs are bf16/fp16. Use --bf16, or --overlap-tp off.")
+            f"{flag} with --fp8-format: the overlapped GEMMs are bf16/fp16. Use --bf16, or {off}.")
     for name, what in (("yaml_cfg", "--yaml-cfg"),
                        ("multi_latent_attention", "--multi-latent-attention"),
                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
@@ -176,7 +186,7 @@ def validate_overlap_args(args, *, warn=_warn):
         if getattr(args, name, None):
             raise OverlapArgumentError(
                 f"{flag} with {what}: that path builds its own layer specs, which overlap_tp does not "
-                "replace yet. Use --overlap-tp off.")
+                f"replace yet. Use {off}.")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         note(f"{flag} with --transformer-impl transformer_engine: overlap_tp's layer spec takes "
              "precedence over it for every transformer layer. qkv/proj/fc1/fc2 become overlap_tp "
@@ -184,6 +194,43 @@ def validate_overlap_args(args, *, warn=_warn):
              "not used); core attention is TE's where Transformer Engine imports, else PyTorch SDPA. "
              "Pass --transformer-impl local to silence this.")
     return given
+
+
+def _validate_moe(args, moe, comm_sms):
+    """--overlap-moe's own requirements (the MoE layer refuses the rest of what it does not implement
+    when the model is built, naming the config field)."""
+    flag = f"--overlap-moe {moe}"
+    if not getattr(args, "num_experts", None):
+        raise OverlapArgumentError(
+            f"{flag} needs an MoE model (--num-experts N): it overlaps the MoE token all-to-all with the "
+            "expert GEMMs. For dense models use --overlap-tp.")
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+    if dispatcher != "alltoall":
+        raise OverlapArgumentError(
+            f"{flag} with --moe-token-dispatcher-type {dispatcher}: overlap_tp's MoE layer carries the "
+            "alltoall dispatcher's all-to-all (Megatron's default dispatcher is allgather). Add "
+            "--moe-token-dispatcher-type alltoall, or use --overlap-moe off.")
+    expert_tp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1)
+    if (expert_tp or 1) > 1:
+        raise OverlapArgumentError(
+            f"{flag} with expert tensor parallelism {expert_tp}: the expert ops run whole experts on each "
+            "rank of the expert-parallel group (Megatron's --expert-tensor-parallel-size defaults to "
+            "--tensor-model-parallel-size). Add --expert-tensor-parallel-size 1, or use --overlap-moe off.")
+    if getattr(args, "add_bias_linear", False):
+        raise OverlapArgumentError(
+            f"{flag} with expert biases: the grouped expert GEMMs have none. Add --disable-bias-linear, or use "
+            "--overlap-moe off.")
+    for name, what in (("moe_shared_expert_overlap", "--moe-shared-expert-overlap"),
+                       ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm")):
+        if getattr(args, name, False):
+            raise OverlapArgumentError(
+                f"{flag} with {what}: that overlap runs inside Megatron's token dispatcher, which overlap_tp's "
+                f"MoE layer replaces (shared experts then run before routing, as in Megatron's MoELayer). "
+                f"Drop {what}, or use --overlap-moe off.")
+    if moe == "signal" and comm_sms == 0:
+        raise OverlapArgumentError(
+            f"{flag} with --overlap-tp-comm-sms 0: a2a_gemm's signaled GEMM spins on ready flags that NCCL "
+            "kernels raise, so NCCL needs SMs the GEMM does not hold. Give --overlap-tp-comm-sms >= 1.")
 
 
 def _is_our_spec(spec):
@@ -195,6 +242,15 @@ def overlap_config_kwargs(args):
     """The OverlapConfig fields that the flags set (only those given; the rest keep their defaults)."""
     kwargs = {"method": getattr(args, "overlap_tp", "off"),
               "transport": getattr(args, "overlap_tp_transport", "nccl")}
+    if getattr(args, "overlap_tp_comm_sms", None) is not None:
+        kwargs["comm_sms"] = args.overlap_tp_comm_sms
+    return kwargs
+
+
+def moe_overlap_config_kwargs(args):
+    """The OverlapConfig fields of the MoE expert ops that the flags set: --overlap-moe's method and
+    --overlap-tp-comm-sms (the expert ops' transport is nccl, whatever --overlap-tp-transport says)."""
+    kwargs = {"method": getattr(args, "overlap_moe", "off")}
     if getattr(args, "overlap_tp_comm_sms", None) is not None:
         kwargs["comm_sms"] = args.overlap_tp_comm_sms
     return kwargs

@@ -8,6 +8,7 @@
         input_layernorm, pre_mlp_layernorm     -> OverlapRMSNorm (separate norm slots, SP-capable)
         core_attention                         -> TEDotProductAttention if Transformer Engine is
                                                   importable, else overlap_tp.attention.SDPAttention
+        mlp with num_experts                   -> OverlapMoELayer (get_moe_overlap_module_spec)
     OverlapSpecProvider                         the BackendSpecProvider behind it
 
 Use it where Megatron takes a layer spec, e.g. `GPTModel(config, transformer_layer_spec=
@@ -15,7 +16,7 @@ get_gpt_layer_overlap_spec(qk_layernorm=True), ...)`, with config.normalization 
 bf16/fp16 params. The overlap methods come from `overlap_tp.layers.set_default_overlap_config` /
 `set_overlap_config(model, ...)`.
 """
-from typing import Optional, Tuple
+from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import BackendSpecProvider
@@ -23,19 +24,24 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import L2Norm
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from overlap_tp.attention import core_attention_module
 from overlap_tp.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+from overlap_tp.moe_layer import OverlapGroupedMLP, OverlapMoELayer
 from overlap_tp.norm import OverlapRMSNorm
 from overlap_tp.transformer_layer import OverlapTransformerLayer
 
-__all__ = ["OverlapQKRMSNorm", "OverlapSpecProvider", "get_gpt_layer_overlap_spec"]
+__all__ = ["OverlapQKRMSNorm", "OverlapSpecProvider", "get_gpt_layer_overlap_spec", "get_moe_overlap_module_spec"]
 
-MOE_NOT_YET = ("overlap_tp: MoE layers (num_experts / grouped GEMM) are a later issue; the overlap spec builds dense "
-               "layers only. Use Megatron's own spec for MoE models for now")
+NO_EXPERTS_FOR_MEGATRON_MOE = (
+    "OverlapSpecProvider has no experts module for Megatron's MoELayer: overlap_tp's experts (OverlapGroupedMLP) "
+    "run inside OverlapMoELayer, whose dispatch and combine are fused with the expert GEMMs. Build MoE layers "
+    "with get_gpt_layer_overlap_spec(num_experts=...) or get_moe_overlap_module_spec()")
 
 
 class OverlapQKRMSNorm(OverlapRMSNorm):
@@ -71,12 +77,22 @@ class OverlapSpecProvider(BackendSpecProvider):
     def core_attention(self) -> type:
         return core_attention_module()
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool,
-                            moe_use_legacy_grouped_gemm: bool) -> Tuple[type, Optional[MLPSubmodules]]:
-        raise NotImplementedError(MOE_NOT_YET)
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False):
+        """(megatron-core <= 0.18 passes both flags, >= 0.19 only the first.)"""
+        raise NotImplementedError(NO_EXPERTS_FOR_MEGATRON_MOE)
 
     def activation_func(self) -> type:
         return None
+
+
+def get_moe_overlap_module_spec() -> ModuleSpec:
+    """The MoE `mlp` slot: OverlapMoELayer with OverlapGroupedMLP experts (always one grouped GEMM per op,
+    so moe_grouped_gemm changes nothing) and Megatron's SharedExpertMLP on overlap_tp's linears."""
+    backend = OverlapSpecProvider()
+    shared = MLPSubmodules(linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear())
+    return ModuleSpec(module=OverlapMoELayer,
+                      submodules=MoESubmodules(experts=OverlapGroupedMLP,
+                                               shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=shared)))
 
 
 def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False,
@@ -84,9 +100,8 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
                                fp8: Optional[str] = None, moe_use_legacy_grouped_gemm: Optional[bool] = False,
                                normalization: Optional[str] = None, qk_l2_norm: Optional[bool] = False,
                                **unused_kwargs) -> ModuleSpec:
-    """A TransformerLayer spec (the arguments of get_gpt_layer_local_spec) on overlap_tp's layers."""
-    if num_experts is not None:   # moe_grouped_gemm alone (no experts) means nothing, as in Megatron's specs
-        raise NotImplementedError(MOE_NOT_YET)
+    """A TransformerLayer spec (the arguments of get_gpt_layer_local_spec) on overlap_tp's layers; with
+    num_experts the MLP is OverlapMoELayer (moe_grouped_gemm and moe_use_legacy_grouped_gemm change nothing)."""
     if multi_latent_attention:
         raise NotImplementedError("overlap_tp: multi-latent attention is not supported by the overlap spec")
     if fp8 is not None:
@@ -119,12 +134,13 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
                 module=MLP,
                 submodules=MLPSubmodules(linear_fc1=backend.column_parallel_linear(),
                                          linear_fc2=backend.row_parallel_linear()),
-            ),
+            ) if num_experts is None else get_moe_overlap_module_spec(),
             mlp_bda=get_bias_dropout_add,
-            # checkpoints interchange with Megatron's local and TE specs (same key map as the local spec)
+            # checkpoints interchange with Megatron's local and TE specs (same key map as the local spec; an
+            # MoE layer keeps its pre_mlp_layernorm keys, as Megatron's TE MoE spec, where no fc1 fuses it)
             sharded_state_dict_keys_map={
                 "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+                **({"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"} if num_experts is None else {}),
             },
         ),
     )

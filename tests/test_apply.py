@@ -19,10 +19,14 @@ def clean_state(monkeypatch):
     except ImportError:
         layers = None
     saved = {op: layers.get_default_overlap_config(op) for op in layers.OP_KINDS} if layers else None
+    if layers:
+        from overlap_tp import moe_layer
+        saved_moe = moe_layer.get_default_moe_overlap_config()
     yield
     patch.reset()
     if layers:
         layers.set_default_overlap_config(**saved)
+        moe_layer.set_default_moe_overlap_config(saved_moe)
 
 
 def fake_args(**overrides):
@@ -127,3 +131,41 @@ def test_spec_callable_builds_our_block_spec(monkeypatch):
     module = __import__(patch.SPEC[0], fromlist=[patch.SPEC[1]])
     assert getattr(module, patch.SPEC[1]) is patch.overlap_layer_spec
     assert layer_spec.get_gpt_layer_overlap_spec is not None
+
+
+def test_overlap_moe_alone_switches_the_spec_and_the_moe_config():
+    moe_layer = pytest.importorskip("overlap_tp.moe_layer", reason="overlap_tp.moe_layer needs megatron-core")
+    args = fake_args(overlap_tp="off", overlap_moe="signal", tensor_model_parallel_size=1, sequence_parallel=False,
+                     num_experts=8)
+    report = patch.apply(args, log=quiet)
+    assert report.active and args.spec == list(patch.SPEC)
+    assert patch.get_overlap_config().method == "off"   # the dense layers: overlap_tp's, overlap off
+    assert patch.get_moe_overlap_config() == OverlapConfig(method="signal", comm_sms=8)
+    assert moe_layer.get_default_moe_overlap_config() is patch.get_moe_overlap_config()
+    assert "MoE layers on" in str(report) and len(report.changed) == 3   # two configs and --spec
+    assert patch.apply(args, log=quiet).changed == []
+
+
+@pytest.mark.parametrize("overlap_tp, overlap_moe", [("signal", "off"), ("off", "signal"), ("signal", "decompose")])
+def test_moe_models_get_our_moe_layer_only_with_overlap_moe(monkeypatch, overlap_tp, overlap_moe):
+    """--overlap-moe off keeps the MoE module Megatron's own spec builds in the MLP slot."""
+    pytest.importorskip("overlap_tp.layer_spec", reason="the layer spec needs megatron-core")
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from overlap_tp.moe_layer import OverlapGroupedMLP, OverlapMoELayer
+    monkeypatch.setattr(transformer_block, "get_num_layers_to_build", lambda config, vp_stage=None: config.num_layers)
+    patch.apply(fake_args(overlap_tp=overlap_tp, overlap_moe=overlap_moe, num_experts=4), log=quiet)
+    transformer = SimpleNamespace(num_moe_experts=4, moe_grouped_gemm=False, qk_layernorm=False,
+                                  multi_latent_attention=False, qk_l2_norm=False, normalization="RMSNorm",
+                                  num_layers=2, transformer_impl="local")
+    spec = patch.overlap_layer_spec(transformer).layer_specs[0]
+    mlp = spec.submodules.mlp   # a ModuleSpec, or a functools.partial on megatron-core >= 0.19
+    module, submodules = (mlp.module, mlp.submodules) if hasattr(mlp, "module") else (mlp.func, mlp.keywords["submodules"])
+    experts = getattr(submodules.experts, "module", getattr(submodules.experts, "func", submodules.experts))
+    if overlap_moe == "off":
+        assert module is MoELayer and experts is SequentialMLP
+    else:
+        assert module is OverlapMoELayer and experts is OverlapGroupedMLP
+    assert "pre_mlp_layernorm." not in spec.submodules.sharded_state_dict_keys_map   # as Megatron's TE MoE spec

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from overlap_tp import OverlapConfig
-from overlap_tp.arguments import (OverlapArgumentError, add_overlap_args, build_parser, overlap_config_kwargs,
-                                  validate_overlap_args)
+from overlap_tp.arguments import (OverlapArgumentError, add_overlap_args, build_parser, moe_overlap_config_kwargs,
+                                  overlap_config_kwargs, validate_overlap_args)
 from overlap_tp.megatron_patches.apply import SPEC
 
 
@@ -16,7 +16,7 @@ def megatron_like(**overrides):
     """The Megatron attributes validate_overlap_args reads, as after Megatron's validate_args."""
     values = dict(overlap_tp="signal", overlap_tp_transport="nccl", overlap_tp_comm_sms=None,
                   overlap_tp_tune_cache=None, overlap_tp_layers=False, overlap_tp_peak_tflops=None,
-                  overlap_moe=False, tensor_model_parallel_size=2, sequence_parallel=True,
+                  overlap_moe="off", tensor_model_parallel_size=2, sequence_parallel=True,
                   transformer_impl="local", spec=None, num_experts=None, tp_comm_overlap=False,
                   normalization="RMSNorm", fp8=None, yaml_cfg=None, multi_latent_attention=False,
                   heterogeneous_layers_config_path=None, experimental_attention_variant=None)
@@ -28,7 +28,7 @@ def test_defaults_leave_overlap_off():
     args = build_parser().parse_args([])
     assert args.overlap_tp == "off" and args.overlap_tp_transport == "nccl"
     assert args.overlap_tp_comm_sms is None and args.overlap_tp_tune_cache is None
-    assert not args.overlap_moe and not args.overlap_tp_layers
+    assert args.overlap_moe == "off" and not args.overlap_tp_layers
     assert validate_overlap_args(args, warn=None) == []
     assert OverlapConfig(**overlap_config_kwargs(args)).method == "off"
 
@@ -56,9 +56,51 @@ def test_group_is_added_once_and_the_parser_returned():
     assert any(group.title == "overlap_tp" for group in parser._action_groups)
 
 
-def test_overlap_moe_is_not_implemented_yet():
-    with pytest.raises(OverlapArgumentError, match="not implemented yet"):
-        validate_overlap_args(megatron_like(overlap_tp="off", overlap_moe=True), warn=None)
+def moe_like(**overrides):
+    """An MoE run that --overlap-moe accepts: alltoall dispatcher, expert TP 1, no expert biases."""
+    values = dict(overlap_tp="off", overlap_moe="signal", num_experts=8, moe_token_dispatcher_type="alltoall",
+                  expert_model_parallel_size=2, expert_tensor_parallel_size=1, add_bias_linear=False)
+    values.update(overrides)
+    return megatron_like(**values)
+
+
+def test_overlap_moe_parses_into_its_own_overlap_config():
+    args = build_parser().parse_args(["--overlap-moe", "decompose", "--overlap-tp-transport", "p2p",
+                                      "--overlap-tp-comm-sms", "4"])
+    config = OverlapConfig(**moe_overlap_config_kwargs(args))
+    assert (config.method, config.transport, config.comm_sms) == ("decompose", "nccl", 4)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--overlap-moe", "fast"])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_overlap_moe_alone_is_accepted(tp):
+    args = moe_like(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    assert validate_overlap_args(args, warn=None) == []
+    assert (args.overlap_tp, args.overlap_moe) == ("off", "signal")
+
+
+def test_overlap_tp_with_an_moe_model_keeps_megatrons_moe():
+    """--overlap-tp on an MoE model, --overlap-moe off: accepted (apply puts Megatron's MoELayer in the MLP slot)."""
+    assert validate_overlap_args(megatron_like(num_experts=8), warn=None) == []
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"num_experts": None}, "--num-experts"),
+    ({"moe_token_dispatcher_type": "allgather"}, "--moe-token-dispatcher-type alltoall"),
+    ({"expert_tensor_parallel_size": None}, "--expert-tensor-parallel-size 1"),   # Megatron's default: TP
+    ({"add_bias_linear": True}, "--disable-bias-linear"),
+    ({"moe_shared_expert_overlap": True}, "Drop --moe-shared-expert-overlap"),
+    ({"overlap_moe_expert_parallel_comm": True}, "Drop --overlap-moe-expert-parallel-comm"),
+    ({"overlap_tp_comm_sms": 0}, "--overlap-tp-comm-sms >= 1"),
+    ({"moe_layer_freq": 2}, "--moe-layer-freq"),
+    ({"sequence_parallel": False}, "--overlap-moe signal needs --sequence-parallel"),
+    ({"spec": ["my.module", "my_spec"]}, "--overlap-moe off to keep your spec"),
+    ({"overlap_moe": "fast"}, "expected one of"),
+])
+def test_overlap_moe_conflicts_say_what_to_change(overrides, match):
+    with pytest.raises(OverlapArgumentError, match=match):
+        validate_overlap_args(moe_like(**overrides), warn=None)
 
 
 def test_tp1_warns_and_runs_off():
@@ -83,7 +125,6 @@ def test_transformer_engine_gets_a_precedence_note():
 @pytest.mark.parametrize("overrides, match", [
     ({"spec": ["my.module", "my_spec"]}, "Remove --spec"),
     ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
-    ({"num_experts": 8}, "MoE"),
     ({"normalization": "LayerNorm"}, "RMSNorm"),
     ({"fp8": "hybrid"}, "bf16"),
     ({"overlap_tp_comm_sms": -1}, ">= 0"),

@@ -11,7 +11,7 @@ import pytest
 from overlap_tp.arguments import build_parser, validate_overlap_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECIPES = ("smoke", "llama3-8b", "llama3-70b-proxy")
+RECIPES = ("smoke", "llama3-8b", "llama3-70b-proxy", "mixtral-proxy")
 LLAMA_FLAGS = ("--normalization", "--swiglu", "--disable-bias-linear", "--group-query-attention",
                "--position-embedding-type", "--bf16", "--log-throughput", "--wandb-project", "--tensorboard-dir",
                "--sequence-parallel", "--untie-embeddings-and-output-weights")
@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash
 def recipe_argv(name, *extra, **env):
     """The Megatron command line a recipe would launch (DRY_RUN=1 prints it)."""
     environ = {k: v for k, v in os.environ.items()
-               if k not in ("OVERLAP", "TRANSPORT", "COMM_SMS", "TP", "NUM_LAYERS", "WANDB_PROJECT", "RDZV_ENDPOINT")}
+               if k not in ("OVERLAP", "TRANSPORT", "COMM_SMS", "TP", "EP", "NUM_LAYERS", "WANDB_PROJECT",
+                            "RDZV_ENDPOINT")}
     environ.update(DRY_RUN="1", **env)
     out = subprocess.run(["bash", os.path.join(ROOT, "recipes", f"{name}.sh"), *extra], env=environ,
                          capture_output=True, text=True, check=True).stdout
@@ -58,6 +59,11 @@ def test_recipe_flags_parse_and_validate(name, overlap):
     megatron = dict(tensor_model_parallel_size=int(flag(argv, "--tensor-model-parallel-size")),
                     sequence_parallel="--sequence-parallel" in argv, normalization=flag(argv, "--normalization"),
                     transformer_impl=flag(argv, "--transformer-impl"))
+    if "--num-experts" in argv:   # the MoE flags --overlap-moe checks
+        assert args.overlap_moe == overlap and "--overlap-moe" not in megatron_flags
+        megatron.update(num_experts=int(flag(argv, "--num-experts")), add_bias_linear="--disable-bias-linear" not in argv,
+                        moe_token_dispatcher_type=flag(argv, "--moe-token-dispatcher-type"),
+                        expert_tensor_parallel_size=int(flag(argv, "--expert-tensor-parallel-size")))
     for key, value in megatron.items():
         setattr(args, key, value)
     assert validate_overlap_args(args, warn=None) == []
@@ -72,6 +78,20 @@ def test_llama_shapes():
     assert [flag(seventy, f) for f in ("--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
                                        "--num-query-groups", "--seq-length")] == ["8192", "28672", "64", "8", "8192"]
     assert flag(recipe_argv("llama3-70b-proxy", NUM_LAYERS="10"), "--num-layers") == "10"
+
+
+def test_mixtral_shapes_and_moe_layout():
+    argv = recipe_argv("mixtral-proxy")
+    assert [flag(argv, f) for f in ("--hidden-size", "--ffn-hidden-size", "--num-experts", "--moe-router-topk",
+                                    "--num-attention-heads", "--num-query-groups", "--seq-length")] == \
+        ["4096", "14336", "8", "2", "32", "8", "4096"]
+    assert [flag(argv, f) for f in ("--tensor-model-parallel-size", "--expert-model-parallel-size",
+                                    "--expert-tensor-parallel-size", "--moe-token-dispatcher-type")] == \
+        ["2", "2", "1", "alltoall"]
+    assert (flag(argv, "--overlap-tp"), flag(argv, "--overlap-moe")) == ("signal", "signal")
+    baseline = recipe_argv("mixtral-proxy", "--overlap-moe", "signal", OVERLAP="off")
+    args, _ = build_parser().parse_known_args(baseline)
+    assert (args.overlap_tp, args.overlap_moe) == ("off", "signal")   # the MoE overlap alone: flags after win
 
 
 def test_knobs_and_extra_flags_pass_through():

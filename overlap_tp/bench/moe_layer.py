@@ -1,0 +1,196 @@
+"""MoE layer benchmark: OverlapMoELayer against Megatron's MoELayer (alltoall dispatcher), forward + backward,
+Mixtral-8x7B-like (hidden 4096, expert FFN 14336, SwiGLU, 8 experts, top-2, aux loss), EP = the number of
+processes, 8192 and 16384 tokens per rank, uniform and Zipf(1.2) routing.
+
+    torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --out docs/perf
+
+One process per GPU; every variant runs in the same process on the same inputs, weights and routing:
+  megatron   Megatron's MoELayer: router, permute, all_to_all, SequentialMLP experts (TEGroupedMLP with
+             --transformer-impl transformer_engine where Transformer Engine imports), all_to_all, unpermute
+  off        OverlapMoELayer, method 'off': the all-to-all then the per-expert cuBLAS GEMMs, sequentially
+  signal     OverlapMoELayer, method 'signal' (the default config): a2a_gemm / gemm_a2a overlapped
+  (--methods adds decompose or other methods)
+A step is forward + backward of the layer (input grad included), timed as the median of --reps steps (CUDA
+events, inputs rotated over 3 sets), the slowest rank's. Routing is forced the same way for every variant:
+the router's logits get a per-token offset scale * (log p + Gumbel), so each token's top-k are k distinct
+experts drawn from p (uniform, Zipf(1.2) over the experts, or rank 0's experts only); the router still
+computes its logits, probabilities and aux loss. Every variant's output is checked against Megatron's first.
+"""
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from overlap_tp import OverlapConfig
+from overlap_tp.bench import report
+from overlap_tp.bench.moe import ZIPF_S
+from overlap_tp.bench.ops import agree, timed
+
+INPUT_SETS = 3
+ROUTINGS = ("uniform", "zipf", "rank0_only")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m overlap_tp.bench moe_layer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", default="8192,16384", help="tokens per rank (before top-k)")
+    p.add_argument("--routing", default="uniform,zipf", help="comma list of " + ",".join(ROUTINGS))
+    p.add_argument("--methods", default="signal,off", help="OverlapMoELayer methods to time (signal, off, decompose)")
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=14336, help="expert FFN size (fc1 is 2 x ffn: SwiGLU)")
+    p.add_argument("--experts", type=int, default=8, help="global experts E (EP = the number of processes)")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--transformer-impl", default="local", choices=("local", "transformer_engine"),
+                   help="Megatron's MoE module: local (SequentialMLP) or TE's (TEGroupedMLP) where TE imports")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
+    p.add_argument("--name", default="moe_layer", help="report file name (without extension)")
+    return p.parse_args(argv)
+
+
+def moe_config(ep, hidden=4096, ffn=14336, experts=8, top_k=2, transformer_impl="local", **overrides):
+    """The TransformerConfig of a Mixtral-like MoE layer at EP = ep, expert TP = 1, bf16."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    values = dict(num_layers=1, hidden_size=hidden, num_attention_heads=32, ffn_hidden_size=ffn,
+                  num_moe_experts=experts, moe_router_topk=top_k, moe_token_dispatcher_type="alltoall",
+                  expert_model_parallel_size=ep, params_dtype=torch.bfloat16, bf16=True, gated_linear_unit=True,
+                  activation_func=torch.nn.functional.silu, bias_activation_fusion=True, add_bias_linear=False,
+                  moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2, init_method_std=0.02,
+                  transformer_impl=transformer_impl)
+    values.update(overrides)
+    return TransformerConfig(**values)
+
+
+def build_layer(ours, config, seed=1234):
+    """OverlapMoELayer (get_moe_overlap_module_spec) or the MoE module Megatron's own spec builds for
+    `config`; from the same seed both come out with equal weights."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from overlap_tp.layer_spec import get_moe_overlap_module_spec
+    from overlap_tp.megatron_patches.apply import megatron_moe_spec
+    spec = get_moe_overlap_module_spec() if ours else megatron_moe_spec(config)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    layer = build_module(spec, config=config) if isinstance(spec, ModuleSpec) else spec(config=config)
+    layer.set_layer_number(1)
+    return layer.cuda()
+
+
+def routing_offsets(tokens, experts, ep, routing, rank, scale=20.0, seed=0):
+    """[tokens, E] logit offsets scale * (log p + Gumbel): a token's top-k are k distinct experts drawn from
+    p (Gumbel-top-k); each rank draws its own."""
+    ranks = torch.arange(1, experts + 1, dtype=torch.float64)
+    p = {"uniform": torch.ones(experts, dtype=torch.float64), "zipf": ranks ** -ZIPF_S,
+         "rank0_only": (ranks <= experts // ep).double()}[routing]
+    g = torch.Generator().manual_seed(seed + rank)
+    gumbel = -torch.log(-torch.log(torch.rand(tokens, experts, generator=g, dtype=torch.float64).clamp_min(1e-12)))
+    return (scale * (p.clamp_min(1e-12).log() + gumbel)).float()
+
+
+def force_routing(layer, *offsets):
+    """Add offsets [tokens, E] to the layer's router logits, the next of `offsets` (cycled) at every call;
+    the router still runs and gets its grads."""
+    gating = layer.router.gating
+    offsets = [o.to(torch.cuda.current_device()) for o in offsets]
+    calls = [0]
+
+    def gating_with_offsets(x):
+        logits = gating(x)
+        offset = offsets[calls[0] % len(offsets)]
+        calls[0] += 1
+        return logits + offset.view(logits.shape).to(logits.dtype)
+
+    layer.router.gating = gating_with_offsets
+
+
+def bench_shape(tokens, routing, args, group):
+    from overlap_tp.moe_layer import set_moe_overlap_config
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    config = moe_config(ep, args.hidden, args.ffn, args.experts, args.top_k, args.transformer_impl)
+    offsets = routing_offsets(tokens, args.experts, ep, routing, rank)
+    variants = {"megatron": build_layer(False, config)}
+    for method in args.methods.split(","):
+        variants[method] = build_layer(True, config)
+        set_moe_overlap_config(variants[method], OverlapConfig(method=method))
+    for layer in variants.values():
+        force_routing(layer, offsets)
+    sets = [(torch.randn(tokens, 1, args.hidden, device="cuda", dtype=torch.bfloat16).requires_grad_(True),
+             torch.randn(tokens, 1, args.hidden, device="cuda", dtype=torch.bfloat16)) for _ in range(INPUT_SETS)]
+
+    ours = variants[args.methods.split(",")[0]]
+    counts = ours.token_counts(ours.router(sets[0][0])[1])
+    local = args.experts // ep
+    received = [int(counts[:, r * local:(r + 1) * local].sum()) for r in range(ep)]
+    row = {"shape": f"{routing}.t{tokens}", "tokens": tokens, "routing": routing, "H": args.hidden, "F": args.ffn,
+           "E": args.experts, "ep": ep, "rows_max": max(received),
+           "imbalance": max(received) * ep / max(1, sum(received)),
+           "megatron_experts": type(variants["megatron"].experts).__name__}
+
+    def step(layer):
+        def run(x, g):
+            layer.zero_grad(set_to_none=True)
+            x.grad = None
+            out, _ = layer(x)
+            out.backward(g)
+            return out
+        return run
+
+    reference = step(variants["megatron"])(*sets[0]).detach()
+    for name, layer in variants.items():
+        if name != "megatron":
+            agree(step(layer)(*sets[0]), reference, f"moe_layer {name} {row['shape']}")
+        row[name] = timed(step(layer), sets, args.reps, group)
+    for method in args.methods.split(","):
+        row[f"S_{method}"] = row["megatron"] / row[method]
+    if "signal" in row and "off" in row:
+        row["signal_vs_off"] = row["off"] / row["signal"]
+    return row
+
+
+def columns(methods):
+    cols = [("shape", "routing.tokens", "{}"), ("rows_max", "rows max", "{}"), ("imbalance", "imbalance", "{:.2f}"),
+            ("megatron", "Megatron MoELayer", "{:.3f}")]
+    cols += [(m, f"ours {m}", "{:.3f}") for m in methods] + [(f"S_{m}", f"S {m}", "{:.2f}") for m in methods]
+    if "signal" in methods and "off" in methods:
+        cols.append(("signal_vs_off", "off / signal", "{:.2f}"))
+    return cols
+
+
+def main(argv):
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        print("run under torchrun: torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer ...")
+        return 2
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    from megatron.core import parallel_state
+    ep = dist.get_world_size()
+    if args.experts % ep:
+        raise SystemExit(f"--experts {args.experts} is not a multiple of EP = {ep}")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=ep)
+    group = parallel_state.get_expert_model_parallel_group()
+    rows = []
+    for tokens in map(int, args.tokens.split(",")):
+        for routing in args.routing.split(","):
+            row = bench_shape(tokens, routing, args, group)
+            rows.append(row)
+            torch.cuda.empty_cache()
+            if dist.get_rank() == 0:
+                print(" ".join(f"{key}={row[key]:.3f}" if isinstance(row[key], float) else f"{key}={row[key]}"
+                               for key in row), flush=True)
+    if dist.get_rank() == 0:
+        methods = args.methods.split(",")
+        notes = (f"Times in ms per forward + backward of one MoE layer (median of steps, slowest rank). S m = "
+                 f"Megatron / ours with method m. Megatron's experts: {rows[0]['megatron_experts']}. rows max / "
+                 f"imbalance: the most rows one rank's experts receive and its ratio to the mean.")
+        command = f"torchrun --nproc-per-node {ep} -m overlap_tp.bench moe_layer " + " ".join(argv)
+        report.write(args.out, args.name, f"MoE layer forward + backward, EP = {ep}", rows, columns(methods), notes,
+                     command=command)
+        print(report.markdown_table(rows, columns(methods)))
+        print(notes)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    return 0
