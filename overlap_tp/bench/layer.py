@@ -1,0 +1,477 @@
+"""Layer benchmark: one Llama TransformerLayer, forward + backward, on overlap_tp's spec against Megatron's
+own linears and against the same layer with no TP communication at all.
+
+    torchrun --nproc-per-node 2 -m overlap_tp.bench layer --out docs/perf
+    TRITON_INTERPRET=1 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --tiny --out /tmp/layer   # CPU, gloo
+
+Shapes (BENCHMARKS.md): Llama-3-8B (h 4096, 32 heads, 8 KV heads, FFN 14336) and Llama-3-70B (h 8192, 64
+heads, 8 KV heads, FFN 28672); s = 8192, micro-batch 1, TP = the process count (2), sequence parallel,
+bf16, SwiGLU, RMSNorm, no biases, RoPE, no dropout, Megatron's bias-SwiGLU and bias-dropout-add fusions on
+(as in training), gradient_accumulation_fusion off (Megatron's needs Apex). Configurations, all in one
+process on the same inputs and the same weights:
+
+  megatron      get_gpt_layer_megatron_reference_spec: Megatron's TransformerLayer and
+                ColumnParallelLinear / RowParallelLinear (its SP path: all-gather / reduce-scatter through
+                NCCL, sequential); norms and core attention are the same modules as ours
+  nocomm        the same Megatron layer inside reference_spec.no_tp_communication(): every TP collective
+                replaced by a local op of the same output shape (the no-communication counterfactual;
+                a count of torch.distributed calls during its check step must be 0)
+  off           get_gpt_layer_overlap_spec (OverlapTransformerLayer, fused bda + pre-MLP norm), method off
+  signal        the same, method signal with the default OverlapConfig (what `--overlap-tp signal` runs:
+                NCCL per-group collectives, comm_sms 16)
+  decompose     the same, method decompose (chunks 4)
+  signal-agp2p  signal with ag_gemm on the copy-engine p2p transport (comm_sms 0), gemm_rs on NCCL
+  signal-p2p    signal with ag_gemm and gemm_rs both on the p2p transports (comm_sms 0)
+  auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
+
+Every configuration except nocomm is checked against `megatron` on the first input set before it is
+timed (output, input grad and every parameter grad, max relative error <= --check-tol). Times: CUDA
+events around each forward + backward, --warmup untimed steps, the median of --reps, inputs rotated over
+--input-sets sets, a barrier before each measured region, the slowest rank's median. Ratios: t/megatron
+(issue target for signal on the 8B layer: <= 0.95, i.e. >= 5% faster) and t/nocomm (target <= 1.05).
+The report (JSON + Markdown, rewritten after every configuration) names the command, git commit,
+device, versions and CUDA_DEVICE_MAX_CONNECTIONS (Megatron's training sets it to 1; the recipes too).
+"""
+import argparse
+import contextlib
+import functools
+import gc
+import importlib.util
+import json
+import os
+import statistics
+import time
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from overlap_tp.bench import report
+from overlap_tp.config import OverlapConfig
+
+MODELS = {
+    "l8b": dict(hidden=4096, heads=32, groups=8, ffn=14336),
+    "l70b": dict(hidden=8192, heads=64, groups=8, ffn=28672),
+    "tiny": dict(hidden=64, heads=4, groups=2, ffn=128),      # --tiny: CPU plumbing
+}
+DEFAULT_CONFIGS = "megatron,nocomm,off,signal,decompose,signal-agp2p,signal-p2p"
+CPU_CONFIGS = "megatron,nocomm,off,signal,decompose"
+SMALL_TILES = dict(block_m=16, block_n=32, block_k=16)         # Triton's interpreter on the CPU
+TARGET_VS_MEGATRON = 0.95
+TARGET_VS_NOCOMM = 1.05
+
+
+def configurations(device_type):
+    """name -> (spec 'ours' | 'megatron', overlap_config for our layers or None, counterfactual?)."""
+    tiles = SMALL_TILES if device_type == "cpu" else {}
+    signal = OverlapConfig(method="signal", **tiles)
+    p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    return {
+        "megatron": ("megatron", None, False),
+        "nocomm": ("megatron", None, True),
+        "off": ("ours", OverlapConfig(method="off"), False),
+        "signal": ("ours", signal, False),
+        "decompose": ("ours", OverlapConfig(method="decompose", chunks=4), False),
+        "signal-agp2p": ("ours", {"ag_gemm": p2p, "gemm_rs": signal, "gemm_ar": signal}, False),
+        "signal-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
+        "auto": ("ours", OverlapConfig(method="auto"), False),
+    }
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m overlap_tp.bench layer", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="l8b,l70b", help="comma list of " + ",".join(MODELS))
+    p.add_argument("--configs", default=None,
+                   help=f"comma list, in order (megatron first); default {DEFAULT_CONFIGS} "
+                        f"(CPU: {CPU_CONFIGS}); also: auto")
+    p.add_argument("--seq", type=int, default=8192, help="sequence length s (the layer sees s/t rows per rank)")
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--reps", type=int, default=50, help="timed forward+backward steps (median)")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--input-sets", type=int, default=3)
+    p.add_argument("--check-tol", type=float, default=3e-2,
+                   help="max relative error against megatron (output, input grad, parameter grads)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--fusions", choices=("on", "off"), default=None,
+                   help="Megatron's bias-SwiGLU / bias-dropout-add fusions (torch.compile); default on for cuda, "
+                        "off for cpu")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU plumbing run: --device cpu --models tiny --seq 32 --reps 3 --warmup 1 --input-sets 2")
+    p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
+    p.add_argument("--name", default="layer", help="report file name (without extension)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.device, args.models, args.seq, args.reps, args.warmup, args.input_sets = "cpu", "tiny", 32, 3, 1, 2
+    if args.fusions is None:
+        args.fusions = "on" if args.device == "cuda" else "off"
+    if args.configs is None:
+        args.configs = CPU_CONFIGS if args.device == "cpu" else DEFAULT_CONFIGS
+    configs = args.configs.split(",")
+    unknown = set(configs) - set(configurations(args.device))
+    if unknown:
+        p.error(f"unknown configs {sorted(unknown)}")
+    if configs[0] != "megatron":
+        p.error("--configs must start with megatron (the reference every other configuration is checked against)")
+    unknown = set(args.models.split(",")) - set(MODELS)
+    if unknown:
+        p.error(f"unknown models {sorted(unknown)}")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------------
+# The layer
+# ---------------------------------------------------------------------------------------------------
+
+def layer_config(model, tp, device_type, fusions=None):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    shape = MODELS[model]
+    if fusions is None:
+        fusions = device_type == "cuda"   # torch.compile'd fusions: the GPU only
+    return TransformerConfig(
+        num_layers=1, hidden_size=shape["hidden"], ffn_hidden_size=shape["ffn"], num_attention_heads=shape["heads"],
+        num_query_groups=shape["groups"], kv_channels=shape["hidden"] // shape["heads"], normalization="RMSNorm",
+        layernorm_epsilon=1e-5, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=fusions,
+        bias_dropout_fusion=fusions, apply_rope_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, params_dtype=torch.bfloat16, bf16=True, init_method_std=0.02,
+        tensor_model_parallel_size=tp, sequence_parallel=True, use_cpu_initialization=device_type == "cpu")
+
+
+def build_layer(spec_kind, config, device, seed=1234):
+    """One TransformerLayer from our spec ('ours') or the Megatron reference spec ('megatron')."""
+    from megatron.core.transformer.spec_utils import build_module
+    if spec_kind == "ours":
+        from overlap_tp.layer_spec import get_gpt_layer_overlap_spec
+        spec = get_gpt_layer_overlap_spec()
+    else:
+        from overlap_tp.bench.reference_spec import get_gpt_layer_megatron_reference_spec
+        spec = get_gpt_layer_megatron_reference_spec()
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(seed)
+    return build_module(spec, config=config, layer_number=1).to(device)
+
+
+def rotary_embedding(config, seq, device):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=500000,
+                           use_cpu_initialization=device.type == "cpu")
+    return rope(seq).to(device)
+
+
+def step(layer, x, g, rope):
+    """One forward + backward; returns (output, input grad)."""
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    out, _ = layer(x, attention_mask=None, rotary_pos_emb=rope)
+    out.backward(g)
+    return out, x.grad
+
+
+def layer_flops(model, seq, micro_batch, tp):
+    """Model FLOPs of one layer's forward + backward per GPU (3x the forward; causal attention halves
+    the score and context GEMMs)."""
+    shape = MODELS[model]
+    h, ffn, heads, groups = shape["hidden"], shape["ffn"], shape["heads"], shape["groups"]
+    d = h // heads
+    tokens = seq * micro_batch
+    linears = 2 * tokens * h * (h + 2 * groups * d) + 2 * tokens * h * h + 2 * tokens * h * 2 * ffn + 2 * tokens * ffn * h
+    attention = 2 * 2 * micro_batch * seq * seq * h / 2
+    return 3 * (linears + attention) / tp
+
+
+# ---------------------------------------------------------------------------------------------------
+# Timing and checks
+# ---------------------------------------------------------------------------------------------------
+
+def timed(fn, sets, reps, warmup, group, device):
+    """Median time (ms) of fn(*set) over `reps` calls, the slowest rank's; `warmup` calls first."""
+    for i in range(warmup):
+        fn(*sets[i % len(sets)])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier(group)
+    samples = []
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            starts[i].record()
+            fn(*sets[i % len(sets)])
+            ends[i].record()
+        torch.cuda.synchronize()
+        samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    else:
+        for i in range(reps):
+            t0 = time.perf_counter()
+            fn(*sets[i % len(sets)])
+            samples.append(1e3 * (time.perf_counter() - t0))
+    median = torch.tensor(statistics.median(samples), dtype=torch.float64, device=device)
+    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
+    return float(median)
+
+
+def rel_error(got, ref):
+    ref = ref.float()
+    return float((got.float() - ref).norm() / max(float(ref.norm()), 1e-30))
+
+
+def _capture(layer, x, g, rope):
+    out, dx = step(layer, x, g, rope)
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach().clone(), dx.detach().clone(), grads
+
+
+def _max_error(result, reference):
+    out, dx, grads = result
+    out_ref, dx_ref, grads_ref = reference
+    errors = {"output": rel_error(out, out_ref), "input grad": rel_error(dx, dx_ref)}
+    missing = set(grads_ref) ^ set(grads)
+    if missing:
+        raise RuntimeError(f"parameter grads differ in their names: {sorted(missing)}")
+    for name, grad in grads.items():
+        errors[name] = rel_error(grad, grads_ref[name])
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst
+
+
+def _apply_overlap(layer, overlap):
+    from overlap_tp.layers import set_overlap_config
+    if overlap is not None and set_overlap_config(layer, overlap) != 4:
+        raise RuntimeError("expected 4 overlapped linears in the layer")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------------
+
+COLUMNS = [
+    ("model", "model", "{}"), ("config", "config", "{}"), ("ms", "ms", "{:.3f}"),
+    ("vs_megatron", "t/megatron", "{:.3f}"), ("vs_nocomm", "t/nocomm", "{:.3f}"), ("tflops", "TFLOP/s/GPU", "{:.1f}"),
+    ("check_err", "check err", "{:.1e}"), ("check_worst", "worst", "{}"), ("same_init", "init = megatron's", "{}"),
+    ("collectives", "dist calls", "{}"),
+    ("peak_gib", "peak GiB", "{:.1f}"), ("error", "error", "{}"),
+]
+
+
+def _versions():
+    out = {"CUDA_DEVICE_MAX_CONNECTIONS": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}
+    try:
+        import megatron.core
+        out["megatron_core"] = megatron.core.__version__
+    except (ImportError, AttributeError):
+        out["megatron_core"] = None
+    out["transformer_engine"] = importlib.util.find_spec("transformer_engine") is not None
+    return out
+
+
+def summarize(rows):
+    """Per model: signal and the best of ours against megatron and nocomm, and the issue's targets."""
+    lines, summary = [], {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        timed_rows = {r["config"]: r for r in rows if r["model"] == model and r.get("ms")}
+        ours = {k: v for k, v in timed_rows.items() if k not in ("megatron", "nocomm")}
+        entry = {}
+        if "nocomm" in timed_rows and "megatron" in timed_rows:
+            # the best t/megatron that hiding all of Megatron's exposed communication could reach
+            entry["nocomm_vs_megatron"] = timed_rows["nocomm"]["vs_megatron"]
+        if "signal" in timed_rows and "megatron" in timed_rows:
+            entry["signal_vs_megatron"] = timed_rows["signal"]["vs_megatron"]
+            entry["target_vs_megatron_met"] = entry["signal_vs_megatron"] <= TARGET_VS_MEGATRON
+        if "signal" in timed_rows and "nocomm" in timed_rows:
+            entry["signal_vs_nocomm"] = timed_rows["signal"]["vs_nocomm"]
+            entry["target_vs_nocomm_met"] = entry["signal_vs_nocomm"] <= TARGET_VS_NOCOMM
+        if ours:
+            best = min(ours, key=lambda k: ours[k]["ms"])
+            entry["best_ours"] = best
+            entry["best_ms"] = ours[best]["ms"]
+            if "megatron" in timed_rows:
+                entry["best_vs_megatron"] = ours[best]["vs_megatron"]
+            if "nocomm" in timed_rows:
+                entry["best_vs_nocomm"] = ours[best]["vs_nocomm"]
+        summary[model] = entry
+        parts = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in entry.items()]
+        lines.append(f"- {model}: " + ", ".join(parts))
+    return summary, lines
+
+
+def write_report(args, rows, command, group):
+    if dist.get_rank(group) != 0:
+        return
+    summary, lines = summarize(rows)
+    settings = dict(_versions(), seq=args.seq, micro_batch=args.micro_batch, tp=dist.get_world_size(group),
+                    reps=args.reps, warmup=args.warmup, input_sets=args.input_sets, check_tol=args.check_tol,
+                    device=args.device, megatron_fusions=args.fusions)
+    notes = ("Times in ms: one TransformerLayer forward + backward, median of reps, slowest rank. "
+             "t/megatron and t/nocomm: this configuration's time over Megatron's layer and over the "
+             f"no-communication counterfactual (targets for signal: <= {TARGET_VS_MEGATRON} and "
+             f"<= {TARGET_VS_NOCOMM}); nocomm_vs_megatron in the summary is the floor of t/megatron that hiding all of "
+             "Megatron's exposed communication would reach (its backward already overlaps the wgrad all-gather and "
+             "the dgrad reduce-scatter). check err: max relative error against megatron over the output, the input "
+             "grad and every parameter grad (worst: which); dist calls: torch.distributed collective calls during "
+             "the check step (nocomm must show 0; our signal path uses its own NCCL communicator, not counted).\n\n"
+             "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "\n\n" + "\n".join(lines))
+    report.write(args.out, args.name, f"One Llama TransformerLayer forward + backward, TP = {settings['tp']}, "
+                 f"SP, s = {args.seq}", rows, COLUMNS, notes, command=command)
+    path = os.path.join(args.out, args.name + ".json")
+    with open(path) as f:
+        data = json.load(f)
+    data["settings"], data["summary"] = settings, summary
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+
+
+def _free(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _all_ok(ok, group, device):
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return float(flag) == 0.0
+
+
+def bench_model(model, args, group, device, rows, command):
+    from overlap_tp.bench.reference_spec import count_collectives, no_tp_communication
+    t = dist.get_world_size(group)
+    if args.seq % t:
+        raise ValueError(f"--seq {args.seq} is not divisible by the TP size {t}")
+    config = layer_config(model, t, device.type, args.fusions == "on")
+    hidden = config.hidden_size
+    rope = rotary_embedding(config, args.seq, device)
+    gen = torch.Generator(device=device).manual_seed(4321 + dist.get_rank(group))
+    sets = []
+    for _ in range(args.input_sets):
+        x = torch.randn(args.seq // t, args.micro_batch, hidden, device=device, generator=gen).to(torch.bfloat16)
+        g = torch.randn(args.seq // t, args.micro_batch, hidden, device=device, generator=gen).to(torch.bfloat16)
+        sets.append((x.requires_grad_(True), g))
+    flops = layer_flops(model, args.seq, args.micro_batch, t)
+    table = configurations(device.type)
+    reference, weights, times = None, None, {}
+    for name in args.configs.split(","):
+        spec_kind, overlap, nocomm = table[name]
+        row = {"model": model, "config": name}
+        layer, ok = None, True
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            layer = build_layer(spec_kind, config, device)
+            if weights is None:
+                weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
+            else:
+                params = dict(layer.named_parameters())
+                if sorted(params) != sorted(weights):
+                    raise RuntimeError(f"parameter names differ from megatron's: {sorted(set(params) ^ set(weights))}")
+                row["same_init"] = all(torch.equal(params[n], w) for n, w in weights.items())
+                with torch.no_grad():
+                    for n, w in weights.items():
+                        params[n].copy_(w)
+            _apply_overlap(layer, overlap)
+            with count_collectives() as counts:
+                with (no_tp_communication if nocomm else contextlib.nullcontext)():
+                    result = _capture(layer, *sets[0], rope)
+            row["collectives"] = sum(counts.values())
+            if name == "megatron":
+                reference = result
+            elif nocomm:
+                if row["collectives"]:
+                    raise RuntimeError(f"the counterfactual still communicates: {counts}")
+            else:
+                row["check_err"], row["check_worst"] = _max_error(result, reference)
+                if not row["check_err"] <= args.check_tol:
+                    ok = False
+                    row["error"] = f"check failed: {row['check_worst']} {row['check_err']:.3g} > {args.check_tol}"
+            del result
+        except Exception as error:   # one configuration's failure must not lose the others' results
+            traceback.print_exc()
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+            ok = False
+        if _all_ok(ok, group, device):   # the one agreement point per configuration: time it or skip it
+            try:
+                with (no_tp_communication if nocomm else contextlib.nullcontext)():
+                    row["ms"] = timed(functools.partial(step, layer, rope=rope), sets, args.reps, args.warmup,
+                                      group, device)
+            except Exception as error:
+                traceback.print_exc()
+                row["error"] = f"{type(error).__name__}: {error}"[:300]
+        elif "error" not in row:
+            row["error"] = "failed on another rank"
+        if row.get("ms"):
+            times[name] = row["ms"]
+            if "megatron" in times:
+                row["vs_megatron"] = row["ms"] / times["megatron"]
+            if "nocomm" in times:
+                row["vs_nocomm"] = row["ms"] / times["nocomm"]
+            row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+        if device.type == "cuda":
+            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2 ** 30, device=device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            row["peak_gib"] = float(peak)
+        del layer
+        _free(device)
+        rows.append(row)
+        if dist.get_rank(group) == 0:
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        write_report(args, rows, command, group)
+        if name == "megatron" and reference is None:
+            if dist.get_rank(group) == 0:
+                print(f"{model}: the megatron reference failed; skipping this model", flush=True)
+            break
+    del reference, weights, sets
+    _free(device)
+
+
+def run(args, group=None, command=None):
+    """The benchmark on an initialized process group (one rank per GPU, or gloo on the CPU). Returns the
+    rows (every rank)."""
+    from megatron.core import parallel_state as ps
+    from overlap_tp.layers import set_default_overlap_config
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+    group = group or dist.group.WORLD
+    world = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    set_default_overlap_config(OverlapConfig(method="off"))   # op kinds a config does not name: never 'auto'
+    command = command or f"torchrun --nproc-per-node {world} -m overlap_tp.bench layer"
+    rows = []
+    from overlap_tp.bench.reference_spec import megatron_sp_on_cpu
+    try:
+        with megatron_sp_on_cpu(device.type == "cpu"):
+            for model in args.models.split(","):
+                bench_model(model, args, ps.get_tensor_model_parallel_group(), device, rows, command)
+    finally:
+        ps.destroy_model_parallel()
+    if dist.get_rank() == 0:
+        print(report.markdown_table(rows, COLUMNS))
+        for line in summarize(rows)[1]:
+            print(line)
+    return rows
+
+
+def main(argv):
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        print("run under torchrun: torchrun --nproc-per-node 2 -m overlap_tp.bench layer ...")
+        return 2
+    command = "torchrun --nproc-per-node %s -m overlap_tp.bench layer %s" % (
+        os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "?")), " ".join(argv))
+    if args.device == "cuda":
+        rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    else:
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            print("--device cpu runs the Triton kernels in the interpreter: set TRITON_INTERPRET=1 (before Python "
+                  "starts; overlap_tp imports its kernels at import)")
+            return 2
+        dist.init_process_group("gloo")
+    try:
+        run(args, command=command)
+    finally:
+        dist.destroy_process_group()
+    return 0
