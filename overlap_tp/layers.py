@@ -242,9 +242,9 @@ class _ColumnParallelFn(torch.autograd.Function):
         dx = None
         if need_dx:
             if args.sequence_parallel:
-                dx = gemm_rs(dy, weight.t(), args.group, config=args.config("gemm_rs"))
+                dx = gemm_rs(dy, weight.t().contiguous(), args.group, config=args.config("gemm_rs"))
             elif args.allreduce_dgrad:
-                dx = gemm_ar(dy, weight.t(), args.group, config=args.config("gemm_ar"))
+                dx = gemm_ar(dy, weight.t().contiguous(), args.group, config=args.config("gemm_ar"))
             else:
                 dx = dy.matmul(weight)
         if handle is not None:
@@ -276,7 +276,7 @@ class _RowParallelFn(torch.autograd.Function):
         dy, dz_full = None, dz
         if args.sequence_parallel:
             if need_dy:   # the gathered dZ comes back with the dgrad and is reused for the wgrad
-                dy, dz_full = ag_gemm(dz, weight.t(), args.group, config=args.config("ag_gemm"),
+                dy, dz_full = ag_gemm(dz, weight.t().contiguous(), args.group, config=args.config("ag_gemm"),
                                       return_gathered=True)
             elif need_dw:
                 dz_full, _ = comm.all_gather_rows(dz, args.group)
