@@ -39,8 +39,6 @@ import gc
 import importlib.util
 import json
 import os
-import statistics
-import time
 import traceback
 import warnings
 
@@ -48,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.bench import report
+from overlap_tp.bench.ops import timed
 from overlap_tp.config import OverlapConfig
 
 MODELS = {
@@ -186,33 +185,6 @@ def layer_flops(model, seq, micro_batch, tp):
 # ---------------------------------------------------------------------------------------------------
 # Timing and checks
 # ---------------------------------------------------------------------------------------------------
-
-def timed(fn, sets, reps, warmup, group, device):
-    """Median time (ms) of fn(*set) over `reps` calls, the slowest rank's; `warmup` calls first."""
-    for i in range(warmup):
-        fn(*sets[i % len(sets)])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier(group)
-    samples = []
-    if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            starts[i].record()
-            fn(*sets[i % len(sets)])
-            ends[i].record()
-        torch.cuda.synchronize()
-        samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    else:
-        for i in range(reps):
-            t0 = time.perf_counter()
-            fn(*sets[i % len(sets)])
-            samples.append(1e3 * (time.perf_counter() - t0))
-    median = torch.tensor(statistics.median(samples), dtype=torch.float64, device=device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
-    return float(median)
-
 
 def rel_error(got, ref):
     ref = ref.float()
@@ -394,8 +366,8 @@ def bench_model(model, args, group, device, rows, command):
         if _all_ok(ok, group, device):   # the one agreement point per configuration: time it or skip it
             try:
                 with (no_tp_communication if nocomm else contextlib.nullcontext)():
-                    row["ms"] = timed(functools.partial(step, layer, rope=rope), sets, args.reps, args.warmup,
-                                      group, device)
+                    row["ms"] = timed(functools.partial(step, layer, rope=rope), sets, args.reps, group,
+                                      warmup=args.warmup, device=device)
             except Exception as error:
                 traceback.print_exc()
                 row["error"] = f"{type(error).__name__}: {error}"[:300]

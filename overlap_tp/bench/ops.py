@@ -15,6 +15,7 @@ Every configuration's output is checked against `seq` before it is timed.
 import argparse
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -61,20 +62,31 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def timed(fn, sets, reps, group):
-    """Median time (ms) of fn(*set) over `reps` back-to-back calls, the slowest rank's."""
-    for i in range(5):
+def timed(fn, sets, reps, group, warmup=5, device=None):
+    """Median time (ms) of fn(*set) over `reps` back-to-back calls, the slowest rank's; `warmup` calls
+    first. CUDA events on the GPU (device None = cuda); wall clock per call on a CPU device."""
+    device = torch.device("cuda") if device is None else device
+    for i in range(warmup):
         fn(*sets[i % len(sets)])
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     dist.barrier(group)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        fn(*sets[i % len(sets)])
-        ends[i].record()
-    torch.cuda.synchronize()
-    median = torch.tensor(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), device="cuda")
+    samples = []
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            starts[i].record()
+            fn(*sets[i % len(sets)])
+            ends[i].record()
+        torch.cuda.synchronize()
+        samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+    else:
+        for i in range(reps):
+            t0 = time.perf_counter()
+            fn(*sets[i % len(sets)])
+            samples.append(1e3 * (time.perf_counter() - t0))
+    median = torch.tensor(statistics.median(samples), dtype=torch.float64, device=device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
     return float(median)
 
