@@ -24,8 +24,13 @@ chunk's transfer completed. The TMA loads that follow read through the async pro
 `fence.proxy.async` orders them after the acquire.
 
 Grouped expert GEMMs (overlap_tp/expert_ops.py) run it over L weights W[L, N, K] seen as one [L*N, K]
-matrix: a tile's W_ROW field is l*N for its expert l, and its W box starts at row W_ROW + col. A box
-that overhangs into expert l+1 (N % BLOCK_N != 0) only feeds columns >= N, which the store masks out.
+matrix: a tile's EXPERT field l puts its W box at row l*N + col. A box that overhangs into expert l+1
+(N % BLOCK_N != 0) only feeds columns >= N, which the store masks out.
+
+Backward GEMMs multiply by the weight itself, not its transpose (dgrad = dY @ W): the launcher takes
+`w` as the transposed *view* of a row-major [K, N] (or [L, K, N]) tensor and the kernel reads that
+tensor in place (W_KN: [BLOCK_K, BLOCK_N] boxes at row l*K + k), so no transposed copy of the weight
+is made per backward.
 """
 import os
 
@@ -90,6 +95,7 @@ def signaled_gemm_kernel(
     flags_ptr, wait_target,         # WAIT: int32 ready flags and this call's epoch
     N, K,                           # N: the output columns of one weight (one expert)
     HAS_BIAS: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, INTERPRETED: tl.constexpr,
+    W_KN: tl.constexpr,             # w_desc holds W row-major as [L*K, N] (C = A @ W), not [L*N, K]
     TILE_FIELDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
@@ -106,7 +112,7 @@ def signaled_gemm_kernel(
         # offsets from dst_ptr: one flat address space, no integer-to-pointer casts. Their owner
         # (overlap_tp/p2p.py) checks that each offset is a multiple of 16 elements: 16-byte stores stay.
         dst_base = dst_ptr + tl.multiple_of(tl.load(dst_offsets_ptr + tl.load(entry + 6)), 16)
-        w_row = tl.load(entry + 8) + col             # the tile's weight rows in W [L*N, K]
+        expert = tl.load(entry + 8)
 
         if WAIT:
             flag = tl.load(entry + 7)
@@ -116,11 +122,17 @@ def signaled_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(k_steps):
             a = a_desc.load([src_row, ks * BLOCK_K])
-            w = w_desc.load([w_row, ks * BLOCK_K])
+            if W_KN:
+                w = w_desc.load([expert * K + ks * BLOCK_K, col])    # [BLOCK_K, BLOCK_N]
+            else:
+                w = w_desc.load([expert * N + col, ks * BLOCK_K])    # [BLOCK_N, BLOCK_K]
             if INTERPRETED:
                 a = a.to(tl.float32)
                 w = w.to(tl.float32)
-            acc = tl.dot(a, w.T, acc)
+            if W_KN:
+                acc = tl.dot(a, w, acc)
+            else:
+                acc = tl.dot(a, w.T, acc)
 
         col = tl.multiple_of(col, BLOCK_N)           # plans start tiles on block_n columns: lets the
         dst_col = tl.multiple_of(dst_col, BLOCK_N)   # compiler emit 16-byte stores
@@ -143,6 +155,16 @@ def signaled_gemm_kernel(
             tl.atomic_add(counters_ptr + group, 1, sem="release", scope="gpu")
 
 
+def weight_layout(w: torch.Tensor):
+    """How the kernel reads w [..., N, K]: "nk" (row-major: nn.Linear's layout), "kn" (the transposed view
+    of a row-major [..., K, N], e.g. `weight.t()` for a dgrad: read in place), or None (neither)."""
+    if w.is_contiguous():
+        return "nk"
+    if w.transpose(-2, -1).is_contiguous():
+        return "kn"
+    return None
+
+
 def check_operands(a: torch.Tensor, w: torch.Tensor, bias=None):
     """The kernel's input contract; a ValueError names the broken constraint."""
     if a.dim() != 2 or w.dim() != 2:
@@ -153,8 +175,11 @@ def check_operands(a: torch.Tensor, w: torch.Tensor, bias=None):
         raise ValueError(f"a and w must both be bf16 or fp16; got {a.dtype} and {w.dtype}")
     if a.device != w.device:
         raise ValueError(f"a is on {a.device} but w is on {w.device}")
-    if not (a.is_contiguous() and w.is_contiguous()):
-        raise ValueError("a and w must be contiguous (row-major)")
+    if not a.is_contiguous():
+        raise ValueError("a must be contiguous (row-major)")
+    if weight_layout(w) is None:
+        raise ValueError(f"w must be row-major [N, K] or the transposed view of a row-major [K, N] "
+                         f"(weight.t()); got strides {w.stride()} for shape {tuple(w.shape)}")
     if bias is not None:
         if bias.shape != (w.shape[0],) or bias.device != a.device or not bias.is_contiguous():
             raise ValueError(f"bias must be a contiguous [{w.shape[0]}] tensor on {a.device}; "
@@ -165,6 +190,8 @@ def tma_unsupported_reason(a: torch.Tensor, w: torch.Tensor):
     """Why TMA descriptors cannot address a and w, or None."""
     if a.shape[1] % 8:
         return f"K={a.shape[1]} is not a multiple of 8 (TMA needs 16-byte row strides)"
+    if weight_layout(w) == "kn" and w.shape[-2] % 8:
+        return f"N={w.shape[-2]} is not a multiple of 8 (TMA reads the transposed weight's [K, N] rows)"
     if a.data_ptr() % 16 or w.data_ptr() % 16:
         return "a or w does not start on a 16-byte boundary (TMA)"
     return None
@@ -185,20 +212,28 @@ def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, b
     """Launch the kernel: the tiles of `tiles` (device int32 table) into `dst` (or, for a tile whose
     DST_BUF is b, into the buffer `dst_offsets[b]` elements away from dst), raising `counters` (unless
     None); with `flags`, a tile whose WAIT field is f >= 0 first waits until flags[f] reaches wait_target.
-    `w` is one weight [N, K] or L expert weights [L, N, K] (contiguous) that the tiles pick by W_ROW."""
+    `w` is one weight [N, K] or L expert weights [L, N, K] that the tiles pick by their EXPERT field, either
+    row-major or the transposed view of a row-major [L, K, N] (weight_layout "kn", read in place)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    n = w.shape[-2]
+    n, k = w.shape[-2], a.shape[1]
+    w_kn = weight_layout(w) == "kn"
+    if w_kn and w.dim() == 3 and w.shape[0] > 1 and k % bk:
+        raise ValueError(f"transposed expert weights need K={k} to be a multiple of block_k={bk} (a K tail box "
+                         f"would read the next expert's rows)")
+    w_rows = w.transpose(-2, -1) if w_kn else w     # the row-major storage: [.., K, N] or [.., N, K]
+    w_desc = TensorDescriptor.from_tensor(w_rows.reshape(-1, w_rows.shape[-1]), [bk, bn] if w_kn else [bn, bk])
     num_tiles = tiles.shape[0]
     assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
     grid = (max(1, min(num_programs, num_tiles)),)
     signaled_gemm_kernel[grid](
-        TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w.view(-1, w.shape[-1]), [bn, bk]),
+        TensorDescriptor.from_tensor(a, [bm, bk]), w_desc,
         dst, dst.stride(0), dst_offsets if dst_offsets is not None else _zero_offset(dst.device),
         bias if bias is not None else dst, bias_rows[0], bias_rows[1],
         tiles, num_tiles, counters if counters is not None else tiles,
         flags if flags is not None else tiles, wait_target,
-        n, a.shape[1],
+        n, k,
         HAS_BIAS=bias is not None, SIGNAL=counters is not None, WAIT=flags is not None, INTERPRETED=INTERPRET,
+        W_KN=w_kn,
         TILE_FIELDS=TILE_FIELDS,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGRAMS=grid[0],
         num_stages=config.num_stages, num_warps=config.num_warps,

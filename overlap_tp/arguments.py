@@ -20,7 +20,7 @@ import argparse
 import os
 import warnings
 
-from overlap_tp.config import METHODS, TRANSPORTS
+from overlap_tp.config import EXPERT_OP_DEFAULTS, METHODS, TRANSPORTS
 
 GROUP_TITLE = "overlap_tp"
 TUNE_CACHE_ENV = "OVERLAP_TP_TUNE_CACHE"
@@ -249,8 +249,9 @@ def overlap_config_kwargs(args):
 
 def moe_overlap_config_kwargs(args):
     """The OverlapConfig fields of the MoE expert ops that the flags set: --overlap-moe's method and
-    --overlap-tp-comm-sms (the expert ops' transport is nccl, whatever --overlap-tp-transport says)."""
-    kwargs = {"method": getattr(args, "overlap_moe", "off")}
+    --overlap-tp-comm-sms over the expert ops' defaults (config.EXPERT_OP_DEFAULTS; their transport is
+    nccl, whatever --overlap-tp-transport says)."""
+    kwargs = dict(EXPERT_OP_DEFAULTS, method=getattr(args, "overlap_moe", "off"))
     if getattr(args, "overlap_tp_comm_sms", None) is not None:
         kwargs["comm_sms"] = args.overlap_tp_comm_sms
     return kwargs

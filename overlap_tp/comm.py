@@ -65,13 +65,14 @@ class TorchCollectives:
         self.group = group
         self.gloo = dist.get_backend(group) == "gloo"
 
-    def reduce_scatter(self, out, inp):
+    def reduce_scatter(self, out, inp, async_op=False):
+        """Returns torch.distributed's work with async_op (None where it completed: gloo)."""
         if not self.gloo:
-            dist.reduce_scatter_tensor(out, inp, group=self.group)
-            return
+            return dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=async_op)
         total = inp.float()
         dist.all_reduce(total, group=self.group)
         out.copy_(total.view(dist.get_world_size(self.group), *out.shape)[dist.get_rank(self.group)])
+        return None
 
     def all_gather_rows(self, gathered, src, lo, hi):
         """Rows [lo, hi) of every rank's shard `src` into the same rows of that rank's region of
@@ -88,13 +89,14 @@ class TorchCollectives:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-    def all_reduce(self, x):
+    def all_reduce(self, x, async_op=False):
+        """Returns torch.distributed's work with async_op (None where it completed: gloo bf16/fp16)."""
         if not self.gloo or x.dtype == torch.float32:
-            dist.all_reduce(x, group=self.group)
-            return
+            return dist.all_reduce(x, group=self.group, async_op=async_op)
         total = x.float()
         dist.all_reduce(total, group=self.group)
         x.copy_(total)
+        return None
 
 
 def all_gather_rows(x: torch.Tensor, group, async_op: bool = False):

@@ -84,3 +84,10 @@ class OverlapConfig:
                 raise ValueError(f"OverlapConfig.{name}={value!r}: expected a power of two >= 16")
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"OverlapConfig.num_warps={self.num_warps}: expected a power of two")
+
+
+# The expert ops' (a2a_gemm, gemm_a2a) defaults where they differ from OverlapConfig's: at EP = 2 over
+# NVLink the all-to-all is 3-10% of the grouped GEMM, so 16 SMs taken from the GEMM cost more than the
+# exchange hides; 2-4 SMs and 2-4 parts per peer were the best corners of the sweep (docs/perf/moe_ops.md).
+EXPERT_OP_DEFAULTS = dict(groups=2, comm_sms=4)
+DEFAULT_EXPERT_CONFIG = OverlapConfig(**EXPERT_OP_DEFAULTS)

@@ -20,7 +20,7 @@ Methods (OverlapConfig.method):
              it on the comm stream while group g+1 is computed; a2a_gemm computes the local rows, then
              each chunk as soon as the comm stream received it.
   signal     one persistent Triton GEMM (kernels/signaled_gemm.py) over every local expert (tiles name
-             their expert's rows of W, plan field W_ROW). gemm_a2a: each group's tiles raise its
+             their expert, plan field EXPERT). gemm_a2a: each group's tiles raise its
              counter; the comm stream waits on it (cuStreamWaitValue32, no SM) and exchanges the group's
              rows with every peer (ncclSend/ncclRecv in one group call), received straight into z;
              the local rows are stored into z by the GEMM. a2a_gemm: the comm stream exchanges chunk
@@ -32,8 +32,8 @@ Methods (OverlapConfig.method):
   auto       `off`, with a warning: the tuner does not cover the expert ops yet.
 `groups` is the number of parts per peer (an int, or "auto": about 16 MB per group on the busiest
 rank); `schedule` does not apply. The backward runs the mirrored op with each expert's weight
-transposed (`w.transpose(1, 2).contiguous()`, a copy per backward for now) and the grouped wgrad with
-cuBLAS, one matmul per expert over its segments gathered from every source rank.
+transposed as a view (`transposed`: the kernel reads it in place, no copy) and the grouped wgrad with
+cuBLAS, accumulated per (source, expert) segment in place.
 """
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -42,10 +42,10 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp import comm
-from overlap_tp.config import OverlapConfig
-from overlap_tp.kernels.signaled_gemm import signaled_gemm, tma_unsupported_reason
+from overlap_tp.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
+from overlap_tp.kernels.signaled_gemm import signaled_gemm, tma_unsupported_reason, weight_layout
 from overlap_tp.moe_plan import Layout, combine_plan, dispatch_plan, layout, parts_per_peer
-from overlap_tp.ops import DEFAULT_CONFIG, _warn_once, gemm_programs
+from overlap_tp.ops import _warn_once, gemm_programs
 
 # offsets between the staging matrix and z are used as 16-element aligned by the kernel (16-byte stores)
 OFFSET_ALIGNMENT = 16
@@ -86,8 +86,9 @@ def check_inputs(op: str, a, w, counts, rows: int, rows_name: str, out_name: str
         raise ValueError(f"{op}: input and w must both be bf16 or fp16; got {a.dtype} and {w.dtype}")
     if a.device != w.device:
         raise ValueError(f"{op}: the input is on {a.device} but w is on {w.device}")
-    if not (a.is_contiguous() and w.is_contiguous()):
-        raise ValueError(f"{op}: the input and w must be contiguous")
+    if not a.is_contiguous() or weight_layout(w) is None:
+        raise ValueError(f"{op}: the input must be contiguous and w row-major (or the transposed view of a "
+                         f"row-major [L, in, out] tensor)")
     if a.is_cuda and a.device.index != torch.cuda.current_device():
         raise ValueError(f"{op}: the input is on {a.device} but this rank's current CUDA device is "
                          f"cuda:{torch.cuda.current_device()} (one GPU per rank, set with torch.cuda.set_device)")
@@ -125,14 +126,31 @@ def expert_mm(a, w, pieces, outs):
 
 
 def expert_wgrad(grad, inp, lay: Layout):
-    """dw[l] = sum over the source ranks s of grad[seg(s, l)].T @ inp[seg(s, l)]: one matmul per expert over
-    its segments gathered (copied) from every source; [L, grad columns, inp columns]."""
+    """dw[l] = sum over the source ranks s of grad[seg(s, l)].T @ inp[seg(s, l)], [L, grad columns, inp
+    columns]: accumulated segment by segment in place (no copy of the segments; one rounding per source
+    segment, as accumulating micro-batches does); an expert that received nothing gets zeros."""
     dw = torch.empty(lay.experts, grad.shape[1], inp.shape[1], dtype=inp.dtype, device=inp.device)
-    for l in range(lay.experts):
-        rows = [(p.src_lo, p.src_hi) for p in lay.segments if p.expert == l]
-        g, a = ([t[lo:hi] for lo, hi in rows] for t in (grad, inp))
-        torch.mm((torch.cat(g) if len(g) > 1 else g[0]).t(), torch.cat(a) if len(a) > 1 else a[0], out=dw[l])
+    written = set()
+    for p in lay.segments:
+        if p.src_lo == p.src_hi:
+            continue
+        g, a = grad[p.src_lo:p.src_hi].t(), inp[p.src_lo:p.src_hi]
+        if p.expert in written:
+            dw[p.expert].addmm_(g, a)
+        else:
+            torch.mm(g, a, out=dw[p.expert])
+            written.add(p.expert)
+    for l in set(range(lay.experts)) - written:
+        dw[l].zero_()
     return dw
+
+
+def transposed(w: torch.Tensor, config: OverlapConfig) -> torch.Tensor:
+    """Every expert's w[l].T for a backward GEMM: the view, which cuBLAS and the signaled kernel read in
+    place, except with several experts whose inner size is not a multiple of block_k (the kernel's K tail
+    box would overhang into the next expert): then a copy."""
+    wt = w.transpose(1, 2)
+    return wt if w.shape[0] == 1 or w.shape[1] % config.block_k == 0 else wt.contiguous()
 
 
 def all_to_all_rows(inp, rows: int, out_splits, in_splits, group):
@@ -391,7 +409,7 @@ class _A2AGemm(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = gemm_combine(dy, ctx.counts, w.transpose(1, 2).contiguous(), ctx.group, ctx.config)
+            dx = gemm_combine(dy, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config)
         if ctx.needs_input_grad[1]:
             dw = expert_wgrad(dy, xr, layout(ctx.counts, dist.get_rank(ctx.group)))
         return dx, dw, None, None, None
@@ -412,7 +430,7 @@ class _GemmA2A(torch.autograd.Function):
         lay = layout(ctx.counts, dist.get_rank(ctx.group))
         dh = dw = None
         if ctx.needs_input_grad[0]:
-            dh, dzr = dispatch_gemm(dz, ctx.counts, w.transpose(1, 2).contiguous(), ctx.group, ctx.config)
+            dh, dzr = dispatch_gemm(dz, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config)
         else:
             dzr = all_to_all_rows(dz, lay.rows, lay.xr_splits, lay.x_splits, ctx.group)
         if ctx.needs_input_grad[1]:
@@ -423,11 +441,11 @@ class _GemmA2A(torch.autograd.Function):
 def a2a_gemm(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None, *,
              config: Optional[OverlapConfig] = None, return_received: bool = False):
     """Dispatch x's rows to their experts' ranks and apply fc1: y[R, N] (xr[R, H] too with return_received)."""
-    y, xr = _A2AGemm.apply(x, w, counts, comm.resolve_ep_group(group), config or DEFAULT_CONFIG)
+    y, xr = _A2AGemm.apply(x, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG)
     return (y, xr) if return_received else y
 
 
 def gemm_a2a(h: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None, *,
              config: Optional[OverlapConfig] = None) -> torch.Tensor:
     """Apply fc2 to the received rows and send each back to its token's rank: z[T, H] in x's row order."""
-    return _GemmA2A.apply(h, w, counts, comm.resolve_ep_group(group), config or DEFAULT_CONFIG)
+    return _GemmA2A.apply(h, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG)

@@ -239,17 +239,21 @@ class _ColumnParallelFn(torch.autograd.Function):
         gathered, handle = x, None
         if need_dw and args.sequence_parallel:
             gathered, handle = comm.all_gather_rows(x, args.group, async_op=True)   # overlaps the dgrad below
-        dx = None
+        dx = reducing_dx = None
         if need_dx:
+            # The dgrad's reduction (SP: reduce-scatter, else all-reduce) is left running behind the
+            # wgrad GEMM, as Megatron does, and joined after it.
             if args.sequence_parallel:
-                dx = gemm_rs(dy, weight.t().contiguous(), args.group, config=args.config("gemm_rs"))
+                reducing_dx = gemm_rs(dy, weight.t(), args.group, config=args.config("gemm_rs"), async_op=True)
             elif args.allreduce_dgrad:
-                dx = gemm_ar(dy, weight.t().contiguous(), args.group, config=args.config("gemm_ar"))
+                reducing_dx = gemm_ar(dy, weight.t(), args.group, config=args.config("gemm_ar"), async_op=True)
             else:
                 dx = dy.matmul(weight)
         if handle is not None:
             handle.wait()
         dw = _weight_grad(ctx, weight, dy, gathered) if need_dw else None
+        if reducing_dx is not None:
+            dx = reducing_dx.wait()
         db = dy.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None
 
@@ -276,7 +280,7 @@ class _RowParallelFn(torch.autograd.Function):
         dy, dz_full = None, dz
         if args.sequence_parallel:
             if need_dy:   # the gathered dZ comes back with the dgrad and is reused for the wgrad
-                dy, dz_full = ag_gemm(dz, weight.t().contiguous(), args.group, config=args.config("ag_gemm"),
+                dy, dz_full = ag_gemm(dz, weight.t(), args.group, config=args.config("ag_gemm"),
                                       return_gathered=True)
             elif need_dw:
                 dz_full, _ = comm.all_gather_rows(dz, args.group)

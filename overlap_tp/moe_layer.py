@@ -51,13 +51,13 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
                       "'megatron-core>=0.16')") from error
 
 from overlap_tp import comm
-from overlap_tp.config import OverlapConfig
+from overlap_tp.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
 from overlap_tp.expert_ops import a2a_gemm, gemm_a2a
 
 __all__ = ["OverlapGroupedMLP", "OverlapMoELayer", "check_moe_config", "get_default_moe_overlap_config",
            "set_default_moe_overlap_config", "set_moe_overlap_config"]
 
-_default = {"config": OverlapConfig()}
+_default = {"config": DEFAULT_EXPERT_CONFIG}
 
 
 def set_default_moe_overlap_config(config: OverlapConfig):

@@ -37,7 +37,7 @@ from typing import List, Tuple
 import torch
 
 from overlap_tp.plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M, SRC_ROW,
-                             SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, W_ROW, WAIT)
+                             SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, EXPERT, WAIT)
 
 # gemm_a2a's destination buffers (the tiles' DST_BUF): the staging matrix and the output z
 STAGING, OUTPUT = 0, 1
@@ -181,7 +181,7 @@ def tile_table(gemm_groups, fields, n: int, block_m: int, block_n: int):
             for lo in range(p.src_lo, p.src_hi, block_m):
                 row = [0] * TILE_FIELDS
                 row[SRC_ROW], row[SRC_ROW_END], row[DST_ROW] = lo, min(lo + block_m, p.src_hi), p.dst_lo + lo - p.src_lo
-                row[GROUP], row[DST_BUF], row[WAIT], row[W_ROW] = group, p.dst_buf, wait, p.expert * n
+                row[GROUP], row[DST_BUF], row[WAIT], row[EXPERT] = group, p.dst_buf, wait, p.expert
                 rows.append(row)
         r, c = raster_index(len(rows), n_tiles)
         tiles = torch.tensor(rows, dtype=torch.int32).view(-1, TILE_FIELDS)[r]

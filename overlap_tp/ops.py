@@ -13,11 +13,15 @@ and the same per-group collectives, so the whole signaled data path is tested wi
 bias: the row-parallel bias is added once, after the reduction (Megatron's semantics). The signaled
 kernel adds it in fp32 to the rows this rank will own (reduce-scatter) or on rank 0 (all-reduce),
 which equals adding it after the sum without another pass over the output.
+
+async_op=True returns a `Pending` instead of the output: the GEMM is issued and its communication may
+still be running when the call returns, so the caller can queue independent work (the column-parallel
+backward's wgrad GEMM, as Megatron overlaps its dgrad reduce-scatter) before `wait()`.
 """
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -127,9 +131,10 @@ def gemm_programs(device: torch.device, config: OverlapConfig) -> int:
 # The signaled path, shared by gemm_rs and gemm_ar
 # ---------------------------------------------------------------------------------------------------
 
-def _signaled(a, w, bias, bias_rows, state: PlanState, out, collective, config, describe):
+def _signaled(a, w, bias, bias_rows, state: PlanState, out, collective, config, describe) -> torch.Tensor:
     """Run the signaled GEMM into a staging matrix (all-reduce plans: into `out` itself) and, on the
-    comm stream, each group's `collective(out_rows, staging_rows)` behind the group's counter."""
+    comm stream, each group's `collective(out_rows, staging_rows)` behind the group's counter. Returns
+    the staging matrix, which the comm stream reads until the caller's stream has joined it."""
     plan = state.plan
     # All-reduce plans (world 1) store in place; reduce-scatter plans need the [t, rows, N] staging.
     staging = out if plan.world == 1 else torch.empty(plan.staging_shape, dtype=a.dtype, device=a.device)
@@ -145,7 +150,7 @@ def _signaled(a, w, bias, bias_rows, state: PlanState, out, collective, config, 
     if engine.stream is None:   # CPU: the interpreter finishes the kernel before the collectives start
         signaled_gemm(a, w, staging, state.tiles, state.counters, programs, config, bias, bias_rows)
         collectives_behind_counters()
-        return
+        return staging
     current = torch.cuda.current_stream(a.device)
     if state.done is not None:      # counters are shared with the previous call of this plan
         current.wait_event(state.done)
@@ -155,8 +160,8 @@ def _signaled(a, w, bias, bias_rows, state: PlanState, out, collective, config, 
         collectives_behind_counters()
         state.done = torch.cuda.Event()
         state.done.record(engine.stream)
-    current.wait_stream(engine.stream)
     engine.watch(state.done, describe, state.counters, targets)
+    return staging
 
 
 def collectives_for(method, group, device, config):
@@ -176,10 +181,11 @@ def chunk_bounds(rows: int, chunks: int):
 
 
 def _decomposed(a, w, out, compute_chunk, collective, chunks, rows):
-    """Chunk i's cuBLAS GEMM on the current stream, its collective on the comm stream behind an event."""
+    """Chunk i's cuBLAS GEMM on the current stream, its collective on the comm stream behind an event.
+    Returns the staged chunks, which the comm stream reads until the caller's stream has joined it."""
     engine = comm.comm_engine(a.device)
     current = torch.cuda.current_stream(a.device) if a.is_cuda else None
-    staged_chunks = []   # alive until the current stream has waited for the comm stream
+    staged_chunks = []
     for lo, hi in chunk_bounds(rows, chunks):
         staged = compute_chunk(lo, hi)
         if current is None:
@@ -189,8 +195,50 @@ def _decomposed(a, w, out, compute_chunk, collective, chunks, rows):
         engine.stream.wait_stream(current)
         with torch.cuda.stream(engine.stream):
             collective(out[lo:hi], staged)
-    if current is not None:
-        current.wait_stream(engine.stream)
+    return staged_chunks
+
+
+class Pending:
+    """An op issued with async_op=True whose communication may still be running. wait() makes the
+    caller's current stream wait for it and returns the output. Until then it holds every buffer the
+    transfer reads or writes, so the caching allocator cannot hand one to the work queued in between."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor], *buffers):
+        self._finish, self._buffers = finish, buffers
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is None:
+            raise RuntimeError("overlap_tp: Pending.wait() called twice")
+        out = self._finish()
+        self._finish = self._buffers = None
+        return out
+
+
+def _after_comm_stream(device, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A Pending's finish for the comm-stream methods: join the comm stream, then produce the output."""
+    def finish():
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).wait_stream(comm.comm_engine(device).stream)
+        return result()
+    return finish
+
+
+def _after_work(work, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A Pending's finish for torch.distributed's async work (None: it already completed)."""
+    def finish():
+        if work is not None:
+            work.wait()
+        return result()
+    return finish
+
+
+def _plus_bias(out, bias):
+    """The output with the bias added once after the reduction (off and decompose; signal adds it in the epilogue)."""
+    def result():
+        if bias is not None:
+            out.add_(bias)
+        return out
+    return result
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -198,8 +246,9 @@ def _decomposed(a, w, out, compute_chunk, collective, chunks, rows):
 # ---------------------------------------------------------------------------------------------------
 
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
-            config: Optional[OverlapConfig] = None) -> torch.Tensor:
-    """reduce_scatter(a @ w.T + bias) along dim 0: rank k gets rows [k*M/t, (k+1)*M/t), bias added once."""
+            config: Optional[OverlapConfig] = None, async_op: bool = False):
+    """reduce_scatter(a @ w.T + bias) along dim 0: rank k gets rows [k*M/t, (k+1)*M/t), bias added once.
+    async_op=True: a Pending whose wait() returns that."""
     config = config or DEFAULT_CONFIG
     group = comm.resolve_group(group)
     t, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -212,7 +261,9 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
         if not a.is_cuda or dist.get_backend(group) != "nccl":
             raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors and an NCCL group (symmetric memory)")
         from overlap_tp.p2p import gemm_rs_p2p
-        return gemm_rs_p2p(a, w, bias, group, rank, t, config, gemm_programs(a.device, config))
+        out = gemm_rs_p2p(a, w, bias, group, rank, t, config, gemm_programs(a.device, config))
+        pending = Pending(lambda: out)   # complete: its sum runs on the current stream
+        return pending if async_op else pending.wait()
     coll = collectives_for(method, group, a.device, config)
 
     def collective(dst, src):
@@ -220,29 +271,31 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
 
     out = torch.empty(m_local, n, dtype=a.dtype, device=a.device)
     if method == "off":
-        collective(out, a @ w.t())
+        partial = a @ w.t()
+        pending = Pending(_after_work(coll.reduce_scatter(out, partial, async_op=async_op), _plus_bias(out, bias)),
+                          partial)
     elif method == "decompose":
         a3, wt = a.view(t, m_local, -1), w.t()
 
         def chunk(lo, hi):
             return torch.matmul(a3[:, lo:hi], wt).view(t * (hi - lo), n)
 
-        _decomposed(a, w, out, chunk, collective, config.chunks, m_local)
+        staged = _decomposed(a, w, out, chunk, collective, config.chunks, m_local)
+        pending = Pending(_after_comm_stream(a.device, _plus_bias(out, bias)), staged)
     else:
         state = plan_state(config.schedule, m, n, t, config, a.element_size(), a.device)
         order = state.tile_order
         received = out if order is None else torch.empty(state.plan.out_shape, dtype=a.dtype, device=a.device)
-        _signaled(a, w, bias, (rank * m_local, (rank + 1) * m_local), state, received, collective, config,
-                  f"gemm_rs(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})")
-        return out if order is None else order.undo(received)
-    if bias is not None:
-        out += bias
-    return out
+        staging = _signaled(a, w, bias, (rank * m_local, (rank + 1) * m_local), state, received, collective, config,
+                            f"gemm_rs(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})")
+        result = (lambda: out) if order is None else (lambda: order.undo(received))
+        pending = Pending(_after_comm_stream(a.device, result), staging, received)
+    return pending if async_op else pending.wait()
 
 
 def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
-            config: Optional[OverlapConfig] = None) -> torch.Tensor:
-    """all_reduce(a @ w.T) + bias, bias added once."""
+            config: Optional[OverlapConfig] = None, async_op: bool = False):
+    """all_reduce(a @ w.T) + bias, bias added once. async_op=True: a Pending whose wait() returns that."""
     config = config or DEFAULT_CONFIG
     group = comm.resolve_group(group)
     t, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -259,7 +312,7 @@ def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
 
     if method == "off":
         out = a @ w.t()
-        collective(out, out)
+        pending = Pending(_after_work(coll.all_reduce(out, async_op=async_op), _plus_bias(out, bias)))
     elif method == "decompose":
         out = torch.empty(m, n, dtype=a.dtype, device=a.device)
 
@@ -267,12 +320,12 @@ def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
             return torch.mm(a[lo:hi], w.t(), out=out[lo:hi])
 
         _decomposed(a, w, out, chunk, collective, config.chunks, m)
+        pending = Pending(_after_comm_stream(a.device, _plus_bias(out, bias)), out)
     else:
         state = plan_state(config.schedule, m, n, 1, config, a.element_size(), a.device)
         out = torch.empty(state.plan.out_shape, dtype=a.dtype, device=a.device)
         _signaled(a, w, bias, (0, m) if rank == 0 else (0, 0), state, out, collective, config,
                   f"gemm_ar(M={m}, N={n}, K={a.shape[1]}, t={t}, {config.schedule})")
-        return out if state.tile_order is None else state.tile_order.undo(out)
-    if bias is not None:
-        out += bias
-    return out
+        result = (lambda: out) if state.tile_order is None else (lambda: state.tile_order.undo(out))
+        pending = Pending(_after_comm_stream(a.device, result), out)
+    return pending if async_op else pending.wait()

@@ -34,9 +34,9 @@ import torch
 # boundary), source/destination column, destination row/column in the staging matrix, group, the
 # destination buffer (0 = local staging; the p2p plan stores region k's tiles into rank k's buffer),
 # the ready flag the tile waits for before loading A (-1: none; AllGather+GEMM plans only), and the
-# row of W where the tile's weight starts, W viewed as [L*N, K] (grouped expert GEMMs,
-# overlap_tp/moe_plan.py: l*N for local expert l; 0 in every single-weight plan).
-SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF, WAIT, W_ROW = range(9)
+# expert whose weight the tile multiplies, of the L stacked in W (grouped expert GEMMs,
+# overlap_tp/moe_plan.py; 0 in every single-weight plan).
+SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF, WAIT, EXPERT = range(9)
 TILE_FIELDS = 9
 NO_WAIT = -1
 

@@ -7,7 +7,7 @@ import torch
 
 from overlap_tp.moe_plan import OUTPUT, STAGING, combine_plan, dispatch_plan, layout, part_bounds, parts_per_peer, raster_index
 from overlap_tp.plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, SRC_ROW, SRC_ROW_END,
-                             TARGET_GROUP_BYTES, W_ROW, WAIT, raster)
+                             TARGET_GROUP_BYTES, EXPERT, WAIT, raster)
 
 N, BLOCK_N = 20, 8   # 3 N-tiles, the last one partial
 
@@ -62,7 +62,7 @@ def check_tiles(plan, dst_shapes, owner):
         assert tile[COL] % BLOCK_N == 0
         segment, expert = owner[src]
         assert owner[end - 1] == (segment, expert), "tile straddles two segments"
-        assert tile[W_ROW] == expert * N
+        assert tile[EXPERT] == expert
         dst = tile[DST_ROW]
         writes[tile[DST_BUF]][dst:dst + end - src, tile[COL]:tile[COL] + BLOCK_N] += 1
         stores.append((src, end, tile[DST_BUF], dst, tile))

@@ -35,9 +35,16 @@ def _check_ops(rank, world):
                 got = gemm_rs(a_k, w_k, bias=b, config=config)
                 assert got.shape == (m // world, n) and got.dtype == torch.bfloat16
                 assert rel_error(got, ref[rows]) < 1e-2, (config, m, n, k, bias)
+                if bias:   # async_op returns a Pending whose wait() gives the same bits
+                    assert torch.equal(gemm_rs(a_k, w_k, bias=b, config=config, async_op=True).wait(), got)
                 got = gemm_ar(a_k, w_k, bias=b, config=config)
                 assert got.shape == (m, n)
                 assert rel_error(got, ref) < 1e-2, (config, m, n, k, bias)
+                if bias:
+                    pending = gemm_ar(a_k, w_k, bias=b, config=config, async_op=True)
+                    assert torch.equal(pending.wait(), got)
+                    with pytest.raises(RuntimeError, match="called twice"):
+                        pending.wait()
     # repeated calls reuse a plan's counters: every call must still see exactly its own tiles
     a, w, _ = dense_problem(64, 64, 32, seed=1, bias=False)
     shard = slice(rank * 32 // world, (rank + 1) * 32 // world)

@@ -21,6 +21,7 @@ against `seq` before it is timed. Plans are rebuilt on every call (as in trainin
 change every step), so their host cost is inside the times.
 """
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -30,6 +31,7 @@ from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
 from overlap_tp.bench import report
 from overlap_tp.bench import ops
 from overlap_tp.bench.ops import timed
+from overlap_tp.config import DEFAULT_EXPERT_CONFIG
 from overlap_tp.expert_ops import all_to_all_rows, expert_mm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.moe_plan import dispatch_plan, layout
@@ -80,7 +82,7 @@ def parse_args(argv):
 
 
 def ours_variants(sweep):
-    variants = {"ours": OverlapConfig(method="signal")}
+    variants = {"ours": dataclasses.replace(DEFAULT_EXPERT_CONFIG, method="signal")}
     if sweep:
         for groups in (2, 4, 8):
             for comm_sms in (2, 4, 8, 16):

@@ -17,12 +17,13 @@ experts drawn from p (uniform, Zipf(1.2) over the experts, or rank 0's experts o
 computes its logits, probabilities and aux loss. Every variant's output is checked against Megatron's first.
 """
 import argparse
+import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
 
-from overlap_tp import OverlapConfig
+from overlap_tp.config import DEFAULT_EXPERT_CONFIG
 from overlap_tp.bench import report
 from overlap_tp.bench.moe import ZIPF_S
 from overlap_tp.bench.ops import agree, timed
@@ -113,7 +114,7 @@ def bench_shape(tokens, routing, args, group):
     variants = {"megatron": build_layer(False, config)}
     for method in args.methods.split(","):
         variants[method] = build_layer(True, config)
-        set_moe_overlap_config(variants[method], OverlapConfig(method=method))
+        set_moe_overlap_config(variants[method], dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=method))
     for layer in variants.values():
         force_routing(layer, offsets)
     sets = [(torch.randn(tokens, 1, args.hidden, device="cuda", dtype=torch.bfloat16).requires_grad_(True),

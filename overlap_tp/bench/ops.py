@@ -41,6 +41,15 @@ AG_SHAPES = {
     "l70b.fc1": (8192, 28672),
 }
 INPUT_SETS = 3
+TABLE_TP = 2   # the tables hold BENCHMARKS.md's TP = 2 shards
+
+
+def at_tp(op, k, n, t):
+    """A table shape's GEMM at TP = t: the model's layer is the same, its sharded dimension (K_local of
+    the row-parallel GEMMs, N_local of the column-parallel ones) is TABLE_TP / t times the table's."""
+    if op == "ag":
+        return k, n * TABLE_TP // t
+    return k * TABLE_TP // t, n
 
 
 def parse_args(argv):
@@ -256,7 +265,7 @@ def main(argv):
         table, names = (AG_SHAPES, args.ag_shapes) if op == "ag" else (SHAPES, args.shapes)
         for m in map(int, seqs.split(",")):
             for name in names.split(","):
-                k, n = table[name]
+                k, n = at_tp(op, *table[name], dist.get_world_size(group))
                 row = bench_shape(op, name, m, k, n, args, group)
                 rows.append(row)
                 if dist.get_rank() == 0:

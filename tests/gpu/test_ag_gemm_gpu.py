@@ -1,4 +1,4 @@
-"""ag_gemm on two GPUs with NCCL (run on the device: `pytest -m gpu tests/gpu`).
+"""ag_gemm on all GPUs here with NCCL (t = gpu_world()) (run on the device: `pytest -m gpu tests/gpu`).
 
 Checked per shape, with fresh random inputs (different on each rank) and outputs allocated over
 NaN-poisoned memory, for both transports (in-place NCCL broadcasts; copy-engine pulls from symmetric
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from gpu_checks import needs_two_gpus, poison_allocator, rel_error
+from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, ag_gemm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops import gemm_programs
@@ -70,8 +70,7 @@ def _check_shapes(rank, world, shapes):
 @pytest.mark.parametrize("shapes", [BENCH_SHAPES[:4], BENCH_SHAPES[4:8], BENCH_SHAPES[8:], ODD_SHAPES],
                          ids=["s4096", "s8192", "s16384", "odd"])
 def test_ag_gemm(shapes):
-    needs_two_gpus()
-    run_distributed(2, _check_shapes, shapes, backend="nccl")
+    run_distributed(gpu_world(), _check_shapes, shapes, backend="nccl")
 
 
 def _check_bias_and_back_to_back(rank, world):
@@ -91,8 +90,7 @@ def _check_bias_and_back_to_back(rank, world):
 
 
 def test_bias_and_200_back_to_back_calls():
-    needs_two_gpus()
-    run_distributed(2, _check_bias_and_back_to_back, backend="nccl")
+    run_distributed(gpu_world(), _check_bias_and_back_to_back, backend="nccl")
 
 
 def _check_slow_peer(rank, world):
@@ -125,5 +123,4 @@ def _check_slow_peer(rank, world):
 
 
 def test_late_peer_does_not_hang():
-    needs_two_gpus()
-    run_distributed(2, _check_slow_peer, backend="nccl")
+    run_distributed(gpu_world(), _check_slow_peer, backend="nccl")

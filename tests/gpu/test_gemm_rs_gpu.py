@@ -1,4 +1,4 @@
-"""gemm_rs / gemm_ar on two GPUs with NCCL (run on the device: `pytest -m gpu tests/gpu`).
+"""gemm_rs / gemm_ar on all GPUs here with NCCL (t = gpu_world()) (run on the device: `pytest -m gpu tests/gpu`).
 
 Checked per shape, with fresh random inputs and outputs allocated over NaN-poisoned memory:
 - relative error against an fp32 reference no worse than the sequential bf16 path's (cuBLAS + NCCL);
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from gpu_checks import needs_two_gpus, poison_allocator, rel_error
+from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, comm, gemm_ar, gemm_rs
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops import gemm_programs, plan_state
@@ -93,13 +93,11 @@ def _check_shapes(rank, world, shapes, op):
 @pytest.mark.parametrize("shapes", [BENCH_SHAPES[:4], BENCH_SHAPES[4:8], BENCH_SHAPES[8:], ODD_SHAPES],
                          ids=["s4096", "s8192", "s16384", "odd"])
 def test_gemm_rs(shapes):
-    needs_two_gpus()
-    run_distributed(2, _check_shapes, shapes, "rs", backend="nccl")
+    run_distributed(gpu_world(), _check_shapes, shapes, "rs", backend="nccl")
 
 
 def test_gemm_ar():
-    needs_two_gpus()
-    run_distributed(2, _check_shapes, [(4096, 2048, 4096), (8192, 7168, 4096)] + ODD_SHAPES[1:3], "ar",
+    run_distributed(gpu_world(), _check_shapes, [(4096, 2048, 4096), (8192, 7168, 4096)] + ODD_SHAPES[1:3], "ar",
                     backend="nccl")
 
 
@@ -129,8 +127,7 @@ def _check_bias_and_back_to_back(rank, world):
 
 
 def test_bias_and_200_back_to_back_calls():
-    needs_two_gpus()
-    run_distributed(2, _check_bias_and_back_to_back, backend="nccl")
+    run_distributed(gpu_world(), _check_bias_and_back_to_back, backend="nccl")
 
 
 def test_watchdog_turns_a_lost_signal_into_an_error(tmp_path):
@@ -153,6 +150,37 @@ def test_watchdog_turns_a_lost_signal_into_an_error(tmp_path):
     assert "NOT REACHED" not in result.stdout
 
 
+def _check_async_op(rank, world):
+    """async_op=True: the communication still runs while the caller queues other work (here: a GEMM and a
+    NaN fill of freed allocator memory, where a buffer released too early would be handed out); wait()
+    then gives the same bits as the synchronous call, for every method and both ops."""
+    group = dist.group.WORLD
+    torch.manual_seed(7 + rank)
+    a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) / 64
+    other = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    configs = [OverlapConfig(method="off"), OverlapConfig(method="decompose", chunks=4),
+               OverlapConfig(method="signal", schedule="row_slice"), OverlapConfig(method="signal", schedule="tile_exact"),
+               OverlapConfig(method="signal", transport="p2p", comm_sms=0)]
+    for config in configs:
+        for run in (gemm_rs, gemm_ar):
+            if run is gemm_ar and config.transport == "p2p":
+                continue
+            expected = run(a, w, group, config=config)
+            torch.cuda.synchronize()
+            pending = run(a, w, group, config=config, async_op=True)
+            busy = other @ other
+            poison_allocator()
+            got = pending.wait()
+            torch.cuda.synchronize()
+            assert torch.equal(got, expected), (run.__name__, config)
+            del busy
+
+
+def test_async_op_waits_and_keeps_its_buffers():
+    run_distributed(gpu_world(), _check_async_op, backend="nccl")
+
+
 def _check_raw_nccl_matches_torch(rank, world):
     group = dist.group.WORLD
     torch.manual_seed(rank)
@@ -170,8 +198,7 @@ def _check_raw_nccl_matches_torch(rank, world):
 
 
 def test_raw_nccl_matches_torch_distributed():
-    needs_two_gpus()
-    run_distributed(2, _check_raw_nccl_matches_torch, backend="nccl")
+    run_distributed(gpu_world(), _check_raw_nccl_matches_torch, backend="nccl")
 
 
 def _check_auto(rank, world, cache_path):
@@ -200,5 +227,4 @@ def _check_auto(rank, world, cache_path):
 
 
 def test_auto_runs_the_tuned_config(tmp_path):
-    needs_two_gpus()
-    run_distributed(2, _check_auto, str(tmp_path / "tune.json"), backend="nccl")
+    run_distributed(gpu_world(), _check_auto, str(tmp_path / "tune.json"), backend="nccl")

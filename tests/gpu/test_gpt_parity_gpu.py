@@ -1,5 +1,5 @@
 """A small Llama-style GPTModel on overlap_tp's spec against the same model on Megatron's linears
-(2 GPUs, NCCL, TP = 2 + sequence parallel, bf16; run on the device: `pytest -m gpu tests/gpu`).
+(all GPUs here, NCCL, TP = gpu_world() + sequence parallel, bf16; run on the device: `pytest -m gpu tests/gpu`).
 
 Model: 4 layers, hidden 1024, FFN 2816 (SwiGLU), 16 heads / 4 query groups (GQA), RMSNorm, no biases,
 RoPE, untied embeddings, sequence 2048, micro-batch 2, vocab 32000. Built three times from the same seed
@@ -310,9 +310,8 @@ def check_gpt_parity(rank, world, device_type, sizes, methods, ckpt_root):
 
 
 def test_gpt_parity_training_and_checkpoint_cross_load(tmp_path):
-    from gpu_checks import needs_two_gpus
-    needs_two_gpus()
-    run_distributed(2, check_gpt_parity, "cuda", GPU_SIZES, ("signal", "off"), str(tmp_path), backend="nccl")
+    from gpu_checks import gpu_world
+    run_distributed(gpu_world(), check_gpt_parity, "cuda", GPU_SIZES, ("signal", "off"), str(tmp_path), backend="nccl")
 
 
 def run_on_cpu(sizes=None, methods=("decompose", "off")):

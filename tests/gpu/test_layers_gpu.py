@@ -1,5 +1,5 @@
 """OverlapColumnParallelLinear / OverlapRowParallelLinear against Megatron's own ColumnParallelLinear /
-RowParallelLinear on 2 GPUs (NCCL, TP = 2, bf16; run on the device: `pytest -m gpu tests/gpu`).
+RowParallelLinear on all GPUs here (NCCL, TP = gpu_world(), bf16; run on the device: `pytest -m gpu tests/gpu`).
 
 Shapes: the Llama-3-8B layer's four linears at s = 4096, micro-batch 1 (qkv 4096 -> 6144 and fc1
 4096 -> 2 x 14336 column-parallel, proj 4096 -> 4096 and fc2 14336 -> 4096 row-parallel, no bias), plus an
@@ -261,25 +261,22 @@ def check_same_seed_same_weights(rank, world, device_type):
     ps.destroy_model_parallel()
 
 
-def _needs_two_gpus():
-    from gpu_checks import needs_two_gpus
-    needs_two_gpus()
+def _gpu_world():
+    from gpu_checks import gpu_world
+    return gpu_world()
 
 
 def test_same_seed_same_weights():
-    _needs_two_gpus()
-    run_distributed(2, check_same_seed_same_weights, "cuda", backend="nccl")
+    run_distributed(_gpu_world(), check_same_seed_same_weights, "cuda", backend="nccl")
 
 
 @pytest.mark.parametrize("shapes", [GPU_SHAPES[:4], GPU_SHAPES[4:]], ids=["llama3-8b.s4096", "odd"])
 def test_linears_match_megatron(shapes):
-    _needs_two_gpus()
-    run_distributed(2, check_layers, "cuda", shapes, methods("cuda"), backend="nccl")
+    run_distributed(_gpu_world(), check_layers, "cuda", shapes, methods("cuda"), backend="nccl")
 
 
 def test_linears_match_megatron_p2p():
-    _needs_two_gpus()
-    run_distributed(2, check_layers, "cuda", GPU_SHAPES, methods("cuda", p2p=True), backend="nccl")
+    run_distributed(_gpu_world(), check_layers, "cuda", GPU_SHAPES, methods("cuda", p2p=True), backend="nccl")
 
 
 def run_on_cpu(shapes=None, method_names=None, fusion=True):

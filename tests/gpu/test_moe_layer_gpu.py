@@ -1,4 +1,4 @@
-"""OverlapMoELayer on two GPUs with NCCL, bf16, against Megatron's MoELayer (alltoall dispatcher) built from
+"""OverlapMoELayer on all GPUs here with NCCL (t = gpu_world()), bf16, against Megatron's MoELayer (alltoall dispatcher) built from
 the same seed (run on the device: `pytest -m gpu tests/gpu/test_moe_layer_gpu.py`).
 
 Mixtral-8x7B-like layer (hidden 4096, expert FFN 14336, SwiGLU, 8 experts, top-2, aux loss), EP = 2, 8192
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from distributed import run_distributed
-from gpu_checks import needs_two_gpus, rel_error
+from gpu_checks import gpu_world, rel_error
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
@@ -102,13 +102,11 @@ def _check_parity(rank, world, routing, tokens, overrides):
 
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_matches_megatrons_moe_layer(routing):
-    needs_two_gpus()
-    run_distributed(2, _check_parity, routing, TOKENS, {}, backend="nccl")
+    run_distributed(gpu_world(), _check_parity, routing, TOKENS, {}, backend="nccl")
 
 
 def test_matches_megatron_with_the_moe_layer_recomputed():
-    needs_two_gpus()
-    run_distributed(2, _check_parity, "zipf", 2048, dict(hidden=1024, ffn=2048, recompute_granularity="selective",
+    run_distributed(gpu_world(), _check_parity, "zipf", 2048, dict(hidden=1024, ffn=2048, recompute_granularity="selective",
                                                           recompute_modules=["moe"]), backend="nccl")
 
 
@@ -135,5 +133,4 @@ def _check_back_to_back(rank, world):
 
 
 def test_200_back_to_back_steps():
-    needs_two_gpus()
-    run_distributed(2, _check_back_to_back, backend="nccl")
+    run_distributed(gpu_world(), _check_back_to_back, backend="nccl")

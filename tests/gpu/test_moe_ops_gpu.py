@@ -1,4 +1,4 @@
-"""a2a_gemm / gemm_a2a on two GPUs with NCCL (run on the device: `pytest -m gpu tests/gpu/test_moe_ops_gpu.py`).
+"""a2a_gemm / gemm_a2a on all GPUs here with NCCL (t = gpu_world()) (run on the device: `pytest -m gpu tests/gpu/test_moe_ops_gpu.py`).
 
 Mixtral-8x7B-like experts (hidden 4096, ffn 14336, fc1 N = 2 * 14336 for the gated unit, 8 experts, EP = 2,
 top-2, 8192 tokens per rank) with uniform and Zipf(s = 1.2 over experts) routing and routing where rank 1
@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_distributed
-from gpu_checks import needs_two_gpus, poison_allocator, rel_error
+from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
 from overlap_tp.bench.moe import routing_counts
 from overlap_tp.expert_ops import all_to_all_rows, expert_mm, expert_wgrad
@@ -115,8 +115,7 @@ def _check_case(rank, world, case):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_expert_ops(case):
-    needs_two_gpus()
-    run_distributed(2, _check_case, case, backend="nccl")
+    run_distributed(gpu_world(), _check_case, case, backend="nccl")
 
 
 def _mixtral_problem(rank, world, routing="zipf"):
@@ -164,8 +163,7 @@ def _check_back_to_back(rank, world):
 
 
 def test_200_back_to_back_calls():
-    needs_two_gpus()
-    run_distributed(2, _check_back_to_back, backend="nccl")
+    run_distributed(gpu_world(), _check_back_to_back, backend="nccl")
 
 
 def _check_late_peer(rank, world):
@@ -193,5 +191,4 @@ def _check_late_peer(rank, world):
 
 
 def test_late_peer_does_not_hang():
-    needs_two_gpus()
-    run_distributed(2, _check_late_peer, backend="nccl")
+    run_distributed(gpu_world(), _check_late_peer, backend="nccl")
