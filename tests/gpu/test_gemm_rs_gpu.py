@@ -81,11 +81,17 @@ def _check_shapes(rank, world, shapes, op):
             assert error <= baseline_error * 1.05 + 1e-4, (op, s, k, n, config.schedule, error, baseline_error)
             assert torch.equal(got, sequential_signaled(a, w, group, config, op)), (op, s, k, n, config.schedule)
             if op == "rs" and config.schedule == "row_slice":
-                # the same kernel's partials summed by epilogue stores + barrier: the same bits as NCCL's
+                # the same kernel's partials summed by epilogue stores + barrier. At t = 2 the fp32 sum
+                # rounded once is NCCL's bf16 a + b bit for bit; at t > 2 NCCL rounds after every add,
+                # so there the p2p sum is held to the accuracy rule instead.
                 p2p = OverlapConfig(method="signal", transport="p2p")
                 for _ in range(3):   # both receive buffers, reused
                     poison_allocator()
-                    assert torch.equal(run(a, w, group, config=p2p), got), (s, k, n, "p2p")
+                    summed = run(a, w, group, config=p2p)
+                    if world == 2:
+                        assert torch.equal(summed, got), (s, k, n, "p2p")
+                    else:
+                        assert rel_error(summed, ref) <= baseline_error * 1.05 + 1e-4, (s, k, n, "p2p")
         decomposed = run(a, w, group, config=OverlapConfig(method="decompose", chunks=4))
         assert rel_error(decomposed, ref) <= baseline_error * 1.05 + 1e-4
 

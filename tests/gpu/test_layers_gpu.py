@@ -3,7 +3,8 @@ RowParallelLinear on all GPUs here (NCCL, TP = gpu_world(), bf16; run on the dev
 
 Shapes: the Llama-3-8B layer's four linears at s = 4096, micro-batch 1 (qkv 4096 -> 6144 and fc1
 4096 -> 2 x 14336 column-parallel, proj 4096 -> 4096 and fc2 14336 -> 4096 row-parallel, no bias), plus an
-odd small pair with bias (s = 520: 260 rows per rank under SP, sizes not multiples of the tiles).
+odd small pair with bias (s = 520: 520/t rows per rank under SP; 1088 and 1216 are not multiples of the
+tiles, but their shards stay multiples of 8 up to t = 8, which the signaled kernel's TMA needs).
 Sequence parallel on and off. Megatron's layer and ours hold the same weights (ours copied from
 Megatron's; `test_same_seed_same_weights` checks that the same seed already gives them) and see the same
 inputs. Per case, Megatron's layer and ours are each compared with an fp32 dense computation from the
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.gpu
 # (name, kind, input size, output size, bias, sequence length)
 GPU_SHAPES = [("l8b.qkv", "column", 4096, 6144, False, 4096), ("l8b.proj", "row", 4096, 4096, False, 4096),
               ("l8b.fc1", "column", 4096, 2 * 14336, False, 4096), ("l8b.fc2", "row", 14336, 4096, False, 4096),
-              ("odd.column", "column", 1032, 1040, True, 520), ("odd.row", "row", 1040, 1032, True, 520)]
+              ("odd.column", "column", 1088, 1216, True, 520), ("odd.row", "row", 1216, 1088, True, 520)]
 CPU_SHAPES = [("tiny.qkv", "column", 64, 96, False, 32), ("tiny.fc2", "row", 128, 64, False, 32),
               ("odd.column", "column", 40, 48, True, 24), ("odd.row", "row", 48, 40, True, 24)]
 SMALL_TILES = dict(block_m=16, block_n=32, block_k=16)   # the Triton interpreter on the CPU
