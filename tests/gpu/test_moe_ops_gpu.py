@@ -1,8 +1,8 @@
 """a2a_gemm / gemm_a2a on all GPUs here with NCCL (t = gpu_world()) (run on the device: `pytest -m gpu tests/gpu/test_moe_ops_gpu.py`).
 
-Mixtral-8x7B-like experts (hidden 4096, ffn 14336, fc1 N = 2 * 14336 for the gated unit, 8 experts, EP = 2,
+Mixtral-8x7B-like experts (hidden 4096, ffn 14336, fc1 N = 2 * 14336 for the gated unit, 8 experts, EP = t,
 top-2, 8192 tokens per rank) with uniform and Zipf(s = 1.2 over experts) routing and routing where rank 1
-receives no token, plus an odd shape (N, F not multiples of 256, 3 experts per rank). Checked with fresh
+receives no token, plus an odd shape (N, F not multiples of 256, 24 experts: 12, 6 or 3 per rank at EP 2, 4, 8). Checked with fresh
 random inputs and outputs allocated over NaN-poisoned memory:
 - forward output, input grad and weight grad: relative error against an fp32 reference no worse than the
   sequential path's (`off`: NCCL all_to_all_single + cuBLAS), for `signal` (two chunkings) and `decompose`;
@@ -34,7 +34,7 @@ CASES = {   # name: (tokens per rank, hidden, ffn, experts, routing)
     "mixtral-uniform": (8192, 4096, 14336, 8, "uniform"),
     "mixtral-zipf": (8192, 4096, 14336, 8, "zipf"),
     "mixtral-rank1-receives-nothing": (8192, 4096, 14336, 8, "rank0_only"),
-    "odd": (3000, 1024, 1000, 6, "zipf"),
+    "odd": (3000, 1024, 1000, 24, "zipf"),   # 24 experts: a multiple of EP up to 8, 3-12 per rank
 }
 CONFIGS = {
     "signal": OverlapConfig(method="signal"),
