@@ -2,8 +2,9 @@
 group's collective starts while the rest of the GEMM still runs.
 
 Public ops (the contract other parts and outside benchmarks call):
-    gemm_rs(a, w, group=None, *, bias=None, config=None)  -> reduce_scatter(a @ w.T) [+ bias]
-    gemm_ar(a, w, group=None, *, bias=None, config=None)  -> all_reduce(a @ w.T) [+ bias]
+    gemm_rs(a, w, group=None, *, bias=None, config=None, async_op=False)  -> reduce_scatter(a @ w.T) [+ bias]
+    gemm_ar(a, w, group=None, *, bias=None, config=None, async_op=False)  -> all_reduce(a @ w.T) [+ bias]
+        (async_op=True: a Pending whose wait() joins the communication and returns the result)
     ag_gemm(a_shard, w, group=None, *, bias=None, config=None, return_gathered=False)
                                                            -> all_gather(a_shard) @ w.T [+ bias]
     a2a_gemm(x, counts, w, group=None, *, config=None, return_received=False)

@@ -10,7 +10,7 @@ that say what to change. Both touch only attributes that exist on `args`, readin
 
     --overlap-tp {off,signal,decompose,auto}   OverlapConfig.method for the TP/SP linear layers (off)
     --overlap-tp-transport {nccl,p2p}          OverlapConfig.transport (nccl)
-    --overlap-tp-comm-sms N                    OverlapConfig.comm_sms (the OverlapConfig default)
+    --overlap-tp-comm-sms N                    OverlapConfig.comm_sms (default 16; the expert ops 4)
     --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans
     --overlap-tp-layers                        use overlap_tp's layer spec even with --overlap-tp off
     --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
@@ -57,7 +57,7 @@ def add_overlap_args(parser):
     group.add_argument(
         "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
         help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "
-             "0 gives the GEMM every SM. Default: OverlapConfig's default.")
+             "0 gives the GEMM every SM. Default: OverlapConfig's default (16), 4 for the MoE expert ops.")
     group.add_argument(
         "--overlap-tp-tune-cache", type=str, default=None, metavar="PATH",
         help="File where the per-shape tuner (--overlap-tp auto) keeps its measured plans, so "

@@ -69,6 +69,12 @@ def test_overlap_moe_parses_into_its_own_overlap_config():
                                       "--overlap-tp-comm-sms", "4"])
     config = OverlapConfig(**moe_overlap_config_kwargs(args))
     assert (config.method, config.transport, config.comm_sms) == ("decompose", "nccl", 4)
+    # without the flag the expert ops' own defaults apply (2 groups, 4 SMs), not the dense ops' 16 SMs
+    config = OverlapConfig(**moe_overlap_config_kwargs(build_parser().parse_args(["--overlap-moe", "signal"])))
+    assert (config.method, config.groups, config.comm_sms) == ("signal", 2, 4)
+    config = OverlapConfig(**moe_overlap_config_kwargs(build_parser().parse_args(
+        ["--overlap-moe", "signal", "--overlap-tp-comm-sms", "8"])))
+    assert (config.groups, config.comm_sms) == (2, 8)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--overlap-moe", "fast"])
 
