@@ -140,7 +140,7 @@ def test_overlap_moe_alone_switches_the_spec_and_the_moe_config():
     report = patch.apply(args, log=quiet)
     assert report.active and args.spec == list(patch.SPEC)
     assert patch.get_overlap_config().method == "off"   # the dense layers: overlap_tp's, overlap off
-    assert patch.get_moe_overlap_config() == OverlapConfig(method="signal", comm_sms=8)
+    assert patch.get_moe_overlap_config() == OverlapConfig(method="signal", groups=2, comm_sms=8)   # fake_args sets 8 SMs
     assert moe_layer.get_default_moe_overlap_config() is patch.get_moe_overlap_config()
     assert "MoE layers on" in str(report) and len(report.changed) == 3   # two configs and --spec
     assert patch.apply(args, log=quiet).changed == []
