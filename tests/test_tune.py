@@ -3,6 +3,7 @@ agreement across ranks (gloo) and the CPU path. The GPU measurements themselves 
 import json
 import math
 import os
+import random
 
 import pytest
 import torch
@@ -10,12 +11,12 @@ import torch.distributed as dist
 
 from overlap_tp.config import OverlapConfig
 from overlap_tp.plan import make_plan
-from overlap_tp.tune import choose, clear_memo, decide
+from overlap_tp.tune import choose, clear_memo, decide, refit
 from overlap_tp.tune.cache import TuneCache, cache_key, config_to_dict, default_path
 from overlap_tp.tune.candidates import (MAX_PARTITIONS, Shape, candidates, label, layout, partitions, wave_boundaries,
                                         wave_tiles)
-from overlap_tp.tune.predict import (CommCurve, Measurements, comm_then_gemm, gemm_then_comm, interp_linear, predict,
-                                     predict_max_over_ranks)
+from overlap_tp.tune.predict import (NO_CONTENTION, CommCurve, Contention, Measurements, comm_then_gemm, gemm_finish,
+                                     gemm_then_comm, interp_linear, overlap_timeline, predict, predict_max_over_ranks)
 from distributed import run_distributed
 
 # ---------------------------------------------------------------------------------------------------
@@ -165,12 +166,15 @@ def test_predict_through_measurements():
     shape = Shape("rs", 1024, 512, 256, 2)
     meas = small_measurements()
     cfg = OverlapConfig(method="signal", schedule="row_slice", groups=(2, 2), comm_sms=0)
-    # comm(524288) = 0.2 (slope 1); G1 at 8/16 tiles = 0.5 -> 0.7; G2 at 1.0 -> 1.2
-    assert predict(shape, cfg, meas) == pytest.approx(1.2)
-    assert predict(shape, cfg, meas, "linear") == pytest.approx(1.2)
+    # without contention: comm(524288) = 0.2 (slope 1); G1 at 8/16 tiles = 0.5 -> 0.7; G2 at 1.0 -> 1.2
+    assert predict(shape, cfg, meas, contention=NO_CONTENTION) == pytest.approx(1.2)
+    assert predict(shape, cfg, meas, "linear", NO_CONTENTION) == pytest.approx(1.2)
     # groups=2 means the same split (split_units)
     assert predict(shape, OverlapConfig(method="signal", schedule="row_slice", groups=2, comm_sms=0),
-                   meas) == pytest.approx(1.2)
+                   meas, contention=NO_CONTENTION) == pytest.approx(1.2)
+    # the default (fitted) contention: at comm_sms 0 the collective crawls while the GEMM runs, so G1's
+    # transfer mostly waits for the GEMM's end
+    assert predict(shape, cfg, meas) > 1.2
     # 'off': cuBLAS 0.8 + the whole reduce-scatter (1 MiB: 0.4)
     assert predict(shape, OverlapConfig(method="off"), meas) == pytest.approx(1.2)
     # a direct measurement wins; p2p without one is not predicted
@@ -211,6 +215,115 @@ def test_decide_margin():
                                                        direct={"off": 1.0}),
                              verify=lambda cs: {label(c): 2.0 for c in cs})
     assert name == "off"
+
+
+# ---------------------------------------------------------------------------------------------------
+# contention model and its offline refit (refit.py)
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_overlap_timeline_hand_worked():
+    # t_gemm 1, groups ready at 0.5 / 1.0, 0.2 ms of transfer each; while the GEMM runs the collective moves
+    # at 0.5 and the GEMM at 1 / (1 + 1 * 0.5) = 2/3; each collective waits 0.1 first.
+    # 0.5: G1 ready, waits to 0.6 (GEMM alone: progress 0.6); moves 0.2 / 0.5 = 0.4 -> ends at 1.0, progress
+    # 0.6 + 0.4 * 2/3; the GEMM alone reaches 1.0 at 1.0 + 0.4 / 3; G2 waits 0.1, moves at full speed 0.2
+    end = overlap_timeline(1.0, [0.5, 1.0], [0.2, 0.2], comm_speed=0.5, gemm_slowdown=1.0, delay=0.1)
+    assert end == pytest.approx(1.0 + 0.4 / 3 + 0.1 + 0.2)
+    # a collective that cannot move while the GEMM runs starts its data at the GEMM's end
+    assert overlap_timeline(1.0, [0.5, 1.0], [0.2, 0.2], comm_speed=0.0) == pytest.approx(1.4)
+
+
+def original_recurrence(t_gemm, group_tiles, group_bytes, comm, total_tiles, wave, progress):
+    """The predictor before the contention model (Alg. 1's closed recurrence), kept here as the reference."""
+    t_m, done = 0.0, 0
+    for tiles, nbytes in zip(group_tiles, group_bytes):
+        done += tiles
+        t_m = max(gemm_finish(t_gemm, done, total_tiles, wave, progress), t_m) + comm(nbytes)
+    return max(t_m, t_gemm)
+
+
+def test_no_contention_is_the_original_model():
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    for _ in range(200):
+        groups = rng.randint(1, 8)
+        tiles = [rng.randint(1, 40) for _ in range(groups)]
+        nbytes = [rng.randint(1 << 16, 1 << 26) for _ in range(groups)]
+        curve = CommCurve([(1 << 16, rng.uniform(0.005, 0.03)), (1 << 26, rng.uniform(0.05, 1.0))])
+        args = (rng.uniform(0.05, 2.0), tiles, nbytes, curve, sum(tiles), rng.randint(1, 60))
+        for progress in ("wave", "linear"):
+            assert gemm_then_comm(*args, progress, NO_CONTENTION, rng.choice((0, 8, 16))) == pytest.approx(
+                original_recurrence(*args, progress), rel=1e-12, abs=0), f"seed {seed}"
+
+
+def random_measurements(rng, sms):
+    gemm = {s: {0: t, 8: t * rng.uniform(1.02, 1.1), 16: t * rng.uniform(1.1, 1.2)}
+            for s, t in (("row_slice", rng.uniform(0.2, 0.8)), ("tile_exact", rng.uniform(0.2, 0.8)))}
+    comm = {"rs": {cap: [(b, rng.uniform(0.01, 0.02) + b / rng.uniform(2e8, 4e8)) for b in (1 << 16, 1 << 20, 1 << 24,
+                                                                                           1 << 27)]
+                   for cap in (0, 8, 16)}}
+    return Measurements(sms=sms, gemm=gemm, comm=comm, post={"tile_exact": rng.uniform(0.0, 0.05)})
+
+
+def synthetic_run(rng, truth, specs=("a.s4096", "b.s8192"), per_shape=16):
+    """A --validate-like record whose measured times come from the contention model with `truth`."""
+    run = {"environment": {"command": "torchrun --nproc-per-node 2 -m overlap_tp.tune --op rs --validate x"},
+           "summary": [], "points": [], "measurements": {}}
+    for spec in specs:
+        shape = Shape("rs", int(spec.rpartition(".s")[2]), rng.choice((1024, 2048)), 512, 2)
+        meas = random_measurements(rng, 32)
+        signal = [c for c in candidates(shape, meas.sms) if c.method == "signal" and c.transport == "nccl"]
+        run["summary"].append({"shape": spec, "M": shape.m, "N": shape.n, "K": shape.k})
+        run["measurements"][spec] = meas.to_dict()
+        for config in rng.sample(signal, min(per_shape, len(signal))):
+            run["points"].append({"shape": spec, "label": label(config),
+                                  "measured": predict(shape, config, meas, "wave", truth),
+                                  "pred_wave": predict(shape, config, meas, "wave", NO_CONTENTION)})
+    return run
+
+
+def test_config_from_label_roundtrip():
+    for c in candidates(Shape("rs", 4096, 2048, 512, 2), 32):
+        if c.method == "signal" and c.transport == "nccl":
+            assert label(refit.config_from_label(label(c))) == label(c)
+
+
+def test_fit_recovers_known_parameters():
+    seed = random.randrange(1 << 30)
+    rng = random.Random(seed)
+    truth = Contention(comm_slowdown_sm0=rng.uniform(0.5, 0.9), comm_slowdown=rng.uniform(0.1, 0.4),
+                       gemm_slowdown=rng.uniform(0.1, 0.5), group_overhead_ms=rng.uniform(0.005, 0.02))
+    points = refit.points_of(synthetic_run(rng, truth, specs=("a.s4096", "b.s8192", "c.s8192"), per_shape=20))
+    got = refit.fit(points)
+    assert refit.loss(points, got) < 1e-5, f"seed {seed}"
+    for name, tolerance in (("comm_slowdown_sm0", 0.01), ("comm_slowdown", 0.01), ("gemm_slowdown", 0.02),
+                            ("group_overhead_ms", 0.0005)):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), abs=tolerance), (name, got, truth, seed)
+
+
+def test_refit_cli_writes_both_files(tmp_path):
+    truth = Contention(0.7, 0.2, 0.0, 0.01)
+    path = tmp_path / "tune_validate.json"
+    path.write_text(json.dumps(synthetic_run(random.Random(), truth, per_shape=8)))
+    assert refit.main([str(path), "--out", str(tmp_path / "out")]) == 0
+    result = json.loads((tmp_path / "out" / "tune_refit.json").read_text())
+    assert "not a new GPU measurement" in (tmp_path / "out" / "tune_refit.md").read_text()
+    assert result["points"] == 16 and result["old"]["n"] == 16
+    assert result["variants"]["all four"]["in_sample"]["mean_abs_rel_err"] < 0.01
+    assert {s["shape"] for s in result["shapes"]} == {"a.s4096", "b.s8192"}
+    # a record the predictor does not reproduce is refused
+    run = json.loads(path.read_text())
+    run["points"][0]["pred_wave"] *= 1.5
+    path.write_text(json.dumps(run))
+    with pytest.raises(SystemExit, match="not reproduced"):
+        refit.main([str(path), "--out", str(tmp_path / "out")])
+
+
+def test_defaults_are_the_recorded_fit():
+    record = os.path.join(os.path.dirname(__file__), "..", "docs", "perf", "tune_refit.json")
+    with open(record) as f:
+        fitted = json.load(f)["variants"]["all four"]["fitted"]
+    assert Contention() == Contention(**fitted)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,6 +6,14 @@ GEMM+collective (rs, ar), one collective per group on the comm stream, group by 
     t_m     = max(t_p_acc, t_m_acc) + comm(bytes_i)  group i's transfer ends (t_m_acc: group i-1's end)
     total   = max(t_m of the last group, t_gemm) + post
 
+That recurrence assumes the GEMM and the collective never slow each other. `Contention` (signal/nccl
+only) replaces it by a timeline where they do: while the GEMM runs, a collective moves data at (1 - x) of
+its alone speed (x = `comm_slowdown_sm0` when comm_sms = 0: the persistent GEMM occupies every SM, so
+NCCL's CTAs find little room; `comm_slowdown` otherwise: shared HBM / L2); while it moves at speed s,
+the GEMM runs at 1 / (1 + c * s) of its alone speed (c = `gemm_slowdown`); every group's collective
+starts `group_overhead_ms` late (stream wait + kernel launch; no bandwidth used). All zero = the
+recurrence above. The fitted values come from docs/perf/tune_refit.md (`python -m overlap_tp.tune.refit`).
+
 finish(): `linear` is the brief's  t_gemm(sms) * tiles / T;  `wave` rounds up to the end of the wave
 that holds the group's last tile,  t_gemm * ceil(tiles / W) / ceil(T / W)  (W = tiles per wave): a
 persistent grid computes W tiles at once, so a group ending mid-wave is only ready at the wave's end.
@@ -161,14 +169,79 @@ def gemm_finish(t_gemm: float, tiles_done: int, total_tiles: int, wave: int, pro
     return t_gemm * math.ceil(tiles_done / wave) / math.ceil(total_tiles / wave)
 
 
+@dataclass(frozen=True)
+class Contention:
+    """How a running GEMM and a running collective slow each other (the module docstring's timeline).
+
+    comm_slowdown_sm0: fraction of a collective's speed lost while the GEMM runs, comm_sms = 0
+    comm_slowdown:     the same, comm_sms > 0
+    gemm_slowdown:     c: the GEMM runs at 1 / (1 + c * s) of its speed while a collective moves at speed s
+    group_overhead_ms: delay before every group's collective moves data
+
+    The defaults are the least-squares fit (relative error) to the 120 signal/nccl points of one recorded
+    run, docs/perf/tune_validate.json (gemm_rs, 2 x H200, t = 2), by `python -m overlap_tp.tune.refit`;
+    docs/perf/tune_refit.md has the fit and its leave-one-shape-out cross-validation (mean |error| 20%
+    -> 4%). Not fitted on gemm_ar (applied to it unvalidated), other GPUs or other t."""
+    comm_slowdown_sm0: float = 0.8173
+    comm_slowdown: float = 0.0862
+    gemm_slowdown: float = 0.0
+    group_overhead_ms: float = 0.0117
+
+    def comm_speed(self, comm_sms: int) -> float:
+        """A collective's speed while the GEMM runs, relative to its measured curve."""
+        return 1.0 - (self.comm_slowdown_sm0 if comm_sms == 0 else self.comm_slowdown)
+
+
+NO_CONTENTION = Contention(0.0, 0.0, 0.0, 0.0)      # the original model
+
+
+def overlap_timeline(t_gemm: float, ready: Sequence[float], comm_ms: Sequence[float], comm_speed: float = 1.0,
+                     gemm_slowdown: float = 0.0, delay: float = 0.0) -> float:
+    """When both the GEMM and the last collective have ended (event by event).
+
+    The GEMM's progress is counted in ms of it running alone; group i's collective may start once that
+    progress reaches ready[i] and collective i-1 has ended; it waits `delay`, then moves comm_ms[i] (ms
+    alone) at `comm_speed` while the GEMM runs, at full speed after it; while data moves at speed s the
+    GEMM runs at 1 / (1 + gemm_slowdown * s)."""
+    ready = [min(r, t_gemm) for r in ready]   # the last group is ready when the GEMM ends, whatever rounding
+    now = progress = 0.0
+    group, wait, left = 0, 0.0, None          # the collective in flight: its remaining delay and work
+    while True:
+        if left is None and group < len(ready) and progress >= ready[group]:
+            wait, left = delay, comm_ms[group]
+        gemm_on = progress < t_gemm
+        if left is None and not gemm_on:
+            return now
+        moving = left is not None and wait <= 0
+        c_speed = (comm_speed if gemm_on else 1.0) if moving else 0.0
+        g_speed = 1.0 / (1.0 + gemm_slowdown * c_speed)
+        # the next event: the GEMM reaches the next group (or its end), the delay ends, or the transfer ends
+        target = ready[group] if left is None and group < len(ready) else t_gemm
+        steps = [(target - progress) / g_speed if gemm_on else math.inf,
+                 wait if left is not None and wait > 0 else math.inf,
+                 left / c_speed if c_speed > 0 else math.inf]
+        dt = min(steps)
+        now += dt
+        if gemm_on:
+            progress = target if dt == steps[0] else progress + g_speed * dt
+        if left is not None and wait > 0:
+            wait -= dt
+        elif moving and dt == steps[2]:
+            left, group = None, group + 1
+        elif moving:
+            left -= c_speed * dt
+
+
 def gemm_then_comm(t_gemm: float, group_tiles: Sequence[int], group_bytes: Sequence[int], comm, total_tiles: int,
-                   wave: int, progress: str) -> float:
-    """Alg. 1's recurrence for GEMM+collective; the predicted end of the last transfer (or the GEMM)."""
-    t_m, done = 0.0, 0
-    for tiles, nbytes in zip(group_tiles, group_bytes):
+                   wave: int, progress: str, contention: Contention = NO_CONTENTION, comm_sms: int = 0) -> float:
+    """Alg. 1 for GEMM+collective; the predicted end of the last transfer (or the GEMM). Without
+    contention it is the recurrence of the module docstring."""
+    ready, done = [], 0
+    for tiles in group_tiles:
         done += tiles
-        t_m = max(gemm_finish(t_gemm, done, total_tiles, wave, progress), t_m) + comm(nbytes)
-    return max(t_m, t_gemm)
+        ready.append(gemm_finish(t_gemm, done, total_tiles, wave, progress))
+    return overlap_timeline(t_gemm, ready, [comm(b) for b in group_bytes], contention.comm_speed(comm_sms),
+                            contention.gemm_slowdown, contention.group_overhead_ms)
 
 
 def comm_then_gemm(t_gemm: float, lead_tiles: int, chunk_tiles: Sequence[int], chunk_bytes: Sequence[int], comm,
@@ -202,10 +275,11 @@ def _decompose(shape: Shape, config: OverlapConfig, meas: Measurements) -> Optio
     return gemm_then_comm(meas.cublas, sizes, [mult * r * shape.n * eb for r in sizes], curve, rows, 1, "linear")
 
 
-def predict(shape: Shape, config: OverlapConfig, meas: Measurements,
-            progress: str = DEFAULT_PROGRESS) -> Optional[float]:
+def predict(shape: Shape, config: OverlapConfig, meas: Measurements, progress: str = DEFAULT_PROGRESS,
+            contention: Contention = Contention()) -> Optional[float]:
     """Predicted latency (ms) of `config` on `shape`, or None where the measurements cannot tell.
-    A direct (end-to-end) measurement of the same candidate wins over the model."""
+    A direct (end-to-end) measurement of the same candidate wins over the model. `contention` applies
+    to signal/nccl rs and ar (fitted on rs); decompose and ag keep the contention-free recurrences."""
     name = label(config)
     if name in meas.direct:
         return meas.direct[name]
@@ -233,26 +307,27 @@ def predict(shape: Shape, config: OverlapConfig, meas: Measurements,
     if shape.op == "ag":
         return comm_then_gemm(t_gemm, lay.lead_tiles, tiles, nbytes, curve, lay.total_tiles)
     wave = wave_tiles(meas.sms, config.comm_sms, lay.total_tiles)
-    return (gemm_then_comm(t_gemm, tiles, nbytes, curve, lay.total_tiles, wave, progress)
+    return (gemm_then_comm(t_gemm, tiles, nbytes, curve, lay.total_tiles, wave, progress, contention, config.comm_sms)
             + meas.post.get(schedule, 0.0))
 
 
 def predict_max_over_ranks(per_rank: Iterable[Tuple[Shape, Measurements]], config: OverlapConfig,
-                           progress: str = DEFAULT_PROGRESS) -> Optional[float]:
+                           progress: str = DEFAULT_PROGRESS,
+                           contention: Contention = Contention()) -> Optional[float]:
     """MoE entry point: every rank's own shape (its token count) and measurements; a step waits for the
     slowest rank, so the prediction is the max. None if any rank cannot be predicted."""
-    times = [predict(shape, config, meas, progress) for shape, meas in per_rank]
+    times = [predict(shape, config, meas, progress, contention) for shape, meas in per_rank]
     return None if not times or any(x is None for x in times) else max(times)
 
 
-def rank(shape: Shape, configs: Iterable[OverlapConfig], meas: Measurements,
-         progress: str = DEFAULT_PROGRESS) -> List[Tuple[float, str, OverlapConfig]]:
+def rank(shape: Shape, configs: Iterable[OverlapConfig], meas: Measurements, progress: str = DEFAULT_PROGRESS,
+         contention: Contention = Contention()) -> List[Tuple[float, str, OverlapConfig]]:
     """(predicted ms, label, config), fastest first; equal predictions (to 1e-9 ms, common under the wave
     model) prefer fewer groups (less per-group host and launch cost), then the label; unpredictable
     ones dropped."""
     out = []
     for config in configs:
-        ms = predict(shape, config, meas, progress)
+        ms = predict(shape, config, meas, progress, contention)
         if ms is not None:
             out.append((ms, label(config), config))
 
