@@ -28,8 +28,7 @@ import torch.distributed as dist
 from overlap_tp import comm
 from overlap_tp.config import OverlapConfig
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops import (DEFAULT_CONFIG, check_inputs, chunk_bounds, collectives_for, gemm_programs, resolve_method,
-                            tuned_config)
+from overlap_tp.ops import chunk_bounds, collectives_for, gemm_programs, prepare, resolve_method
 from overlap_tp.plan import TilePlan, ag_plan
 
 
@@ -129,11 +128,7 @@ def _signaled(a_shard, w, bias, gathered, out, group, rank, t, config):
 def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
             config: Optional[OverlapConfig] = None, return_gathered: bool = False):
     """all_gather(a_shard) @ w.T + bias; with return_gathered=True returns (out, gathered)."""
-    config = config or DEFAULT_CONFIG
-    group = comm.resolve_group(group)
-    t, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_inputs(a_shard, w, bias, 1, "ag_gemm")
-    config = tuned_config(config, "ag_gemm", a_shard, w, group)
+    group, t, rank, config = prepare("ag_gemm", a_shard, w, bias, group, config, rows_split=False)
     m_local, k = a_shard.shape
     m, n = t * m_local, w.shape[0]
     method = resolve_method(config, a_shard, w, m_local, n, "ag_gemm")

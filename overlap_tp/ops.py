@@ -76,6 +76,16 @@ def tuned_config(config: OverlapConfig, op: str, a, w, group) -> OverlapConfig:
     return tune.choose(op, a, w, group, base=config)
 
 
+def prepare(op, a, w, bias, group, config, rows_split: bool):
+    """What every dense op does first: resolve the group (None: Megatron's TP group), check the inputs
+    (rows divisible by t where `rows_split`: the reduce-scatter's output), resolve `auto` to the tuner's
+    config. Returns (group, t, rank, config)."""
+    group = comm.resolve_group(group)
+    t, rank = dist.get_world_size(group), dist.get_rank(group)
+    check_inputs(a, w, bias, t if rows_split else 1, op)
+    return group, t, rank, tuned_config(config or DEFAULT_CONFIG, op, a, w, group)
+
+
 def resolve_method(config, a, w, m_local, n, op):
     """The method that runs (config.method after tuned_config), checked to be runnable."""
     if config.method == "signal":
@@ -249,11 +259,7 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
             config: Optional[OverlapConfig] = None, async_op: bool = False):
     """reduce_scatter(a @ w.T + bias) along dim 0: rank k gets rows [k*M/t, (k+1)*M/t), bias added once.
     async_op=True: a Pending whose wait() returns that."""
-    config = config or DEFAULT_CONFIG
-    group = comm.resolve_group(group)
-    t, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_inputs(a, w, bias, t, "gemm_rs")
-    config = tuned_config(config, "gemm_rs", a, w, group)
+    group, t, rank, config = prepare("gemm_rs", a, w, bias, group, config, rows_split=True)
     m, n = a.shape[0], w.shape[0]
     m_local = m // t
     method = resolve_method(config, a, w, m_local, n, "gemm_rs")
@@ -296,11 +302,7 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
 def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
             config: Optional[OverlapConfig] = None, async_op: bool = False):
     """all_reduce(a @ w.T) + bias, bias added once. async_op=True: a Pending whose wait() returns that."""
-    config = config or DEFAULT_CONFIG
-    group = comm.resolve_group(group)
-    t, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_inputs(a, w, bias, 1, "gemm_ar")
-    config = tuned_config(config, "gemm_ar", a, w, group)
+    group, t, rank, config = prepare("gemm_ar", a, w, bias, group, config, rows_split=False)
     m, n = a.shape[0], w.shape[0]
     method = resolve_method(config, a, w, m, n, "gemm_ar")
     if method == "signal" and config.transport != "nccl":

@@ -13,8 +13,8 @@ from overlap_tp.config import OverlapConfig
 from overlap_tp.plan import make_plan
 from overlap_tp.tune import choose, clear_memo, decide, refit
 from overlap_tp.tune.cache import TuneCache, cache_key, config_to_dict, default_path
-from overlap_tp.tune.candidates import (MAX_PARTITIONS, Shape, candidates, label, layout, partitions, wave_boundaries,
-                                        wave_tiles)
+from overlap_tp.tune.candidates import (MAX_PARTITIONS, Shape, candidates, config_from_label, label, layout,
+                                        partitions, wave_boundaries, wave_tiles)
 from overlap_tp.tune.predict import (NO_CONTENTION, CommCurve, Contention, Measurements, comm_then_gemm, gemm_finish,
                                      gemm_then_comm, interp_linear, overlap_timeline, predict, predict_max_over_ranks)
 from distributed import run_distributed
@@ -285,7 +285,7 @@ def synthetic_run(rng, truth, specs=("a.s4096", "b.s8192"), per_shape=16):
 def test_config_from_label_roundtrip():
     for c in candidates(Shape("rs", 4096, 2048, 512, 2), 32):
         if c.method == "signal" and c.transport == "nccl":
-            assert label(refit.config_from_label(label(c))) == label(c)
+            assert label(config_from_label(label(c))) == label(c)
 
 
 def test_fit_recovers_known_parameters():

@@ -215,6 +215,13 @@ def label(config: OverlapConfig) -> str:
     return f"{config.schedule}/{config.transport}/sm{config.comm_sms}/g{g}"
 
 
+def config_from_label(name: str) -> OverlapConfig:
+    """The inverse of label() for a signal config with explicit groups, e.g. row_slice/nccl/sm16/g1-15-5-6-2-3."""
+    schedule, transport, sms, groups = name.split("/")
+    return OverlapConfig(method="signal", schedule=schedule, transport=transport, comm_sms=int(sms[2:]),
+                         groups=tuple(int(g) for g in groups[1:].split("-")))
+
+
 def candidates(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig(), *,
                comm_sms: Sequence[int] = COMM_SMS, max_partitions: int = MAX_PARTITIONS) -> List[OverlapConfig]:
     """Every candidate config for `shape` on a GPU with `sms` SMs; block sizes and stages from `base`."""

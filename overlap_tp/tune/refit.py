@@ -26,7 +26,7 @@ from typing import Dict, List, Sequence
 
 from overlap_tp.bench.report import markdown_table
 from overlap_tp.config import OverlapConfig
-from overlap_tp.tune.candidates import Shape, candidates, label
+from overlap_tp.tune.candidates import Shape, candidates, config_from_label, label
 from overlap_tp.tune.predict import NO_CONTENTION, Contention, Measurements, predict, rank
 
 PROGRESS = "wave"
@@ -47,13 +47,6 @@ class Point:
     meas: Measurements      # the shape's recorded curves, without end-to-end times (the model must not read them)
     measured: float         # ms end to end
     recorded: float         # ms the original model predicted in the run
-
-
-def config_from_label(name: str) -> OverlapConfig:
-    """The signal config named by candidates.label, e.g. row_slice/nccl/sm16/g1-15-5-6-2-3."""
-    schedule, transport, sms, groups = name.split("/")
-    return OverlapConfig(method="signal", schedule=schedule, transport=transport, comm_sms=int(sms[2:]),
-                         groups=tuple(int(g) for g in groups[1:].split("-")))
 
 
 def _command_option(command: str, option: str, default: str) -> str:
