@@ -427,3 +427,19 @@ def test_choose_agrees_across_ranks(tmp_path):
     entries = json.load(open(path))["entries"]
     assert list(entries) == [cache_key("cpu", "rs", "bfloat16", 2, 1024, 512, 128)]
     assert entries[next(iter(entries))]["how"] == "predicted+verified"
+
+
+def test_cli_shapes_are_the_table_layer_at_the_runs_tp():
+    from types import SimpleNamespace
+    from overlap_tp.bench.ops import AG_SHAPES, SHAPES
+    from overlap_tp.tune.__main__ import shapes_from_args
+    k2, n2 = SHAPES["l8b.proj"]
+    (_, at2), = shapes_from_args(SimpleNamespace(op="rs", shapes="l8b.proj.s8192", mnk=[]), 2)
+    (_, at4), = shapes_from_args(SimpleNamespace(op="rs", shapes="l8b.proj.s8192", mnk=[]), 4)
+    assert (at2.m, at2.n, at2.k, at2.t) == (8192, n2, k2, 2)
+    assert (at4.m, at4.n, at4.k, at4.t) == (8192, n2, k2 // 2, 4)   # row-parallel: K_local halves
+    k2, n2 = AG_SHAPES["l8b.qkv"]
+    (_, ag4), = shapes_from_args(SimpleNamespace(op="ag", shapes="l8b.qkv.s4096", mnk=[]), 4)
+    assert (ag4.n, ag4.k) == (n2 // 2, k2)                           # column-parallel: N_local halves
+    (_, raw), = shapes_from_args(SimpleNamespace(op="rs", shapes="", mnk=["8192,4096,2048"]), 4)
+    assert (raw.m, raw.n, raw.k) == (8192, 4096, 2048)               # --mnk is the rank's GEMM as given

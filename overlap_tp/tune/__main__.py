@@ -4,7 +4,8 @@
     torchrun --nproc-per-node 2 -m overlap_tp.tune --op ar --mnk 8192,4096,2048 --exhaustive --cache tune.json
     torchrun --nproc-per-node 2 -m overlap_tp.tune --op rs --shapes ... --validate docs/perf --points 30 --reps 10
 
-Shapes: NAME.sTOKENS with NAME from overlap_tp.bench.ops.SHAPES (rs, ar) or AG_SHAPES (ag), or
+Shapes: NAME.sTOKENS with NAME from overlap_tp.bench.ops.SHAPES (rs, ar) or AG_SHAPES (ag), TP = 2 shards
+scaled to the run's t like the ops benchmark does (bench.ops.at_tp), or
 --mnk M,N,K (repeatable; the rank's GEMM: rs/ar a[M, K_local], ag gathered [M, K]).
 Modes:
   (default)     choose(): the cached decision, or measure + predict + verify, written to the cache
@@ -45,14 +46,14 @@ def parse_args(argv):
 
 
 def shapes_from_args(args, t):
-    from overlap_tp.bench.ops import AG_SHAPES, SHAPES
+    from overlap_tp.bench.ops import AG_SHAPES, SHAPES, at_tp
     table = AG_SHAPES if args.op == "ag" else SHAPES
     out = []
     for spec in filter(None, args.shapes.split(",")):
         name, _, tokens = spec.rpartition(".s")
         if name not in table or not tokens.isdigit():
             raise SystemExit(f"unknown shape {spec!r}: expected NAME.sTOKENS with NAME in {sorted(table)}")
-        k, n = table[name]
+        k, n = at_tp(args.op, *table[name], t)  # the table holds TP = 2 shards: the same layer at TP = t
         out.append((spec, Shape(args.op, int(tokens), n, k, t)))
     for spec in args.mnk:
         m, n, k = map(int, spec.split(","))
