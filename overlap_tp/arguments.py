@@ -73,6 +73,12 @@ def add_overlap_args(parser):
         help="Per-GPU peak for the MFU that overlap_tp logs. Default: $OVERLAP_TP_PEAK_TFLOPS, else "
              "989 (H100/H200 SXM dense BF16).")
     group.add_argument(
+        "--no-overlap-tp-stats", dest="overlap_tp_stats", action="store_false",
+        help="Do not sample overlap statistics. By default the step logged every --log-interval times "
+             "each overlapped GEMM+collective call against its sequential cost on the same shape "
+             "(measured once per shape, outside the logged step time) and logs overlap efficiency and "
+             "exposed communication, in total and per op kind.")
+    group.add_argument(
         "--overlap-moe", choices=list(_ordered(METHODS)), default="off",
         help="How MoE layers run their token all-to-all and expert GEMMs. off: Megatron's own MoE "
              "layer, untouched. signal / decompose / auto: overlap_tp's OverlapMoELayer, whose "

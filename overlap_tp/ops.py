@@ -30,6 +30,7 @@ from overlap_tp import comm
 from overlap_tp.config import OverlapConfig
 from overlap_tp.kernels.signaled_gemm import check_operands, signaled_gemm, tma_unsupported_reason
 from overlap_tp.plan import TileOrder, TilePlan, make_plan
+from overlap_tp.sampling import sampled
 
 DEFAULT_CONFIG = OverlapConfig()
 _warned = set()
@@ -255,6 +256,7 @@ def _plus_bias(out, bias):
 # Public ops
 # ---------------------------------------------------------------------------------------------------
 
+@sampled("gemm_rs")
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
             config: Optional[OverlapConfig] = None, async_op: bool = False):
     """reduce_scatter(a @ w.T + bias) along dim 0: rank k gets rows [k*M/t, (k+1)*M/t), bias added once.
@@ -299,6 +301,7 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
     return pending if async_op else pending.wait()
 
 
+@sampled("gemm_ar")
 def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
             config: Optional[OverlapConfig] = None, async_op: bool = False):
     """all_reduce(a @ w.T) + bias, bias added once. async_op=True: a Pending whose wait() returns that."""

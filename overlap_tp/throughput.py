@@ -17,7 +17,9 @@ datasheets give 1,979 TFLOP/s BF16 Tensor Core *with 2:4 sparsity*, i.e. 989 den
 
 Overlap statistics compare the time of an overlapped op with its measured sequential cost (GEMM then
 collective): `exposed_comm_ms` (time beyond the bare GEMM), `overlap_efficiency` (share of the ideal
-saving realized) and `OverlapStats`, an accumulator that ops or layers feed with `record(...)`.
+saving realized) and `OverlapStats`, an accumulator fed with `record(...)`; in training,
+overlap_tp.sampling stamps the dense ops of one iteration per log interval and feeds it. The scalars are
+written as totals and per op kind (overlap_tp/<kind>/overlap_efficiency, .../exposed_comm_ms).
 
 `install_training_log_hook()` wraps Megatron's `training_log` so that every `--log-interval` it
 prints one `[overlap_tp]` line on the last rank and writes the same scalars through Megatron's
@@ -146,27 +148,33 @@ class OverlapStats:
     def summary(self):
         if not self.records:
             return {}
-        overlapped = sum(r[1] for r in self.records)
-        sequential = sum(r[2] for r in self.records)
-        gemm = sum(r[3] for r in self.records)
-        comm = sum(r[4] for r in self.records)
-        ideal = sum(max(r[3], r[4]) for r in self.records)
-        out = {"overlapped_ms": overlapped, "sequential_ms": sequential,
-               "exposed_comm_ms": sum(exposed_comm_ms(r[1], r[3]) for r in self.records),
-               "comm_ms": comm, "gemm_ms": gemm,
-               "speedup": sequential / overlapped if overlapped > 0 else None}
-        out["overlap_efficiency"] = ((sequential - overlapped) / (sequential - ideal)
-                                     if sequential - ideal > 0 else None)
+        out = _totals(self.records)
+        kinds = dict.fromkeys(r[0] for r in self.records)
+        out["by_kind"] = {kind: _totals([r for r in self.records if r[0] == kind]) for kind in kinds}
         return out
 
     def reset(self):
         self.records.clear()
 
 
+def _totals(records):
+    overlapped = sum(r[1] for r in records)
+    sequential = sum(r[2] for r in records)
+    ideal = sum(max(r[3], r[4]) for r in records)
+    return {"calls": len(records), "overlapped_ms": overlapped, "sequential_ms": sequential,
+            "exposed_comm_ms": sum(exposed_comm_ms(r[1], r[3]) for r in records),
+            "comm_ms": sum(r[4] for r in records), "gemm_ms": sum(r[3] for r in records),
+            "speedup": sequential / overlapped if overlapped > 0 else None,
+            "overlap_efficiency": (sequential - overlapped) / (sequential - ideal) if sequential - ideal > 0 else None}
+
+
 OVERLAP_STATS = OverlapStats()
 
 
 # ---- per-interval scalars and the Megatron hook ------------------------------------------------
+
+OVERLAP_KEYS = ("overlap_efficiency", "exposed_comm_ms", "speedup")
+
 
 def interval_scalars(*, step_time_s, global_batch_size, seq_length, world_size, flops_per_iteration,
                      peak=None, overlap=None):
@@ -178,9 +186,13 @@ def interval_scalars(*, step_time_s, global_batch_size, seq_length, world_size, 
         "tflops_per_gpu": tflops,
         "mfu": mfu(tflops, peak),
     }
-    for key in ("overlap_efficiency", "exposed_comm_ms", "speedup"):
+    for key in OVERLAP_KEYS:
         if overlap and overlap.get(key) is not None:
             scalars[key] = overlap[key]
+    for kind, totals in (overlap or {}).get("by_kind", {}).items():
+        for key in OVERLAP_KEYS:
+            if totals.get(key) is not None:
+                scalars[f"{kind}/{key}"] = totals[key]
     return {SCALAR_PREFIX + k: v for k, v in scalars.items()}
 
 
@@ -212,14 +224,18 @@ class ThroughputLogger:
 
     Megatron's training_log synchronizes (timers with barrier) on the iterations it prints, so the
     stamps bracket whole iterations. Evaluation inside an interval counts as training time here
-    (recipes keep evaluation out of measured runs).
+    (recipes keep evaluation out of measured runs). With a `sampler` (overlap_tp.sampling.OpSampler),
+    every logged iteration first turns the sampled ops' stamps into `stats` records; the interval's
+    stamp is taken after that, so reference measurements of new shapes stay out of the step time.
     """
 
-    def __init__(self, args, *, peak=None, clock=time.perf_counter, stats=OVERLAP_STATS, printer=print):
+    def __init__(self, args, *, peak=None, clock=time.perf_counter, stats=OVERLAP_STATS, sampler=None,
+                 printer=print):
         self.args = args
         self.peak = peak if peak is not None else getattr(args, "overlap_tp_peak_tflops", None)
         self.clock = clock
         self.stats = stats
+        self.sampler = sampler if stats is not None else None
         self.printer = printer
         self.last = None  # (iteration, time)
         self.flops = None
@@ -228,16 +244,20 @@ class ThroughputLogger:
     def on_log(self, iteration, tensorboard_writer=None, wandb_writer=None, is_last_rank=True):
         now = self.clock()
         interval = getattr(self.args, "log_interval", 1) or 1
-        if self.last is None:
-            self.last = (iteration, now)
+        logged = iteration % interval == 0 or iteration == getattr(self.args, "train_iters", None)
+        if self.last is not None and not logged:
             return None
-        if iteration % interval and iteration != getattr(self.args, "train_iters", None):
+        after = now
+        if self.sampler is not None:   # on every rank: it may run collectives
+            self.sampler.collect(self.stats)
+            after = self.clock()
+        if self.last is None or iteration <= self.last[0]:
+            self.last = (iteration, after)
+            if self.stats:
+                self.stats.reset()
             return None
-        done = iteration - self.last[0]
-        if done <= 0:
-            return None
-        step_time = (now - self.last[1]) / done
-        self.last = (iteration, now)
+        step_time = (now - self.last[1]) / (iteration - self.last[0])
+        self.last = (iteration, after)
         if self.flops is None:
             self.flops = megatron_flops(self.args)
         scalars = interval_scalars(
@@ -253,13 +273,44 @@ class ThroughputLogger:
         return scalars
 
 
-def install_training_log_hook(args=None, module=None):
-    """Wrap `megatron.training.training.training_log` (once) to run a ThroughputLogger after it.
+def stats_enabled(args) -> bool:
+    """Overlap statistics are sampled unless --no-overlap-tp-stats."""
+    return getattr(args, "overlap_tp_stats", True)
 
-    `module` defaults to `megatron.training.training`; tests pass a stand-in. Returns the logger.
+
+def install_training_log_hook(args=None, module=None):
+    """Wrap `megatron.training.training.training_log` (once) to run a ThroughputLogger after it, and
+    `train_step` (once) to arm overlap_tp.sampling.SAMPLER for the step whose end is logged.
+
+    `module` defaults to `megatron.training.training`; tests pass a stand-in. Returns the logger
+    (None until the first log when `args` is None: it reads Megatron's args then).
     """
+    from overlap_tp.sampling import SAMPLER, sample_iteration
     if module is None:
         from megatron.training import training as module
+
+    def run_args():
+        return args if args is not None else _megatron_args()
+
+    def new_logger():
+        a = run_args()
+        return ThroughputLogger(a, sampler=SAMPLER if stats_enabled(a) else None)
+
+    original_step = getattr(module, "train_step", None)
+    if original_step is not None and not getattr(original_step, "_overlap_tp_sampling", False):
+        @functools.wraps(original_step)
+        def train_step(*a, **kw):
+            current = run_args()
+            iteration = kw.get("iteration", getattr(current, "curr_iteration", None))
+            SAMPLER.armed = stats_enabled(current) and sample_iteration(iteration, current.log_interval)
+            try:
+                return original_step(*a, **kw)
+            finally:
+                SAMPLER.armed = False
+
+        train_step._overlap_tp_sampling = True
+        module.train_step = train_step
+
     original = module.training_log
     if getattr(original, "_overlap_tp_logger", None) is not None:
         return original._overlap_tp_logger
@@ -271,16 +322,14 @@ def install_training_log_hook(args=None, module=None):
         iteration = kw["iteration"] if "iteration" in kw else a[3]
         logger = state["logger"]
         if logger is None:
-            run_args = args if args is not None else _megatron_args()
-            logger = state["logger"] = ThroughputLogger(run_args)
-            training_log._overlap_tp_logger = logger
+            logger = state["logger"] = training_log._overlap_tp_logger = new_logger()
         tb, wb = _writers()
         logger.on_log(iteration, tb, wb, is_last_rank=_is_last_rank())
         return result
 
     training_log._overlap_tp_logger = None
     if args is not None:
-        state["logger"] = training_log._overlap_tp_logger = ThroughputLogger(args)
+        state["logger"] = training_log._overlap_tp_logger = new_logger()
     module.training_log = training_log
     return state["logger"]
 

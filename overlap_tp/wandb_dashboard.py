@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from overlap_tp.sampling import SAMPLED_OPS
 from overlap_tp.throughput import SCALAR_PREFIX
 
 # (title, metric keys, y label). Step = Megatron's iteration (its writers log with step=iteration).
@@ -23,7 +24,9 @@ PANELS = (
     ("MFU", [SCALAR_PREFIX + "mfu"], "fraction of peak"),
     ("Step time", [SCALAR_PREFIX + "step_time_ms"], "ms"),
     ("Overlap efficiency", [SCALAR_PREFIX + "overlap_efficiency"], "share of ideal saving"),
-    ("Exposed communication", [SCALAR_PREFIX + "exposed_comm_ms"], "ms per interval"),
+    ("Exposed communication", [SCALAR_PREFIX + "exposed_comm_ms"], "ms in the sampled step"),
+    ("Overlap efficiency by op", [f"{SCALAR_PREFIX}{kind}/overlap_efficiency" for kind in SAMPLED_OPS],
+     "share of ideal saving"),
     ("Loss", ["lm loss"], "lm loss"),
 )
 

@@ -28,7 +28,7 @@ def test_defaults_leave_overlap_off():
     args = build_parser().parse_args([])
     assert args.overlap_tp == "off" and args.overlap_tp_transport == "nccl"
     assert args.overlap_tp_comm_sms is None and args.overlap_tp_tune_cache is None
-    assert args.overlap_moe == "off" and not args.overlap_tp_layers
+    assert args.overlap_moe == "off" and not args.overlap_tp_layers and args.overlap_tp_stats
     assert validate_overlap_args(args, warn=None) == []
     assert OverlapConfig(**overlap_config_kwargs(args)).method == "off"
 
@@ -36,10 +36,11 @@ def test_defaults_leave_overlap_off():
 def test_all_flags_parse_into_an_overlap_config():
     args = build_parser().parse_args(["--overlap-tp", "signal", "--overlap-tp-transport", "p2p",
                                       "--overlap-tp-comm-sms", "0", "--overlap-tp-tune-cache", "/tmp/t.json",
-                                      "--overlap-tp-peak-tflops", "900"])
+                                      "--overlap-tp-peak-tflops", "900", "--no-overlap-tp-stats"])
     config = OverlapConfig(**overlap_config_kwargs(args))
     assert (config.method, config.transport, config.comm_sms) == ("signal", "p2p", 0)
     assert args.overlap_tp_tune_cache == "/tmp/t.json" and args.overlap_tp_peak_tflops == 900.0
+    assert args.overlap_tp_stats is False
 
 
 @pytest.mark.parametrize("argv", [["--overlap-tp", "fast"], ["--overlap-tp-transport", "ib"],

@@ -87,6 +87,23 @@ def test_overlap_stats_totals():
     assert s["speedup"] == pytest.approx(1.7 / 1.4)
 
 
+def test_overlap_stats_per_kind_and_scalars():
+    stats = tp.OverlapStats()
+    stats.record("gemm_rs", 0.9, 1.1, 0.8, 0.3)
+    stats.record("ag_gemm", 0.5, 0.6, 0.4, 0.2)
+    stats.record("gemm_rs", 0.9, 1.1, 0.8, 0.3)
+    s = stats.summary()
+    assert list(s["by_kind"]) == ["gemm_rs", "ag_gemm"]
+    assert s["by_kind"]["gemm_rs"]["calls"] == 2
+    assert s["by_kind"]["gemm_rs"]["overlap_efficiency"] == pytest.approx(2 / 3)   # 0.4 of an ideal 0.6
+    assert s["by_kind"]["ag_gemm"]["exposed_comm_ms"] == pytest.approx(0.1)
+    scalars = tp.interval_scalars(step_time_s=1.0, global_batch_size=1, seq_length=1, world_size=1,
+                                  flops_per_iteration=1e12, overlap=s)
+    assert scalars["overlap_tp/gemm_rs/overlap_efficiency"] == pytest.approx(2 / 3)
+    assert scalars["overlap_tp/ag_gemm/exposed_comm_ms"] == pytest.approx(0.1)
+    assert scalars["overlap_tp/exposed_comm_ms"] == pytest.approx(0.3)   # 0.1 + 0.1 + 0.1
+
+
 class FakeWriter:
     def __init__(self):
         self.scalars, self.logged = [], []
@@ -140,6 +157,57 @@ def test_hook_wraps_training_log_once():
                                skipped_iter=0, grad_norm=None, params_norm=None, num_zeros_in_grad=None,
                                max_attention_logit=None) == "flag"
     assert calls == [1, 2] and [i for i, _ in logger.history] == [2]
+
+
+class FakeSampler:
+    """Feeds one fixed record each time it is collected."""
+
+    def __init__(self):
+        self.collected = 0
+
+    def collect(self, stats):
+        self.collected += 1
+        stats.record("gemm_rs", 0.9, 1.1, 0.8, 0.3)
+        return 1
+
+
+def test_logger_collects_samples_and_stamps_after_them():
+    times = iter([0.0, 0.25, 1.0, 1.5, 2.0])   # logged calls read the clock before and after collecting
+    sampler = FakeSampler()
+    logger = tp.ThroughputLogger(llama3_8b_args(log_interval=2), clock=lambda: next(times), stats=tp.OverlapStats(),
+                                 sampler=sampler, printer=lambda line: None)
+    assert logger.on_log(0) is None          # first call: collects (and drops) what was sampled, stamps
+    assert logger.on_log(1) is None          # not a logged iteration: no clock after, no collect
+    scalars = logger.on_log(2)
+    # the interval runs from the stamp taken after collect (0.25) to this call's start (1.5)
+    assert scalars["overlap_tp/step_time_ms"] == pytest.approx((1.5 - 0.25) / 2 * 1e3)
+    assert scalars["overlap_tp/gemm_rs/overlap_efficiency"] == pytest.approx(2 / 3)
+    assert logger.last == (2, 2.0) and sampler.collected == 2
+
+
+def test_hook_arms_the_sampler_for_the_logged_step():
+    from overlap_tp.sampling import SAMPLER
+    armed = []
+
+    def train_step(*a, iteration=None, **kw):
+        armed.append(SAMPLER.armed)
+        return "step"
+
+    def training_log(*a, **kw):
+        return None
+
+    module = SimpleNamespace(training_log=training_log, train_step=train_step)
+    args = llama3_8b_args(log_interval=3)
+    tp.install_training_log_hook(args, module=module)
+    wrapped = module.train_step
+    tp.install_training_log_hook(args, module=module)
+    assert module.train_step is wrapped    # idempotent
+    assert [module.train_step(None, iteration=k) for k in range(6)] == ["step"] * 6
+    assert armed == [False, False, True, False, False, True] and SAMPLER.armed is False
+    armed.clear()
+    args.overlap_tp_stats = False          # --no-overlap-tp-stats
+    module.train_step(None, iteration=2)
+    assert armed == [False]
 
 
 def test_matches_megatrons_own_count():
