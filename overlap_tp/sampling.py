@@ -32,6 +32,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from overlap_tp import comm
+from overlap_tp.config import OverlapConfig
+
 REFERENCE_REPS = 3
 SAMPLED_OPS = ("gemm_rs", "gemm_ar", "ag_gemm")   # the kinds `sampled` decorates
 
@@ -81,8 +84,6 @@ def _median_ms(fn, device, reps=REFERENCE_REPS) -> float:
 
 def measure_reference(shape: OpShape, op: Callable) -> Reference:
     """GEMM alone, collective alone and `op(..., method='off')` on random operands of `shape`."""
-    from overlap_tp.comm import TorchCollectives
-    from overlap_tp.config import OverlapConfig
     t = dist.get_world_size(shape.group)
     device, dtype = shape.device, shape.dtype
     a = torch.randn(shape.a_shape, dtype=dtype, device=device)
@@ -90,7 +91,7 @@ def measure_reference(shape: OpShape, op: Callable) -> Reference:
     rows = shape.a_shape[0] * t if shape.kind == "ag_gemm" else shape.a_shape[0]
     gemm_in = torch.randn(rows, shape.a_shape[1], dtype=dtype, device=device) if shape.kind == "ag_gemm" else a
     product = gemm_in @ w.t()
-    coll = TorchCollectives(shape.group)   # the collective of method 'off': Megatron's path
+    coll = comm.TorchCollectives(shape.group)   # the collective of method 'off': Megatron's path
     if shape.kind == "gemm_rs":
         received = product.new_empty(rows // t, product.shape[1])
 
@@ -129,7 +130,6 @@ class OpSampler:
         self.references = {}
 
     def call(self, kind, op, a, w, group, kwargs):
-        from overlap_tp import comm
         group = comm.resolve_group(group)
         start = _stamp(a.device)
         out = op(a, w, group, **kwargs)

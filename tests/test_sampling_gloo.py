@@ -56,8 +56,7 @@ def test_armed_calls_are_recorded_against_a_reference_per_shape(world):
 
 
 def test_collect_records_each_sample_with_its_shapes_reference():
-    sampler = OpSampler(measure=lambda shape, op: Reference(sequential_ms=len(shape.a_shape) * 1.0,
-                                                        gemm_ms=0.5, comm_ms=0.25))
+    sampler = OpSampler(measure=lambda shape, op: Reference(sequential_ms=2.0, gemm_ms=0.5, comm_ms=0.25))
     shape = OpShape("gemm_rs", (8, 4), (4, 4), torch.bfloat16, torch.device("cpu"), None)
     sampler.samples = [Sample(shape, None, 0.0, 0.001), Sample(shape, None, 1.0, 1.003)]
     stats = OverlapStats()
