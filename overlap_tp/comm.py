@@ -131,22 +131,52 @@ def collectives(group, device: torch.device, max_ctas: int):
 # Waiting on counters
 # ---------------------------------------------------------------------------------------------------
 
-def _driver():
-    try:
-        from cuda.bindings import driver
-    except ImportError as e:
-        raise RuntimeError("overlap_tp: the comm stream waits and signals with CUDA stream memory operations, "
-                           "which need the cuda-bindings package (pip install 'overlap_tp[gpu]')") from e
-    return driver
+class _StreamMemOps:
+    """cuStreamWaitValue32 / cuStreamWriteValue32 through cuda-bindings, with the driver's handle objects
+    built once per stream and per word (the words waited on are plan counters and flags that live as long
+    as their plan), since a signaled call issues one wait per group of tiles."""
+
+    def __init__(self):
+        try:
+            from cuda.bindings import driver
+        except ImportError as e:
+            raise RuntimeError("overlap_tp: the comm stream waits and signals with CUDA stream memory operations, "
+                               "which need the cuda-bindings package (pip install 'overlap_tp[gpu]')") from e
+        self.driver = driver
+        self.geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        self.fenced = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        self.success = driver.CUresult.CUDA_SUCCESS
+        self.streams, self.words = {}, {}
+
+    def handles(self, stream, address):
+        raw = stream.cuda_stream
+        cu_stream = self.streams.get(raw)
+        if cu_stream is None:
+            cu_stream = self.streams[raw] = self.driver.CUstream(raw)
+        word = self.words.get(address)
+        if word is None:
+            if len(self.words) > 4096:   # transient addresses: keep the table bounded
+                self.words.clear()
+            word = self.words[address] = self.driver.CUdeviceptr(address)
+        return cu_stream, word
+
+
+_memops = None
+
+
+def _stream_memops() -> _StreamMemOps:
+    global _memops
+    if _memops is None:
+        _memops = _StreamMemOps()
+    return _memops
 
 
 def stream_wait_value(stream, address: int, target: int):
     """cuStreamWaitValue32 on the word at `address` (local or peer-mapped): the stream's front end polls
     it, no SM is spent. GEQ compares cyclically, (int32)(*addr - value) >= 0, so epochs may wrap."""
-    driver = _driver()
-    (err,) = driver.cuStreamWaitValue32(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(address),
-                                        target & 0xFFFFFFFF, driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
-    if err != driver.CUresult.CUDA_SUCCESS:
+    ops = _stream_memops()
+    (err,) = ops.driver.cuStreamWaitValue32(*ops.handles(stream, address), target & 0xFFFFFFFF, ops.geq)
+    if err != ops.success:
         raise RuntimeError(f"overlap_tp: cuStreamWaitValue32 failed: {err}")
 
 
@@ -154,10 +184,9 @@ def stream_write_value(stream, address: int, value: int):
     """cuStreamWriteValue32 of `value` to the word at `address` (local or peer-mapped), after all prior
     work of the stream. The default flags put a system-scope memory fence before the write, so whoever
     observes the value also observes everything the stream wrote before it."""
-    driver = _driver()
-    (err,) = driver.cuStreamWriteValue32(driver.CUstream(stream.cuda_stream), driver.CUdeviceptr(address),
-                                         value & 0xFFFFFFFF, driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT)
-    if err != driver.CUresult.CUDA_SUCCESS:
+    ops = _stream_memops()
+    (err,) = ops.driver.cuStreamWriteValue32(*ops.handles(stream, address), value & 0xFFFFFFFF, ops.fenced)
+    if err != ops.success:
         raise RuntimeError(f"overlap_tp: cuStreamWriteValue32 failed: {err}")
 
 

@@ -19,6 +19,7 @@ still be running when the call returns, so the caller can queue independent work
 backward's wgrad GEMM, as Megatron overlaps its dgrad reduce-scatter) before `wait()`.
 """
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -51,12 +52,18 @@ def check_inputs(a, w, bias, t, op):
                          f"cuda:{torch.cuda.current_device()} (one GPU per rank, set with torch.cuda.set_device)")
 
 
+@functools.lru_cache(maxsize=None)
+def _device_properties(device: torch.device):
+    """torch.cuda.get_device_properties, asked once per device (every call of an op needs it)."""
+    return torch.cuda.get_device_properties(device)
+
+
 def _signal_unsupported_reason(a, w, config: OverlapConfig, m_local: int, n: int, op: str) -> Optional[str]:
     """Why the signaled kernel cannot run here, or None."""
     tma = tma_unsupported_reason(a, w)
     if tma is not None:
         return tma
-    if a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
+    if a.is_cuda and _device_properties(a.device).major < 9:
         return f"the signaled GEMM needs TMA (compute capability >= 9.0), {torch.cuda.get_device_name(a.device)} lacks it"
     if op != "ag_gemm" and config.schedule == "tile_exact" and (m_local % config.block_m or n % config.block_n):
         return (f"schedule 'tile_exact' needs M/t={m_local} % block_m={config.block_m} == 0 and "
@@ -134,8 +141,7 @@ def gemm_programs(device: torch.device, config: OverlapConfig) -> int:
     """Persistent-GEMM grid: every SM but those left to the collective (at least one program)."""
     if device.type != "cuda":
         return 4
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, sms - config.comm_sms)
+    return max(1, _device_properties(device).multi_processor_count - config.comm_sms)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ i only after the barrier of call i-1, which every peer reaches only after summin
 i-2 (stream order on each rank).
 """
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -93,25 +93,24 @@ class ShardPull:
     rank: int
     world: int
     shards: List[Tuple[torch.Tensor, object]]   # (symmetric [M/t, K] buffer, handle) x 2
+    peer_shards: List[List[Optional[torch.Tensor]]]   # per buffer: every rank's copy mapped here (None: ours)
     ready: torch.Tensor                          # symmetric int32 [t]: ready[p] = epoch of p's shard
     peer_ready: List[int]                        # address of ready[rank] on each rank
     calls: int = 0
 
     def start(self, engine, a_shard):
         """On the comm stream: publish a_shard to the peers and wait until theirs are published.
-        Returns the peers' shard buffers for this call, as tensors on this device."""
-        buf, handle = self.shards[self.calls % 2]
+        Returns the peers' shard buffers for this call, as tensors on this device (None for this rank)."""
+        b = self.calls % 2
         self.calls += 1
-        buf.copy_(a_shard)
+        self.shards[b][0].copy_(a_shard)
         for p in range(self.world):
             if p != self.rank:
                 comm.stream_write_value(engine.stream, self.peer_ready[p], self.calls)
         for p in range(self.world):
             if p != self.rank:
                 comm.stream_wait_value(engine.stream, self.ready.data_ptr() + 4 * p, self.calls)
-        offset = (buf.data_ptr() - handle.buffer_ptrs[self.rank]) // buf.element_size()
-        return [None if p == self.rank else handle.get_buffer(p, tuple(buf.shape), buf.dtype, offset)
-                for p in range(self.world)]
+        return self.peer_shards[b]
 
     @staticmethod
     def pull(gathered, peer_shards, lo, hi):
@@ -130,10 +129,14 @@ def shard_pull(group, rank, t, m_local, k, dtype, device) -> ShardPull:
     key = (id(group), m_local, k, dtype, device.index)
     if key not in _pulls:
         from torch.distributed import _symmetric_memory as symm_mem
-        shards = []
+        shards, peer_shards = [], []
         for _ in range(2):
             buf = symm_mem.empty(m_local, k, dtype=dtype, device=device)
-            shards.append((buf, symm_mem.rendezvous(buf, group)))
+            handle = symm_mem.rendezvous(buf, group)
+            offset = (buf.data_ptr() - handle.buffer_ptrs[rank]) // buf.element_size()
+            shards.append((buf, handle))
+            peer_shards.append([None if p == rank else handle.get_buffer(p, tuple(buf.shape), buf.dtype, offset)
+                                for p in range(t)])
         ready = symm_mem.empty(t, dtype=torch.int32, device=device)
         ready.zero_()
         handle = symm_mem.rendezvous(ready, group)
@@ -142,5 +145,5 @@ def shard_pull(group, rank, t, m_local, k, dtype, device) -> ShardPull:
         torch.cuda.synchronize(device)
         handle.barrier(channel=0)   # every rank's ready words are zero before anyone writes a peer's
         torch.cuda.synchronize(device)
-        _pulls[key] = ShardPull(rank, t, shards, ready, peer_ready)
+        _pulls[key] = ShardPull(rank, t, shards, peer_shards, ready, peer_ready)
     return _pulls[key]

@@ -100,6 +100,53 @@ def timed(fn, sets, reps, group, warmup=5, device=None):
     return float(median)
 
 
+def queued_ms(fn, sets, group, rounds=5):
+    """(host_ms, gpu_ms) of one fn(*set) on the GPU: the host's enqueue time, and the GPU's time with
+    every launch already queued. A sleep kernel holds the GPU while the host enqueues the call, so the
+    host never waits for the GPU (host_ms: wall clock around the call) and the GPU then runs the call
+    from its queue without launch gaps (gpu_ms: CUDA events around the call). `timed` measures the two
+    overlapped, back to back: where its time exceeds gpu_ms, the host set the pace. The sleep is 4x the
+    first round's host time, doubled for a round whose host time reached it (that round is redone).
+    Medians over `rounds`, the slowest rank's."""
+    cycles_per_ms = _sleep_cycles_per_ms()
+    sleep_ms, host, gpu = None, [], []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    while len(gpu) < rounds:
+        args = sets[len(gpu) % len(sets)]
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        if sleep_ms is not None:
+            torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+        start.record()
+        t0 = time.perf_counter()
+        fn(*args)
+        host_ms = (time.perf_counter() - t0) * 1e3
+        end.record()
+        torch.cuda.synchronize()
+        late = torch.tensor(float(sleep_ms is None or host_ms > 0.8 * sleep_ms), device=start.device)
+        dist.all_reduce(late, op=dist.ReduceOp.MAX, group=group)   # every rank redoes the same rounds
+        if float(late):
+            sleep_ms = 4 * host_ms if sleep_ms is None else 2 * max(sleep_ms, host_ms)
+            continue
+        host.append(host_ms)
+        gpu.append(start.elapsed_time(end))
+    medians = torch.tensor([statistics.median(host), statistics.median(gpu)], dtype=torch.float64,
+                           device=start.device)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+    return float(medians[0]), float(medians[1])
+
+
+def _sleep_cycles_per_ms():
+    cycles = 10_000_000
+    torch.cuda._sleep(cycles)   # warm-up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / start.elapsed_time(end)
+
+
 def agree(got, ref, what):
     error = float((got.float() - ref.float()).norm() / ref.float().norm())
     if not error < 1e-2:
