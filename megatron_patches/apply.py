@@ -10,9 +10,9 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
   function is patched. (A builder that uses `--spec` as a ModuleSpec directly, i.e. Megatron-LM's
   `gpt_builders.py` before 0.19, needs `overlap_layer_spec(config)` called first;
   `overlap_tp.launch.pretrain` does that on those versions.)
-- the process-wide OverlapConfig the layers use: `overlap_tp.layers.set_default_overlap_config`
-  (every op kind; gemm_ar keeps transport nccl, p2p being gemm_rs/ag_gemm only), also readable as
-  `get_overlap_config()`.
+- the process-wide OverlapConfig per op kind the layers use: `overlap_tp.layers.set_default_overlap_config`
+  with `overlap_tp.arguments.layer_configs(args)` (gemm_ar keeps transport nccl, p2p being gemm_rs/ag_gemm
+  only; `--overlap-tp-transport auto` puts ag_gemm on p2p), also readable as `get_overlap_config(op)`.
 - MoE models: with `--overlap-moe` on, every layer's MLP is overlap_tp's OverlapMoELayer and its
   OverlapConfig (`overlap_tp.moe_layer.set_default_moe_overlap_config`, `get_moe_overlap_config()`) comes
   from `--overlap-moe` and `--overlap-tp-comm-sms`; with it off, the MLP slot of overlap_tp's layer spec
@@ -26,12 +26,12 @@ import dataclasses
 import inspect
 import os
 
-from overlap_tp.arguments import TUNE_CACHE_ENV, moe_overlap_config_kwargs, overlap_config_kwargs
+from overlap_tp.arguments import TUNE_CACHE_ENV, layer_configs, moe_overlap_config_kwargs
 from overlap_tp.config import OverlapConfig
 
 SPEC = ("overlap_tp.megatron_patches.apply", "overlap_layer_spec")
 
-_STATE = {"config": None, "moe_config": None}
+_STATE = {"configs": None, "moe_config": None}
 
 
 @dataclasses.dataclass
@@ -39,14 +39,14 @@ class ApplyReport:
     """What `apply` did. `active`: overlap_tp's layers are in use; `changed`: what this call changed."""
 
     active: bool
-    overlap_config: object = None
+    overlap_configs: object = None    # {op kind: OverlapConfig}
     moe_config: object = None
     changed: list = dataclasses.field(default_factory=list)
 
     def __str__(self):
         if not self.active:
             return "[overlap_tp] --overlap-tp off: Megatron's own layers, nothing changed"
-        head = f"[overlap_tp] layers on, {self.overlap_config}"
+        head = f"[overlap_tp] layers on, {_describe(self.overlap_configs)}"
         if self.moe_config is not None:
             head += f"; MoE layers on, {self.moe_config}"
         if not self.changed:
@@ -54,9 +54,22 @@ class ApplyReport:
         return head + "".join(f"\n[overlap_tp]   {line}" for line in self.changed)
 
 
-def get_overlap_config():
-    """The OverlapConfig set by `apply` (None before, or when overlap_tp's layers are off)."""
-    return _STATE["config"]
+def _describe(configs):
+    """gemm_rs's config, then what the other op kinds run differently."""
+    base = configs["gemm_rs"]
+    fields = [f.name for f in dataclasses.fields(OverlapConfig)]
+    extra = []
+    for op in ("ag_gemm", "gemm_ar"):
+        diff = {f: getattr(configs[op], f) for f in fields if getattr(configs[op], f) != getattr(base, f)}
+        if diff:
+            extra.append(f"{op}: " + ", ".join(f"{k}={v!r}" for k, v in diff.items()))
+    return f"{base}" + "".join(f"; {e}" for e in extra)
+
+
+def get_overlap_config(op: str = "gemm_rs"):
+    """The OverlapConfig that `apply` set for op kind `op` (None before, or when overlap_tp's layers are off)."""
+    configs = _STATE["configs"]
+    return None if configs is None else configs[op]
 
 
 def get_moe_overlap_config():
@@ -66,7 +79,7 @@ def get_moe_overlap_config():
 
 def reset():
     """Forget the process-wide state (tests)."""
-    _STATE["config"] = _STATE["moe_config"] = None
+    _STATE["configs"] = _STATE["moe_config"] = None
 
 
 def wanted(args):
@@ -83,16 +96,18 @@ def apply(args, *, log=None):
         log(str(report))
         return report
 
-    config = OverlapConfig(**overlap_config_kwargs(args))
+    configs = layer_configs(args)
     moe = getattr(args, "overlap_moe", "off")
     moe_config = OverlapConfig(**moe_overlap_config_kwargs(args)) if moe != "off" else None
-    report = ApplyReport(active=True, overlap_config=config, moe_config=moe_config)
+    report = ApplyReport(active=True, overlap_configs=configs, moe_config=moe_config)
 
-    for key, value, what in (("config", config, "the layers"), ("moe_config", moe_config, "the MoE layers")):
+    for key, value, what in (("configs", configs, "the layers"), ("moe_config", moe_config, "the MoE layers")):
         if _STATE[key] != value:
-            report.changed.append(f"OverlapConfig for {what}: {_STATE[key]} -> {value}")
+            old = _describe(_STATE[key]) if key == "configs" and _STATE[key] else _STATE[key]
+            new = _describe(value) if key == "configs" else value
+            report.changed.append(f"OverlapConfig for {what}: {old} -> {new}")
             _STATE[key] = value
-    _set_layer_defaults(config, moe_config)
+    _set_layer_defaults(configs, moe_config)
 
     spec = getattr(args, "spec", None)
     if not spec or list(spec) != list(SPEC):
@@ -111,13 +126,12 @@ def apply(args, *, log=None):
     return report
 
 
-def _set_layer_defaults(config, moe_config):
+def _set_layer_defaults(configs, moe_config):
     try:
         from overlap_tp import layers, moe_layer
     except ImportError:  # no megatron-core: nothing can be built anyway; the spec says why when asked
         return
-    gemm_ar = dataclasses.replace(config, transport="nccl") if config.transport != "nccl" else config
-    layers.set_default_overlap_config(config, gemm_ar=gemm_ar)
+    layers.set_default_overlap_config(**configs)
     if moe_config is not None:
         moe_layer.set_default_moe_overlap_config(moe_config)
 

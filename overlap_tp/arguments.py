@@ -9,7 +9,7 @@ that say what to change. Both touch only attributes that exist on `args`, readin
 `getattr(..., default)`, so a plain namespace in a test works too.
 
     --overlap-tp {off,signal,decompose,auto}   OverlapConfig.method for the TP/SP linear layers (off)
-    --overlap-tp-transport {nccl,p2p}          OverlapConfig.transport (nccl)
+    --overlap-tp-transport {auto,nccl,p2p}     OverlapConfig.transport per op kind (auto, see layer_configs)
     --overlap-tp-comm-sms N                    OverlapConfig.comm_sms (default 16; the expert ops 4)
     --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans
     --overlap-tp-layers                        use overlap_tp's layer spec even with --overlap-tp off
@@ -17,12 +17,15 @@ that say what to change. Both touch only attributes that exist on `args`, readin
     --overlap-moe {off,signal,decompose,auto}  OverlapConfig.method for the MoE expert ops (off)
 """
 import argparse
+import dataclasses
 import os
 import warnings
 
-from overlap_tp.config import EXPERT_OP_DEFAULTS, METHODS, TRANSPORTS
+from overlap_tp.config import EXPERT_OP_DEFAULTS, METHODS, TRANSPORTS, OverlapConfig
 
 GROUP_TITLE = "overlap_tp"
+# --overlap-tp-transport: "auto" picks per op kind (layer_configs), the others are OverlapConfig.transport.
+TRANSPORT_FLAGS = ("auto",) + TRANSPORTS
 TUNE_CACHE_ENV = "OVERLAP_TP_TUNE_CACHE"
 
 
@@ -49,11 +52,13 @@ def add_overlap_args(parser):
              "into chunks, each chunk's collective on a side stream. auto: chosen per shape by the "
              "tuner. Needs --sequence-parallel and TP > 1.")
     group.add_argument(
-        "--overlap-tp-transport", choices=list(TRANSPORTS), default="nccl",
+        "--overlap-tp-transport", choices=list(TRANSPORT_FLAGS), default="auto",
         help="How data moves for --overlap-tp signal: nccl (one NCCL collective per group of tiles) "
              "or p2p (peer-to-peer through symmetric memory over NVLink, CUDA only: the GEMM epilogue "
              "stores into the owner's buffer for GEMM+ReduceScatter, copy-engine pulls for "
-             "AllGather+GEMM; GEMM+AllReduce keeps nccl).")
+             "AllGather+GEMM; GEMM+AllReduce keeps nccl). auto (default): AllGather+GEMM on p2p with its "
+             "GEMM on every SM, GEMM+ReduceScatter and GEMM+AllReduce on nccl, the combination that "
+             "measured fastest in the layer benchmark at TP 2 and 4 (docs/perf/README.md).")
     group.add_argument(
         "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
         help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "
@@ -116,9 +121,9 @@ def validate_overlap_args(args, *, warn=_warn):
     method = getattr(args, "overlap_tp", "off")
     if method not in METHODS:
         raise OverlapArgumentError(f"--overlap-tp {method!r}: expected one of {_ordered(METHODS)}")
-    transport = getattr(args, "overlap_tp_transport", "nccl")
-    if transport not in TRANSPORTS:
-        raise OverlapArgumentError(f"--overlap-tp-transport {transport!r}: expected one of {TRANSPORTS}")
+    transport = getattr(args, "overlap_tp_transport", "auto")
+    if transport not in TRANSPORT_FLAGS:
+        raise OverlapArgumentError(f"--overlap-tp-transport {transport!r}: expected one of {TRANSPORT_FLAGS}")
     peak = getattr(args, "overlap_tp_peak_tflops", None)
     if peak is not None and not peak > 0:
         raise OverlapArgumentError(f"--overlap-tp-peak-tflops {peak!r}: expected a positive number")
@@ -245,12 +250,26 @@ def _is_our_spec(spec):
 
 
 def overlap_config_kwargs(args):
-    """The OverlapConfig fields that the flags set (only those given; the rest keep their defaults)."""
-    kwargs = {"method": getattr(args, "overlap_tp", "off"),
-              "transport": getattr(args, "overlap_tp_transport", "nccl")}
+    """The OverlapConfig fields that the flags set (only those given; the rest keep their defaults), for
+    gemm_rs; `layer_configs` derives the other op kinds' configs from them."""
+    transport = getattr(args, "overlap_tp_transport", "auto")
+    kwargs = {"method": getattr(args, "overlap_tp", "off"), "transport": "nccl" if transport == "auto" else transport}
     if getattr(args, "overlap_tp_comm_sms", None) is not None:
         kwargs["comm_sms"] = args.overlap_tp_comm_sms
     return kwargs
+
+
+def layer_configs(args):
+    """The dense layers' OverlapConfig per op kind ("ag_gemm", "gemm_rs", "gemm_ar") from the flags.
+    gemm_ar always runs nccl (p2p is implemented for gemm_rs and ag_gemm). With --overlap-tp-transport
+    auto and --overlap-tp signal, ag_gemm pulls the peers' rows with the copy engines (p2p) and its GEMM
+    keeps every SM (comm_sms 0: nothing runs next to it), while gemm_rs runs nccl with --overlap-tp-comm-sms."""
+    config = OverlapConfig(**overlap_config_kwargs(args))
+    nccl = dataclasses.replace(config, transport="nccl")
+    ag = config
+    if getattr(args, "overlap_tp_transport", "auto") == "auto" and config.method == "signal":
+        ag = dataclasses.replace(config, transport="p2p", comm_sms=0)
+    return {"ag_gemm": ag, "gemm_rs": config, "gemm_ar": nccl}
 
 
 def moe_overlap_config_kwargs(args):

@@ -1,7 +1,7 @@
 # Shared by the recipes (sourced, not run). A recipe sets RECIPE, MODEL_ARGS and TRAIN_ARGS, then
 # calls run_recipe "$@". Environment knobs (all optional):
 #   OVERLAP=signal|decompose|auto|off   --overlap-tp (default signal); off = the baseline
-#   TRANSPORT=nccl|p2p  COMM_SMS=N      --overlap-tp-transport / --overlap-tp-comm-sms
+#   TRANSPORT=auto|nccl|p2p  COMM_SMS=N --overlap-tp-transport / --overlap-tp-comm-sms (default auto)
 #   TP=2  NPROC=2  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static rendezvous)
 #   RDZV_ENDPOINT=host:port  RDZV_ID=job  torchrun's c10d rendezvous instead (multi-node, SLURM)
 #   TRANSFORMER_IMPL=local|transformer_engine   (default: transformer_engine where it imports)

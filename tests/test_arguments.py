@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 
 from overlap_tp import OverlapConfig
-from overlap_tp.arguments import (OverlapArgumentError, add_overlap_args, build_parser, moe_overlap_config_kwargs,
-                                  overlap_config_kwargs, validate_overlap_args)
+from overlap_tp.arguments import (OverlapArgumentError, add_overlap_args, build_parser, layer_configs,
+                                  moe_overlap_config_kwargs, overlap_config_kwargs, validate_overlap_args)
 from overlap_tp.megatron_patches.apply import SPEC
 
 
@@ -26,7 +26,7 @@ def megatron_like(**overrides):
 
 def test_defaults_leave_overlap_off():
     args = build_parser().parse_args([])
-    assert args.overlap_tp == "off" and args.overlap_tp_transport == "nccl"
+    assert args.overlap_tp == "off" and args.overlap_tp_transport == "auto"
     assert args.overlap_tp_comm_sms is None and args.overlap_tp_tune_cache is None
     assert args.overlap_moe == "off" and not args.overlap_tp_layers and args.overlap_tp_stats
     assert validate_overlap_args(args, warn=None) == []
@@ -41,6 +41,22 @@ def test_all_flags_parse_into_an_overlap_config():
     assert (config.method, config.transport, config.comm_sms) == ("signal", "p2p", 0)
     assert args.overlap_tp_tune_cache == "/tmp/t.json" and args.overlap_tp_peak_tflops == 900.0
     assert args.overlap_tp_stats is False
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # (transport, comm_sms) of ag_gemm, gemm_rs, gemm_ar
+    (["--overlap-tp", "signal"], [("p2p", 0), ("nccl", 16), ("nccl", 16)]),
+    (["--overlap-tp", "signal", "--overlap-tp-comm-sms", "8"], [("p2p", 0), ("nccl", 8), ("nccl", 8)]),
+    (["--overlap-tp", "signal", "--overlap-tp-transport", "nccl"], [("nccl", 16)] * 3),
+    (["--overlap-tp", "signal", "--overlap-tp-transport", "p2p", "--overlap-tp-comm-sms", "0"],
+     [("p2p", 0), ("p2p", 0), ("nccl", 0)]),
+    (["--overlap-tp", "decompose"], [("nccl", 16)] * 3),   # auto moves only the signaled ag_gemm
+    (["--overlap-tp", "auto"], [("nccl", 16)] * 3),        # the tuner picks transports itself
+])
+def test_layer_configs_per_op_kind(argv, expected):
+    configs = layer_configs(build_parser().parse_args(argv))
+    assert [(configs[op].transport, configs[op].comm_sms) for op in ("ag_gemm", "gemm_rs", "gemm_ar")] == expected
+    assert len({configs[op].method for op in configs}) == 1
 
 
 @pytest.mark.parametrize("argv", [["--overlap-tp", "fast"], ["--overlap-tp-transport", "ib"],

@@ -17,10 +17,11 @@ process on the same inputs and the same weights:
                 replaced by a local op of the same output shape (the no-communication counterfactual;
                 a count of torch.distributed calls during its check step must be 0)
   off           get_gpt_layer_overlap_spec (OverlapTransformerLayer, fused bda + pre-MLP norm), method off
-  signal        the same, method signal with the default OverlapConfig (what `--overlap-tp signal` runs:
-                NCCL per-group collectives, comm_sms 16)
+  signal        the same, method signal with the default OverlapConfig (NCCL per-group collectives,
+                comm_sms 16; `--overlap-tp signal --overlap-tp-transport nccl`)
   decompose     the same, method decompose (chunks 4)
-  signal-agp2p  signal with ag_gemm on the copy-engine p2p transport (comm_sms 0), gemm_rs on NCCL
+  signal-agp2p  signal with ag_gemm on the copy-engine p2p transport (comm_sms 0), gemm_rs on NCCL (what
+                `--overlap-tp signal` runs: --overlap-tp-transport auto)
   signal-p2p    signal with ag_gemm and gemm_rs both on the p2p transports (comm_sms 0)
   auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
 

@@ -106,7 +106,8 @@ def queued_ms(fn, sets, group, rounds=5):
     host never waits for the GPU (host_ms: wall clock around the call) and the GPU then runs the call
     from its queue without launch gaps (gpu_ms: CUDA events around the call). `timed` measures the two
     overlapped, back to back: where its time exceeds gpu_ms, the host set the pace. The sleep is 4x the
-    first round's host time, doubled for a round whose host time reached it (that round is redone).
+    first round's host time (the slowest rank's; the same on every rank), doubled for a round whose host
+    time reached 80% of it (that round is redone).
     Medians over `rounds`, the slowest rank's."""
     cycles_per_ms = _sleep_cycles_per_ms()
     sleep_ms, host, gpu = None, [], []
@@ -123,10 +124,12 @@ def queued_ms(fn, sets, group, rounds=5):
         host_ms = (time.perf_counter() - t0) * 1e3
         end.record()
         torch.cuda.synchronize()
-        late = torch.tensor(float(sleep_ms is None or host_ms > 0.8 * sleep_ms), device=start.device)
-        dist.all_reduce(late, op=dist.ReduceOp.MAX, group=group)   # every rank redoes the same rounds
-        if float(late):
-            sleep_ms = 4 * host_ms if sleep_ms is None else 2 * max(sleep_ms, host_ms)
+        # One sleep for every rank (the longest), or the first collective would also wait out the
+        # difference between the ranks' sleeps; every rank redoes the same rounds.
+        late = torch.tensor([float(sleep_ms is None or host_ms > 0.8 * sleep_ms), host_ms], device=start.device)
+        dist.all_reduce(late, op=dist.ReduceOp.MAX, group=group)
+        if float(late[0]):
+            sleep_ms = 4 * float(late[1]) if sleep_ms is None else 2 * max(sleep_ms, float(late[1]))
             continue
         host.append(host_ms)
         gpu.append(start.elapsed_time(end))
