@@ -198,6 +198,11 @@ def validate_overlap_args(args, *, warn=_warn):
             raise OverlapArgumentError(
                 f"{flag} with {what}: that path builds its own layer specs, which overlap_tp does not "
                 f"replace yet. Use {off}.")
+    if method in ("signal", "decompose") and tp >= 8:
+        note(f"--overlap-tp {method} with --tensor-model-parallel-size {tp}: at TP 8 each rank's GEMMs are short "
+             "and the layers are host-bound, and the overlapped layers measured 34-63% slower than with "
+             "--overlap-tp off on 8 x H200 (docs/perf/t8/README.md). Consider --overlap-tp auto (per-shape "
+             "choice, off where overlap does not pay) or --overlap-tp off.")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         note(f"{flag} with --transformer-impl transformer_engine: overlap_tp's layer spec takes "
              "precedence over it for every transformer layer. qkv/proj/fc1/fc2 become overlap_tp "

@@ -43,6 +43,12 @@ def test_all_flags_parse_into_an_overlap_config():
     assert args.overlap_tp_stats is False
 
 
+def test_tp8_signal_gets_the_measured_warning():
+    given = validate_overlap_args(megatron_like(tensor_model_parallel_size=8), warn=None)
+    assert any("TP 8" in g and "host-bound" in g for g in given)
+    assert not any("TP 8" in g for g in validate_overlap_args(megatron_like(), warn=None))
+
+
 @pytest.mark.parametrize("argv, expected", [
     # (transport, comm_sms) of ag_gemm, gemm_rs, gemm_ar
     (["--overlap-tp", "signal"], [("p2p", 0), ("nccl", 16), ("nccl", 16)]),
