@@ -1,7 +1,7 @@
 """A small Llama-style GPTModel on overlap_tp's spec against the same model on Megatron's linears
 (all GPUs here, NCCL, TP = gpu_world() + sequence parallel, bf16; run on the device: `pytest -m gpu tests/gpu`).
 
-Model: 4 layers, hidden 1024, FFN 2816 (SwiGLU), 16 heads / 4 query groups (GQA), RMSNorm, no biases,
+Model: 4 layers, hidden 1024, FFN 2816 (SwiGLU), 16 heads / 4 query groups (GQA; 8 at t = 8), RMSNorm, no biases,
 RoPE, untied embeddings, sequence 2048, micro-batch 2, vocab 32000. Built three times from the same seed
 (model_parallel_cuda_manual_seed; the parameters must come out equal):
   signal     get_gpt_layer_overlap_spec, every op method 'signal' (the --overlap-tp signal default)
@@ -92,9 +92,10 @@ def _seed(seed, device):
 
 def _config(sizes, world, device):
     from megatron.core.transformer.transformer_config import TransformerConfig
+    groups = max(sizes["groups"], world)   # Megatron shards KV groups over TP: at t = 8, 8 groups
     return TransformerConfig(
         num_layers=sizes["layers"], hidden_size=sizes["hidden"], ffn_hidden_size=sizes["ffn"],
-        num_attention_heads=sizes["heads"], num_query_groups=sizes["groups"], kv_channels=sizes["hidden"] // sizes["heads"],
+        num_attention_heads=sizes["heads"], num_query_groups=groups, kv_channels=sizes["hidden"] // sizes["heads"],
         normalization="RMSNorm", layernorm_epsilon=1e-5, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,

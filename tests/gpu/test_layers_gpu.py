@@ -84,7 +84,9 @@ def _setup(world, device_type):
 
 def _config(world, device_type, sp, fusion=False):
     from megatron.core.transformer.transformer_config import TransformerConfig
-    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, params_dtype=torch.bfloat16, bf16=True,
+    # 8 heads: Megatron wants the head count divisible by TP, and the GPU tests run at t up to 8 (the linears
+    # themselves do not use heads; hidden_size only names the config).
+    return TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=8, params_dtype=torch.bfloat16, bf16=True,
                              tensor_model_parallel_size=world, sequence_parallel=sp,
                              gradient_accumulation_fusion=fusion, use_cpu_initialization=device_type == "cpu")
 
