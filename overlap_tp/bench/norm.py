@@ -34,6 +34,7 @@ import triton
 import triton.testing
 
 from overlap_tp.bench import report
+from overlap_tp.bench.ops import sleep_cycles_per_ms
 from overlap_tp.kernels.fused_add_rmsnorm import (
     TileOrder, dropout_keep_mask, dropout_seed, empty_forward_outputs, launch_backward, launch_forward, reference_add_rmsnorm)
 
@@ -193,18 +194,13 @@ def bench_shape(rows, hidden, args, copy):
     return results
 
 
-def sleep_cycles_per_us(rep_ms):
-    cycles = 1_000_000
-    return cycles / (median_ms([lambda: torch.cuda._sleep(cycles)], rep_ms) * 1e3)
-
-
 def bench_per_group(rows, args, sets, forward, norm_ms):
     """The forward split into row groups that become ready one by one behind an emulated collective."""
     groups = args.groups
     bounds = [rows * g // groups for g in range(groups + 1)]
     hidden = sets[0]["x"].shape[1]
     group_us = rows // groups * hidden * 2 / (args.comm_gbps * 1e3)
-    cycles = int(group_us * sleep_cycles_per_us(args.rep_ms))
+    cycles = int(group_us * sleep_cycles_per_ms() / 1e3)
     main = torch.cuda.current_stream()
     comm, third = torch.cuda.Stream(priority=-1), torch.cuda.Stream()
     events = [torch.cuda.Event() for _ in range(groups)]

@@ -109,7 +109,7 @@ def queued_ms(fn, sets, group, rounds=5):
     first round's host time (the slowest rank's; the same on every rank), doubled for a round whose host
     time reached 80% of it (that round is redone).
     Medians over `rounds`, the slowest rank's."""
-    cycles_per_ms = _sleep_cycles_per_ms()
+    cycles_per_ms = sleep_cycles_per_ms()
     sleep_ms, host, gpu = None, [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while len(gpu) < rounds:
@@ -139,15 +139,20 @@ def queued_ms(fn, sets, group, rounds=5):
     return float(medians[0]), float(medians[1])
 
 
-def _sleep_cycles_per_ms():
+def sleep_cycles_per_ms(reps=5):
+    """How many cycles of torch.cuda._sleep (a spin kernel that counts SM clock cycles) make a millisecond
+    on this GPU now: the median of `reps` timed 10M-cycle sleeps."""
     cycles = 10_000_000
     torch.cuda._sleep(cycles)   # warm-up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    end.synchronize()
-    return cycles / start.elapsed_time(end)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return cycles / statistics.median(times)
 
 
 def agree(got, ref, what):
