@@ -115,7 +115,11 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
                      HAS_D_RESIDUAL_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr,
                      HAS_BIAS: tl.constexpr):
     """A contiguous run of rows per program, in one pass: ds (and dx) per row; dw and dbias as one
-    fp32 partial row per program."""
+    fp32 partial row per program.
+
+    The loads of row i + 1 are issued before row i's reduction and stores (software pipelining by
+    hand): without it each program has one row's reads in flight and waits out the full memory latency
+    once per row, since the row's sum must complete before its stores and the next row's loads."""
     pid = tl.program_id(0)
     cols = tl.arange(0, N_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
     mask = cols < N
@@ -125,18 +129,39 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
 
-    first_row = pid * rows_per_program
-    for i in range(0, tl.minimum(rows_per_program, M - first_row)):
-        row = first_row.to(tl.int64) + i
+    first_row = pid.to(tl.int64) * rows_per_program
+    num_rows = tl.minimum(rows_per_program, M - first_row)
+    # Row first_row's inputs (a program always has at least one row).
+    next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, first_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
+                                        DY_ORDERED), mask=mask, other=0.0)
+    next_s = tl.load(s_ptr + first_row * N + cols, mask=mask, other=0.0)
+    next_rstd = tl.load(rstd_ptr + first_row)
+    if HAS_D_RESIDUAL_OUT:
+        next_d_res = tl.load(d_residual_out_ptr + first_row * N + cols, mask=mask, other=0.0)
+    for i in range(0, num_rows):
+        row = first_row + i
         offs = row * N + cols
-        dy_offs = _offsets(dy_order_ptr, row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES, DY_ORDERED)
-        dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        x_hat = tl.load(s_ptr + offs, mask=mask, other=0.0).to(tl.float32) * rstd
+        dy = next_dy.to(tl.float32)
+        x_hat = next_s.to(tl.float32) * next_rstd
+        rstd = next_rstd
+        if HAS_D_RESIDUAL_OUT:
+            d_res = next_d_res.to(tl.float32)
+
+        # Prefetch the next row: past the program's last row the loads are masked off (no traffic) and
+        # the row index is clamped so that even the tile-order lookup stays in bounds.
+        has_next = i + 1 < num_rows
+        next_row = tl.minimum(row + 1, M - 1)
+        next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, next_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
+                                            DY_ORDERED), mask=mask & has_next, other=0.0)
+        next_s = tl.load(s_ptr + next_row * N + cols, mask=mask & has_next, other=0.0)
+        next_rstd = tl.load(rstd_ptr + next_row)
+        if HAS_D_RESIDUAL_OUT:
+            next_d_res = tl.load(d_residual_out_ptr + next_row * N + cols, mask=mask & has_next, other=0.0)
+
         dx_hat = dy * g
         ds = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat) / N))
         if HAS_D_RESIDUAL_OUT:
-            ds += tl.load(d_residual_out_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            ds += d_res
         tl.store(ds_ptr + offs, ds.to(ds_ptr.dtype.element_ty), mask=mask)
         dweight += dy * x_hat
 
@@ -169,7 +194,7 @@ def _dropout_mask_kernel(seed_ptr, keep_ptr, N, p, TILE_N: tl.constexpr, N_TILES
 # ----------------------------------------------------------------------------------------------
 
 def _block(n, *orders):
-    """(TILE_N, N_TILES, num_warps) for rows of n elements read or written in these orders."""
+    """(TILE_N, N_TILES, the forward's num_warps) for rows of n elements read or written in these orders."""
     tile_n = min([_STANDARD_TILE_N, max(4, triton.next_power_of_2(n))] + [o.block_n for o in orders if o is not None])
     n_tiles = triton.next_power_of_2(triton.cdiv(n, tile_n))
     block = tile_n * n_tiles
@@ -218,17 +243,19 @@ def empty_forward_outputs(x, residual, residual_dtype):
 
 
 def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=False, dropout_p=0.0, seed=None,
-                   x_order=None, row_lo=0, row_hi=None):
+                   x_order=None, row_lo=0, row_hi=None, num_warps=None):
     """Write rows [row_lo, row_hi) of `out` (a ForwardOutputs). No checks: call `check_forward` once.
 
     residual None = plain RMSNorm of x (no bias, dropout or order). dropout_p > 0 needs `seed`.
     Per-group use: launch on the stream where a group's rows became complete, with that group's rows.
+    num_warps: per program (one row); None = `_block`'s rule (the benchmark sweeps it).
     """
     n = weight.shape[0]
     row_hi = out.rstd.shape[0] if row_hi is None else row_hi
     if row_hi <= row_lo:
         return
-    tile_n, n_tiles, num_warps = _block(n, x_order)
+    tile_n, n_tiles, default_warps = _block(n, x_order)
+    num_warps = num_warps or default_warps
     x_slot_of, x_block_m, x_block_n, x_ordered = _order_args(x_order)
     _forward_kernel[(row_hi - row_lo,)](
         x, x_slot_of, bias, residual, weight, seed if dropout_p > 0 else None,
@@ -239,19 +266,38 @@ def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=F
         num_warps=num_warps)
 
 
+def backward_grid(m, n, device, programs_per_sm=None, num_warps=None, orders=()):
+    """(programs, rows_per_program, TILE_N, N_TILES, num_warps) of the backward launch for m rows of n.
+
+    Defaults, from the launch grid sweep on H200 (docs/perf/fused_add_rmsnorm.md, `--sweep`): 32 fp32
+    elements per thread per row (num_warps = row block / 1024) and about 256 threads per SM (2 programs
+    per SM at 4096 columns, 1 at 8192). More warps per row or more programs per SM measured 5-25% slower:
+    each program already keeps two rows of loads in flight, and more programs add partial rows to write
+    and sum. Fewer warps spill registers (4 warps at 8192 columns: 15x slower)."""
+    tile_n, n_tiles, _ = _block(n, *orders)
+    block = tile_n * n_tiles
+    num_warps = num_warps or min(32, max(4, block // 1024))
+    if device.type == "cuda":
+        programs = (programs_per_sm or max(1, 8192 // block)) * _num_sms(device.index or 0)
+    else:
+        programs = _CPU_PROGRAMS
+    rows_per_program = triton.cdiv(m, max(1, min(m, programs)))
+    programs = triton.cdiv(m, rows_per_program) if m else 1
+    return programs, rows_per_program, tile_n, n_tiles, num_warps
+
+
 def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centered_gamma=False, dropout_p=0.0,
-                    seed=None, dy_order=None, dx_order=None, bias_grad=False, programs_per_sm=2):
+                    seed=None, dy_order=None, dx_order=None, bias_grad=False, programs_per_sm=None, num_warps=None):
     """One pass over the rows; returns the fp32 column sums (dweight, dbias or None). No checks.
 
     Reads dy (in dy_order), d_residual_out (or None: zero), the saved s and rstd. Writes ds (the grad of
     s: the residual's, or x's for the plain norm, standard layout) and dx (x's grad, in dx_order) unless
-    `dx` is None, which means dx is ds (no dropout, standard layout, same dtype). More programs per SM
-    hide more latency but add partial rows (programs x N fp32) to write and sum."""
+    `dx` is None, which means dx is ds (no dropout, standard layout, same dtype). Each program writes one
+    partial row (programs x N fp32) that a torch sum reduces. programs_per_sm, num_warps: None =
+    `backward_grid`'s defaults (the benchmark sweeps them)."""
     m, n = rstd.shape[0], weight.shape[0]
-    tile_n, n_tiles, num_warps = _block(n, dy_order, dx_order)
-    programs = max(1, min(m, programs_per_sm * _num_sms(s.device.index or 0) if s.is_cuda else _CPU_PROGRAMS))
-    rows_per_program = triton.cdiv(m, programs)
-    programs = triton.cdiv(m, rows_per_program) if m else 1
+    programs, rows_per_program, tile_n, n_tiles, num_warps = backward_grid(
+        m, n, s.device, programs_per_sm, num_warps, (dy_order, dx_order))
     dweight = torch.empty(programs, n, dtype=torch.float32, device=s.device)
     dbias = torch.empty(programs, n, dtype=torch.float32, device=s.device) if bias_grad else None
     dy_slot_of, dy_block_m, dy_block_n, dy_ordered = _order_args(dy_order)

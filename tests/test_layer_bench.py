@@ -10,6 +10,7 @@
 - tests/gpu/test_layers_gpu.py and tests/gpu/test_gpt_parity_gpu.py: their check functions at tiny sizes
   (the GPU runs use the same functions with NCCL and the real shapes).
 """
+import gzip
 import json
 import os
 import sys
@@ -176,7 +177,8 @@ def test_reference_layer_and_counterfactual():
 def _run_bench(rank, world, out_dir):
     _quiet()
     from overlap_tp.bench import layer
-    args = layer.parse_args(["--tiny", "--out", out_dir, "--reps", "2", "--warmup", "1"])
+    args = layer.parse_args(["--tiny", "--out", out_dir, "--reps", "2", "--warmup", "1",
+                             "--profile", os.path.join(out_dir, "profile"), "--profile-steps", "1"])
     rows = layer.run(args, command="test_layer_bench")
     assert [r["config"] for r in rows] == layer.CPU_CONFIGS.split(",")
     for row in rows:
@@ -196,6 +198,12 @@ def test_layer_bench_tiny(tmp_path):
     assert "signal_vs_megatron" in data["summary"]["tiny"] and "signal_vs_nocomm" in data["summary"]["tiny"]
     markdown = (tmp_path / "layer.md").read_text()
     assert "| tiny | nocomm |" in markdown and "test_layer_bench" in markdown
+    from overlap_tp.bench import layer
+    for config in layer.CPU_CONFIGS.split(","):
+        for rank in range(2):
+            with gzip.open(tmp_path / "profile" / f"tiny_{config}_rank{rank}.json.gz", "rt") as f:
+                trace = json.load(f)
+            assert any(e.get("name", "").startswith("aten::mm") for e in trace["traceEvents"]), config
 
 
 def test_bench_cli_arguments():

@@ -101,6 +101,10 @@ def parse_args(argv):
                    help="CPU plumbing run: --device cpu --models tiny --seq 32 --reps 3 --warmup 1 --input-sets 2")
     p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="layer", help="report file name (without extension)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after timing each configuration, profile --profile-steps steps (torch.profiler, CPU + "
+                        "CUDA) and write DIR/<model>_<config>_rank<r>.json.gz (Chrome trace)")
+    p.add_argument("--profile-steps", type=int, default=3)
     args = p.parse_args(argv)
     if args.tiny:
         args.device, args.models, args.seq, args.reps, args.warmup, args.input_sets = "cpu", "tiny", 32, 3, 1, 2
@@ -209,6 +213,27 @@ def _max_error(result, reference):
         errors[name] = rel_error(grad, grads_ref[name])
     worst = max(errors, key=errors.get)
     return errors[worst], worst
+
+
+def profile_steps(run_step, sets, steps, group, path):
+    """Chrome trace of `steps` forward + backward steps (after a barrier), gzipped to `path`."""
+    import gzip
+    import shutil
+    import tempfile
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    dist.barrier(group)
+    with torch.profiler.profile(activities=activities) as prof:
+        for i in range(steps):
+            run_step(*sets[i % len(sets)])
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with tempfile.NamedTemporaryFile(suffix=".json") as raw:
+        prof.export_chrome_trace(raw.name)
+        with open(raw.name, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
 
 
 def _apply_overlap(layer, overlap):
@@ -379,6 +404,9 @@ def bench_model(model, args, group, device, rows, command):
                     row["ms"] = timed(run_step, sets, args.reps, group, warmup=args.warmup, device=device)
                     if device.type == "cuda":
                         row["host_ms"], row["gpu_ms"] = queued_ms(run_step, sets, group)
+                    if args.profile:
+                        profile_steps(run_step, sets, args.profile_steps, group,
+                                      os.path.join(args.profile, f"{model}_{name}_rank{dist.get_rank(group)}.json.gz"))
             except Exception as error:
                 traceback.print_exc()
                 row["error"] = f"{type(error).__name__}: {error}"[:300]

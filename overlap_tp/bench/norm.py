@@ -9,14 +9,17 @@ Per (rows = M/t, hidden), bf16, the Llama path (no bias, no dropout) unless the 
   fwd fused, map+bias+dropout 0.1   Philox mask regenerated in the kernel
   fwd eager            torch: x + residual, then torch.nn.functional.rms_norm
   fwd eager, undo map  torch: TileOrder.undo(x) + residual, then rms_norm (the reorder done unfused)
-  bwd fused / map      the one-pass backward (dy standard / tile-ordered), dx = d_residual aliased;
-                       also with 1 and 4 programs per SM instead of 2 (to tune launch_backward's default)
+  bwd fused / map      the one-pass backward (dy standard / tile-ordered), dx = d_residual aliased
+  --sweep              also the forward at each num_warps in FWD_WARPS and the backward at each
+                       (programs per SM, num_warps) in BWD_GRID, to set the launchers' defaults
   bwd eager / undo map autograd of the eager forward (after undoing dy's map)
   per-group rows       the forward split into --groups row groups behind an emulated collective, see below
 GB/s counts each input read once and each output written once; "% copy" divides it by the bandwidth of
-a device-to-device copy (src -> dst, read + write) measured in the same run. Times are
-triton.testing.do_bench medians (L2 flushed between calls), inputs rotated over --input-sets sets;
-every variant's result is checked (bf16 tolerance against float64, or bitwise) before it is timed.
+a device-to-device copy (src -> dst, read + write) measured in the same run. Times ("us") are GPU-only
+medians over --reps calls, inputs rotated over --input-sets sets, L2 flushed before each call, every
+launch queued behind a sleep kernel (`median_ms`), so no launch gap is counted; "host us" is the host's
+time to enqueue one call. Every variant's result is checked (bf16 tolerance against float64, or
+bitwise) before it is timed.
 
 Per-group emulation (DESIGN.md item 3): the collective is a spin kernel (torch.cuda._sleep: one thread,
 no memory traffic) per group, sized as the group's output bytes / --comm-gbps, on a high-priority comm
@@ -26,21 +29,21 @@ delays the next group's collective); "per group, third stream" launches it on a 
 group's event. "hidden %" = the share of the full norm's time that left the critical path.
 """
 import argparse
-import itertools
+import statistics
 import sys
+import time
 
 import torch
-import triton
-import triton.testing
-
 from overlap_tp.bench import report
 from overlap_tp.bench.ops import sleep_cycles_per_ms
 from overlap_tp.kernels.fused_add_rmsnorm import (
-    TileOrder, dropout_keep_mask, dropout_seed, empty_forward_outputs, launch_backward, launch_forward, reference_add_rmsnorm)
+    TileOrder, backward_grid, dropout_keep_mask, dropout_seed, empty_forward_outputs, launch_backward, launch_forward,
+    reference_add_rmsnorm)
 
 EPS = 1e-5
 DROPOUT = 0.1
-BWD_PROGRAMS_PER_SM = 2  # launch_backward's default; 1 and 4 are timed too
+FWD_WARPS = (2, 4, 8, 16, 32)
+BWD_GRID = [(per_sm, warps) for per_sm in (1, 2, 4, 8) for warps in (4, 8, 16, 32)]
 
 
 def parse_args(argv):
@@ -53,22 +56,60 @@ def parse_args(argv):
     p.add_argument("--comm-gbps", type=float, default=200.0,
                    help="emulated collective: output bytes per second (DEVICE.md: NCCL RS ~185-220 GB/s bus)")
     p.add_argument("--input-sets", type=int, default=3)
-    p.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per variant")
+    p.add_argument("--reps", type=int, default=30, help="timed calls per variant (median)")
+    p.add_argument("--sweep", action="store_true", help="also time the launch-parameter grid (FWD_WARPS, BWD_GRID)")
     p.add_argument("--out", default="docs/perf")
     p.add_argument("--name", default="fused_add_rmsnorm")
     return p.parse_args(argv)
 
 
-def median_ms(calls, rep_ms):
-    """do_bench median (ms) of the calls, taken in turn (one per input set)."""
-    cycle = itertools.cycle(calls)
-    return triton.testing.do_bench(lambda: next(cycle)(), warmup=25, rep=rep_ms, return_mode="median")
+def median_ms(calls, reps):
+    """(GPU ms, host ms) medians of the calls, taken in turn (one per input set).
+
+    A sleep kernel holds the GPU while the host enqueues all `reps` calls, each behind an L2 flush and
+    between two events, so the events time the kernels alone. (triton.testing.do_bench launches each call
+    behind its ~60 us L2 flush; a call whose host side takes longer, like the backward's launch plus
+    partial sum, then also times the launch gap: the first records' backward rows did.) The sleep is
+    doubled and the reps redone while the host's enqueue reaches 80% of it."""
+    for call in calls:  # compile and warm up
+        call()
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    sleep_ms = 10.0
+    while True:
+        host = []
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(sleep_ms * _cycles_per_ms()))
+        t_enqueue = time.perf_counter()
+        for i in range(reps):
+            flush.zero_()
+            starts[i].record()
+            t0 = time.perf_counter()
+            calls[i % len(calls)]()
+            host.append(time.perf_counter() - t0)
+            ends[i].record()
+        enqueue_ms = (time.perf_counter() - t_enqueue) * 1e3
+        torch.cuda.synchronize()
+        if enqueue_ms < 0.8 * sleep_ms:
+            break
+        sleep_ms *= 2
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), 1e3 * statistics.median(host)
 
 
-def copy_gbps(rep_ms):
+_CYCLES_PER_MS = []
+
+
+def _cycles_per_ms():
+    if not _CYCLES_PER_MS:
+        _CYCLES_PER_MS.append(sleep_cycles_per_ms())
+    return _CYCLES_PER_MS[0]
+
+
+def copy_gbps(reps):
     src = torch.randn(2**29 // 2, device="cuda", dtype=torch.bfloat16)  # 512 MiB
     dst = torch.empty_like(src)
-    ms = median_ms([lambda: dst.copy_(src)], rep_ms)
+    ms, _ = median_ms([lambda: dst.copy_(src)], reps)
     return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
@@ -107,26 +148,31 @@ def bench_shape(rows, hidden, args, copy):
     d_residual = torch.empty_like(sets[0]["x"])
     seed = dropout_seed("cuda")
     matrix_bytes = rows * hidden * 2
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
     fwd_bytes = 4 * matrix_bytes + 2 * hidden + 4 * rows  # x, residual in; y, residual out
-    bwd_bytes = 4 * matrix_bytes + 2 * hidden + 4 * rows + 4 * BWD_PROGRAMS_PER_SM * sms * hidden  # + partials
+
+    def bwd_bytes(programs_per_sm=None, num_warps=None):
+        """dy, s, d_residual in; ds out; weight, rstd; the fp32 partial rows written and summed."""
+        programs = backward_grid(rows, hidden, torch.device("cuda", 0), programs_per_sm, num_warps)[0]
+        return 4 * matrix_bytes + 2 * hidden + 4 * rows + 2 * 4 * programs * hidden
     results = []
 
-    def add(variant, ms, nbytes, fused=None, eager=None):
-        results.append(dict(rows=rows, hidden=hidden, variant=variant, us=ms * 1e3, gbps=nbytes / ms / 1e6,
-                            pct_copy=100 * nbytes / ms / 1e6 / copy,
-                            vs_fused_pct=None if fused is None else 100 * (ms / fused - 1),
-                            speedup_vs_eager=None if eager is None else eager / ms))
+    def add(variant, timing, nbytes, fused=None, eager=None):
+        """One report row; timing, fused, eager: (GPU ms, host ms) from median_ms."""
+        ms, host_ms = timing
+        results.append(dict(rows=rows, hidden=hidden, variant=variant, us=ms * 1e3, host_us=host_ms * 1e3,
+                            gbps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / copy,
+                            vs_fused_pct=None if fused is None else 100 * (ms / fused[0] - 1),
+                            speedup_vs_eager=None if eager is None else eager[0] / ms))
 
-    def forward(s, ordered=False, with_bias=False, p=0.0, target=out, row_lo=0, row_hi=None):
+    def forward(s, ordered=False, with_bias=False, p=0.0, target=out, row_lo=0, row_hi=None, num_warps=None):
         launch_forward(s["x_ordered"] if ordered else s["x"], s["residual"], weight, bias if with_bias else None,
                        target, eps=EPS, dropout_p=p, seed=seed, x_order=order if ordered else None,
-                       row_lo=row_lo, row_hi=row_hi)
+                       row_lo=row_lo, row_hi=row_hi, num_warps=num_warps)
 
-    def backward(s, ordered=False, programs_per_sm=BWD_PROGRAMS_PER_SM):
+    def backward(s, ordered=False, programs_per_sm=None, num_warps=None):
         return launch_backward(s["dy_ordered"] if ordered else s["dy"], s["d_residual"], out.residual_out, out.rstd,
                                weight, d_residual, None, dy_order=order if ordered else None,
-                               programs_per_sm=programs_per_sm)
+                               programs_per_sm=programs_per_sm, num_warps=num_warps)
 
     def eager_backward(s, ordered=False):
         """A call backpropagating through one kept eager graph (after undoing dy's map)."""
@@ -141,10 +187,12 @@ def bench_shape(rows, hidden, args, copy):
     # Correctness first, against float64.
     s0 = sets[0]
     y_ref, s_ref = reference_add_rmsnorm(s0["x"], s0["residual"], weight, eps=EPS)
-    for ordered in (False, True):
-        forward(s0, ordered)
-        check(out.y, y_ref, f"fwd ordered={ordered} y")
-        check(out.residual_out, s_ref, f"fwd ordered={ordered} residual")
+    for ordered, warps in [(False, None), (True, None)] + ([(False, w) for w in FWD_WARPS] if args.sweep else []):
+        for t in (out.y, out.residual_out):
+            t.fill_(float("nan"))
+        forward(s0, ordered, num_warps=warps)
+        check(out.y, y_ref, f"fwd ordered={ordered} warps={warps} y")
+        check(out.residual_out, s_ref, f"fwd ordered={ordered} warps={warps} residual")
     check(eager_forward(s0["x"], s0["residual"], weight)[0], y_ref, "eager fwd")
     forward(s0, True, True, DROPOUT)
     keep = dropout_keep_mask(seed, rows, hidden, DROPOUT)
@@ -157,15 +205,18 @@ def bench_shape(rows, hidden, args, copy):
     leaves = [t.double().requires_grad_() for t in (s0["x"], s0["residual"], weight)]
     y64, s64 = reference_add_rmsnorm(*leaves, eps=EPS)
     torch.autograd.backward([y64, s64], [s0["dy"].double(), s0["d_residual"].double()])
-    for ordered in (False, True):
-        d_weight, _ = backward(s0, ordered)
-        check(d_residual, leaves[1].grad, f"bwd ordered={ordered} d_residual")
-        check(d_weight, leaves[2].grad, f"bwd ordered={ordered} d_weight")
+    for ordered, per_sm, warps in [(False, None, None), (True, None, None)] + (
+            [(False, per_sm, warps) for per_sm, warps in BWD_GRID] if args.sweep else []):
+        d_residual.fill_(float("nan"))
+        d_weight, _ = backward(s0, ordered, per_sm, warps)
+        what = f"bwd ordered={ordered} programs/SM={per_sm} warps={warps}"
+        check(d_residual, leaves[1].grad, f"{what} d_residual")
+        check(d_weight, leaves[2].grad, f"{what} d_weight")
     check(eager_backward(s0)()[1], leaves[1].grad, "eager bwd d_residual")
 
     # Timings.
     def timed(make_call):
-        return median_ms([make_call(s) for s in sets], args.rep_ms)
+        return median_ms([make_call(s) for s in sets], args.reps)
 
     fused = timed(lambda s: lambda: forward(s))
     fused_map = timed(lambda s: lambda: forward(s, True))
@@ -177,18 +228,21 @@ def bench_shape(rows, hidden, args, copy):
         fwd_bytes + 2 * hidden, fused)
     add("fwd eager", eager, fwd_bytes, fused)
     add("fwd eager, undo map", eager_undo, fwd_bytes, fused)
+    for warps in FWD_WARPS if args.sweep else ():
+        add(f"fwd fused, {warps} warps", timed(lambda s: lambda: forward(s, num_warps=warps)), fwd_bytes, fused)
 
     forward(s0)
     fused_bwd = timed(lambda s: lambda: backward(s))
     eager_bwd = timed(eager_backward)
     eager_bwd_undo = timed(lambda s: eager_backward(s, True))
-    add("bwd fused", fused_bwd, bwd_bytes, eager=eager_bwd)
-    add("bwd fused, map", timed(lambda s: lambda: backward(s, True)), bwd_bytes, fused_bwd, eager_bwd_undo)
-    for per_sm in (1, 4):
-        add(f"bwd fused, {per_sm} programs/SM", timed(lambda s: lambda: backward(s, programs_per_sm=per_sm)),
-            bwd_bytes + 4 * (per_sm - BWD_PROGRAMS_PER_SM) * sms * hidden, fused_bwd)
-    add("bwd eager", eager_bwd, bwd_bytes, fused_bwd)
-    add("bwd eager, undo map", eager_bwd_undo, bwd_bytes, fused_bwd)
+    add("bwd fused", fused_bwd, bwd_bytes(), eager=eager_bwd)
+    add("bwd fused, map", timed(lambda s: lambda: backward(s, True)), bwd_bytes(), fused_bwd, eager_bwd_undo)
+    for per_sm, warps in BWD_GRID if args.sweep else ():
+        add(f"bwd fused, {per_sm} programs/SM, {warps} warps",
+            timed(lambda s: lambda: backward(s, programs_per_sm=per_sm, num_warps=warps)),
+            bwd_bytes(per_sm, warps), fused_bwd)
+    add("bwd eager", eager_bwd, bwd_bytes(), fused_bwd)
+    add("bwd eager, undo map", eager_bwd_undo, bwd_bytes(), fused_bwd)
 
     results.extend(bench_per_group(rows, args, sets, forward, fused_map))
     return results
@@ -247,13 +301,13 @@ def bench_per_group(rows, args, sets, forward, norm_ms):
         for got, want in zip(grouped, full):
             check(got, want, f"per-group {variant.__name__}", exact=True)
 
-    timings = {fn.__name__: median_ms([lambda s=s, fn=fn: fn(s) for s in sets], args.rep_ms)
+    timings = {fn.__name__: median_ms([lambda s=s, fn=fn: fn(s) for s in sets], args.reps)[0]
                for fn in (comm_alone, after_all, on_comm_stream, on_third_stream)}
     labels = {"comm_alone": "comm alone (emulated)", "after_all": "norm after all groups",
               "on_comm_stream": "per group, comm stream", "on_third_stream": "per group, third stream"}
     rows_out = []
     for name, ms in timings.items():
-        hidden_pct = None if name == "comm_alone" else 100 * (timings["after_all"] - ms) / norm_ms
+        hidden_pct = None if name == "comm_alone" else 100 * (timings["after_all"] - ms) / norm_ms[0]
         rows_out.append(dict(rows=rows, hidden=hidden, variant=f"{groups} groups: {labels[name]}", us=ms * 1e3,
                              hidden_pct=hidden_pct))
     return rows_out
@@ -264,6 +318,7 @@ COLUMNS = [
     ("hidden", "hidden", "{}"),
     ("variant", "variant", "{}"),
     ("us", "us", "{:.1f}"),
+    ("host_us", "host us", "{:.0f}"),
     ("gbps", "GB/s", "{:.0f}"),
     ("pct_copy", "% copy", "{:.1f}"),
     ("vs_fused_pct", "vs fused (same direction) %", "{:+.1f}"),
@@ -278,7 +333,7 @@ def main(argv):
         print("norm benchmark: needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.manual_seed(0)
-    copy = copy_gbps(args.rep_ms)
+    copy = copy_gbps(args.reps)
     rows = []
     for m in (int(v) for v in args.rows.split(",")):
         for n in (int(v) for v in args.hidden.split(",")):
