@@ -282,7 +282,7 @@ def backward_grid(m, n, device, programs_per_sm=None, num_warps=None, orders=())
     else:
         programs = _CPU_PROGRAMS
     rows_per_program = triton.cdiv(m, max(1, min(m, programs)))
-    programs = triton.cdiv(m, rows_per_program) if m else 1
+    programs = triton.cdiv(m, rows_per_program) if m else 0
     return programs, rows_per_program, tile_n, n_tiles, num_warps
 
 
@@ -296,6 +296,9 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
     partial row (programs x N fp32) that a torch sum reduces. programs_per_sm, num_warps: None =
     `backward_grid`'s defaults (the benchmark sweeps them)."""
     m, n = rstd.shape[0], weight.shape[0]
+    if m == 0:   # the kernel loads each program's first row before its loop: launch none
+        zeros = torch.zeros(n, dtype=torch.float32, device=s.device)
+        return zeros, zeros.clone() if bias_grad else None
     programs, rows_per_program, tile_n, n_tiles, num_warps = backward_grid(
         m, n, s.device, programs_per_sm, num_warps, (dy_order, dx_order))
     dweight = torch.empty(programs, n, dtype=torch.float32, device=s.device)

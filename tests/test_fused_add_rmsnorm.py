@@ -310,3 +310,14 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         rmsnorm(torch.randn(4, 8), torch.ones(8))
+
+
+def test_zero_rows_give_empty_outputs_and_zero_weight_grad():
+    """An empty sequence: no kernel reads a row (the backward's first-row load would be out of bounds)."""
+    x, residual = (torch.randn(0, 2, 64).requires_grad_() for _ in range(2))
+    weight = torch.ones(64, requires_grad=True)
+    y, carried = fused_add_rmsnorm(x, residual, weight, None, eps=1e-5)
+    assert y.shape == carried.shape == (0, 2, 64)
+    (y.sum() + carried.sum()).backward()
+    assert x.grad.shape == residual.grad.shape == (0, 2, 64)
+    assert torch.equal(weight.grad, torch.zeros(64))

@@ -37,9 +37,12 @@ import argparse
 import contextlib
 import functools
 import gc
+import gzip
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 import traceback
 import warnings
 
@@ -218,9 +221,6 @@ def _max_error(result, reference):
 
 def profile_steps(run_step, sets, steps, group, path):
     """Chrome trace of `steps` forward + backward steps (after a barrier), gzipped to `path`."""
-    import gzip
-    import shutil
-    import tempfile
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -29,6 +29,7 @@ delays the next group's collective); "per group, third stream" launches it on a 
 group's event. "hidden %" = the share of the full norm's time that left the critical path.
 """
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -97,13 +98,7 @@ def median_ms(calls, reps):
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), 1e3 * statistics.median(host)
 
 
-_CYCLES_PER_MS = []
-
-
-def _cycles_per_ms():
-    if not _CYCLES_PER_MS:
-        _CYCLES_PER_MS.append(sleep_cycles_per_ms())
-    return _CYCLES_PER_MS[0]
+_cycles_per_ms = functools.cache(sleep_cycles_per_ms)   # measured once per run
 
 
 def copy_gbps(reps):
