@@ -184,6 +184,9 @@ def _run_bench(rank, world, out_dir):
     for row in rows:
         assert "error" not in row, row
         assert row["ms"] > 0, row
+        if row["config"] != "megatron":   # the ratio's range over the interleaved rounds
+            low, high = (float(v) for v in row["rounds_vs_megatron"].split("-"))
+            assert 0 < low <= high, row
     by = {r["config"]: r for r in rows}
     assert by["nocomm"]["collectives"] == 0 and by["megatron"]["collectives"] == 10
     for name in ("off", "signal", "decompose"):
@@ -210,7 +213,8 @@ def test_bench_cli_arguments():
     from overlap_tp.bench import layer
     assert layer.parse_args([]).configs == layer.DEFAULT_CONFIGS
     assert layer.parse_args(["--tiny"]).device == "cpu"
-    for bad in (["--configs", "signal,megatron"], ["--configs", "megatron,bogus"], ["--models", "l9b"]):
+    for bad in (["--configs", "signal,megatron"], ["--configs", "megatron,bogus"], ["--models", "l9b"],
+                ["--rounds", "0"], ["--reps", "2", "--rounds", "3"]):
         with pytest.raises(SystemExit):
             layer.parse_args(bad)
     from overlap_tp.bench.__main__ import SUBCOMMANDS

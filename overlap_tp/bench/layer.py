@@ -29,12 +29,15 @@ process on the same inputs and the same weights:
   auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
-timed (output, input grad and every parameter grad, max relative error <= --check-tol). Times: CUDA
-events around each forward + backward, --warmup untimed steps, the median of --reps, inputs rotated over
---input-sets sets, a barrier before each measured region, the slowest rank's median. Ratios: t/megatron
-(issue target for signal on the 8B layer: <= 0.95, i.e. >= 5% faster) and t/nocomm (target <= 1.05).
-The report (JSON + Markdown, rewritten after every configuration) names the command, git commit,
-device, versions and CUDA_DEVICE_MAX_CONNECTIONS (Megatron's training sets it to 1; the recipes too).
+timed (output, input grad and every parameter grad, max relative error <= --check-tol); every layer that
+passed is kept. Times: CUDA events around each forward + backward, inputs rotated over --input-sets sets;
+the --reps steps of each configuration are spread over --rounds interleaved rounds (each round times every
+configuration in turn, --warmup untimed steps and a barrier before each block), so a drift of the machine
+during the run falls on all configurations alike; ms is the median of all its steps, the slowest rank's;
+"t/megatron per round" gives the range of the ratio over the rounds (the noise of the comparison). Ratios:
+t/megatron (issue target for signal on the 8B layer: <= 0.95, i.e. >= 5% faster) and t/nocomm (target
+<= 1.05). The report (JSON + Markdown, rewritten after every configuration) names the command, git
+commit, device, versions and CUDA_DEVICE_MAX_CONNECTIONS (Megatron's training sets it to 1; the recipes too).
 """
 import argparse
 import contextlib
@@ -53,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.bench import report
-from overlap_tp.bench.ops import queued_ms, timed
+from overlap_tp.bench.ops import queued_ms, slowest_median, timed_samples
 from overlap_tp.config import OverlapConfig
 
 MODELS = {
@@ -97,7 +100,9 @@ def parse_args(argv):
     p.add_argument("--seq", type=int, default=8192, help="sequence length s (the layer sees s/t rows per rank)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--reps", type=int, default=50, help="timed forward+backward steps (median)")
-    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved rounds the --reps steps of every configuration are spread over")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps before each configuration's block")
     p.add_argument("--input-sets", type=int, default=3)
     p.add_argument("--check-tol", type=float, default=3e-2,
                    help="max relative error against megatron (output, input grad, parameter grads)")
@@ -106,7 +111,7 @@ def parse_args(argv):
                    help="Megatron's bias-SwiGLU / bias-dropout-add fusions (torch.compile); default on for cuda, "
                         "off for cpu")
     p.add_argument("--tiny", action="store_true",
-                   help="CPU plumbing run: --device cpu --models tiny --seq 32 --reps 3 --warmup 1 --input-sets 2")
+                   help="CPU plumbing run: --device cpu --models tiny --seq 32 --reps 4 --rounds 2 --warmup 1 --input-sets 2")
     p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="layer", help="report file name (without extension)")
     p.add_argument("--profile", default=None, metavar="DIR",
@@ -115,7 +120,8 @@ def parse_args(argv):
     p.add_argument("--profile-steps", type=int, default=3)
     args = p.parse_args(argv)
     if args.tiny:
-        args.device, args.models, args.seq, args.reps, args.warmup, args.input_sets = "cpu", "tiny", 32, 3, 1, 2
+        args.device, args.models, args.seq, args.reps, args.rounds, args.warmup, args.input_sets = (
+            "cpu", "tiny", 32, 4, 2, 1, 2)
     if args.fusions is None:
         args.fusions = "on" if args.device == "cuda" else "off"
     if args.configs is None:
@@ -126,6 +132,8 @@ def parse_args(argv):
         p.error(f"unknown configs {sorted(unknown)}")
     if configs[0] != "megatron":
         p.error("--configs must start with megatron (the reference every other configuration is checked against)")
+    if args.rounds < 1 or args.reps < args.rounds:
+        p.error(f"--rounds {args.rounds} with --reps {args.reps}: need 1 <= rounds <= reps")
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:
         p.error(f"unknown models {sorted(unknown)}")
@@ -253,7 +261,8 @@ def _apply_overlap(layer, overlap):
 
 COLUMNS = [
     ("model", "model", "{}"), ("config", "config", "{}"), ("ms", "ms", "{:.3f}"),
-    ("vs_megatron", "t/megatron", "{:.3f}"), ("vs_nocomm", "t/nocomm", "{:.3f}"), ("tflops", "TFLOP/s/GPU", "{:.1f}"),
+    ("vs_megatron", "t/megatron", "{:.3f}"), ("rounds_vs_megatron", "t/megatron per round", "{}"),
+    ("vs_nocomm", "t/nocomm", "{:.3f}"), ("tflops", "TFLOP/s/GPU", "{:.1f}"),
     ("gpu_ms", "GPU ms", "{:.3f}"), ("gpu_vs_megatron", "GPU/megatron", "{:.3f}"), ("gpu_note", "GPU ms note", "{}"),
     ("host_ms", "host ms", "{:.3f}"),
     ("check_err", "check err", "{:.1e}"), ("check_worst", "worst", "{}"), ("same_init", "init = megatron's", "{}"),
@@ -312,9 +321,12 @@ def write_report(args, rows, command, group):
         return
     summary, lines = summarize(rows)
     settings = dict(_versions(), seq=args.seq, micro_batch=args.micro_batch, tp=dist.get_world_size(group),
-                    reps=args.reps, warmup=args.warmup, input_sets=args.input_sets, check_tol=args.check_tol,
+                    reps=args.reps, rounds=args.rounds, warmup=args.warmup, input_sets=args.input_sets,
+                    check_tol=args.check_tol,
                     device=args.device, megatron_fusions=args.fusions)
-    notes = ("Times in ms: one TransformerLayer forward + backward, median of reps, slowest rank. "
+    notes = ("Times in ms: one TransformerLayer forward + backward, median of reps (spread over interleaved "
+             "rounds: every round times every configuration in turn), slowest rank; t/megatron per round: the "
+             "ratio's range over the rounds. "
              "t/megatron and t/nocomm: this configuration's time over Megatron's layer and over the "
              f"no-communication counterfactual (targets for signal: <= {TARGET_VS_MEGATRON} and "
              f"<= {TARGET_VS_NOCOMM}); nocomm_vs_megatron in the summary is the floor of t/megatron that hiding all of "
@@ -350,8 +362,50 @@ def _all_ok(ok, group, device):
     return float(flag) == 0.0
 
 
+def _communication(nocomm):
+    from overlap_tp.bench.reference_spec import no_tp_communication
+    return no_tp_communication() if nocomm else contextlib.nullcontext()
+
+
+def _prepare(name, table, config, weights, sets, rope, args, group, device):
+    """Build configuration `name`'s layer with `weights` (None: keep its own: megatron's, the first), check it
+    on sets[0] (megatron: capture the reference). Returns (row, layer or None, captured result or None)."""
+    from overlap_tp.bench.reference_spec import count_collectives
+    spec_kind, overlap, nocomm = table[name]
+    row, layer, result = {"config": name}, None, None
+    before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        layer = build_layer(spec_kind, config, device)
+        if weights is not None:
+            params = dict(layer.named_parameters())
+            if sorted(params) != sorted(weights):
+                raise RuntimeError(f"parameter names differ from megatron's: {sorted(set(params) ^ set(weights))}")
+            row["same_init"] = all(torch.equal(params[n], w) for n, w in weights.items())
+            with torch.no_grad():
+                for n, w in weights.items():
+                    params[n].copy_(w)
+        _apply_overlap(layer, overlap)
+        with count_collectives() as counts, _communication(nocomm):
+            result = _capture(layer, *sets[0], rope)
+        row["collectives"] = sum(counts.values())
+        if nocomm and row["collectives"]:
+            raise RuntimeError(f"the counterfactual still communicates: {counts}")
+    except Exception as error:   # one configuration's failure must not lose the others' results
+        traceback.print_exc()
+        row["error"] = f"{type(error).__name__}: {error}"[:300]
+    if device.type == "cuda":   # this configuration's own peak, above what the others already hold
+        peak = torch.tensor((torch.cuda.max_memory_allocated() - before) / 2 ** 30, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        row["peak_gib"] = float(peak)
+    return row, layer, result
+
+
 def bench_model(model, args, group, device, rows, command):
-    from overlap_tp.bench.reference_spec import count_collectives, no_tp_communication
+    """One model: every configuration built and checked against megatron's (all layers kept), then timed
+    in interleaved rounds (each round times every configuration in turn, so a drift of the machine over the
+    run falls on all of them alike), then the queued GPU-only time and the optional profile per configuration."""
     t = dist.get_world_size(group)
     if args.seq % t:
         raise ValueError(f"--seq {args.seq} is not divisible by the TP size {t}")
@@ -364,92 +418,97 @@ def bench_model(model, args, group, device, rows, command):
         x = torch.randn(args.seq // t, args.micro_batch, hidden, device=device, generator=gen).to(torch.bfloat16)
         g = torch.randn(args.seq // t, args.micro_batch, hidden, device=device, generator=gen).to(torch.bfloat16)
         sets.append((x.requires_grad_(True), g))
-    flops = layer_flops(model, args.seq, args.micro_batch, t)
     table = configurations(device.type)
-    reference, weights, times, gpu_times = None, None, {}, {}
-    for name in args.configs.split(","):
-        spec_kind, overlap, nocomm = table[name]
-        row = {"model": model, "config": name}
-        layer, ok = None, True
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        try:
-            layer = build_layer(spec_kind, config, device)
-            if weights is None:
-                weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
-            else:
-                params = dict(layer.named_parameters())
-                if sorted(params) != sorted(weights):
-                    raise RuntimeError(f"parameter names differ from megatron's: {sorted(set(params) ^ set(weights))}")
-                row["same_init"] = all(torch.equal(params[n], w) for n, w in weights.items())
-                with torch.no_grad():
-                    for n, w in weights.items():
-                        params[n].copy_(w)
-            _apply_overlap(layer, overlap)
-            with count_collectives() as counts:
-                with (no_tp_communication if nocomm else contextlib.nullcontext)():
-                    result = _capture(layer, *sets[0], rope)
-            row["collectives"] = sum(counts.values())
-            if name == "megatron":
-                reference = result
-            elif nocomm:
-                if row["collectives"]:
-                    raise RuntimeError(f"the counterfactual still communicates: {counts}")
-            else:
-                row["check_err"], row["check_worst"] = _max_error(result, reference)
-                if not row["check_err"] <= args.check_tol:
-                    ok = False
-                    row["error"] = f"check failed: {row['check_worst']} {row['check_err']:.3g} > {args.check_tol}"
-            del result
-        except Exception as error:   # one configuration's failure must not lose the others' results
-            traceback.print_exc()
-            row["error"] = f"{type(error).__name__}: {error}"[:300]
-            ok = False
-        if _all_ok(ok, group, device):   # the one agreement point per configuration: time it or skip it
-            try:
-                with (no_tp_communication if nocomm else contextlib.nullcontext)():
-                    run_step = functools.partial(step, layer, rope=rope)
-                    row["ms"] = timed(run_step, sets, args.reps, group, warmup=args.warmup, device=device)
-                    if device.type == "cuda":
-                        row["host_ms"], row["gpu_ms"] = queued_ms(run_step, sets, group)
-                    if args.profile:
-                        profile_steps(run_step, sets, args.profile_steps, group,
-                                      os.path.join(args.profile, f"{model}_{name}_rank{dist.get_rank(group)}.json.gz"))
-            except Exception as error:
-                traceback.print_exc()
-                row["error"] = f"{type(error).__name__}: {error}"[:300]
-        elif "error" not in row:
-            row["error"] = "failed on another rank"
-        if row.get("ms"):
-            times[name] = row["ms"]
-            if row.get("gpu_ms") and row["gpu_ms"] > GPU_MS_SLACK * row["ms"]:
-                # A time without launch gaps cannot exceed the back-to-back span: the queued run went
-                # slower than the normal one (seen in the seventh session's runs), so it bounds nothing.
-                row["gpu_note"] = "GPU ms > span: not compared"
-            elif row.get("gpu_ms"):
-                gpu_times[name] = row["gpu_ms"]
-                if "megatron" in gpu_times:
-                    row["gpu_vs_megatron"] = row["gpu_ms"] / gpu_times["megatron"]
-            if "megatron" in times:
-                row["vs_megatron"] = row["ms"] / times["megatron"]
-            if "nocomm" in times:
-                row["vs_nocomm"] = row["ms"] / times["nocomm"]
-            row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
-        if device.type == "cuda":
-            peak = torch.tensor(torch.cuda.max_memory_allocated() / 2 ** 30, device=device)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            row["peak_gib"] = float(peak)
-        del layer
-        _free(device)
-        rows.append(row)
+    model_rows, ready, reference, weights = {}, {}, None, None
+
+    def report_row(row):
         if dist.get_rank(group) == 0:
             print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
         write_report(args, rows, command, group)
-        if name == "megatron" and reference is None:
+
+    # 1. Build and check every configuration; keep the layers that passed on every rank.
+    for name in args.configs.split(","):
+        row, layer, result = _prepare(name, table, config, weights, sets, rope, args, group, device)
+        row = {"model": model, **row}
+        if name == "megatron" and result is not None:
+            reference = result
+            weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
+        elif result is not None and not table[name][2]:
+            row["check_err"], row["check_worst"] = _max_error(result, reference)
+            if not row["check_err"] <= args.check_tol:
+                row["error"] = f"check failed: {row['check_worst']} {row['check_err']:.3g} > {args.check_tol}"
+        del result
+        if _all_ok("error" not in row, group, device):
+            ready[name] = functools.partial(step, layer, rope=rope)
+        else:
+            row.setdefault("error", "failed on another rank")
+            del layer
+            _free(device)
+        model_rows[name] = row
+        rows.append(row)
+        report_row(row)
+        if name == "megatron" and "megatron" not in ready:
             if dist.get_rank(group) == 0:
                 print(f"{model}: the megatron reference failed; skipping this model", flush=True)
+            return
+    del reference, weights
+
+    # 2. Interleaved rounds: every configuration's reps are spread over args.rounds rounds.
+    per_round = max(1, -(-args.reps // args.rounds))
+    samples = {name: [] for name in ready}
+    round_ms = {name: [] for name in ready}
+    for _ in range(args.rounds):
+        for name in list(ready):
+            ok = True
+            try:
+                with _communication(table[name][2]):
+                    got = timed_samples(ready[name], sets, per_round, group, warmup=args.warmup, device=device)
+            except Exception as error:
+                traceback.print_exc()
+                model_rows[name]["error"] = f"{type(error).__name__}: {error}"[:300]
+                ok = False
+            if not _all_ok(ok, group, device):
+                model_rows[name].setdefault("error", "failed on another rank")
+                del ready[name], samples[name], round_ms[name]
+                continue
+            samples[name] += got
+            round_ms[name].append(slowest_median(got, group, device))
+        if "megatron" not in ready:
             break
-    del reference, weights, sets
+
+    # 3. Per configuration: the times and ratios, the queued GPU-only time, the profile.
+    flops = layer_flops(model, args.seq, args.micro_batch, t)
+    for name in ready:
+        model_rows[name]["ms"] = slowest_median(samples[name], group, device)
+    for name in ready:
+        row = model_rows[name]
+        row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+        for base in ("megatron", "nocomm"):
+            if base in ready:
+                row[f"vs_{base}"] = row["ms"] / model_rows[base]["ms"]
+        if "megatron" in ready and name != "megatron":
+            ratios = [a / b for a, b in zip(round_ms[name], round_ms["megatron"])]
+            row["rounds_vs_megatron"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
+    for name in ready:
+        row = model_rows[name]
+        try:
+            with _communication(table[name][2]):
+                if device.type == "cuda":
+                    row["host_ms"], row["gpu_ms"] = queued_ms(ready[name], sets, group)
+                if args.profile:
+                    profile_steps(ready[name], sets, args.profile_steps, group,
+                                  os.path.join(args.profile, f"{model}_{name}_rank{dist.get_rank(group)}.json.gz"))
+        except Exception as error:
+            traceback.print_exc()
+            row["error"] = f"{type(error).__name__}: {error}"[:300]
+        if row.get("gpu_ms") and row["gpu_ms"] > GPU_MS_SLACK * row["ms"]:
+            # A time without launch gaps cannot exceed the back-to-back span: the queued run went
+            # slower than the normal one (seen in the seventh session's runs), so it bounds nothing.
+            row["gpu_note"] = "GPU ms > span: not compared"
+        elif row.get("gpu_ms") and model_rows["megatron"].get("gpu_ms") and "gpu_note" not in model_rows["megatron"]:
+            row["gpu_vs_megatron"] = row["gpu_ms"] / model_rows["megatron"]["gpu_ms"]
+        report_row(row)
+    del ready, sets
     _free(device)
 
 

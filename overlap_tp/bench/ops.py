@@ -71,33 +71,43 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def timed(fn, sets, reps, group, warmup=5, device=None):
-    """Median time (ms) of fn(*set) over `reps` back-to-back calls, the slowest rank's; `warmup` calls
-    first. CUDA events on the GPU (device None = cuda); wall clock per call on a CPU device."""
+def timed_samples(fn, sets, reps, group, warmup=5, device=None):
+    """This rank's times (ms) of `reps` back-to-back fn(*set) calls, after `warmup` calls and a barrier.
+    CUDA events on the GPU (device None = cuda); wall clock per call on a CPU device."""
     device = torch.device("cuda") if device is None else device
     for i in range(warmup):
         fn(*sets[i % len(sets)])
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier(group)
-    samples = []
-    if device.type == "cuda":
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-        for i in range(reps):
-            starts[i].record()
-            fn(*sets[i % len(sets)])
-            ends[i].record()
-        torch.cuda.synchronize()
-        samples = [s.elapsed_time(e) for s, e in zip(starts, ends)]
-    else:
+    if device.type != "cuda":
+        samples = []
         for i in range(reps):
             t0 = time.perf_counter()
             fn(*sets[i % len(sets)])
             samples.append(1e3 * (time.perf_counter() - t0))
+        return samples
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn(*sets[i % len(sets)])
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+
+def slowest_median(samples, group, device=None):
+    """The median of each rank's samples, the largest over the ranks."""
+    device = torch.device("cuda") if device is None else device
     median = torch.tensor(statistics.median(samples), dtype=torch.float64, device=device)
     dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
     return float(median)
+
+
+def timed(fn, sets, reps, group, warmup=5, device=None):
+    """Median time (ms) of fn(*set) over `reps` back-to-back calls, the slowest rank's; `warmup` calls first."""
+    return slowest_median(timed_samples(fn, sets, reps, group, warmup, device), group, device)
 
 
 def queued_ms(fn, sets, group, rounds=5):
