@@ -4,7 +4,7 @@ from typing import Tuple, Union
 
 METHODS = ("signal", "decompose", "off", "auto")
 SCHEDULES = ("row_slice", "tile_exact")
-TRANSPORTS = ("nccl", "p2p", "auto")
+TRANSPORTS = ("nccl", "p2p")
 
 
 @dataclass(frozen=True)
@@ -34,9 +34,7 @@ class OverlapConfig:
                  region's tiles straight into the owner's symmetric-memory buffer over NVLink, then a
                  barrier and one add per rank (schedule and groups do not apply). For ag_gemm, `nccl`
                  broadcasts each chunk in place (needs comm_sms >= 1); `p2p` pulls the peers' rows with
-                 copy-engine copies from their symmetric-memory shard buffers (no SM). `auto` picks per
-                 call (ops.resolve_transport): p2p where it measured faster, nccl elsewhere and on CPU
-                 tensors; a p2p pick runs its GEMM on every SM (comm_sms applies to the nccl picks).
+                 copy-engine copies from their symmetric-memory shard buffers (no SM).
     comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a
                  communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
     chunks:      M-chunks of the `decompose` method.

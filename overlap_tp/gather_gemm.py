@@ -28,7 +28,7 @@ import torch.distributed as dist
 from overlap_tp import comm
 from overlap_tp.config import OverlapConfig
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops import Pending, chunk_bounds, collectives_for, gemm_programs, prepare, resolve_method
+from overlap_tp.ops import chunk_bounds, collectives_for, gemm_programs, prepare, resolve_method
 from overlap_tp.plan import TilePlan, ag_plan
 from overlap_tp.sampling import sampled
 
@@ -155,44 +155,3 @@ def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optiona
     if bias is not None:
         out += bias
     return (out, gathered) if return_gathered else out
-
-
-def all_gather_async(a_shard: torch.Tensor, w: torch.Tensor, group=None, *,
-                     config: Optional[OverlapConfig] = None) -> Pending:
-    """all_gather(a_shard) alone, started now: a column-parallel wgrad's re-gather of the input that
-    ag_gemm(a_shard, w) gathered in the forward, on the transport that call used. Over p2p: copy-engine
-    pulls on the comm stream, so no SM is taken from the dgrad GEMM that runs beside it; otherwise
-    torch.distributed's all-gather (NCCL), as Megatron re-gathers. wait() returns the gathered [M, K]."""
-    group, t, rank, config = prepare("ag_gemm", a_shard, w, None, group, config, rows_split=False)
-    if config.method == "signal" and config.transport == "p2p" and a_shard.is_cuda:
-        return _pulled(a_shard, group, rank, t)
-    gathered, work = comm.all_gather_rows(a_shard, group, async_op=True)
-
-    def finish():
-        if work is not None:
-            work.wait()
-        return gathered
-    return Pending(finish, gathered)
-
-
-def _pulled(a_shard, group, rank, t) -> Pending:
-    """The p2p transport's all-gather: publish the shard, pull every peer's with the copy engines."""
-    from overlap_tp.p2p import shard_pull
-    m_local, k = a_shard.shape
-    pull = shard_pull(group, rank, t, m_local, k, a_shard.dtype, a_shard.device)
-    gathered = torch.empty(t * m_local, k, dtype=a_shard.dtype, device=a_shard.device)
-    engine = comm.comm_engine(a_shard.device)
-    current = torch.cuda.current_stream(a_shard.device)
-    engine.stream.wait_stream(current)
-    with torch.cuda.stream(engine.stream):
-        peer_shards = pull.start(engine, a_shard)
-        gathered.chunk(t)[rank].copy_(a_shard)
-        pull.pull(gathered, peer_shards, 0, m_local)
-        done = torch.cuda.Event()
-        done.record(engine.stream)
-    engine.watch(done, f"all_gather(M={t * m_local}, K={k}, t={t}, p2p)")
-
-    def finish():   # this event only: what the comm stream queues after it (the dgrad's reduction) runs on
-        current.wait_event(done)
-        return gathered
-    return Pending(finish, a_shard, gathered)

@@ -7,7 +7,7 @@ Same constructor keywords, parameters (names, shapes, initialisation through Meg
 helpers, so equal weights for the same seed), tensor-parallel attributes, `sharded_state_dict` and
 `forward(x[s, b, h]) -> (out, bias_or_None)` as Megatron's. What runs (DESIGN.md section 2):
 
-    column, sequence parallel:  fwd ag_gemm            dgrad gemm_rs(dY, W.T)   wgrad dY.T @ AG(X) (re-gathered, on ag_gemm's transport)
+    column, sequence parallel:  fwd ag_gemm            dgrad gemm_rs(dY, W.T)   wgrad dY.T @ AG(X) (re-gathered)
     column, no SP:              fwd local GEMM          dgrad gemm_ar(dY, W.T)   wgrad dY.T @ X
     row, sequence parallel:     fwd gemm_rs             dgrad ag_gemm(dZ, W.T)   wgrad AG(dZ).T @ Y (the gathered dZ reused)
     row, no SP:                 fwd gemm_ar             dgrad local GEMM         wgrad dZ.T @ Y
@@ -39,7 +39,7 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
 
 from overlap_tp import comm
 from overlap_tp.config import OverlapConfig
-from overlap_tp.gather_gemm import ag_gemm, all_gather_async
+from overlap_tp.gather_gemm import ag_gemm
 from overlap_tp.ops import gemm_ar, gemm_rs
 
 try:
@@ -236,9 +236,9 @@ class _ColumnParallelFn(torch.autograd.Function):
         args = ctx.args
         dy = dy.contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        regather = None
-        if need_dw and args.sequence_parallel:   # overlaps the dgrad below
-            regather = all_gather_async(x, weight, args.group, config=args.config("ag_gemm"))
+        gathered, handle = x, None
+        if need_dw and args.sequence_parallel:
+            gathered, handle = comm.all_gather_rows(x, args.group, async_op=True)   # overlaps the dgrad below
         dx = reducing_dx = None
         if need_dx:
             # The dgrad's reduction (SP: reduce-scatter, else all-reduce) is left running behind the
@@ -249,7 +249,8 @@ class _ColumnParallelFn(torch.autograd.Function):
                 reducing_dx = gemm_ar(dy, weight.t(), args.group, config=args.config("gemm_ar"), async_op=True)
             else:
                 dx = dy.matmul(weight)
-        gathered = regather.wait() if regather is not None else x
+        if handle is not None:
+            handle.wait()
         dw = _weight_grad(ctx, weight, dy, gathered) if need_dw else None
         if reducing_dx is not None:
             dx = reducing_dx.wait()

@@ -84,35 +84,14 @@ def tuned_config(config: OverlapConfig, op: str, a, w, group) -> OverlapConfig:
     return tune.choose(op, a, w, group, base=config)
 
 
-# transport='auto' sends a GEMM+ReduceScatter over p2p when its K (per rank) is at most this: a short GEMM
-# against its transfer, where the epilogue stores beat per-group NCCL (l8b.proj, K 2048: 0.28 vs 0.48 ms at
-# s 8192; l70b.proj, K 4096: even), while on the long-K shapes the remote stores cost the GEMM more than NCCL's
-# SMs do (l70b.fc2, K 14336: 3.35 vs 3.03 ms). docs/perf/gemm_rs_p2p_order.md.
-AUTO_RS_P2P_MAX_K = 4096
-
-
-def resolve_transport(config: OverlapConfig, op: str, a, group) -> OverlapConfig:
-    """transport='auto' made concrete for one call: p2p for ag_gemm (copy-engine pulls) and for gemm_rs up
-    to AUTO_RS_P2P_MAX_K, where the tensors are CUDA and the group NCCL (symmetric memory); else nccl. A p2p
-    pick gives its GEMM every SM (comm_sms 0). Other transports are returned as they are."""
-    if config.transport != "auto":
-        return config
-    p2p = a.is_cuda and dist.get_backend(group) == "nccl" and (
-        op == "ag_gemm" or (op == "gemm_rs" and a.shape[1] <= AUTO_RS_P2P_MAX_K))
-    if p2p:
-        return dataclasses.replace(config, transport="p2p", comm_sms=0)
-    return dataclasses.replace(config, transport="nccl")
-
-
 def prepare(op, a, w, bias, group, config, rows_split: bool):
     """What every dense op does first: resolve the group (None: Megatron's TP group), check the inputs
-    (rows divisible by t where `rows_split`: the reduce-scatter's output), resolve method `auto` to the
-    tuner's config and transport `auto` to this call's transport. Returns (group, t, rank, config)."""
+    (rows divisible by t where `rows_split`: the reduce-scatter's output), resolve `auto` to the tuner's
+    config. Returns (group, t, rank, config)."""
     group = comm.resolve_group(group)
     t, rank = dist.get_world_size(group), dist.get_rank(group)
     check_inputs(a, w, bias, t if rows_split else 1, op)
-    config = tuned_config(config or DEFAULT_CONFIG, op, a, w, group)
-    return group, t, rank, resolve_transport(config, op, a, group)
+    return group, t, rank, tuned_config(config or DEFAULT_CONFIG, op, a, w, group)
 
 
 def resolve_method(config, a, w, m_local, n, op):

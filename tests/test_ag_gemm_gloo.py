@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from overlap_tp import OverlapConfig, ag_gemm
-from overlap_tp.gather_gemm import all_gather_async
 from distributed import run_distributed
 from problems import SMALL_TILES, assert_each_raises, dense_problem, rel_error
 
@@ -16,7 +15,6 @@ CONFIGS = [
     OverlapConfig(method="decompose", chunks=3),
     OverlapConfig(method="signal", groups=2, **SMALL_TILES),
     OverlapConfig(method="signal", groups="auto", **SMALL_TILES),
-    OverlapConfig(method="signal", transport="auto", groups=2, **SMALL_TILES),   # nccl on CPU tensors
 ]
 SHAPES = [(64, 64, 32), (96, 80, 48), (40, 24, 16)]   # (M, N, K); M is split over the ranks
 
@@ -36,8 +34,6 @@ def _check(rank, world):
                 err = rel_error(out, ref)
                 assert err < 1e-2, (config, m, n, k, bias, err)
                 assert torch.equal(ag_gemm(shard, w, bias=b, config=config), out), "return_gathered changed out"
-                if not bias:   # the column wgrad's re-gather, on the same config
-                    assert torch.equal(all_gather_async(shard, w, config=config).wait(), a), (config, m, n, k)
     # repeated calls move the ready flags' epoch on: every call must wait for its own chunks
     a, w, _ = dense_problem(64, 64, 32, seed=3, bias=False)
     shard = a[rank * 64 // world:(rank + 1) * 64 // world].contiguous()

@@ -17,7 +17,6 @@ CONFIGS = [
     OverlapConfig(method="signal", schedule="row_slice", groups=3, **SMALL_TILES),
     OverlapConfig(method="signal", schedule="row_slice", groups="auto", **SMALL_TILES),
     OverlapConfig(method="signal", schedule="tile_exact", groups=2, **SMALL_TILES),
-    OverlapConfig(method="signal", transport="auto", groups=2, **SMALL_TILES),   # nccl on CPU tensors
 ]
 SHAPES = [(64, 64, 32), (96, 96, 64)]   # (M, N, K); K is split over the ranks
 

@@ -23,9 +23,6 @@ process on the same inputs and the same weights:
   signal-agp2p  signal with ag_gemm on the copy-engine p2p transport (comm_sms 0), gemm_rs on NCCL (what
                 `--overlap-tp signal` runs: --overlap-tp-transport auto)
   signal-p2p    signal with ag_gemm and gemm_rs both on the p2p transports (comm_sms 0)
-  signal-auto   signal with transport auto for every op (ops.resolve_transport): ag_gemm p2p, gemm_rs p2p
-                where its K is at most ops.AUTO_RS_P2P_MAX_K (the short GEMMs: proj, 8B's qkv dgrad), NCCL
-                with comm_sms 16 on the long ones
   auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
@@ -85,7 +82,6 @@ def configurations(device_type):
         "decompose": ("ours", OverlapConfig(method="decompose", chunks=4), False),
         "signal-agp2p": ("ours", {"ag_gemm": p2p, "gemm_rs": signal, "gemm_ar": signal}, False),
         "signal-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
-        "signal-auto": ("ours", OverlapConfig(method="signal", transport="auto", **tiles), False),
         "auto": ("ours", OverlapConfig(method="auto"), False),
     }
 
