@@ -183,7 +183,7 @@ def _run_bench(rank, world, out_dir):
     assert [r["config"] for r in rows] == layer.CPU_CONFIGS.split(",")
     for row in rows:
         assert "error" not in row, row
-        assert row["ms"] > 0, row
+        assert row["ms"] > 0 and len(row["round_ms"]) == args.rounds == 2, row
         if row["config"] != "megatron":   # the ratio's range over the interleaved rounds
             low, high = (float(v) for v in row["rounds_vs_megatron"].split("-"))
             assert 0 < low <= high, row

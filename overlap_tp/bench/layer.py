@@ -476,6 +476,7 @@ def bench_model(model, args, group, device, rows, command):
     flops = layer_flops(model, args.seq, args.micro_batch, t)
     for name in ready:
         model_rows[name]["ms"] = slowest_median(samples[name], group, device)
+        model_rows[name]["round_ms"] = round_ms[name]   # the JSON keeps each round's median (slowest rank)
     for name in ready:
         row = model_rows[name]
         row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12

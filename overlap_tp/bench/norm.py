@@ -15,7 +15,8 @@ Per (rows = M/t, hidden), bf16, the Llama path (no bias, no dropout) unless the 
   bwd eager / undo map autograd of the eager forward (after undoing dy's map)
   per-group rows       the forward split into --groups row groups behind an emulated collective, see below
 GB/s counts each input read once and each output written once; "% copy" divides it by the bandwidth of
-a device-to-device copy (src -> dst, read + write) measured in the same run. Times ("us") are GPU-only
+a device-to-device copy (src -> dst, read + write, 512 MiB each way) measured in the same run; "% same-size
+copy" by that of a copy moving the row's own byte count (what a kernel of this size can reach). Times ("us") are GPU-only
 medians over --reps calls, inputs rotated over --input-sets sets, L2 flushed before each call, every
 launch queued behind a sleep kernel (`median_ms`), so no launch gap is counted; "host us" is the host's
 time to enqueue one call. Every variant's result is checked (bf16 tolerance against float64, or
@@ -101,8 +102,11 @@ def median_ms(calls, reps):
 _cycles_per_ms = functools.cache(sleep_cycles_per_ms)   # measured once per run
 
 
-def copy_gbps(reps):
-    src = torch.randn(2**29 // 2, device="cuda", dtype=torch.bfloat16)  # 512 MiB
+@functools.cache
+def copy_gbps(reps, nbytes=2**30):
+    """GB/s (read + write) of a device-to-device copy moving `nbytes` in all (half read, half written);
+    the default, 512 MiB each way, is the device's bandwidth, the denominator of "% copy"."""
+    src = torch.randn(nbytes // 4, device="cuda", dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     ms, _ = median_ms([lambda: dst.copy_(src)], reps)
     return 2 * src.numel() * src.element_size() / ms / 1e6
@@ -156,6 +160,7 @@ def bench_shape(rows, hidden, args, copy):
         ms, host_ms = timing
         results.append(dict(rows=rows, hidden=hidden, variant=variant, us=ms * 1e3, host_us=host_ms * 1e3,
                             gbps=nbytes / ms / 1e6, pct_copy=100 * nbytes / ms / 1e6 / copy,
+                            pct_copy_same=100 * nbytes / ms / 1e6 / copy_gbps(args.reps, nbytes),
                             vs_fused_pct=None if fused is None else 100 * (ms / fused[0] - 1),
                             speedup_vs_eager=None if eager is None else eager[0] / ms))
 
@@ -316,6 +321,7 @@ COLUMNS = [
     ("host_us", "host us", "{:.0f}"),
     ("gbps", "GB/s", "{:.0f}"),
     ("pct_copy", "% copy", "{:.1f}"),
+    ("pct_copy_same", "% same-size copy", "{:.1f}"),
     ("vs_fused_pct", "vs fused (same direction) %", "{:+.1f}"),
     ("speedup_vs_eager", "x eager", "{:.2f}"),
     ("hidden_pct", "norm hidden %", "{:.0f}"),
