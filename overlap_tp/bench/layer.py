@@ -363,7 +363,7 @@ def _communication(nocomm):
     return no_tp_communication() if nocomm else contextlib.nullcontext()
 
 
-def _prepare(name, table, config, weights, sets, rope, args, group, device):
+def _prepare(name, table, config, weights, sets, rope, group, device):
     """Build configuration `name`'s layer with `weights` (None: keep its own: megatron's, the first), check it
     on sets[0] (megatron: capture the reference). Returns (row, layer or None, captured result or None)."""
     from overlap_tp.bench.reference_spec import count_collectives
@@ -424,7 +424,7 @@ def bench_model(model, args, group, device, rows, command):
 
     # 1. Build and check every configuration; keep the layers that passed on every rank.
     for name in args.configs.split(","):
-        row, layer, result = _prepare(name, table, config, weights, sets, rope, args, group, device)
+        row, layer, result = _prepare(name, table, config, weights, sets, rope, group, device)
         row = {"model": model, **row}
         if name == "megatron" and result is not None:
             reference = result

@@ -82,7 +82,7 @@ def median_ms(calls, reps):
     while True:
         host = []
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(sleep_ms * _cycles_per_ms()))
+        torch.cuda._sleep(int(sleep_ms * sleep_cycles_per_ms()))
         t_enqueue = time.perf_counter()
         for i in range(reps):
             flush.zero_()
@@ -97,9 +97,6 @@ def median_ms(calls, reps):
             break
         sleep_ms *= 2
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)), 1e3 * statistics.median(host)
-
-
-_cycles_per_ms = functools.cache(sleep_cycles_per_ms)   # measured once per run
 
 
 @functools.cache

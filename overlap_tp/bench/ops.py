@@ -13,6 +13,7 @@ Times are medians of --reps calls (CUDA events, inputs rotated over 3 sets), the
 Every configuration's output is checked against `seq` before it is timed.
 """
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -149,9 +150,11 @@ def queued_ms(fn, sets, group, rounds=5):
     return float(medians[0]), float(medians[1])
 
 
+@functools.cache
 def sleep_cycles_per_ms(reps=5):
     """How many cycles of torch.cuda._sleep (a spin kernel that counts SM clock cycles) make a millisecond
-    on this GPU now: the median of `reps` timed 10M-cycle sleeps."""
+    on this GPU: the median of `reps` timed 10M-cycle sleeps, measured once per process (callers size
+    their sleeps generously; queued_ms doubles one that proves too short)."""
     cycles = 10_000_000
     torch.cuda._sleep(cycles)   # warm-up
     times = []
