@@ -25,7 +25,7 @@ repeat under `torch.manual_seed`, activation recomputation and Megatron's RNG tr
 
 Backward (the row's upstream gradients: dy for y, d_res for s; x_hat = s * rstd):
 
-    dw    = sum over rows of dy * x_hat                         (per-program partials, then summed)
+    dw    = sum over rows of dy * x_hat                         (per-program partial rows, then summed)
     ds    = rstd * (dy*g - x_hat * mean(dy*g * x_hat)) + d_res  the residual's gradient
     dx    = ds * keep / (1 - p)                                 the collective output's gradient
     dbias = sum over rows of dx
@@ -51,58 +51,48 @@ _CPU_PROGRAMS = 4       # backward programs in the CPU interpreter (several, to 
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _columns(TILE_N: tl.constexpr, N_TILES: tl.constexpr):
-    """Column index of each element of a row's [N_TILES, TILE_N] block."""
-    return tl.arange(0, N_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
-
-
-@triton.jit
-def _offsets(order_ptr, rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
+def _offsets(order_ptr, row, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE_N: tl.constexpr,
              N_TILES: tl.constexpr, ORDERED: tl.constexpr):
-    """Element offsets [ROWS, N_TILES, TILE_N] of the rows `rows` ([ROWS, 1, 1], int64): standard row-major,
-    or tile-exact (BLOCK_M x BLOCK_N tiles; TILE_N divides BLOCK_N, so each run of TILE_N columns lies in
-    one tile). The rows must exist (callers clamp them): their tile-order lookups are not masked by row."""
-    tile = tl.arange(0, N_TILES)[None, :, None]
-    lane = tl.arange(0, TILE_N)[None, None, :]
+    """Element offsets of `row`'s [N_TILES, TILE_N] block: standard row-major, or tile-exact (BLOCK_M x
+    BLOCK_N tiles; TILE_N divides BLOCK_N, so each run of TILE_N columns lies in one tile)."""
+    tile = tl.arange(0, N_TILES)[:, None]
+    lane = tl.arange(0, TILE_N)[None, :]
     if ORDERED:
         # (tile % RUNS) * TILE_N rather than col % BLOCK_N: the compiler then sees 16-byte alignment.
         RUNS: tl.constexpr = BLOCK_N // TILE_N  # runs of TILE_N columns per tile row
-        slot = tl.load(order_ptr + (rows // BLOCK_M) * (N // BLOCK_N) + tile // RUNS, mask=tile * TILE_N < N, other=0)
-        return slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + (rows % BLOCK_M) * BLOCK_N + (tile % RUNS) * TILE_N + lane
-    return rows * N + tile * TILE_N + lane
+        slot = tl.load(order_ptr + (row // BLOCK_M) * (N // BLOCK_N) + tile // RUNS, mask=tile * TILE_N < N, other=0)
+        return slot.to(tl.int64) * (BLOCK_M * BLOCK_N) + (row % BLOCK_M) * BLOCK_N + (tile % RUNS) * TILE_N + lane
+    return row * N + tile * TILE_N + lane
 
 
 @triton.jit
-def _dropout_keep(seed, rows, p, ROWS: tl.constexpr, TILE_N: tl.constexpr, N_TILES: tl.constexpr):
-    """Keep mask [ROWS, N_TILES, TILE_N] of the rows `rows` ([ROWS, 1, 1]): Philox counter (row, c // 4),
-    word c % 4."""
-    quad = tl.arange(0, N_TILES)[None, :, None] * (TILE_N // 4) + tl.arange(0, TILE_N // 4)[None, None, :]
-    r0, r1, r2, r3 = tl.randint4x(seed, (rows << 32) + quad)
-    bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (ROWS, N_TILES, TILE_N))
+def _dropout_keep(seed, row, p, TILE_N: tl.constexpr, N_TILES: tl.constexpr):
+    """Keep mask of `row`'s [N_TILES, TILE_N] block: Philox counter (row, c // 4), word c % 4."""
+    quad = tl.arange(0, N_TILES)[:, None] * (TILE_N // 4) + tl.arange(0, TILE_N // 4)[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, (row << 32) + quad)
+    bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (N_TILES, TILE_N))
     return tl.uint_to_uniform_float(bits) >= p
 
 
 @triton.jit
 def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed_ptr,
                     y_ptr, residual_out_ptr, rstd_ptr,
-                    row_lo, row_hi, N, eps, weight_offset, dropout_p,
+                    row_lo, N, eps, weight_offset, dropout_p,
                     X_BLOCK_M: tl.constexpr, X_BLOCK_N: tl.constexpr, X_ORDERED: tl.constexpr,
-                    ROWS: tl.constexpr, TILE_N: tl.constexpr, N_TILES: tl.constexpr,
+                    TILE_N: tl.constexpr, N_TILES: tl.constexpr,
                     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """ROWS rows per program: s = residual + dropout(x + bias) (stored), y = s * rstd * g."""
-    rows = row_lo + tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    live = rows < row_hi
-    rows = tl.minimum(rows, row_hi - 1)[:, None, None]   # the rows past row_hi: in bounds, masked off
-    cols = _columns(TILE_N, N_TILES)[None, :, :]
-    mask = live[:, None, None] & (cols < N)
-    offs = rows * N + cols
+    """One program per row: s = residual + dropout(x + bias) (stored), y = s * rstd * g."""
+    row = (row_lo + tl.program_id(0)).to(tl.int64)
+    cols = tl.arange(0, N_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+    mask = cols < N
+    offs = row * N + cols
 
-    x_offs = _offsets(x_order_ptr, rows, N, X_BLOCK_M, X_BLOCK_N, TILE_N, N_TILES, X_ORDERED)
+    x_offs = _offsets(x_order_ptr, row, N, X_BLOCK_M, X_BLOCK_N, TILE_N, N_TILES, X_ORDERED)
     s = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        s += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        s += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = _dropout_keep(tl.load(seed_ptr), rows, dropout_p, ROWS, TILE_N, N_TILES)
+        keep = _dropout_keep(tl.load(seed_ptr), row, dropout_p, TILE_N, N_TILES)
         s = tl.where(keep, s * (1.0 / (1.0 - dropout_p)), 0.0)
     if HAS_RESIDUAL:
         s += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -110,31 +100,10 @@ def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed
         tl.store(residual_out_ptr + offs, s, mask=mask)
         s = s.to(tl.float32)
 
-    rstd = tl.rsqrt(tl.sum(tl.sum(s * s, 2), 1) / N + eps)
-    g = tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset
-    tl.store(y_ptr + offs, (s * rstd[:, None, None] * g).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + tl.reshape(rows, (ROWS,)), rstd, mask=live)
-
-
-@triton.jit
-def _load_backward_rows(dy_ptr, dy_order_ptr, s_ptr, rstd_ptr, d_residual_out_ptr, rows, end_row, cols, N,
-                        DY_BLOCK_M: tl.constexpr, DY_BLOCK_N: tl.constexpr, DY_ORDERED: tl.constexpr,
-                        ROWS: tl.constexpr, TILE_N: tl.constexpr, N_TILES: tl.constexpr,
-                        HAS_D_RESIDUAL_OUT: tl.constexpr):
-    """The backward's inputs of the rows [ROWS] (those >= end_row read nothing and give zeros):
-    (dy, s, d_residual_out) as [ROWS, N_TILES, TILE_N] in their dtypes and rstd [ROWS]."""
-    live = rows < end_row
-    rows3 = tl.minimum(rows, end_row - 1)[:, None, None]   # a clamped row keeps tile-order lookups in bounds
-    mask = live[:, None, None] & (cols < N)
-    dy = tl.load(dy_ptr + _offsets(dy_order_ptr, rows3, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES, DY_ORDERED),
-                 mask=mask, other=0.0)
-    s = tl.load(s_ptr + rows3 * N + cols, mask=mask, other=0.0)
-    rstd = tl.load(rstd_ptr + rows, mask=live, other=0.0)
-    if HAS_D_RESIDUAL_OUT:
-        d_res = tl.load(d_residual_out_ptr + rows3 * N + cols, mask=mask, other=0.0)
-    else:
-        d_res = tl.zeros((ROWS, N_TILES, TILE_N), dtype=tl.float32)
-    return dy, s, rstd, d_res
+    rstd = tl.rsqrt(tl.sum(s * s) / N + eps)
+    g = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    tl.store(y_ptr + offs, (s * rstd * g).to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
 
 
 @triton.jit
@@ -143,75 +112,84 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
                      M, N, rows_per_program, weight_offset, dropout_p,
                      DY_BLOCK_M: tl.constexpr, DY_BLOCK_N: tl.constexpr, DY_ORDERED: tl.constexpr,
                      DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_ORDERED: tl.constexpr,
-                     ROWS: tl.constexpr, TILE_N: tl.constexpr, N_TILES: tl.constexpr,
+                     TILE_N: tl.constexpr, N_TILES: tl.constexpr,
                      HAS_D_RESIDUAL_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, LAUNCH_DEPENDENTS: tl.constexpr):
-    """A contiguous run of rows per program, ROWS at a time, in one pass: ds (and dx) per row; dw (and
-    dbias) as one fp32 partial row per program: partials[0, pid] (and partials[1, pid]).
+                     HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    """A contiguous run of rows per program, in one pass: ds (and dx) per row; dw (and dbias) as one fp32
+    partial row per program: partials[0, pid] (and partials[1, pid]).
 
-    The loads of the next ROWS rows are issued before the current rows' reductions and stores (software
-    pipelining by hand): a row's sum must complete before its stores, so without it a program would wait
-    out the full memory latency once per block of rows."""
+    The loads of row i + 1 are issued before row i's reduction and stores (software pipelining by
+    hand): without it each program has one row's reads in flight and waits out the full memory latency
+    once per row, since the row's sum must complete before its stores and the next row's loads."""
     pid = tl.program_id(0)
-    if LAUNCH_DEPENDENTS:   # the partial sum (launched with PDL) may be scheduled now; it waits for our end
+    if PDL:   # the partial sum, launched behind us with PDL, may take its SM slots now; it waits for our end
         gdc_launch_dependents()
-    cols = _columns(TILE_N, N_TILES)[None, :, :]
-    g = tl.load(weight_ptr + cols, mask=cols < N, other=0.0).to(tl.float32) + weight_offset
-    dweight = tl.zeros((ROWS, N_TILES, TILE_N), dtype=tl.float32)
-    dbias = tl.zeros((ROWS, N_TILES, TILE_N), dtype=tl.float32)
+    cols = tl.arange(0, N_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+    mask = cols < N
+    g = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
+    dweight = tl.zeros((N_TILES, TILE_N), dtype=tl.float32)
+    dbias = tl.zeros((N_TILES, TILE_N), dtype=tl.float32)
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
 
     first_row = pid.to(tl.int64) * rows_per_program
-    end_row = tl.minimum(first_row + rows_per_program, M)
-    lanes = tl.arange(0, ROWS)
-    next_dy, next_s, next_rstd, next_d_res = _load_backward_rows(
-        dy_ptr, dy_order_ptr, s_ptr, rstd_ptr, d_residual_out_ptr, first_row + lanes, end_row, cols, N,
-        DY_BLOCK_M, DY_BLOCK_N, DY_ORDERED, ROWS, TILE_N, N_TILES, HAS_D_RESIDUAL_OUT)
-    for block_row in range(first_row, end_row, ROWS):
-        rows = block_row + lanes
-        live = rows < end_row
-        rows3 = tl.minimum(rows, end_row - 1)[:, None, None]
-        mask = live[:, None, None] & (cols < N)
+    num_rows = tl.minimum(rows_per_program, M - first_row)
+    # Row first_row's inputs (a program always has at least one row).
+    next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, first_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
+                                        DY_ORDERED), mask=mask, other=0.0)
+    next_s = tl.load(s_ptr + first_row * N + cols, mask=mask, other=0.0)
+    next_rstd = tl.load(rstd_ptr + first_row)
+    if HAS_D_RESIDUAL_OUT:
+        next_d_res = tl.load(d_residual_out_ptr + first_row * N + cols, mask=mask, other=0.0)
+    for i in range(0, num_rows):
+        row = first_row + i
+        offs = row * N + cols
         dy = next_dy.to(tl.float32)
-        rstd = next_rstd[:, None, None]
-        x_hat = next_s.to(tl.float32) * rstd
-        d_res = next_d_res.to(tl.float32)
-        # Prefetch the next block (rows past the program's end load nothing).
-        next_dy, next_s, next_rstd, next_d_res = _load_backward_rows(
-            dy_ptr, dy_order_ptr, s_ptr, rstd_ptr, d_residual_out_ptr, rows + ROWS, end_row, cols, N,
-            DY_BLOCK_M, DY_BLOCK_N, DY_ORDERED, ROWS, TILE_N, N_TILES, HAS_D_RESIDUAL_OUT)
+        x_hat = next_s.to(tl.float32) * next_rstd
+        rstd = next_rstd
+        if HAS_D_RESIDUAL_OUT:
+            d_res = next_d_res.to(tl.float32)
+
+        # Prefetch the next row: past the program's last row the loads are masked off (no traffic) and
+        # the row index is clamped so that even the tile-order lookup stays in bounds.
+        has_next = i + 1 < num_rows
+        next_row = tl.minimum(row + 1, M - 1)
+        next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, next_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
+                                            DY_ORDERED), mask=mask & has_next, other=0.0)
+        next_s = tl.load(s_ptr + next_row * N + cols, mask=mask & has_next, other=0.0)
+        next_rstd = tl.load(rstd_ptr + next_row)
+        if HAS_D_RESIDUAL_OUT:
+            next_d_res = tl.load(d_residual_out_ptr + next_row * N + cols, mask=mask & has_next, other=0.0)
 
         dx_hat = dy * g
-        ds = rstd * (dx_hat - x_hat * (tl.sum(tl.sum(dx_hat * x_hat, 2), 1)[:, None, None] / N))
+        ds = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat) / N))
         if HAS_D_RESIDUAL_OUT:
             ds += d_res
-        tl.store(ds_ptr + rows3 * N + cols, ds.to(ds_ptr.dtype.element_ty), mask=mask)
+        tl.store(ds_ptr + offs, ds.to(ds_ptr.dtype.element_ty), mask=mask)
         dweight += dy * x_hat
 
         dx = ds
         if HAS_DROPOUT:
-            keep = _dropout_keep(seed, rows3, dropout_p, ROWS, TILE_N, N_TILES)
+            keep = _dropout_keep(seed, row, dropout_p, TILE_N, N_TILES)
             dx = tl.where(keep, ds * (1.0 / (1.0 - dropout_p)), 0.0)
         if STORE_DX:
-            dx_offs = _offsets(dx_order_ptr, rows3, N, DX_BLOCK_M, DX_BLOCK_N, TILE_N, N_TILES, DX_ORDERED)
+            dx_offs = _offsets(dx_order_ptr, row, N, DX_BLOCK_M, DX_BLOCK_N, TILE_N, N_TILES, DX_ORDERED)
             tl.store(dx_ptr + dx_offs, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         if HAS_BIAS:
-            dbias += dx   # zero in rows past the end (their loads gave zeros)
+            dbias += dx
 
-    row_cols = _columns(TILE_N, N_TILES)
-    tl.store(partials_ptr + pid * N + row_cols, tl.sum(dweight, 0), mask=row_cols < N)
+    tl.store(partials_ptr + pid * N + cols, dweight, mask=mask)
     if HAS_BIAS:
-        tl.store(partials_ptr + (tl.num_programs(0) + pid) * N + row_cols, tl.sum(dbias, 0), mask=row_cols < N)
+        tl.store(partials_ptr + (tl.num_programs(0) + pid) * N + cols, dbias, mask=mask)
 
 
 @triton.jit
 def _sum_partials_kernel(partials_ptr, out_ptr, programs, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-                         WAIT_FOR_PRIMARY: tl.constexpr):
+                         PDL: tl.constexpr):
     """out[k, c] = sum over p of partials[k, p, c] ([K, programs, N] fp32), the rows added in a fixed order:
-    the same bits every run. WAIT_FOR_PRIMARY: launched with PDL while the backward kernel still runs,
-    so wait until it has completed and its stores are visible."""
-    if WAIT_FOR_PRIMARY:
+    the same bits every run. With PDL this kernel was launched while the backward kernel still ran: wait
+    until that has completed and its stores are visible."""
+    if PDL:
         gdc_wait()
     k = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -226,10 +204,10 @@ def _sum_partials_kernel(partials_ptr, out_ptr, programs, N, BLOCK_P: tl.constex
 @triton.jit
 def _dropout_mask_kernel(seed_ptr, keep_ptr, N, p, TILE_N: tl.constexpr, N_TILES: tl.constexpr):
     """The keep mask the forward and backward kernels apply, one row per program (for references)."""
-    rows = tl.program_id(0).to(tl.int64) + tl.zeros((1, 1, 1), dtype=tl.int64)
-    cols = _columns(TILE_N, N_TILES)[None, :, :]
-    keep = _dropout_keep(tl.load(seed_ptr), rows, p, 1, TILE_N, N_TILES)
-    tl.store(keep_ptr + rows * N + cols, keep.to(tl.int8), mask=cols < N)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, N_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
+    keep = _dropout_keep(tl.load(seed_ptr), row, p, TILE_N, N_TILES)
+    tl.store(keep_ptr + row * N + cols, keep.to(tl.int8), mask=cols < N)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,6 +231,12 @@ def _order_args(order):
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index):
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pdl(device_index):
+    """Programmatic dependent launch (griddepcontrol): Hopper and later."""
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
 def dropout_seed(device):
@@ -286,13 +270,12 @@ def empty_forward_outputs(x, residual, residual_dtype):
 
 
 def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=False, dropout_p=0.0, seed=None,
-                   x_order=None, row_lo=0, row_hi=None, num_warps=None, rows_per_program=1):
+                   x_order=None, row_lo=0, row_hi=None, num_warps=None):
     """Write rows [row_lo, row_hi) of `out` (a ForwardOutputs). No checks: call `check_forward` once.
 
     residual None = plain RMSNorm of x (no bias, dropout or order). dropout_p > 0 needs `seed`.
     Per-group use: launch on the stream where a group's rows became complete, with that group's rows.
-    num_warps, rows_per_program (a power of two): per program; None = `_block`'s rule (the benchmark
-    sweeps both).
+    num_warps: per program (one row); None = `_block`'s rule (the benchmark sweeps it).
     """
     n = weight.shape[0]
     row_hi = out.rstd.shape[0] if row_hi is None else row_hi
@@ -301,27 +284,17 @@ def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=F
     tile_n, n_tiles, default_warps = _block(n, x_order)
     num_warps = num_warps or default_warps
     x_slot_of, x_block_m, x_block_n, x_ordered = _order_args(x_order)
-    _forward_kernel[(triton.cdiv(row_hi - row_lo, rows_per_program),)](
+    _forward_kernel[(row_hi - row_lo,)](
         x, x_slot_of, bias, residual, weight, seed if dropout_p > 0 else None,
         out.y, out.residual_out, out.rstd,
-        row_lo, row_hi, n, eps, 1.0 if zero_centered_gamma else 0.0, dropout_p,
-        X_BLOCK_M=x_block_m, X_BLOCK_N=x_block_n, X_ORDERED=x_ordered,
-        ROWS=rows_per_program, TILE_N=tile_n, N_TILES=n_tiles,
+        row_lo, n, eps, 1.0 if zero_centered_gamma else 0.0, dropout_p,
+        X_BLOCK_M=x_block_m, X_BLOCK_N=x_block_n, X_ORDERED=x_ordered, TILE_N=tile_n, N_TILES=n_tiles,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0,
         num_warps=num_warps)
 
 
-class BackwardGrid(NamedTuple):
-    programs: int
-    rows_per_program: int   # a multiple of rows_per_block
-    rows_per_block: int     # rows a program works on at a time (the kernel's ROWS)
-    tile_n: int
-    n_tiles: int
-    num_warps: int
-
-
-def backward_grid(m, n, device, programs_per_sm=None, num_warps=None, rows_per_block=None, orders=()):
-    """The backward launch for m rows of n.
+def backward_grid(m, n, device, programs_per_sm=None, num_warps=None, orders=()):
+    """(programs, rows_per_program, TILE_N, N_TILES, num_warps) of the backward launch for m rows of n.
 
     Defaults, from the launch grid sweep on H200 (docs/perf/fused_add_rmsnorm.md, `--sweep`): 32 fp32
     elements per thread per row (num_warps = row block / 1024) and about 256 threads per SM (2 programs
@@ -330,59 +303,52 @@ def backward_grid(m, n, device, programs_per_sm=None, num_warps=None, rows_per_b
     and sum. Fewer warps spill registers (4 warps at 8192 columns: 15x slower)."""
     tile_n, n_tiles, _ = _block(n, *orders)
     block = tile_n * n_tiles
-    rows_per_block = rows_per_block or 1
     num_warps = num_warps or min(32, max(4, block // 1024))
     if device.type == "cuda":
         programs = (programs_per_sm or max(1, 8192 // block)) * _num_sms(device.index or 0)
     else:
         programs = _CPU_PROGRAMS
-    rows_per_program = rows_per_block * triton.cdiv(triton.cdiv(m, max(1, min(m, programs))), rows_per_block)
+    rows_per_program = triton.cdiv(m, max(1, min(m, programs)))
     programs = triton.cdiv(m, rows_per_program) if m else 0
-    return BackwardGrid(programs, rows_per_program, rows_per_block, tile_n, n_tiles, num_warps)
-
-
-def sum_partials(partials, pdl):
-    """[K, programs, N] fp32 -> [K, N]: the partial rows summed in a fixed order (deterministic). pdl: launch
-    it with programmatic dependent launch behind the backward kernel (Hopper; CUDA only)."""
-    k, programs, n = partials.shape
-    out = torch.empty(k, n, dtype=torch.float32, device=partials.device)
-    block_n = 32
-    launch = dict(launch_pdl=True) if pdl else {}
-    _sum_partials_kernel[(triton.cdiv(n, block_n), k)](
-        partials, out, programs, n, BLOCK_P=min(256, triton.next_power_of_2(programs)), BLOCK_N=block_n,
-        WAIT_FOR_PRIMARY=pdl, num_warps=4, **launch)
-    return out
+    return programs, rows_per_program, tile_n, n_tiles, num_warps
 
 
 def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centered_gamma=False, dropout_p=0.0,
                     seed=None, dy_order=None, dx_order=None, bias_grad=False, programs_per_sm=None, num_warps=None,
-                    rows_per_block=None, partial_sum="pdl"):
+                    pdl=None):
     """One pass over the rows; returns the fp32 column sums (dweight, dbias or None). No checks.
 
     Reads dy (in dy_order), d_residual_out (or None: zero), the saved s and rstd. Writes ds (the grad of
     s: the residual's, or x's for the plain norm, standard layout) and dx (x's grad, in dx_order) unless
     `dx` is None, which means dx is ds (no dropout, standard layout, same dtype). Each program writes one
-    partial row (programs x N fp32) that a second kernel sums. programs_per_sm, num_warps, rows_per_block:
-    None = `backward_grid`'s defaults (the benchmark sweeps them)."""
+    partial row (programs x N fp32) that a second kernel sums (`_sum_partials_kernel`; at 2048 x 4096
+    torch's `sum(0)` took 4 us longer, docs/perf/norm_sweep_s9.md). pdl: launch that kernel with
+    programmatic dependent launch, so it is resident and waiting when the backward ends (None: where the
+    GPU has it, Hopper on). programs_per_sm, num_warps, pdl: the benchmark sweeps them."""
     m, n = rstd.shape[0], weight.shape[0]
     if m == 0:   # the kernel loads each program's first row before its loop: launch none
         zeros = torch.zeros(n, dtype=torch.float32, device=s.device)
         return zeros, zeros.clone() if bias_grad else None
-    grid = backward_grid(m, n, s.device, programs_per_sm, num_warps, rows_per_block, (dy_order, dx_order))
-    partials = torch.empty(2 if bias_grad else 1, grid.programs, n, dtype=torch.float32, device=s.device)
+    programs, rows_per_program, tile_n, n_tiles, num_warps = backward_grid(
+        m, n, s.device, programs_per_sm, num_warps, (dy_order, dx_order))
+    partials = torch.empty(2 if bias_grad else 1, programs, n, dtype=torch.float32, device=s.device)
+    if pdl is None:
+        pdl = s.is_cuda and _has_pdl(s.device.index)
     dy_slot_of, dy_block_m, dy_block_n, dy_ordered = _order_args(dy_order)
     dx_slot_of, dx_block_m, dx_block_n, dx_ordered = _order_args(dx_order)
-    pdl = partial_sum == "pdl" and s.is_cuda
-    _backward_kernel[(grid.programs,)](
+    _backward_kernel[(programs,)](
         dy, dy_slot_of, d_residual_out, s, rstd, weight, seed if dropout_p > 0 else None,
         ds, dx, dx_slot_of, partials,
-        m, n, grid.rows_per_program, 1.0 if zero_centered_gamma else 0.0, dropout_p,
+        m, n, rows_per_program, 1.0 if zero_centered_gamma else 0.0, dropout_p,
         DY_BLOCK_M=dy_block_m, DY_BLOCK_N=dy_block_n, DY_ORDERED=dy_ordered,
-        DX_BLOCK_M=dx_block_m, DX_BLOCK_N=dx_block_n, DX_ORDERED=dx_ordered,
-        ROWS=grid.rows_per_block, TILE_N=grid.tile_n, N_TILES=grid.n_tiles,
+        DX_BLOCK_M=dx_block_m, DX_BLOCK_N=dx_block_n, DX_ORDERED=dx_ordered, TILE_N=tile_n, N_TILES=n_tiles,
         HAS_D_RESIDUAL_OUT=d_residual_out is not None, HAS_DROPOUT=dropout_p > 0, STORE_DX=dx is not None,
-        HAS_BIAS=bias_grad, LAUNCH_DEPENDENTS=pdl, num_warps=grid.num_warps)
-    sums = partials.sum(1) if partial_sum == "torch" else sum_partials(partials, pdl)
+        HAS_BIAS=bias_grad, PDL=pdl, num_warps=num_warps)
+    sums = torch.empty(partials.shape[0], n, dtype=torch.float32, device=s.device)
+    block_n = 32   # N / 32 programs, each summing a [programs, 32] column strip in one pass where programs <= 256
+    _sum_partials_kernel[(triton.cdiv(n, block_n), partials.shape[0])](
+        partials, sums, programs, n, BLOCK_P=min(256, triton.next_power_of_2(programs)), BLOCK_N=block_n, PDL=pdl,
+        num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
     return sums[0], sums[1] if bias_grad else None
 
 

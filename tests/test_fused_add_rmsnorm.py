@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from overlap_tp.kernels.fused_add_rmsnorm import (
-    ForwardOutputs, FusedAddRMSNormFunction, TileOrder, check_forward, dropout_keep_mask, dropout_seed, empty_forward_outputs,
-    launch_forward, reference_add_rmsnorm)
+    ForwardOutputs, FusedAddRMSNormFunction, TileOrder, _sum_partials_kernel, check_forward, dropout_keep_mask,
+    dropout_seed, empty_forward_outputs, launch_forward, reference_add_rmsnorm)
 from overlap_tp.norm import OverlapRMSNorm, fused_add_rmsnorm, rmsnorm
 
 # The interpreter turns the backward kernel's runtime loop bound (a 1-element array) into an int; numpy
@@ -310,6 +310,15 @@ def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         rmsnorm(torch.randn(4, 8), torch.ones(8))
+
+
+def test_partial_rows_are_summed_in_blocks_with_masked_edges():
+    """The backward's second kernel: [K, programs, N] partial rows summed over programs, here in blocks of 2 of
+    5 programs (the last block half masked) and 32-column strips of 40 columns (the last one masked)."""
+    partials = torch.randn(2, 5, 40, generator=torch.Generator().manual_seed(2))
+    sums = torch.full((2, 40), float("nan"))
+    _sum_partials_kernel[(2, 2)](partials, sums, 5, 40, BLOCK_P=2, BLOCK_N=32, PDL=False)
+    torch.testing.assert_close(sums, partials.double().sum(1).float(), rtol=1e-6, atol=1e-6)
 
 
 def test_zero_rows_give_empty_outputs_and_zero_weight_grad():

@@ -9,10 +9,11 @@ Per (rows = M/t, hidden), bf16, the Llama path (no bias, no dropout) unless the 
   fwd fused, map+bias+dropout 0.1   Philox mask regenerated in the kernel
   fwd eager            torch: x + residual, then torch.nn.functional.rms_norm
   fwd eager, undo map  torch: TileOrder.undo(x) + residual, then rms_norm (the reorder done unfused)
-  bwd fused / map      the one-pass backward (dy standard / tile-ordered), dx = d_residual aliased
-  --sweep              also the forward at each (num_warps, rows per program) in FWD_GRID, the backward
-                       at each (programs per SM, num_warps, rows per block) in BWD_GRID and with each
-                       partial sum of PARTIAL_SUMS, to set the launchers' defaults
+  bwd fused / map      the one-pass backward (dy standard / tile-ordered), dx = d_residual aliased; its
+                       partial rows summed by a second kernel launched with PDL (Hopper)
+  bwd fused, no PDL    the same with the partial sum launched after the backward ends
+  --sweep              also the forward at each num_warps in FWD_WARPS and the backward at each
+                       (programs per SM, num_warps) in BWD_GRID, to set the launchers' defaults
   bwd eager / undo map autograd of the eager forward (after undoing dy's map)
   per-group rows       the forward split into --groups row groups behind an emulated collective, see below
 GB/s counts each input read once and each output written once; "% copy" divides it by the bandwidth of
@@ -45,9 +46,8 @@ from overlap_tp.kernels.fused_add_rmsnorm import (
 
 EPS = 1e-5
 DROPOUT = 0.1
-FWD_GRID = [(warps, rows) for rows in (1, 2, 4) for warps in (2, 4, 8, 16, 32)]
-BWD_GRID = [(per_sm, warps, rows) for rows in (1, 2, 4) for per_sm in (1, 2, 4) for warps in (4, 8, 16, 32)]
-PARTIAL_SUMS = ("torch", "triton")   # the alternatives to the default (Triton, PDL-launched)
+FWD_WARPS = (2, 4, 8, 16, 32)
+BWD_GRID = [(per_sm, warps) for per_sm in (1, 2, 4, 8) for warps in (4, 8, 16, 32)]
 
 
 def parse_args(argv):
@@ -148,10 +148,9 @@ def bench_shape(rows, hidden, args, copy):
     matrix_bytes = rows * hidden * 2
     fwd_bytes = 4 * matrix_bytes + 2 * hidden + 4 * rows  # x, residual in; y, residual out
 
-    def bwd_bytes(programs_per_sm=None, num_warps=None, rows_per_block=None):
+    def bwd_bytes(programs_per_sm=None, num_warps=None):
         """dy, s, d_residual in; ds out; weight, rstd; the fp32 partial rows written and summed."""
-        programs = backward_grid(rows, hidden, torch.device("cuda", 0), programs_per_sm, num_warps,
-                                 rows_per_block).programs
+        programs = backward_grid(rows, hidden, torch.device("cuda", 0), programs_per_sm, num_warps)[0]
         return 4 * matrix_bytes + 2 * hidden + 4 * rows + 2 * 4 * programs * hidden
     results = []
 
@@ -164,17 +163,15 @@ def bench_shape(rows, hidden, args, copy):
                             vs_fused_pct=None if fused is None else 100 * (ms / fused[0] - 1),
                             speedup_vs_eager=None if eager is None else eager[0] / ms))
 
-    def forward(s, ordered=False, with_bias=False, p=0.0, target=out, row_lo=0, row_hi=None, num_warps=None,
-                rows_per_program=1):
+    def forward(s, ordered=False, with_bias=False, p=0.0, target=out, row_lo=0, row_hi=None, num_warps=None):
         launch_forward(s["x_ordered"] if ordered else s["x"], s["residual"], weight, bias if with_bias else None,
                        target, eps=EPS, dropout_p=p, seed=seed, x_order=order if ordered else None,
-                       row_lo=row_lo, row_hi=row_hi, num_warps=num_warps, rows_per_program=rows_per_program)
+                       row_lo=row_lo, row_hi=row_hi, num_warps=num_warps)
 
-    def backward(s, ordered=False, programs_per_sm=None, num_warps=None, rows_per_block=None, partial_sum="pdl"):
+    def backward(s, ordered=False, programs_per_sm=None, num_warps=None, pdl=None):
         return launch_backward(s["dy_ordered"] if ordered else s["dy"], s["d_residual"], out.residual_out, out.rstd,
                                weight, d_residual, None, dy_order=order if ordered else None,
-                               programs_per_sm=programs_per_sm, num_warps=num_warps, rows_per_block=rows_per_block,
-                               partial_sum=partial_sum)
+                               programs_per_sm=programs_per_sm, num_warps=num_warps, pdl=pdl)
 
     def eager_backward(s, ordered=False):
         """A call backpropagating through one kept eager graph (after undoing dy's map)."""
@@ -189,14 +186,12 @@ def bench_shape(rows, hidden, args, copy):
     # Correctness first, against float64.
     s0 = sets[0]
     y_ref, s_ref = reference_add_rmsnorm(s0["x"], s0["residual"], weight, eps=EPS)
-    for ordered, warps, per_program in [(False, None, 1), (True, None, 1)] + (
-            [(False, w, r) for w, r in FWD_GRID] if args.sweep else []):
+    for ordered, warps in [(False, None), (True, None)] + ([(False, w) for w in FWD_WARPS] if args.sweep else []):
         for t in (out.y, out.residual_out):
             t.fill_(float("nan"))
-        forward(s0, ordered, num_warps=warps, rows_per_program=per_program)
-        what = f"fwd ordered={ordered} warps={warps} rows/program={per_program}"
-        check(out.y, y_ref, f"{what} y")
-        check(out.residual_out, s_ref, f"{what} residual")
+        forward(s0, ordered, num_warps=warps)
+        check(out.y, y_ref, f"fwd ordered={ordered} warps={warps} y")
+        check(out.residual_out, s_ref, f"fwd ordered={ordered} warps={warps} residual")
     check(eager_forward(s0["x"], s0["residual"], weight)[0], y_ref, "eager fwd")
     forward(s0, True, True, DROPOUT)
     keep = dropout_keep_mask(seed, rows, hidden, DROPOUT)
@@ -209,21 +204,15 @@ def bench_shape(rows, hidden, args, copy):
     leaves = [t.double().requires_grad_() for t in (s0["x"], s0["residual"], weight)]
     y64, s64 = reference_add_rmsnorm(*leaves, eps=EPS)
     torch.autograd.backward([y64, s64], [s0["dy"].double(), s0["d_residual"].double()])
-    variants = [(False, None, None, None, "pdl"), (True, None, None, None, "pdl")]
-    if args.sweep:
-        variants += [(False, None, None, None, how) for how in PARTIAL_SUMS]
-        variants += [(False, per_sm, warps, per_block, "pdl") for per_sm, warps, per_block in BWD_GRID]
-    bwd_weight = None
-    for ordered, per_sm, warps, per_block, how in variants:
+    for ordered, per_sm, warps in [(False, None, None), (True, None, None)] + (
+            [(False, per_sm, warps) for per_sm, warps in BWD_GRID] if args.sweep else []):
         d_residual.fill_(float("nan"))
-        d_weight, _ = backward(s0, ordered, per_sm, warps, per_block, how)
-        what = f"bwd ordered={ordered} programs/SM={per_sm} warps={warps} rows/block={per_block} sum={how}"
+        d_weight, _ = backward(s0, ordered, per_sm, warps)
+        what = f"bwd ordered={ordered} programs/SM={per_sm} warps={warps}"
         check(d_residual, leaves[1].grad, f"{what} d_residual")
         check(d_weight, leaves[2].grad, f"{what} d_weight")
-        if bwd_weight is None:
-            bwd_weight = d_weight.clone()
-        elif how == "triton" and per_sm is None and per_block is None:   # the default's kernel, launched plainly
-            check(d_weight, bwd_weight, f"{what}: d_weight equals the default's bitwise", exact=True)
+        if per_sm is None and not ordered:
+            check(backward(s0, pdl=False)[0], d_weight, "bwd without PDL: d_weight bitwise", exact=True)
     check(eager_backward(s0)()[1], leaves[1].grad, "eager bwd d_residual")
 
     # Timings.
@@ -240,9 +229,8 @@ def bench_shape(rows, hidden, args, copy):
         fwd_bytes + 2 * hidden, fused)
     add("fwd eager", eager, fwd_bytes, fused)
     add("fwd eager, undo map", eager_undo, fwd_bytes, fused)
-    for warps, per_program in FWD_GRID if args.sweep else ():
-        add(f"fwd fused, {warps} warps, {per_program} rows/program",
-            timed(lambda s: lambda: forward(s, num_warps=warps, rows_per_program=per_program)), fwd_bytes, fused)
+    for warps in FWD_WARPS if args.sweep else ():
+        add(f"fwd fused, {warps} warps", timed(lambda s: lambda: forward(s, num_warps=warps)), fwd_bytes, fused)
 
     forward(s0)
     fused_bwd = timed(lambda s: lambda: backward(s))
@@ -250,13 +238,11 @@ def bench_shape(rows, hidden, args, copy):
     eager_bwd_undo = timed(lambda s: eager_backward(s, True))
     add("bwd fused", fused_bwd, bwd_bytes(), eager=eager_bwd)
     add("bwd fused, map", timed(lambda s: lambda: backward(s, True)), bwd_bytes(), fused_bwd, eager_bwd_undo)
-    for how in PARTIAL_SUMS if args.sweep else ():
-        add(f"bwd fused, partial sum {how}", timed(lambda s: lambda: backward(s, partial_sum=how)), bwd_bytes(),
-            fused_bwd)
-    for per_sm, warps, per_block in BWD_GRID if args.sweep else ():
-        add(f"bwd fused, {per_sm} programs/SM, {warps} warps, {per_block} rows/block",
-            timed(lambda s: lambda: backward(s, programs_per_sm=per_sm, num_warps=warps, rows_per_block=per_block)),
-            bwd_bytes(per_sm, warps, per_block), fused_bwd)
+    add("bwd fused, no PDL", timed(lambda s: lambda: backward(s, pdl=False)), bwd_bytes(), fused_bwd)
+    for per_sm, warps in BWD_GRID if args.sweep else ():
+        add(f"bwd fused, {per_sm} programs/SM, {warps} warps",
+            timed(lambda s: lambda: backward(s, programs_per_sm=per_sm, num_warps=warps)),
+            bwd_bytes(per_sm, warps), fused_bwd)
     add("bwd eager", eager_bwd, bwd_bytes(), fused_bwd)
     add("bwd eager, undo map", eager_bwd_undo, bwd_bytes(), fused_bwd)
 

@@ -46,7 +46,8 @@ def assert_bf16_close(actual, expected, summed_rows=1):
 @pytest.mark.parametrize("ordered", [False, True], ids=["standard", "tile-ordered"])
 def test_forward_and_backward_kernels_into_poisoned_outputs(rows, hidden, ordered):
     """Zero-centered gamma, bias, dropout 0.1 (fixed seed), fp32 residual: every output written, every
-    value within bf16 tolerance of float64; the same result twice (deterministic)."""
+    value within bf16 tolerance of float64; the same result twice (deterministic), with the partial sum
+    launched by PDL behind the backward and launched after it."""
     x_std, residual, weight, bias, gen = inputs(rows, hidden, seed=rows + hidden + ordered,
                                                 residual_dtype=torch.float32)
     x_order = random_order(rows, hidden, gen) if ordered else None
@@ -71,9 +72,9 @@ def test_forward_and_backward_kernels_into_poisoned_outputs(rows, hidden, ordere
     dy = dy_order.apply(dy_std) if ordered else dy_std
     backward_options = dict(dy_order=dy_order, dx_order=x_order, bias_grad=True, **options)
     grads = []
-    for _ in range(2):
+    for pdl in (None, False):
         ds, dx = poisoned(torch.empty_like(residual)), poisoned(torch.empty_like(x))
-        d_weight, d_bias = launch_backward(dy, d_residual_out, out.residual_out, out.rstd, weight, ds, dx,
+        d_weight, d_bias = launch_backward(dy, d_residual_out, out.residual_out, out.rstd, weight, ds, dx, pdl=pdl,
                                            **backward_options)
         grads.append((ds, dx, d_weight, d_bias))
     for first, second in zip(*grads):
