@@ -87,6 +87,10 @@ def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed
     mask = cols < N
     offs = row * N + cols
 
+    # The residual's loads go out first: a warp issues in order, so loads placed after x's, whose addresses
+    # wait for the tile-order lookup, would wait too.
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)
     x_offs = _offsets(x_order_ptr, row, N, X_BLOCK_M, X_BLOCK_N, TILE_N, N_TILES, X_ORDERED)
     s = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
@@ -95,7 +99,7 @@ def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed
         keep = _dropout_keep(tl.load(seed_ptr), row, dropout_p, TILE_N, N_TILES)
         s = tl.where(keep, s * (1.0 / (1.0 - dropout_p)), 0.0)
     if HAS_RESIDUAL:
-        s += tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s += residual.to(tl.float32)
         s = s.to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + offs, s, mask=mask)
         s = s.to(tl.float32)
@@ -134,13 +138,14 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
 
     first_row = pid.to(tl.int64) * rows_per_program
     num_rows = tl.minimum(rows_per_program, M - first_row)
-    # Row first_row's inputs (a program always has at least one row).
-    next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, first_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
-                                        DY_ORDERED), mask=mask, other=0.0)
+    # Row first_row's inputs (a program always has at least one row). Here and in the prefetch below dy comes
+    # last: its addresses may wait for a tile-order lookup, and a warp issues in order.
     next_s = tl.load(s_ptr + first_row * N + cols, mask=mask, other=0.0)
     next_rstd = tl.load(rstd_ptr + first_row)
     if HAS_D_RESIDUAL_OUT:
         next_d_res = tl.load(d_residual_out_ptr + first_row * N + cols, mask=mask, other=0.0)
+    next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, first_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
+                                        DY_ORDERED), mask=mask, other=0.0)
     for i in range(0, num_rows):
         row = first_row + i
         offs = row * N + cols
@@ -154,12 +159,12 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
         # the row index is clamped so that even the tile-order lookup stays in bounds.
         has_next = i + 1 < num_rows
         next_row = tl.minimum(row + 1, M - 1)
-        next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, next_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
-                                            DY_ORDERED), mask=mask & has_next, other=0.0)
         next_s = tl.load(s_ptr + next_row * N + cols, mask=mask & has_next, other=0.0)
         next_rstd = tl.load(rstd_ptr + next_row)
         if HAS_D_RESIDUAL_OUT:
             next_d_res = tl.load(d_residual_out_ptr + next_row * N + cols, mask=mask & has_next, other=0.0)
+        next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, next_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
+                                            DY_ORDERED), mask=mask & has_next, other=0.0)
 
         dx_hat = dy * g
         ds = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat) / N))
