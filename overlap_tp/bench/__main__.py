@@ -5,6 +5,7 @@ import sys
 SUBCOMMANDS = {
     "ops": "overlap_tp.bench.ops",    # GEMM+RS / GEMM+AR against the BENCHMARKS.md baselines (torchrun)
     "norm": "overlap_tp.bench.norm",  # fused reorder + residual add + RMSNorm (one GPU)
+    "gemm": "overlap_tp.bench.gemm",  # the signaled GEMM alone vs cuBLAS on the layers' GEMMs (one GPU)
     "layer": "overlap_tp.bench.layer",  # one TransformerLayer fwd+bwd: ours vs Megatron vs no-comm (torchrun)
     "moe": "overlap_tp.bench.moe",    # MoE a2a_gemm / gemm_a2a against all_to_all + cuBLAS (torchrun)
     "moe_layer": "overlap_tp.bench.moe_layer",  # OverlapMoELayer against Megatron's MoELayer (torchrun)

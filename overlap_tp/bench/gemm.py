@@ -1,0 +1,166 @@
+"""The signaled GEMM alone against cuBLAS, one GPU: every GEMM a Llama layer issues through overlap_tp.
+
+    python -m overlap_tp.bench gemm --out docs/perf
+
+Per BENCHMARKS.md layer (TP = --tp shards, --seq tokens), bf16, the GEMM of each overlapped call the layers make:
+  fwd   qkv / fc1: ag_gemm's  [M, K] @ W[N_local, K].T     (W row-major: the kernel's "nk" layout)
+        proj / fc2: gemm_rs's [M, K_local] @ W[N, K_local].T
+  dgrad qkv / fc1: gemm_rs's  dY[M, N_local] @ W[N_local, K]   (the weight read transposed in place: "kn")
+        proj / fc2: ag_gemm's dZ[M, N] @ W[N, K_local]
+each with the tile plan of its op (ag_gemm: local rows first; gemm_rs: row-slice schedule, t regions), on
+the grid the op gives it (--comm-sms: the SMs the collective keeps; 0 = every SM, as the p2p transports run),
+no communication and no waits. cuBLAS: torch.matmul on the same operands (it transposes for free).
+`ratio` = cuBLAS time / ours (above 1: ours is faster). --configs adds tile configurations
+(BMxBNxBK/stages/warps). Every configuration's output is checked against cuBLAS before it is timed.
+Times: medians of --reps back-to-back calls (CUDA events), inputs rotated over --input-sets sets (each set's
+operands are larger than L2 together with the others only at the big shapes: no flush in between, as in a layer).
+"""
+import argparse
+import statistics
+import sys
+
+import torch
+
+from overlap_tp import OverlapConfig
+from overlap_tp.bench import report
+from overlap_tp.bench.ops import AG_SHAPES, SHAPES, at_tp
+from overlap_tp.kernels.signaled_gemm import signaled_gemm
+from overlap_tp.ops import gemm_programs, plan_state
+from overlap_tp.plan import ag_plan
+
+DEFAULT = OverlapConfig(method="signal")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m overlap_tp.bench gemm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tp", type=int, default=2, help="the TP size whose shards are multiplied")
+    p.add_argument("--seq", default="8192", help="comma list of tokens M")
+    p.add_argument("--layers", default="l8b,l70b", help="comma list of BENCHMARKS.md models (l8b, l70b)")
+    p.add_argument("--comm-sms", default=f"0,{DEFAULT.comm_sms}", help="comma list of SMs left to the collective")
+    p.add_argument("--configs", default="", help="comma list of BMxBNxBK/stages/warps beside the default "
+                   f"{DEFAULT.block_m}x{DEFAULT.block_n}x{DEFAULT.block_k}/{DEFAULT.num_stages}/{DEFAULT.num_warps}")
+    p.add_argument("--input-sets", type=int, default=2)
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--out", default="docs/perf")
+    p.add_argument("--name", default="signaled_gemm")
+    return p.parse_args(argv)
+
+
+def parse_config(text):
+    """'128x256x64/3/8' -> OverlapConfig with that tile and pipelining."""
+    tile, stages, warps = text.split("/")
+    bm, bn, bk = (int(v) for v in tile.split("x"))
+    return OverlapConfig(method="signal", block_m=bm, block_n=bn, block_k=bk, num_stages=int(stages),
+                         num_warps=int(warps))
+
+
+def label(config):
+    return f"{config.block_m}x{config.block_n}x{config.block_k}/{config.num_stages}/{config.num_warps}"
+
+
+def layer_gemms(layer, m, tp):
+    """(name, op, K (inner), N (output columns), weight layout) of the layer's overlapped GEMMs."""
+    gemms = []
+    for name, (k, n) in AG_SHAPES.items():        # column-parallel: qkv, fc1
+        if name.startswith(layer + "."):
+            k, n = at_tp("ag", k, n, tp)
+            gemms += [(f"{name} fwd", "ag", k, n, "nk"), (f"{name} dgrad", "rs", n, k, "kn")]
+    for name, (k, n) in SHAPES.items():           # row-parallel: proj, fc2
+        if name.startswith(layer + "."):
+            k, n = at_tp("rs", k, n, tp)
+            gemms += [(f"{name} fwd", "rs", k, n, "nk"), (f"{name} dgrad", "ag", n, k, "kn")]
+    return gemms
+
+
+def timed(fn, sets, reps):
+    for s in sets:
+        fn(*s)
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn(*sets[i % len(sets)])
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def bench_gemm(name, op, m, k, n, layout, args, configs, comm_sms_list):
+    """Rows for one GEMM: cuBLAS, then ours per (config, comm_sms)."""
+    device = torch.device("cuda")
+    sets = []
+    for _ in range(args.input_sets):
+        a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w_rows = torch.randn(*((k, n) if layout == "kn" else (n, k)), device=device, dtype=torch.bfloat16) / k ** 0.5
+        sets.append((a, w_rows.t() if layout == "kn" else w_rows))   # w as the ops pass it: [N, K], maybe a view
+    cublas = timed(lambda a, w: torch.matmul(a, w.t()), sets, args.reps)
+    want = torch.matmul(sets[0][0], sets[0][1].t()).float()
+    rows = []
+    for config in configs:
+        for comm_sms in comm_sms_list:
+            grid_config = OverlapConfig(**{**config.__dict__, "comm_sms": comm_sms})
+            programs = gemm_programs(device, grid_config)
+            if op == "ag":
+                tiles = ag_plan(m, n, k, args.tp, 0, config.block_m, config.block_n).tiles.to(device)
+                out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
+                expected = want
+            else:
+                state = plan_state("row_slice", m, n, args.tp, grid_config, 2, device)
+                tiles, out = state.tiles, torch.empty(state.plan.staging_shape, device=device, dtype=torch.bfloat16)
+                # group g's staging rows hold rows [lo, hi) of every rank region, region after region
+                regions = want.view(args.tp, m // args.tp, n)
+                expected = torch.cat([regions[:, c.dst_lo:c.dst_hi].reshape(-1, n) for c in state.plan.collectives])
+
+            def ours(a, w):
+                signaled_gemm(a, w, out, tiles, None, programs, grid_config)
+
+            out.fill_(float("nan"))
+            ours(*sets[0])
+            torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * want.abs().mean().item(),
+                                       msg=lambda msg: f"{name} {label(config)} comm_sms={comm_sms}: {msg}")
+            ms = timed(ours, sets, args.reps)
+            rows.append(dict(gemm=f"{name}.s{m}", op=op, M=m, K=k, N=n, layout=layout, config=label(config),
+                             comm_sms=comm_sms, programs=programs, cublas_ms=cublas, ours_ms=ms, ratio=cublas / ms,
+                             tflops=2 * m * n * k / ms / 1e9))
+    return rows
+
+
+COLUMNS = [
+    ("gemm", "GEMM", "{}"), ("op", "op plan", "{}"), ("M", "M", "{}"), ("K", "K", "{}"), ("N", "N", "{}"),
+    ("layout", "W", "{}"), ("config", "config", "{}"), ("comm_sms", "comm SMs", "{}"), ("programs", "grid", "{}"),
+    ("cublas_ms", "cuBLAS ms", "{:.3f}"), ("ours_ms", "ours ms", "{:.3f}"), ("ratio", "cuBLAS/ours", "{:.3f}"),
+    ("tflops", "ours TFLOP/s", "{:.0f}"),
+]
+
+
+def main(argv):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gemm benchmark: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    torch.manual_seed(0)
+    configs = [DEFAULT] + [parse_config(c) for c in args.configs.split(",") if c]
+    comm_sms_list = [int(v) for v in args.comm_sms.split(",")]
+    rows = []
+    for m in (int(v) for v in args.seq.split(",")):
+        for layer in args.layers.split(","):
+            for name, op, k, n, layout in layer_gemms(layer, m, args.tp):
+                for row in bench_gemm(name, op, m, k, n, layout, args, configs, comm_sms_list):
+                    rows.append(row)
+                    print(" | ".join(fmt.format(row[key]) for key, _, fmt in COLUMNS), flush=True)
+    summary = []
+    for config in configs:
+        for comm_sms in comm_sms_list:
+            for layout in ("nk", "kn"):
+                sel = [r["ratio"] for r in rows if r["config"] == label(config) and r["comm_sms"] == comm_sms
+                       and r["layout"] == layout]
+                if sel:
+                    summary.append(f"- {label(config)}, comm SMs {comm_sms}, W {layout}: cuBLAS/ours median "
+                                   f"{statistics.median(sel):.3f} (min {min(sel):.3f}, max {max(sel):.3f}, {len(sel)} GEMMs)")
+    notes = "\n".join(summary) + "\n\n" + __doc__.split("\n\n", 1)[1]
+    print("\n".join(summary))
+    report.write(args.out, args.name, f"Signaled GEMM alone vs cuBLAS (one GPU, TP {args.tp} shards, bf16)", rows,
+                 COLUMNS, notes)
+    return 0
