@@ -12,8 +12,11 @@ the grid the op gives it (--comm-sms: the SMs the collective keeps; 0 = every SM
 no communication and no waits. cuBLAS: torch.matmul on the same operands (it transposes for free).
 `ratio` = cuBLAS time / ours (above 1: ours is faster). --configs adds tile configurations
 (BMxBNxBK/stages/warps). Every configuration's output is checked against cuBLAS before it is timed.
-Times: medians of --reps back-to-back calls (CUDA events), inputs rotated over --input-sets sets (each set's
-operands are larger than L2 together with the others only at the big shapes: no flush in between, as in a layer).
+Times: cuBLAS and every variant of a GEMM are timed in --rounds interleaved rounds of --reps back-to-back calls
+each (CUDA events; inputs rotated over --input-sets sets, no L2 flush, as in a layer), so the clock drift of a
+run falls on all of them alike; `ms` is the median over all rounds, `ratio range` the lowest and highest of the
+per-round ratios. (Timed one after the other, cuBLAS read 10-20% apart on two machines of the same kind, and the
+ratios moved with it: docs/perf/s9/README.md.)
 """
 import argparse
 import statistics
@@ -41,7 +44,8 @@ def parse_args(argv):
     p.add_argument("--configs", default="", help="comma list of BMxBNxBK/stages/warps beside the default "
                    f"{DEFAULT.block_m}x{DEFAULT.block_n}x{DEFAULT.block_k}/{DEFAULT.num_stages}/{DEFAULT.num_warps}")
     p.add_argument("--input-sets", type=int, default=2)
-    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--reps", type=int, default=20, help="calls per variant and round")
     p.add_argument("--out", default="docs/perf")
     p.add_argument("--name", default="signaled_gemm")
     return p.parse_args(argv)
@@ -73,18 +77,24 @@ def layer_gemms(layer, m, tp):
     return gemms
 
 
-def timed(fn, sets, reps):
-    for s in sets:
-        fn(*s)
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        fn(*sets[i % len(sets)])
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+def interleaved(calls, sets, rounds, reps):
+    """Per call, its per-round medians (ms): every round times each call `reps` times back to back, in turn."""
+    for call in calls:
+        for s in sets:
+            call(*s)
+    per_round = [[] for _ in calls]
+    for _ in range(rounds):
+        for times, call in zip(per_round, calls):
+            torch.cuda.synchronize()
+            starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+            ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+            for i in range(reps):
+                starts[i].record()
+                call(*sets[i % len(sets)])
+                ends[i].record()
+            torch.cuda.synchronize()
+            times.append(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)))
+    return per_round
 
 
 def bench_gemm(name, op, m, k, n, layout, args, configs, comm_sms_list):
@@ -95,9 +105,8 @@ def bench_gemm(name, op, m, k, n, layout, args, configs, comm_sms_list):
         a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         w_rows = torch.randn(*((k, n) if layout == "kn" else (n, k)), device=device, dtype=torch.bfloat16) / k ** 0.5
         sets.append((a, w_rows.t() if layout == "kn" else w_rows))   # w as the ops pass it: [N, K], maybe a view
-    cublas = timed(lambda a, w: torch.matmul(a, w.t()), sets, args.reps)
     want = torch.matmul(sets[0][0], sets[0][1].t()).float()
-    rows = []
+    variants, calls = [], [lambda a, w: torch.matmul(a, w.t())]
     for config in configs:
         for comm_sms in comm_sms_list:
             grid_config = OverlapConfig(**{**config.__dict__, "comm_sms": comm_sms})
@@ -113,17 +122,24 @@ def bench_gemm(name, op, m, k, n, layout, args, configs, comm_sms_list):
                 regions = want.view(args.tp, m // args.tp, n)
                 expected = torch.cat([regions[:, c.dst_lo:c.dst_hi].reshape(-1, n) for c in state.plan.collectives])
 
-            def ours(a, w):
+            def ours(a, w, out=out, tiles=tiles, programs=programs, grid_config=grid_config):
                 signaled_gemm(a, w, out, tiles, None, programs, grid_config)
 
             out.fill_(float("nan"))
             ours(*sets[0])
             torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * want.abs().mean().item(),
                                        msg=lambda msg: f"{name} {label(config)} comm_sms={comm_sms}: {msg}")
-            ms = timed(ours, sets, args.reps)
-            rows.append(dict(gemm=f"{name}.s{m}", op=op, M=m, K=k, N=n, layout=layout, config=label(config),
-                             comm_sms=comm_sms, programs=programs, cublas_ms=cublas, ours_ms=ms, ratio=cublas / ms,
-                             tflops=2 * m * n * k / ms / 1e9))
+            variants.append((config, comm_sms, programs))
+            calls.append(ours)
+    cublas, *ours_rounds = interleaved(calls, sets, args.rounds, args.reps)
+    rows = []
+    for (config, comm_sms, programs), times in zip(variants, ours_rounds):
+        ratios = [c / o for c, o in zip(cublas, times)]
+        ms = statistics.median(times)
+        rows.append(dict(gemm=f"{name}.s{m}", op=op, M=m, K=k, N=n, layout=layout, config=label(config),
+                         comm_sms=comm_sms, programs=programs, cublas_ms=statistics.median(cublas), ours_ms=ms,
+                         ratio=statistics.median(ratios), ratio_range=f"{min(ratios):.3f}-{max(ratios):.3f}",
+                         tflops=2 * m * n * k / ms / 1e9, round_ratios=ratios))
     return rows
 
 
@@ -131,7 +147,7 @@ COLUMNS = [
     ("gemm", "GEMM", "{}"), ("op", "op plan", "{}"), ("M", "M", "{}"), ("K", "K", "{}"), ("N", "N", "{}"),
     ("layout", "W", "{}"), ("config", "config", "{}"), ("comm_sms", "comm SMs", "{}"), ("programs", "grid", "{}"),
     ("cublas_ms", "cuBLAS ms", "{:.3f}"), ("ours_ms", "ours ms", "{:.3f}"), ("ratio", "cuBLAS/ours", "{:.3f}"),
-    ("tflops", "ours TFLOP/s", "{:.0f}"),
+    ("ratio_range", "ratio range", "{}"), ("tflops", "ours TFLOP/s", "{:.0f}"),
 ]
 
 
