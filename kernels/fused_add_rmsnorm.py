@@ -327,7 +327,7 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
     s: the residual's, or x's for the plain norm, standard layout) and dx (x's grad, in dx_order) unless
     `dx` is None, which means dx is ds (no dropout, standard layout, same dtype). Each program writes one
     partial row (programs x N fp32) that a second kernel sums (`_sum_partials_kernel`; at 2048 x 4096
-    torch's `sum(0)` took 4 us longer, docs/perf/norm_sweep_s9.md). pdl: launch that kernel with
+    torch's `sum(0)` took 4 us longer, docs/perf/s9/). pdl: launch that kernel with
     programmatic dependent launch, so it is resident and waiting when the backward ends (None: where the
     GPU has it, Hopper on). programs_per_sm, num_warps, pdl: the benchmark sweeps them."""
     m, n = rstd.shape[0], weight.shape[0]
