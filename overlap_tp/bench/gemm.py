@@ -26,7 +26,7 @@ import torch
 
 from overlap_tp import OverlapConfig
 from overlap_tp.bench import report
-from overlap_tp.bench.ops import AG_SHAPES, SHAPES, at_tp
+from overlap_tp.bench.ops import AG_SHAPES, SHAPES, at_tp, event_times
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops import gemm_programs, plan_state
 from overlap_tp.plan import ag_plan
@@ -85,15 +85,7 @@ def interleaved(calls, sets, rounds, reps):
     per_round = [[] for _ in calls]
     for _ in range(rounds):
         for times, call in zip(per_round, calls):
-            torch.cuda.synchronize()
-            starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-            ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-            for i in range(reps):
-                starts[i].record()
-                call(*sets[i % len(sets)])
-                ends[i].record()
-            torch.cuda.synchronize()
-            times.append(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)))
+            times.append(statistics.median(event_times(call, sets, reps)))
     return per_round
 
 

@@ -88,6 +88,11 @@ def timed_samples(fn, sets, reps, group, warmup=5, device=None):
             fn(*sets[i % len(sets)])
             samples.append(1e3 * (time.perf_counter() - t0))
         return samples
+    return event_times(fn, sets, reps)
+
+
+def event_times(fn, sets, reps):
+    """GPU times (ms, CUDA events) of `reps` back-to-back fn(*set) calls, the sets taken in turn."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
