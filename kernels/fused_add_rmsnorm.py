@@ -329,7 +329,7 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
     partial row (programs x N fp32) that a second kernel sums (`_sum_partials_kernel`; at 2048 x 4096
     torch's `sum(0)` took 4 us longer, docs/perf/s9/). pdl: launch that kernel with
     programmatic dependent launch, so it is resident and waiting when the backward ends (None: where the
-    GPU has it, Hopper on). programs_per_sm, num_warps, pdl: the benchmark sweeps them."""
+    GPU has it, Hopper on). programs_per_sm, num_warps: the benchmark sweeps them; it also times pdl=False."""
     m, n = rstd.shape[0], weight.shape[0]
     if m == 0:   # the kernel loads each program's first row before its loop: launch none
         zeros = torch.zeros(n, dtype=torch.float32, device=s.device)
