@@ -13,6 +13,9 @@ setup(
     python_requires=">=3.10",
     packages=[
         "overlap_tp",
+        "overlap_tp.ops",
+        "overlap_tp.megatron",
+        "overlap_tp.training",
         "overlap_tp.bench",
         "overlap_tp.tune",
         "overlap_tp.kernels",
@@ -29,19 +32,19 @@ setup(
     extras_require={
         # The Triton CPU interpreter (used by the CPU tests) breaks on numpy >= 2.3, which refuses
         # to turn its one-element scalar arrays into Python ints.
-        # matplotlib: the training report (overlap_tp.report) and its test.
+        # matplotlib: the training report (overlap_tp.training.report) and its test.
         "dev": ["pytest>=7", "numpy<2.3", "matplotlib"],
         # The comm stream waits on tile counters with cuStreamWaitValue32 from cuda-bindings.
         "gpu": ["cuda-bindings"],
         "megatron": ["megatron-core>=0.16"],
-        # wandb-workspaces: the W&B dashboard (python -m overlap_tp.wandb_dashboard).
+        # wandb-workspaces: the W&B dashboard (python -m overlap_tp.training.wandb_dashboard).
         "wandb": ["wandb", "wandb-workspaces"],
         "report": ["matplotlib"],
     },
     entry_points={
         "console_scripts": [
             "overlap-tp-pretrain = overlap_tp.launch.pretrain:main",
-            "overlap-tp-report = overlap_tp.report:main",
+            "overlap-tp-report = overlap_tp.training.report:main",
         ],
     },
 )

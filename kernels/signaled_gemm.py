@@ -1,7 +1,7 @@
 """Persistent Triton GEMM that signals per group of tiles: C = A @ W.T, W in nn.Linear layout.
 
 The main loop is the plain TMA-fed K loop of a persistent GEMM. Only two things differ from a
-textbook kernel: the tile order comes from a plan table (overlap_tp/plan.py), and the epilogue, after
+textbook kernel: the tile order comes from a plan table (overlap_tp/ops/plan.py), and the epilogue, after
 storing a tile, raises its group's counter with a release atomic so the comm stream (or the next
 kernel) can start on a group as soon as its last tile is visible.
 
@@ -23,7 +23,7 @@ call's epoch (compared cyclically); the comm stream raises the flag with cuStrea
 chunk's transfer completed. The TMA loads that follow read through the async proxy, so a
 `fence.proxy.async` orders them after the acquire.
 
-Grouped expert GEMMs (overlap_tp/expert_ops.py) run it over L weights W[L, N, K] seen as one [L*N, K]
+Grouped expert GEMMs (overlap_tp/ops/expert.py) run it over L weights W[L, N, K] seen as one [L*N, K]
 matrix: a tile's EXPERT field l puts its W box at row l*N + col. A box that overhangs into expert l+1
 (N % BLOCK_N != 0) only feeds columns >= N, which the store masks out.
 
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from overlap_tp.plan import TILE_FIELDS
+from overlap_tp.ops.plan import TILE_FIELDS
 
 # Under the CPU interpreter the kernel upcasts its dot operands (the interpreter's tl.dot mishandles
 # bf16/fp16; the upcast is exact, a product of two bf16 values is exact in fp32) and uses
@@ -110,7 +110,7 @@ def signaled_gemm_kernel(
         group = tl.load(entry + 5)
         # Other buffers (peers' receive buffers mapped into this GPU's address space) are addressed as
         # offsets from dst_ptr: one flat address space, no integer-to-pointer casts. Their owner
-        # (overlap_tp/p2p.py) checks that each offset is a multiple of 16 elements: 16-byte stores stay.
+        # (overlap_tp/ops/p2p.py) checks that each offset is a multiple of 16 elements: 16-byte stores stay.
         dst_base = dst_ptr + tl.multiple_of(tl.load(dst_offsets_ptr + tl.load(entry + 6)), 16)
         expert = tl.load(entry + 8)
 

@@ -1,13 +1,13 @@
 """`overlap-tp-pretrain` / `python -m overlap_tp.launch.pretrain`: Megatron GPT pretraining with overlap_tp.
 
 Run it under torchrun with Megatron's usual flags plus overlap_tp's (`--overlap-tp signal ...`, see
-`overlap_tp.arguments`). It is Megatron's own flow, `megatron.training.pretrain`: Megatron parses
+`overlap_tp.megatron.arguments`). It is Megatron's own flow, `megatron.training.pretrain`: Megatron parses
 and validates the arguments (with overlap_tp's group added), `validate_overlap_args` and
 `megatron_patches.apply` switch the layer spec, and the GPT model, forward step, loss and datasets are
 the ones of Megatron-LM's `pretrain_gpt.py`, kept minimal (that script is not part of the
 megatron-core wheel). Data: Megatron's mock GPT dataset unless `--data-path` (or the per-split
 paths) are given. Throughput, MFU and overlap scalars go to stdout, TensorBoard and W&B through
-`overlap_tp.throughput`.
+`overlap_tp.training.throughput`.
 
 Needs `megatron.training`: megatron-core >= 0.17 on Python >= 3.12, or a Megatron-LM checkout on
 PYTHONPATH. Written against megatron-core 0.19 (`pretrain(cfg_container, ...)`); older
@@ -153,7 +153,7 @@ def _has_data_source(args):
 
 
 def extra_args_provider(parser):
-    from overlap_tp.arguments import add_overlap_args
+    from overlap_tp.megatron.arguments import add_overlap_args
     return add_overlap_args(parser)
 
 
@@ -193,9 +193,9 @@ def main(argv=None):
     from megatron.training import arguments as megatron_arguments
     from megatron.training import print_rank_0, training
 
-    from overlap_tp.arguments import validate_overlap_args
+    from overlap_tp.megatron.arguments import validate_overlap_args
     from overlap_tp.megatron_patches.apply import apply
-    from overlap_tp.throughput import install_training_log_hook
+    from overlap_tp.training.throughput import install_training_log_hook
 
     defaults = {"tokenizer_type": "NullTokenizer"}
     if hasattr(megatron_arguments, "parse_and_validate_args"):  # >= 0.18
@@ -230,9 +230,9 @@ def main(argv=None):
 
 def _pretrain_legacy(training, ModelType, defaults):
     from megatron.training import get_args
-    from overlap_tp.arguments import validate_overlap_args
+    from overlap_tp.megatron.arguments import validate_overlap_args
     from overlap_tp.megatron_patches.apply import apply
-    from overlap_tp.throughput import install_training_log_hook
+    from overlap_tp.training.throughput import install_training_log_hook
 
     def provider(*args, **kwargs):
         megatron_args = get_args()

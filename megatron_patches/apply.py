@@ -6,15 +6,15 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
   GPT builders read `--spec` (megatron-core >= 0.19: `gpt_config_from_args` turns it into
   `GPTModelConfig.transformer_layer_spec`, and `GPTModelBuilder` calls a callable spec with the model
   config and `vp_stage`), so the model is built with `overlap_layer_spec`, which asks
-  `overlap_tp.layer_spec.get_gpt_layer_overlap_spec` for the TransformerLayer spec. No Megatron
+  `overlap_tp.megatron.layer_spec.get_gpt_layer_overlap_spec` for the TransformerLayer spec. No Megatron
   function is patched. (A builder that uses `--spec` as a ModuleSpec directly, i.e. Megatron-LM's
   `gpt_builders.py` before 0.19, needs `overlap_layer_spec(config)` called first;
   `overlap_tp.launch.pretrain` does that on those versions.)
-- the process-wide OverlapConfig per op kind the layers use: `overlap_tp.layers.set_default_overlap_config`
-  with `overlap_tp.arguments.layer_configs(args)` (gemm_ar keeps transport nccl, p2p being gemm_rs/ag_gemm
+- the process-wide OverlapConfig per op kind the layers use: `overlap_tp.megatron.layers.set_default_overlap_config`
+  with `overlap_tp.megatron.arguments.layer_configs(args)` (gemm_ar keeps transport nccl, p2p being gemm_rs/ag_gemm
   only; `--overlap-tp-transport auto` puts ag_gemm on p2p), also readable as `get_overlap_config(op)`.
 - MoE models: with `--overlap-moe` on, every layer's MLP is overlap_tp's OverlapMoELayer and its
-  OverlapConfig (`overlap_tp.moe_layer.set_default_moe_overlap_config`, `get_moe_overlap_config()`) comes
+  OverlapConfig (`overlap_tp.megatron.moe_layer.set_default_moe_overlap_config`, `get_moe_overlap_config()`) comes
   from `--overlap-moe` and `--overlap-tp-comm-sms`; with it off, the MLP slot of overlap_tp's layer spec
   holds the MoE module Megatron's own spec would build (its MoELayer, untouched).
 - `OVERLAP_TP_TUNE_CACHE` in the environment, from `--overlap-tp-tune-cache`.
@@ -26,8 +26,8 @@ import dataclasses
 import inspect
 import os
 
-from overlap_tp.arguments import TUNE_CACHE_ENV, layer_configs, moe_overlap_config_kwargs
-from overlap_tp.config import OverlapConfig
+from overlap_tp.megatron.arguments import TUNE_CACHE_ENV, layer_configs, moe_overlap_config_kwargs
+from overlap_tp.ops.config import OverlapConfig
 
 SPEC = ("overlap_tp.megatron_patches.apply", "overlap_layer_spec")
 
@@ -128,7 +128,7 @@ def apply(args, *, log=None):
 
 def _set_layer_defaults(configs, moe_config):
     try:
-        from overlap_tp import layers, moe_layer
+        from overlap_tp.megatron import layers, moe_layer
     except ImportError:  # no megatron-core: nothing can be built anyway; the spec says why when asked
         return
     layers.set_default_overlap_config(**configs)
@@ -145,7 +145,7 @@ def overlap_layer_spec(config, vp_stage=None):
     norm itself, and without TE or Apex that is WrappedTorchNorm, which refuses sequence parallel."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    from overlap_tp.norm import OverlapRMSNorm
+    from overlap_tp.megatron.norm import OverlapRMSNorm
     transformer = getattr(config, "transformer", config)
     if "vp_stage" in inspect.signature(get_num_layers_to_build).parameters:
         layers = get_num_layers_to_build(transformer, vp_stage=vp_stage)
@@ -158,7 +158,7 @@ def overlap_layer_spec(config, vp_stage=None):
 def overlap_transformer_layer_spec(config, vp_stage=None):
     """One TransformerLayer ModuleSpec with overlap_tp's linears and norms (see overlap_layer_spec); for an
     MoE model its MLP is OverlapMoELayer with --overlap-moe on, else Megatron's own MoE module."""
-    from overlap_tp.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
 
     transformer = getattr(config, "transformer", config)
     offered = {

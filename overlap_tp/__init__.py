@@ -12,10 +12,10 @@ Public ops (the contract other parts and outside benchmarks call):
     gemm_a2a(h, counts, w, group=None, *, config=None)     -> grouped fc2 GEMM + MoE combine (all-to-all)
     OverlapConfig                                          how they run (method, schedule, groups, ...)
 """
-from overlap_tp.config import OverlapConfig
-from overlap_tp.expert_ops import a2a_gemm, gemm_a2a
-from overlap_tp.gather_gemm import ag_gemm
-from overlap_tp.ops import gemm_ar, gemm_rs
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.expert import a2a_gemm, gemm_a2a
+from overlap_tp.ops.ag_gemm import ag_gemm
+from overlap_tp.ops.gemm_rs import gemm_ar, gemm_rs
 
 __all__ = ["OverlapConfig", "ag_gemm", "gemm_rs", "gemm_ar", "a2a_gemm", "gemm_a2a"]
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 # Megatron's mock data, about a minute; W&B offline (wandb/ under OUT_DIR), TensorBoard, train.log.
 #   bash recipes/smoke.sh                 overlap on (--overlap-tp signal)
 #   OVERLAP=off bash recipes/smoke.sh     the same run, overlap off (baseline)
-# Then: python -m overlap_tp.report runs/smoke-off/train.log runs/smoke-signal/train.log --out runs/report
+# Then: python -m overlap_tp.training.report runs/smoke-off/train.log runs/smoke-signal/train.log --out runs/report
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=smoke

@@ -28,8 +28,8 @@ from overlap_tp import OverlapConfig
 from overlap_tp.bench import report
 from overlap_tp.bench.ops import AG_SHAPES, SHAPES, at_tp, event_times
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops import gemm_programs, plan_state
-from overlap_tp.plan import ag_plan
+from overlap_tp.ops.gemm_rs import gemm_programs, plan_state
+from overlap_tp.ops.plan import ag_plan
 
 DEFAULT = OverlapConfig(method="signal")
 

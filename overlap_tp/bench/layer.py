@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from overlap_tp.bench import report
 from overlap_tp.bench.ops import queued_ms, slowest_median, timed_samples
-from overlap_tp.config import OverlapConfig
+from overlap_tp.ops.config import OverlapConfig
 
 MODELS = {
     "l8b": dict(hidden=4096, heads=32, groups=8, ffn=14336),
@@ -159,7 +159,7 @@ def build_layer(spec_kind, config, device, seed=1234):
     """One TransformerLayer from our spec ('ours') or the Megatron reference spec ('megatron')."""
     from megatron.core.transformer.spec_utils import build_module
     if spec_kind == "ours":
-        from overlap_tp.layer_spec import get_gpt_layer_overlap_spec
+        from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
         spec = get_gpt_layer_overlap_spec()
     else:
         from overlap_tp.bench.reference_spec import get_gpt_layer_megatron_reference_spec
@@ -246,7 +246,7 @@ def profile_steps(run_step, sets, steps, group, path):
 
 
 def _apply_overlap(layer, overlap):
-    from overlap_tp.layers import set_overlap_config
+    from overlap_tp.megatron.layers import set_overlap_config
     if overlap is not None and set_overlap_config(layer, overlap) != 4:
         raise RuntimeError("expected 4 overlapped linears in the layer")
 
@@ -513,7 +513,7 @@ def run(args, group=None, command=None):
     """The benchmark on an initialized process group (one rank per GPU, or gloo on the CPU). Returns the
     rows (every rank)."""
     from megatron.core import parallel_state as ps
-    from overlap_tp.layers import set_default_overlap_config
+    from overlap_tp.megatron.layers import set_default_overlap_config
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)

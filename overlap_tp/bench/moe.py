@@ -31,11 +31,11 @@ from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
 from overlap_tp.bench import report
 from overlap_tp.bench import ops
 from overlap_tp.bench.ops import timed
-from overlap_tp.config import DEFAULT_EXPERT_CONFIG
-from overlap_tp.expert_ops import all_to_all_rows, expert_mm
+from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG
+from overlap_tp.ops.expert import all_to_all_rows, expert_mm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.moe_plan import dispatch_plan, layout
-from overlap_tp.ops import gemm_programs
+from overlap_tp.ops.moe_plan import dispatch_plan, layout
+from overlap_tp.ops.gemm_rs import gemm_programs
 
 INPUT_SETS = 3
 ZIPF_S = 1.2

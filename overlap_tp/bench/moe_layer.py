@@ -23,7 +23,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from overlap_tp.config import DEFAULT_EXPERT_CONFIG
+from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG
 from overlap_tp.bench import report
 from overlap_tp.bench.moe import ZIPF_S
 from overlap_tp.bench.ops import agree, timed
@@ -69,7 +69,7 @@ def build_layer(ours, config, seed=1234):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-    from overlap_tp.layer_spec import get_moe_overlap_module_spec
+    from overlap_tp.megatron.layer_spec import get_moe_overlap_module_spec
     from overlap_tp.megatron_patches.apply import megatron_moe_spec
     spec = get_moe_overlap_module_spec() if ours else megatron_moe_spec(config)
     torch.manual_seed(seed)
@@ -107,7 +107,7 @@ def force_routing(layer, *offsets):
 
 
 def bench_shape(tokens, routing, args, group):
-    from overlap_tp.moe_layer import set_moe_overlap_config
+    from overlap_tp.megatron.moe_layer import set_moe_overlap_config
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     config = moe_config(ep, args.hidden, args.ffn, args.experts, args.top_k, args.transformer_impl)
     offsets = routing_offsets(tokens, args.experts, ep, routing, rank)

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
 from overlap_tp.bench import report
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops import gemm_programs, plan_state
-from overlap_tp.plan import ag_plan
+from overlap_tp.ops.gemm_rs import gemm_programs, plan_state
+from overlap_tp.ops.plan import ag_plan
 
 # name -> (K_local, N) of the row-parallel GEMMs (GEMM+RS, GEMM+AR), BENCHMARKS.md
 SHAPES = {

@@ -58,9 +58,9 @@ def get_gpt_layer_megatron_reference_spec(qk_layernorm: bool = False, qk_l2_norm
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.torch_norm import L2Norm
 
-    from overlap_tp.attention import core_attention_module
-    from overlap_tp.layer_spec import OverlapQKRMSNorm
-    from overlap_tp.norm import OverlapRMSNorm
+    from overlap_tp.megatron.attention import core_attention_module
+    from overlap_tp.megatron.layer_spec import OverlapQKRMSNorm
+    from overlap_tp.megatron.norm import OverlapRMSNorm
 
     spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", qk_l2_norm=qk_l2_norm)
     spec = copy.copy(spec)
@@ -83,7 +83,7 @@ def gpt_block_spec(layer_spec, num_layers: int):
     rewrites a layer spec's `mlp` entry in place while building)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from overlap_tp.norm import OverlapRMSNorm
+    from overlap_tp.megatron.norm import OverlapRMSNorm
     return TransformerBlockSubmodules(layer_specs=[copy.deepcopy(layer_spec) for _ in range(num_layers)],
                                       layer_norm=OverlapRMSNorm)
 

@@ -18,7 +18,7 @@ Decision for one (device, op, dtype, t, M, N, K):
 import torch
 import torch.distributed as dist
 
-from overlap_tp.config import OverlapConfig
+from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.tune.cache import TuneCache, cache_key, config_from_dict, config_to_dict, software_stamp
 from overlap_tp.tune.candidates import Shape, candidates, label, op_name
 from overlap_tp.tune.predict import DEFAULT_PROGRESS, Measurements, rank
@@ -110,7 +110,7 @@ def choose(op: str, a: torch.Tensor, w: torch.Tensor, group=None, *, cache=None,
     """
     if not a.is_cuda and measure is None:
         return OverlapConfig(method="off", **_fixed(base))
-    from overlap_tp import comm
+    from overlap_tp.ops import comm
     group = comm.resolve_group(group)
     t = dist.get_world_size(group)
     shape = shape_of(op, a, w, t)

@@ -30,7 +30,7 @@ import tempfile
 import warnings
 from typing import Dict, List, Optional, Tuple
 
-from overlap_tp.config import OverlapConfig
+from overlap_tp.ops.config import OverlapConfig
 
 FORMAT_VERSION = 1
 ENV_VAR = "OVERLAP_TP_TUNE_CACHE"

@@ -2,7 +2,7 @@
 
 curves():      the predictor's inputs for one shape: the signaled GEMM alone per SM budget and schedule,
                cuBLAS, the tile_exact reorder, the collective's latency vs bytes at the CTA caps the
-               ops use (through overlap_tp.comm.collectives, the communicator the ops issue on), and the
+               ops use (through overlap_tp.ops.comm.collectives, the communicator the ops issue on), and the
                few candidates with no model measured end to end (off, decompose, the p2p transport).
 end_to_end():  candidates timed through the public ops, each checked against method='off' first
                (the exhaustive mode and the verification of the predictor's picks).
@@ -18,8 +18,8 @@ from typing import Dict, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from overlap_tp import comm
-from overlap_tp.config import OverlapConfig
+from overlap_tp.ops import comm
+from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.tune.candidates import COMM_SMS, DECOMPOSE_CHUNKS, DECOMPOSE_COMM_SMS, Shape, label, layout
 from overlap_tp.tune.predict import Measurements
 
@@ -85,7 +85,7 @@ def end_to_end(shape: Shape, configs: Iterable[OverlapConfig], group, device, *,
 def _gemm_alone(shape: Shape, schedule: str, base: OverlapConfig, comm_sms: Sequence[int], a, w, reps, group):
     """{comm_sms: ms} of the signaled GEMM with (SMs - comm_sms) programs, no communication."""
     from overlap_tp.kernels.signaled_gemm import signaled_gemm
-    from overlap_tp.ops import gemm_programs, plan_state
+    from overlap_tp.ops.gemm_rs import gemm_programs, plan_state
     world = shape.t if shape.op == "rs" else 1
     out = {}
     for cs in comm_sms:
@@ -166,7 +166,7 @@ def curves(shape: Shape, group, device, base: OverlapConfig = OverlapConfig(), *
     for schedule in schedules:
         meas.gemm[schedule] = _gemm_alone(shape, schedule, base, comm_sms, full, w, reps, group)
     if "tile_exact" in schedules:   # the reorder gemm_rs / gemm_ar run after the collectives
-        from overlap_tp.ops import plan_state
+        from overlap_tp.ops.gemm_rs import plan_state
         world = shape.t if shape.op == "rs" else 1
         state = plan_state("tile_exact", shape.m, shape.n, world, dataclasses.replace(base, groups=1),
                            shape.elem_bytes, device)

@@ -7,7 +7,7 @@ import torch
 from overlap_tp.kernels.fused_add_rmsnorm import (
     ForwardOutputs, TileOrder, dropout_keep_mask, dropout_seed, empty_forward_outputs, launch_backward,
     launch_forward, reference_add_rmsnorm)
-from overlap_tp.norm import fused_add_rmsnorm
+from overlap_tp.megatron.norm import fused_add_rmsnorm
 
 pytestmark = pytest.mark.gpu
 

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from distributed import run_distributed
 from gpu_checks import gpu_world, poison_allocator, rel_error
-from overlap_tp import OverlapConfig, comm, gemm_ar, gemm_rs
+from overlap_tp import OverlapConfig, gemm_ar, gemm_rs
+from overlap_tp.ops import comm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops import gemm_programs, plan_state
+from overlap_tp.ops.gemm_rs import gemm_programs, plan_state
 
 pytestmark = pytest.mark.gpu
 
@@ -140,7 +141,7 @@ def test_watchdog_turns_a_lost_signal_into_an_error(tmp_path):
     """A wait whose counter can never reach its target must end the process with a clear message."""
     script = textwrap.dedent("""
         import torch
-        from overlap_tp.comm import comm_engine
+        from overlap_tp.ops.comm import comm_engine
         engine = comm_engine(torch.device("cuda", 0))
         counters = torch.zeros(2, dtype=torch.int32, device="cuda")
         engine.wait_counter(counters, 1, 5)           # nothing will ever raise counter 1

@@ -49,7 +49,6 @@ import torch.distributed as dist
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/ (distributed.py)
 from distributed import run_distributed  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -77,7 +76,7 @@ def _quiet():
 def _init_megatron(world):
     from megatron.core import parallel_state as ps
     from overlap_tp import OverlapConfig
-    from overlap_tp.layers import set_default_overlap_config
+    from overlap_tp.megatron.layers import set_default_overlap_config
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
     set_default_overlap_config(OverlapConfig(method="off"))   # every model sets its own; never 'auto' by accident
     return ps
@@ -107,7 +106,7 @@ def _layer_spec(kind):
     if kind == "megatron":
         from overlap_tp.bench.reference_spec import get_gpt_layer_megatron_reference_spec
         return get_gpt_layer_megatron_reference_spec()
-    from overlap_tp.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     return get_gpt_layer_overlap_spec()
 
 
@@ -211,7 +210,7 @@ def _load(model, path):
 
 def _set_method(model, method):
     from overlap_tp import OverlapConfig
-    from overlap_tp.layers import set_overlap_config
+    from overlap_tp.megatron.layers import set_overlap_config
     assert set_overlap_config(model, OverlapConfig(method=method)) == 4 * len(model.decoder.layers)
 
 

@@ -37,7 +37,6 @@ import torch.distributed as dist
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/ (distributed.py)
 from distributed import run_distributed  # noqa: E402
 from overlap_tp import OverlapConfig  # noqa: E402
 
@@ -76,7 +75,7 @@ def _quiet():
 
 def _setup(world, device_type):
     from megatron.core import parallel_state as ps
-    from overlap_tp.layers import set_default_overlap_config
+    from overlap_tp.megatron.layers import set_default_overlap_config
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
     set_default_overlap_config(OverlapConfig(method="off"))   # never the tuner ('auto') by accident
     return ps
@@ -100,7 +99,7 @@ def _seed(seed, device_type):
 
 def _build(kind, ours, config, in_size, out_size, bias, seed=1234):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from overlap_tp.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+    from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
     _seed(seed, "cpu" if config.use_cpu_initialization else "cuda")
     init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
     if kind == "column":

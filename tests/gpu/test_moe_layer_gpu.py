@@ -69,7 +69,7 @@ def _close(got, ref, what, tol):
 
 def _check_parity(rank, world, routing, tokens, overrides):
     from overlap_tp.bench.moe_layer import build_layer, force_routing, moe_config, routing_offsets
-    from overlap_tp.moe_layer import set_moe_overlap_config
+    from overlap_tp.megatron.moe_layer import set_moe_overlap_config
     ps = _setup(world)
     config = moe_config(world, **overrides)
     offsets = routing_offsets(tokens, config.num_moe_experts, world, routing, rank)
@@ -112,7 +112,7 @@ def test_matches_megatron_with_the_moe_layer_recomputed():
 
 def _check_back_to_back(rank, world):
     from overlap_tp.bench.moe_layer import build_layer, force_routing, moe_config, routing_offsets
-    from overlap_tp.moe_layer import set_moe_overlap_config
+    from overlap_tp.megatron.moe_layer import set_moe_overlap_config
     ps = _setup(world)
     config = moe_config(world)
     ours = build_layer(True, config)

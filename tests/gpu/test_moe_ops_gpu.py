@@ -23,10 +23,10 @@ from distributed import run_distributed
 from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
 from overlap_tp.bench.moe import routing_counts
-from overlap_tp.expert_ops import all_to_all_rows, expert_mm, expert_wgrad
+from overlap_tp.ops.expert import all_to_all_rows, expert_mm, expert_wgrad
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.moe_plan import dispatch_plan, layout, parts_per_peer
-from overlap_tp.ops import gemm_programs
+from overlap_tp.ops.moe_plan import dispatch_plan, layout, parts_per_peer
+from overlap_tp.ops.gemm_rs import gemm_programs
 
 pytestmark = pytest.mark.gpu
 

@@ -1,0 +1,1 @@
+"""The Megatron layer: tensor-parallel linears, norms, attention, layer specs and arguments."""

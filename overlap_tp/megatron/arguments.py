@@ -1,0 +1,292 @@
+"""overlap_tp's command-line flags for Megatron training.
+
+`add_overlap_args(parser)` is an `extra_args_provider` for Megatron's
+`megatron.training.arguments.parse_args` / `parse_and_validate_args` (it adds the argument group
+"overlap_tp" and returns the parser); it works the same on a plain `argparse.ArgumentParser`.
+`validate_overlap_args(args)` runs after Megatron's own `validate_args` (which turns
+`--sequence-parallel` off at TP=1) and checks the combination with Megatron's flags, with messages
+that say what to change. Both touch only attributes that exist on `args`, reading Megatron's with
+`getattr(..., default)`, so a plain namespace in a test works too.
+
+    --overlap-tp {off,signal,decompose,auto}   OverlapConfig.method for the TP/SP linear layers (off)
+    --overlap-tp-transport {auto,nccl,p2p}     OverlapConfig.transport per op kind (auto, see layer_configs)
+    --overlap-tp-comm-sms N                    OverlapConfig.comm_sms (default 16; the expert ops 4)
+    --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans
+    --overlap-tp-layers                        use overlap_tp's layer spec even with --overlap-tp off
+    --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
+    --overlap-moe {off,signal,decompose,auto}  OverlapConfig.method for the MoE expert ops (off)
+"""
+import argparse
+import dataclasses
+import os
+import warnings
+
+from overlap_tp.ops.config import EXPERT_OP_DEFAULTS, METHODS, TRANSPORTS, OverlapConfig
+
+GROUP_TITLE = "overlap_tp"
+# --overlap-tp-transport: "auto" picks per op kind (layer_configs), the others are OverlapConfig.transport.
+TRANSPORT_FLAGS = ("auto",) + TRANSPORTS
+TUNE_CACHE_ENV = "OVERLAP_TP_TUNE_CACHE"
+
+
+class OverlapArgumentError(ValueError):
+    """A flag combination overlap_tp cannot run; the message says what to change."""
+
+
+def add_overlap_args(parser):
+    """Add the "overlap_tp" argument group to `parser` and return the parser (Megatron's contract).
+
+    Adding twice to the same parser is a no-op, so a launcher and a user's own provider can both call it.
+    """
+    if "--overlap-tp" in getattr(parser, "_option_string_actions", {}):
+        return parser
+    group = parser.add_argument_group(
+        title=GROUP_TITLE,
+        description="Overlap the tensor-/sequence-parallel GEMMs with their communication "
+                    "(overlap_tp signaled GEMMs). Off by default: Megatron runs unchanged.")
+    group.add_argument(
+        "--overlap-tp", choices=list(_ordered(METHODS)), default="off",
+        help="How the TP/SP linear layers (qkv, proj, fc1, fc2) run their GEMM + collective. "
+             "off: Megatron's own layers, untouched. signal: a persistent Triton GEMM signals each group "
+             "of finished tiles so its collective starts while the GEMM runs. decompose: the GEMM split "
+             "into chunks, each chunk's collective on a side stream. auto: chosen per shape by the "
+             "tuner. Needs --sequence-parallel and TP > 1.")
+    group.add_argument(
+        "--overlap-tp-transport", choices=list(TRANSPORT_FLAGS), default="auto",
+        help="How data moves for --overlap-tp signal: nccl (one NCCL collective per group of tiles) "
+             "or p2p (peer-to-peer through symmetric memory over NVLink, CUDA only: the GEMM epilogue "
+             "stores into the owner's buffer for GEMM+ReduceScatter, copy-engine pulls for "
+             "AllGather+GEMM; GEMM+AllReduce keeps nccl). auto (default): AllGather+GEMM on p2p with its "
+             "GEMM on every SM, GEMM+ReduceScatter and GEMM+AllReduce on nccl, the combination that "
+             "measured fastest in the layer benchmark at TP 2 and 4 (docs/perf/README.md).")
+    group.add_argument(
+        "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
+        help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "
+             "0 gives the GEMM every SM. Default: OverlapConfig's default (16), 4 for the MoE expert ops.")
+    group.add_argument(
+        "--overlap-tp-tune-cache", type=str, default=None, metavar="PATH",
+        help="File where the per-shape tuner (--overlap-tp auto) keeps its measured plans, so "
+             f"tuning happens once per shape and machine (exported as {TUNE_CACHE_ENV}).")
+    group.add_argument(
+        "--overlap-tp-layers", action="store_true",
+        help="Use overlap_tp's layer spec even with --overlap-tp off: its modules then run cuBLAS then "
+             "the collective on one stream (Megatron's sequence). An A/B baseline that differs from "
+             "--overlap-tp signal only in the overlap, and a way to run --sequence-parallel where "
+             "neither Transformer Engine nor Apex provides Megatron's SP norm.")
+    group.add_argument(
+        "--overlap-tp-peak-tflops", type=float, default=None, metavar="TFLOPS",
+        help="Per-GPU peak for the MFU that overlap_tp logs. Default: $OVERLAP_TP_PEAK_TFLOPS, else "
+             "989 (H100/H200 SXM dense BF16).")
+    group.add_argument(
+        "--no-overlap-tp-stats", dest="overlap_tp_stats", action="store_false",
+        help="Do not sample overlap statistics. By default the step logged every --log-interval times "
+             "each overlapped GEMM+collective call against its sequential cost on the same shape "
+             "(measured once per shape, outside the logged step time) and logs overlap efficiency and "
+             "exposed communication, in total and per op kind.")
+    group.add_argument(
+        "--overlap-moe", choices=list(_ordered(METHODS)), default="off",
+        help="How MoE layers run their token all-to-all and expert GEMMs. off: Megatron's own MoE "
+             "layer, untouched. signal / decompose / auto: overlap_tp's OverlapMoELayer, whose "
+             "dispatch all-to-all is overlapped with the grouped fc1 GEMM (a2a_gemm) and whose fc2 "
+             "GEMM with the combine all-to-all (gemm_a2a); methods as for --overlap-tp (auto runs off "
+             "for now), transport always nccl, --overlap-tp-comm-sms applies. Needs --num-experts, "
+             "--moe-token-dispatcher-type alltoall and --expert-tensor-parallel-size 1.")
+    return parser
+
+
+def _ordered(methods):
+    """off first (the default), then the rest in OverlapConfig's order."""
+    return ("off",) + tuple(m for m in methods if m != "off")
+
+
+def _warn(message):
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        warnings.warn(message, stacklevel=3)
+
+
+def validate_overlap_args(args, *, warn=_warn):
+    """Check overlap_tp's flags against Megatron's; raise OverlapArgumentError with what to change.
+
+    Call it after Megatron's `validate_args`. May set `args.overlap_tp = "off"` (TP=1: nothing to
+    overlap). Returns the list of warnings it gave (each also passed to `warn`).
+    """
+    given = []
+
+    def note(message):
+        given.append(message)
+        if warn is not None:
+            warn(message)
+
+    method = getattr(args, "overlap_tp", "off")
+    if method not in METHODS:
+        raise OverlapArgumentError(f"--overlap-tp {method!r}: expected one of {_ordered(METHODS)}")
+    transport = getattr(args, "overlap_tp_transport", "auto")
+    if transport not in TRANSPORT_FLAGS:
+        raise OverlapArgumentError(f"--overlap-tp-transport {transport!r}: expected one of {TRANSPORT_FLAGS}")
+    peak = getattr(args, "overlap_tp_peak_tflops", None)
+    if peak is not None and not peak > 0:
+        raise OverlapArgumentError(f"--overlap-tp-peak-tflops {peak!r}: expected a positive number")
+    comm_sms = getattr(args, "overlap_tp_comm_sms", None)
+    if comm_sms is not None and (isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 0):
+        raise OverlapArgumentError(f"--overlap-tp-comm-sms {comm_sms!r}: expected an integer >= 0")
+
+    moe = getattr(args, "overlap_moe", "off")
+    if moe not in METHODS:
+        raise OverlapArgumentError(f"--overlap-moe {moe!r}: expected one of {_ordered(METHODS)}")
+
+    use_layers = method != "off" or getattr(args, "overlap_tp_layers", False)
+    if moe != "off":
+        _validate_moe(args, moe, comm_sms)
+    elif not use_layers:
+        return given
+
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if tp == 1:
+        if method != "off":
+            note(f"--overlap-tp {method} with --tensor-model-parallel-size 1: there is no TP "
+                 "communication to overlap; running with --overlap-tp off.")
+            args.overlap_tp = method = "off"
+        if moe == "off":
+            if getattr(args, "overlap_tp_layers", False):
+                note("--overlap-tp-layers with --tensor-model-parallel-size 1: Megatron's own layers are "
+                     "used (nothing to communicate).")
+                args.overlap_tp_layers = False
+            return given
+        use_layers = False
+
+    if use_layers:
+        flag, off = (f"--overlap-tp {method}" if method != "off" else "--overlap-tp-layers"), "--overlap-tp off"
+    else:   # only the MoE layers: the dense layers come from the same spec, with the overlap off
+        flag, off = f"--overlap-moe {moe}", "--overlap-moe off"
+    if tp > 1 and not getattr(args, "sequence_parallel", False):
+        raise OverlapArgumentError(
+            f"{flag} needs --sequence-parallel. overlap_tp's Megatron layers replace the sequence-"
+            "parallel pairs AllGather+GEMM (qkv, fc1) and GEMM+ReduceScatter (proj, fc2). Without "
+            "SP, Megatron's row-parallel layers use GEMM+AllReduce (and the column-parallel ones an "
+            "AllReduce of the input gradient), which these layers do not replace. Add "
+            f"--sequence-parallel (same math, half the bytes per collective), or use {off}.")
+    moe_layer_freq = getattr(args, "moe_layer_freq", 1)
+    if getattr(args, "num_experts", None) and moe_layer_freq not in (1, None):
+        raise OverlapArgumentError(
+            f"{flag} with --moe-layer-freq {moe_layer_freq}: overlap_tp's layer spec makes every layer an "
+            f"MoE layer of --num-experts experts. Drop --moe-layer-freq, or use {off}.")
+    if getattr(args, "tp_comm_overlap", False):
+        raise OverlapArgumentError(
+            f"{flag} with --tp-comm-overlap: both overlap the same TP communication (Transformer "
+            f"Engine userbuffers vs overlap_tp). Pick one: drop --tp-comm-overlap, or use {off}.")
+    spec = getattr(args, "spec", None)
+    if spec and not _is_our_spec(spec):
+        raise OverlapArgumentError(
+            f"{flag} sets the transformer layer spec itself (overlap_tp.megatron.layer_spec."
+            f"get_gpt_layer_overlap_spec); --spec {' '.join(spec)} sets it too and one of them would "
+            "be silently ignored. Remove --spec to train with overlap_tp's layers, or use "
+            f"{off} to keep your spec.")
+    normalization = getattr(args, "normalization", "RMSNorm")
+    if normalization != "RMSNorm":
+        raise OverlapArgumentError(
+            f"{flag} with --normalization {normalization}: overlap_tp's layer spec provides RMSNorm "
+            f"only (OverlapRMSNorm, sequence-parallel). Use --normalization RMSNorm, or {off}.")
+    if getattr(args, "fp8", None):
+        raise OverlapArgumentError(
+            f"{flag} with --fp8-format: the overlapped GEMMs are bf16/fp16. Use --bf16, or {off}.")
+    for name, what in (("yaml_cfg", "--yaml-cfg"),
+                       ("multi_latent_attention", "--multi-latent-attention"),
+                       ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
+                       ("experimental_attention_variant", "--experimental-attention-variant")):
+        if getattr(args, name, None):
+            raise OverlapArgumentError(
+                f"{flag} with {what}: that path builds its own layer specs, which overlap_tp does not "
+                f"replace yet. Use {off}.")
+    if method in ("signal", "decompose") and tp >= 8:
+        note(f"--overlap-tp {method} with --tensor-model-parallel-size {tp}: at TP 8 each rank's GEMMs are short "
+             "and the layers are host-bound, and the overlapped layers measured 34-63% slower than with "
+             "--overlap-tp off on 8 x H200 (docs/perf/t8/README.md). Consider --overlap-tp auto (per-shape "
+             "choice, off where overlap does not pay) or --overlap-tp off.")
+    if getattr(args, "transformer_impl", "local") == "transformer_engine":
+        note(f"{flag} with --transformer-impl transformer_engine: overlap_tp's layer spec takes "
+             "precedence over it for every transformer layer. qkv/proj/fc1/fc2 become overlap_tp "
+             "modules and the norms separate OverlapRMSNorm modules (TE's fused LayerNorm+Linear is "
+             "not used); core attention is TE's where Transformer Engine imports, else PyTorch SDPA. "
+             "Pass --transformer-impl local to silence this.")
+    return given
+
+
+def _validate_moe(args, moe, comm_sms):
+    """--overlap-moe's own requirements (the MoE layer refuses the rest of what it does not implement
+    when the model is built, naming the config field)."""
+    flag = f"--overlap-moe {moe}"
+    if not getattr(args, "num_experts", None):
+        raise OverlapArgumentError(
+            f"{flag} needs an MoE model (--num-experts N): it overlaps the MoE token all-to-all with the "
+            "expert GEMMs. For dense models use --overlap-tp.")
+    dispatcher = getattr(args, "moe_token_dispatcher_type", "allgather")
+    if dispatcher != "alltoall":
+        raise OverlapArgumentError(
+            f"{flag} with --moe-token-dispatcher-type {dispatcher}: overlap_tp's MoE layer carries the "
+            "alltoall dispatcher's all-to-all (Megatron's default dispatcher is allgather). Add "
+            "--moe-token-dispatcher-type alltoall, or use --overlap-moe off.")
+    expert_tp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1)
+    if (expert_tp or 1) > 1:
+        raise OverlapArgumentError(
+            f"{flag} with expert tensor parallelism {expert_tp}: the expert ops run whole experts on each "
+            "rank of the expert-parallel group (Megatron's --expert-tensor-parallel-size defaults to "
+            "--tensor-model-parallel-size). Add --expert-tensor-parallel-size 1, or use --overlap-moe off.")
+    if getattr(args, "add_bias_linear", False):
+        raise OverlapArgumentError(
+            f"{flag} with expert biases: the grouped expert GEMMs have none. Add --disable-bias-linear, or use "
+            "--overlap-moe off.")
+    for name, what in (("moe_shared_expert_overlap", "--moe-shared-expert-overlap"),
+                       ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm")):
+        if getattr(args, name, False):
+            raise OverlapArgumentError(
+                f"{flag} with {what}: that overlap runs inside Megatron's token dispatcher, which overlap_tp's "
+                f"MoE layer replaces (shared experts then run before routing, as in Megatron's MoELayer). "
+                f"Drop {what}, or use --overlap-moe off.")
+    if moe == "signal" and comm_sms == 0:
+        raise OverlapArgumentError(
+            f"{flag} with --overlap-tp-comm-sms 0: a2a_gemm's signaled GEMM spins on ready flags that NCCL "
+            "kernels raise, so NCCL needs SMs the GEMM does not hold. Give --overlap-tp-comm-sms >= 1.")
+
+
+def _is_our_spec(spec):
+    from overlap_tp.megatron_patches.apply import SPEC
+    return list(spec) == list(SPEC)
+
+
+def overlap_config_kwargs(args):
+    """The OverlapConfig fields that the flags set (only those given; the rest keep their defaults), for
+    gemm_rs; `layer_configs` derives the other op kinds' configs from them."""
+    transport = getattr(args, "overlap_tp_transport", "auto")
+    kwargs = {"method": getattr(args, "overlap_tp", "off"), "transport": "nccl" if transport == "auto" else transport}
+    if getattr(args, "overlap_tp_comm_sms", None) is not None:
+        kwargs["comm_sms"] = args.overlap_tp_comm_sms
+    return kwargs
+
+
+def layer_configs(args):
+    """The dense layers' OverlapConfig per op kind ("ag_gemm", "gemm_rs", "gemm_ar") from the flags.
+    gemm_ar always runs nccl (p2p is implemented for gemm_rs and ag_gemm). With --overlap-tp-transport
+    auto and --overlap-tp signal, ag_gemm pulls the peers' rows with the copy engines (p2p) and its GEMM
+    keeps every SM (comm_sms 0: nothing runs next to it), while gemm_rs runs nccl with --overlap-tp-comm-sms."""
+    config = OverlapConfig(**overlap_config_kwargs(args))
+    nccl = dataclasses.replace(config, transport="nccl")
+    ag = config
+    if getattr(args, "overlap_tp_transport", "auto") == "auto" and config.method == "signal":
+        ag = dataclasses.replace(config, transport="p2p", comm_sms=0)
+    return {"ag_gemm": ag, "gemm_rs": config, "gemm_ar": nccl}
+
+
+def moe_overlap_config_kwargs(args):
+    """The OverlapConfig fields of the MoE expert ops that the flags set: --overlap-moe's method and
+    --overlap-tp-comm-sms over the expert ops' defaults (config.EXPERT_OP_DEFAULTS; their transport is
+    nccl, whatever --overlap-tp-transport says)."""
+    kwargs = dict(EXPERT_OP_DEFAULTS, method=getattr(args, "overlap_moe", "off"))
+    if getattr(args, "overlap_tp_comm_sms", None) is not None:
+        kwargs["comm_sms"] = args.overlap_tp_comm_sms
+    return kwargs
+
+
+def build_parser():
+    """A stand-alone parser with only overlap_tp's flags (tests, `--help`)."""
+    return add_overlap_args(argparse.ArgumentParser(prog="overlap_tp", allow_abbrev=False))

@@ -1,0 +1,146 @@
+"""Megatron layer specs whose dense linear layers are overlap_tp's (docs/layers.md).
+
+    get_gpt_layer_overlap_spec(...)   a ModuleSpec for OverlapTransformerLayer (Megatron's TransformerLayer
+                                      with self_attn_bda + pre_mlp_layernorm fused into one kernel), like
+                                      get_gpt_layer_local_spec, with
+        linear_qkv, linear_fc1                 -> OverlapColumnParallelLinear
+        linear_proj, linear_fc2                -> OverlapRowParallelLinear
+        input_layernorm, pre_mlp_layernorm     -> OverlapRMSNorm (separate norm slots, SP-capable)
+        core_attention                         -> TEDotProductAttention if Transformer Engine is
+                                                  importable, else overlap_tp.megatron.attention.SDPAttention
+        mlp with num_experts                   -> OverlapMoELayer (get_moe_overlap_module_spec)
+    OverlapSpecProvider                         the BackendSpecProvider behind it
+
+Use it where Megatron takes a layer spec, e.g. `GPTModel(config, transformer_layer_spec=
+get_gpt_layer_overlap_spec(qk_layernorm=True), ...)`, with config.normalization = "RMSNorm" and
+bf16/fp16 params. The overlap methods come from `overlap_tp.megatron.layers.set_default_overlap_config` /
+`set_overlap_config(model, ...)`.
+"""
+from typing import Optional
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import BackendSpecProvider
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import L2Norm
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+from overlap_tp.megatron.attention import core_attention_module
+from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+from overlap_tp.megatron.moe_layer import OverlapGroupedMLP, OverlapMoELayer
+from overlap_tp.megatron.norm import OverlapRMSNorm
+from overlap_tp.megatron.transformer_layer import OverlapTransformerLayer
+
+__all__ = ["OverlapQKRMSNorm", "OverlapSpecProvider", "get_gpt_layer_overlap_spec", "get_moe_overlap_module_spec"]
+
+NO_EXPERTS_FOR_MEGATRON_MOE = (
+    "OverlapSpecProvider has no experts module for Megatron's MoELayer: overlap_tp's experts (OverlapGroupedMLP) "
+    "run inside OverlapMoELayer, whose dispatch and combine are fused with the expert GEMMs. Build MoE layers "
+    "with get_gpt_layer_overlap_spec(num_experts=...) or get_moe_overlap_module_spec()")
+
+
+class OverlapQKRMSNorm(OverlapRMSNorm):
+    """OverlapRMSNorm for the q/k layernorm slots: its input is a strided view of the fused QKV output.
+    Megatron all-reduces these weights' grads over TP by name (q_layernorm / k_layernorm)."""
+
+    def forward(self, x):
+        return super().forward(x.contiguous())
+
+
+class OverlapSpecProvider(BackendSpecProvider):
+    """Megatron's BackendSpecProvider for overlap_tp: our linears, our RMSNorm, TE or SDPA attention."""
+
+    def column_parallel_linear(self) -> type:
+        return OverlapColumnParallelLinear
+
+    def row_parallel_linear(self) -> type:
+        return OverlapRowParallelLinear
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        """The norm stays a separate module (its own input_layernorm / pre_mlp_layernorm slot)."""
+        return False
+
+    def column_parallel_layer_norm_linear(self) -> Optional[type]:
+        return None
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False) -> type:
+        if not rms_norm:
+            raise NotImplementedError("OverlapSpecProvider provides RMSNorm only (OverlapRMSNorm); set "
+                                      "config.normalization='RMSNorm' / --normalization RMSNorm")
+        return OverlapQKRMSNorm if for_qk else OverlapRMSNorm
+
+    def core_attention(self) -> type:
+        return core_attention_module()
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool = False):
+        """(megatron-core <= 0.18 passes both flags, >= 0.19 only the first.)"""
+        raise NotImplementedError(NO_EXPERTS_FOR_MEGATRON_MOE)
+
+    def activation_func(self) -> type:
+        return None
+
+
+def get_moe_overlap_module_spec() -> ModuleSpec:
+    """The MoE `mlp` slot: OverlapMoELayer with OverlapGroupedMLP experts (always one grouped GEMM per op,
+    so moe_grouped_gemm changes nothing) and Megatron's SharedExpertMLP on overlap_tp's linears."""
+    backend = OverlapSpecProvider()
+    shared = MLPSubmodules(linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear())
+    return ModuleSpec(module=OverlapMoELayer,
+                      submodules=MoESubmodules(experts=OverlapGroupedMLP,
+                                               shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=shared)))
+
+
+def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False,
+                               qk_layernorm: Optional[bool] = False, multi_latent_attention: Optional[bool] = False,
+                               fp8: Optional[str] = None, moe_use_legacy_grouped_gemm: Optional[bool] = False,
+                               normalization: Optional[str] = None, qk_l2_norm: Optional[bool] = False,
+                               **unused_kwargs) -> ModuleSpec:
+    """A TransformerLayer spec (the arguments of get_gpt_layer_local_spec) on overlap_tp's layers; with
+    num_experts the MLP is OverlapMoELayer (moe_grouped_gemm and moe_use_legacy_grouped_gemm change nothing)."""
+    if multi_latent_attention:
+        raise NotImplementedError("overlap_tp: multi-latent attention is not supported by the overlap spec")
+    if fp8 is not None:
+        raise NotImplementedError("overlap_tp: FP8 is not supported by the overlap layers (bf16/fp16 GEMMs)")
+    if normalization not in (None, "RMSNorm"):
+        raise NotImplementedError(f"overlap_tp: normalization={normalization!r}: the overlap spec provides RMSNorm "
+                                  f"only (OverlapRMSNorm)")
+    backend = OverlapSpecProvider()
+    layer_norm = backend.layer_norm(rms_norm=True, for_qk=False)
+    qk_norm = L2Norm if qk_l2_norm else (backend.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm
+                                         else IdentityOp)
+    return ModuleSpec(
+        module=OverlapTransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=layer_norm,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": AttnMaskType.causal},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=backend.column_parallel_linear(),
+                    core_attention=backend.core_attention(),
+                    linear_proj=backend.row_parallel_linear(),
+                    q_layernorm=qk_norm,
+                    k_layernorm=qk_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=layer_norm,
+            mlp=ModuleSpec(
+                module=MLP,
+                submodules=MLPSubmodules(linear_fc1=backend.column_parallel_linear(),
+                                         linear_fc2=backend.row_parallel_linear()),
+            ) if num_experts is None else get_moe_overlap_module_spec(),
+            mlp_bda=get_bias_dropout_add,
+            # checkpoints interchange with Megatron's local and TE specs (same key map as the local spec; an
+            # MoE layer keeps its pre_mlp_layernorm keys, as Megatron's TE MoE spec, where no fc1 fuses it)
+            sharded_state_dict_keys_map={
+                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                **({"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"} if num_experts is None else {}),
+            },
+        ),
+    )

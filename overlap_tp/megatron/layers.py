@@ -1,0 +1,557 @@
+"""Megatron's tensor-parallel linear layers on the overlapped ops (docs/layers.md).
+
+    OverlapColumnParallelLinear   drop-in for megatron.core.tensor_parallel.ColumnParallelLinear
+    OverlapRowParallelLinear      drop-in for megatron.core.tensor_parallel.RowParallelLinear
+
+Same constructor keywords, parameters (names, shapes, initialisation through Megatron's own
+helpers, so equal weights for the same seed), tensor-parallel attributes, `sharded_state_dict` and
+`forward(x[s, b, h]) -> (out, bias_or_None)` as Megatron's. What runs (DESIGN.md section 2):
+
+    column, sequence parallel:  fwd ag_gemm            dgrad gemm_rs(dY, W.T)   wgrad dY.T @ AG(X) (re-gathered)
+    column, no SP:              fwd local GEMM          dgrad gemm_ar(dY, W.T)   wgrad dY.T @ X
+    row, sequence parallel:     fwd gemm_rs             dgrad ag_gemm(dZ, W.T)   wgrad AG(dZ).T @ Y (the gathered dZ reused)
+    row, no SP:                 fwd gemm_ar             dgrad local GEMM         wgrad dZ.T @ Y
+
+Which method each op runs comes from an `OverlapConfig` per op kind ("ag_gemm", "gemm_rs", "gemm_ar"):
+the layer's `overlap_config` attribute (constructor keyword; one OverlapConfig for every op kind, or a
+dict by op kind) or, where it is None or names no config for the op kind, the module default set with
+`set_default_overlap_config`. Both are read at every call, so a training integration may set them after
+the model is built (`set_overlap_config(model, ...)` sets every layer of a model).
+"""
+import warnings
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch.nn.parameter import Parameter
+
+try:
+    from megatron.core.tensor_parallel.layers import (
+        _initialize_affine_weight_cpu,
+        _initialize_affine_weight_gpu,
+        set_tensor_model_parallel_attributes,
+    )
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+    from megatron.core.utils import divide, get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
+except ImportError as error:  # pragma: no cover - exercised only without megatron-core
+    raise ImportError("overlap_tp.megatron.layers needs megatron-core (pip install 'overlap_tp[megatron]' or "
+                      "'megatron-core>=0.16')") from error
+
+from overlap_tp.ops import comm
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.ag_gemm import ag_gemm
+from overlap_tp.ops.gemm_rs import gemm_ar, gemm_rs
+
+try:
+    import fused_weight_gradient_mlp_cuda  # apex: Megatron's fused fp32 wgrad accumulation
+except ImportError:
+    fused_weight_gradient_mlp_cuda = None
+
+__all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "get_default_overlap_config",
+           "set_default_overlap_config", "set_overlap_config"]
+
+OP_KINDS = ("ag_gemm", "gemm_rs", "gemm_ar")
+LayerOverlapConfig = Union[None, OverlapConfig, Mapping[str, OverlapConfig]]
+
+_default_configs: Dict[str, OverlapConfig] = {op: OverlapConfig() for op in OP_KINDS}
+
+
+def _check_overlap_config(value: LayerOverlapConfig) -> LayerOverlapConfig:
+    if value is None or isinstance(value, OverlapConfig):
+        return value
+    if isinstance(value, Mapping):
+        unknown = set(value) - set(OP_KINDS)
+        if unknown:
+            raise ValueError(f"overlap_config: unknown op kinds {sorted(unknown)}; expected keys from {OP_KINDS}")
+        for op, config in value.items():
+            if config is not None and not isinstance(config, OverlapConfig):
+                raise TypeError(f"overlap_config[{op!r}] must be an OverlapConfig, got {type(config).__name__}")
+        return dict(value)
+    raise TypeError(f"overlap_config must be None, an OverlapConfig or a dict by op kind {OP_KINDS}; "
+                    f"got {type(value).__name__}")
+
+
+def set_default_overlap_config(config: Optional[OverlapConfig] = None, **per_op: OverlapConfig):
+    """The configs layers use where their own `overlap_config` names none: `config` for every op kind,
+    then the keywords (ag_gemm=, gemm_rs=, gemm_ar=) for single op kinds."""
+    per_op = _check_overlap_config(per_op) or {}
+    if config is not None:
+        _check_overlap_config(config)
+        for op in OP_KINDS:
+            _default_configs[op] = config
+    for op, value in per_op.items():
+        if value is not None:
+            _default_configs[op] = value
+
+
+def get_default_overlap_config(op: str) -> OverlapConfig:
+    if op not in OP_KINDS:
+        raise ValueError(f"unknown op kind {op!r}; expected one of {OP_KINDS}")
+    return _default_configs[op]
+
+
+def _resolve_config(layer_config: LayerOverlapConfig, op: str) -> OverlapConfig:
+    if isinstance(layer_config, OverlapConfig):
+        return layer_config
+    if isinstance(layer_config, Mapping) and layer_config.get(op) is not None:
+        return layer_config[op]
+    return _default_configs[op]
+
+
+def set_overlap_config(model: torch.nn.Module, config: LayerOverlapConfig):
+    """Set `overlap_config` on every overlapped linear layer of `model`; returns how many were set."""
+    config = _check_overlap_config(config)
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (OverlapColumnParallelLinear, OverlapRowParallelLinear)):
+            module.overlap_config = config
+            count += 1
+    return count
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checks shared by both layers
+# ---------------------------------------------------------------------------------------------------
+
+def _check_megatron_config(config, layer: str):
+    """Refuse what the layers do not implement, before any weight exists."""
+    for option in ("fp8", "fp4"):
+        if getattr(config, option, None):
+            raise NotImplementedError(f"{layer}: config.{option}={getattr(config, option)!r} is not supported "
+                                      f"(the overlapped ops are bf16/fp16 GEMMs); use Transformer Engine's layers")
+    if getattr(config, "delay_wgrad_compute", False):
+        raise NotImplementedError(f"{layer}: config.delay_wgrad_compute=True is not supported (backward_dw would "
+                                  f"have to replay the wgrad); turn it off")
+    if getattr(config, "defer_embedding_wgrad_compute", False):
+        raise NotImplementedError(f"{layer}: config.defer_embedding_wgrad_compute=True is not supported; "
+                                  f"use Megatron's ColumnParallelLinear for the output layer")
+    dtype = getattr(config, "params_dtype", torch.float32)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{layer}: config.params_dtype={dtype}: the overlapped ops run bf16 or fp16 GEMMs "
+                         f"(train with --bf16 or --fp16)")
+
+
+def _flatten_input(x: torch.Tensor, features: int, layer: str) -> torch.Tensor:
+    if x.dim() < 2 or x.shape[-1] != features:
+        raise ValueError(f"{layer}: expected input [..., {features}] (Megatron's [s, b, h]); got {tuple(x.shape)}")
+    x2d = x.reshape(-1, features)
+    return x2d if x2d.is_contiguous() else x2d.contiguous()
+
+
+_addmm_out_dtype_works = True
+
+
+def _accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
+    """main_grad += dy.T @ x; an fp32 main_grad accumulates the bf16/fp16 GEMM in fp32 where the backend can."""
+    global _addmm_out_dtype_works
+    if main_grad.dtype == dy.dtype:
+        main_grad.addmm_(dy.t(), x)
+        return
+    if main_grad.dtype != torch.float32:
+        raise RuntimeError(f"gradient_accumulation_fusion: unsupported main_grad dtype {main_grad.dtype}")
+    if main_grad.is_cuda and fused_weight_gradient_mlp_cuda is not None:
+        fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32(x, dy, main_grad)   # Megatron's own kernel
+        return
+    if main_grad.is_cuda and _addmm_out_dtype_works:
+        try:
+            torch.addmm(main_grad, dy.t(), x, out_dtype=torch.float32, out=main_grad)
+            return
+        except (TypeError, RuntimeError):
+            _addmm_out_dtype_works = False
+    main_grad.add_(dy.t().matmul(x))   # the GEMM rounds to dy's dtype once, as the unfused path does
+
+
+def _weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
+    """The wgrad dy.T @ x, or with gradient_accumulation_fusion its accumulation into weight.main_grad and
+    what Megatron's DDP expects back (Megatron's LinearWithGradAccumulationAndAsyncCommunication): a dummy
+    grad (zeros with zero_out_wgrad) with grad_added_to_main_grad = True where DDP tracks it, else None."""
+    if not ctx.gradient_accumulation_fusion:
+        return dy.t().matmul(x)
+    main_grad = ctx.main_grad
+    weight.main_grad = main_grad    # the layer may have been reused (MTP): restore what forward saw
+    _accumulate_wgrad(main_grad, dy, x)
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    grad_weight = make(main_grad.shape, dtype=x.dtype, device=x.device, requires_grad=False)
+    weight.grad_added_to_main_grad = True
+    return grad_weight
+
+
+class _LinearArgs:
+    """What a layer's autograd Function needs besides tensors."""
+
+    __slots__ = ("group", "sequence_parallel", "allreduce_dgrad", "gradient_accumulation_fusion", "layer_config")
+
+    def __init__(self, group, sequence_parallel, allreduce_dgrad, gradient_accumulation_fusion, layer_config):
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.allreduce_dgrad = allreduce_dgrad
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.layer_config = layer_config
+
+    def config(self, op):
+        return _resolve_config(self.layer_config, op)
+
+
+def _save_common(ctx, weight, bias, args: _LinearArgs):
+    ctx.args = args
+    ctx.use_bias = bias is not None
+    ctx.gradient_accumulation_fusion = args.gradient_accumulation_fusion and weight.requires_grad
+    # Kept on ctx, not saved: the layer may be reused (MTP), so no version check (as Megatron does).
+    ctx.main_grad = getattr(weight, "main_grad", None) if ctx.gradient_accumulation_fusion else None
+
+
+def _check_main_grad(weight, fusion):
+    """Called in the module's forward, where grad mode is the caller's (not inside Function.forward)."""
+    if fusion and weight.requires_grad and torch.is_grad_enabled() and getattr(weight, "main_grad", None) is None:
+        raise RuntimeError("gradient_accumulation_fusion=True needs weight.main_grad (an fp32 buffer, "
+                           "allocated by Megatron's DistributedDataParallel) before the forward")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd Functions
+# ---------------------------------------------------------------------------------------------------
+
+class _ColumnParallelFn(torch.autograd.Function):
+    """y = AG(x) @ W.T + b (SP) or x @ W.T + b; x [M(/t), K], W [N/t, K]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, args: _LinearArgs):
+        _save_common(ctx, weight, bias, args)
+        if args.sequence_parallel:
+            # The gathered input is not kept: backward re-gathers it (Megatron's choice; keeping it
+            # costs t times this layer's input activation memory).
+            out = ag_gemm(x, weight, args.group, bias=bias, config=args.config("ag_gemm"))
+        else:
+            out = torch.matmul(x, weight.t())
+            if bias is not None:
+                out = out + bias
+        ctx.save_for_backward(x, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        args = ctx.args
+        dy = dy.contiguous()
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gathered, handle = x, None
+        if need_dw and args.sequence_parallel:
+            gathered, handle = comm.all_gather_rows(x, args.group, async_op=True)   # overlaps the dgrad below
+        dx = reducing_dx = None
+        if need_dx:
+            # The dgrad's reduction (SP: reduce-scatter, else all-reduce) is left running behind the
+            # wgrad GEMM, as Megatron does, and joined after it.
+            if args.sequence_parallel:
+                reducing_dx = gemm_rs(dy, weight.t(), args.group, config=args.config("gemm_rs"), async_op=True)
+            elif args.allreduce_dgrad:
+                reducing_dx = gemm_ar(dy, weight.t(), args.group, config=args.config("gemm_ar"), async_op=True)
+            else:
+                dx = dy.matmul(weight)
+        if handle is not None:
+            handle.wait()
+        dw = _weight_grad(ctx, weight, dy, gathered) if need_dw else None
+        if reducing_dx is not None:
+            dx = reducing_dx.wait()
+        db = dy.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None
+
+
+class _RowParallelFn(torch.autograd.Function):
+    """z = RS(y @ W.T) + b (SP) or AR(y @ W.T) + b; y [M, K/t], W [N, K/t]."""
+
+    @staticmethod
+    def forward(ctx, y, weight, bias, args: _LinearArgs):
+        _save_common(ctx, weight, bias, args)
+        if args.sequence_parallel:
+            out = gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs"))
+        else:
+            out = gemm_ar(y, weight, args.group, bias=bias, config=args.config("gemm_ar"))
+        ctx.save_for_backward(y, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx, dz):
+        y, weight = ctx.saved_tensors
+        args = ctx.args
+        dz = dz.contiguous()
+        need_dy, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy, dz_full = None, dz
+        if args.sequence_parallel:
+            if need_dy:   # the gathered dZ comes back with the dgrad and is reused for the wgrad
+                dy, dz_full = ag_gemm(dz, weight.t(), args.group, config=args.config("ag_gemm"),
+                                      return_gathered=True)
+            elif need_dw:
+                dz_full, _ = comm.all_gather_rows(dz, args.group)
+        elif need_dy:
+            dy = dz.matmul(weight)
+        dw = _weight_grad(ctx, weight, dz_full, y) if need_dw else None
+        # SP: this rank's rows only; the bias carries sequence_parallel=True, so Megatron's
+        # finalize_model_grads all-reduces it over the TP group (as for Megatron's own layer).
+        db = dz.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
+        return dy, dw, db, None
+
+
+def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+class _GatherLastDim(torch.autograd.Function):
+    """Column `gather_output`: all-gather the output along the last dim; backward keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_last_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        t, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(t, dim=-1)[rank].contiguous(), None
+
+
+class _ScatterLastDim(torch.autograd.Function):
+    """Row `input_is_parallel=False`: keep this rank's part of the last dim; backward all-gathers it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        t, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(t, dim=-1)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_last_dim(grad, ctx.group), None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------------
+
+class _OverlapLinearBase(torch.nn.Module):
+    overlap_config: LayerOverlapConfig
+
+    def _init_common(self, config, is_expert, tp_group, overlap_config, layer):
+        _check_megatron_config(config, layer)
+        self.config = config
+        self.is_expert = is_expert
+        self.expert_parallel = getattr(config, "expert_model_parallel_size", 1) > 1
+        self.tp_group = get_tensor_model_parallel_group_if_none(tp_group, is_expert=is_expert)
+        world_size, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        self.explicit_expert_comm = is_expert and (world_size > 1 or self.expert_parallel)
+        if self.explicit_expert_comm:
+            raise NotImplementedError(f"{layer}: MoE expert layers (is_expert=True with TP or EP > 1) are not "
+                                      f"implemented yet; use Megatron's expert layers")
+        self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
+        self.overlap_config = _check_overlap_config(overlap_config)
+        # Megatron's hook adding a default empty _extra_state for state dict
+        self._register_load_state_dict_pre_hook(
+            lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
+        return world_size, rank
+
+    def __setattr__(self, name, value):
+        if name == "overlap_config":
+            value = _check_overlap_config(value)
+        super().__setattr__(name, value)
+
+    def _new_param(self, *shape):
+        device = None if self.config.use_cpu_initialization else torch.cuda.current_device()
+        return Parameter(torch.empty(*shape, device=device, dtype=self.config.params_dtype))
+
+    def _init_weight(self, output_size, input_size, per_partition, partition_dim, init_method, stride,
+                     keep_master_weight_for_test, rank, world_size, params_dtype_kw):
+        """Megatron's own initialisation, so weights equal Megatron's for the same seed."""
+        config = self.config
+        if not config.perform_initialization:
+            set_tensor_model_parallel_attributes(self.weight, True, partition_dim, stride)
+            return
+        if config.use_cpu_initialization:
+            extra = {"params_dtype": config.params_dtype} if params_dtype_kw else {}
+            self.master_weight = _initialize_affine_weight_cpu(
+                self.weight, output_size, input_size, per_partition, partition_dim, init_method, stride=stride,
+                return_master_weight=keep_master_weight_for_test, rank=rank, world_size=world_size, **extra)
+        else:
+            _initialize_affine_weight_gpu(self.weight, init_method, partition_dim=partition_dim, stride=stride,
+                                          is_expert=self.is_expert)
+
+    def backward_dw(self) -> None:
+        """The wgrad runs inside backward (delay_wgrad_compute is refused at construction), so there is
+        nothing left to compute here; Megatron's own layers behave the same."""
+        if getattr(self.config, "delay_wgrad_compute", False):
+            raise NotImplementedError(f"{type(self).__name__}: config.delay_wgrad_compute=True is not supported")
+
+    def set_extra_state(self, state: Any):
+        """Extra state is ignored"""
+
+    def get_extra_state(self) -> None:
+        """Keep compatibility with TE state dict."""
+        return None
+
+    def _sharded(self, prefix, sharded_offsets, metadata, axis_map):
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        dp_cp_group = metadata.get("dp_cp_group") if metadata else None
+        tp_group = self.tp_group if dp_cp_group is not None else None   # both or neither (Megatron's rule)
+        return make_sharded_tensors_for_checkpoint(state_dict, prefix, axis_map, sharded_offsets,
+                                                   tp_group=tp_group, dp_cp_group=dp_cp_group)
+
+
+class OverlapColumnParallelLinear(_OverlapLinearBase):
+    """Y = X A + b with A split along its output dimension (Megatron's ColumnParallelLinear).
+
+    Sequence parallel: forward ag_gemm (all-gather of the sequence shards + GEMM); backward dgrad
+    gemm_rs(dY, W.T) and wgrad dY.T @ AG(X) with X re-gathered (asynchronously, behind the dgrad).
+    Without SP: forward is the local GEMM (identity on the input); backward dgrad gemm_ar(dY, W.T).
+    """
+
+    def __init__(self, input_size, output_size, *, config, init_method: Callable, bias=True, gather_output=False,
+                 stride=1, keep_master_weight_for_test=False, skip_bias_add=False,
+                 skip_weight_param_allocation: bool = False, embedding_activation_buffer=None,
+                 grad_output_buffer=None, is_expert: bool = False, tp_comm_buffer_name: Optional[str] = None,
+                 disable_grad_reduce: bool = False, tp_group=None, name: Optional[str] = None,
+                 overlap_config: LayerOverlapConfig = None, **unused_kwargs):
+        super().__init__()
+        layer = type(self).__name__
+        if embedding_activation_buffer is not None or grad_output_buffer is not None:
+            raise NotImplementedError(f"{layer}: embedding_activation_buffer / grad_output_buffer "
+                                      f"(defer_embedding_wgrad_compute) are not supported")
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.disable_grad_reduce = disable_grad_reduce
+        self.tp_comm_buffer_name, self.name = tp_comm_buffer_name, name
+        world_size, rank = self._init_common(config, is_expert, tp_group, overlap_config, layer)
+        self.output_size_per_partition = divide(output_size, world_size)
+
+        if not skip_weight_param_allocation:
+            self.weight = self._new_param(self.output_size_per_partition, self.input_size)
+            self._init_weight(output_size, input_size, self.output_size_per_partition, 0, init_method, stride,
+                              keep_master_weight_for_test, rank, world_size, params_dtype_kw=False)
+            setattr(self.weight, "allreduce", not (self.is_expert and self.expert_parallel))
+        else:
+            self.weight = None
+
+        if bias:
+            self.bias = self._new_param(self.output_size_per_partition)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+            if config.perform_initialization:
+                with torch.no_grad():
+                    self.bias.zero_()
+            setattr(self.bias, "allreduce", not (self.is_expert and self.expert_parallel))
+        else:
+            self.register_parameter("bias", None)
+
+        self.sequence_parallel = config.sequence_parallel
+        if self.sequence_parallel and world_size <= 1:
+            warnings.warn("`sequence_parallel` is set to `True`, but tensor model parallel size "
+                          f"is {world_size}. Disabling sequence parallel.")
+            self.sequence_parallel = False
+        if self.sequence_parallel and gather_output:
+            raise ValueError(f"{layer}: gather_output=True with sequence_parallel is not supported "
+                             f"(the output would be sequence-gathered and hidden-gathered)")
+        self.allreduce_dgrad = world_size > 1 and not self.sequence_parallel and not disable_grad_reduce
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """input_ [s(/t with SP), b, h] -> ([s, b, output_size/t] (or gathered), bias if skip_bias_add)."""
+        if weight is None:
+            if self.weight is None:
+                raise RuntimeError("weight was not supplied to OverlapColumnParallelLinear forward pass "
+                                   "and skip_weight_param_allocation is True.")
+            weight = self.weight
+        elif weight.shape != (self.output_size_per_partition, self.input_size):
+            raise RuntimeError(f"supplied weight's shape is {tuple(weight.shape)}, "
+                               f"not {(self.output_size_per_partition, self.input_size)} as expected")
+        gather_output = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather_output and self.sequence_parallel:
+            raise ValueError("OverlapColumnParallelLinear: gather_output=True with sequence_parallel is not supported")
+        bias = self.bias if not self.skip_bias_add else None
+        x2d = _flatten_input(input_, self.input_size, type(self).__name__)
+        args = _LinearArgs(self.tp_group, self.sequence_parallel, self.allreduce_dgrad,
+                           self.gradient_accumulation_fusion, self.overlap_config)
+        _check_main_grad(weight, self.gradient_accumulation_fusion)
+        out2d = _ColumnParallelFn.apply(x2d, weight, bias, args)
+        rows = input_.shape[0] * (get_pg_size(self.tp_group) if self.sequence_parallel else 1)
+        output = out2d.view(rows, *input_.shape[1:-1], self.output_size_per_partition)
+        if gather_output and get_pg_size(self.tp_group) > 1:
+            output = _GatherLastDim.apply(output, self.tp_group)
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Sharding along axis 0, bias sharded (as Megatron's ColumnParallelLinear)."""
+        return self._sharded(prefix, sharded_offsets, metadata, {"weight": 0, "bias": 0})
+
+    def __repr__(self):
+        tp = self.output_size // self.output_size_per_partition
+        return (f"{type(self).__name__}(in_features={self.input_size}, out_features={self.output_size}, "
+                f"bias={self.bias is not None}, TP={tp}, sequence_parallel={self.sequence_parallel})")
+
+
+class OverlapRowParallelLinear(_OverlapLinearBase):
+    """Y = X A + b with A split along its input dimension (Megatron's RowParallelLinear).
+
+    Sequence parallel: forward gemm_rs (GEMM + reduce-scatter to the sequence shards, bias added once);
+    backward dgrad ag_gemm(dZ, W.T, return_gathered=True), the gathered dZ reused for wgrad.
+    Without SP: forward gemm_ar; backward dgrad is the local GEMM.
+    """
+
+    def __init__(self, input_size, output_size, *, config, init_method: Callable, bias: bool,
+                 input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
+                 keep_master_weight_for_test: bool = False, is_expert: bool = False,
+                 tp_comm_buffer_name: Optional[str] = None, tp_group=None, name: Optional[str] = None,
+                 overlap_config: LayerOverlapConfig = None, **unused_kwargs):
+        super().__init__()
+        layer = type(self).__name__
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.tp_comm_buffer_name, self.name = tp_comm_buffer_name, name
+        self.sequence_parallel = config.sequence_parallel
+        if self.sequence_parallel and not input_is_parallel:
+            raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
+        world_size, rank = self._init_common(config, is_expert, tp_group, overlap_config, layer)
+        self.input_size_per_partition = divide(input_size, world_size)
+
+        self.weight = self._new_param(self.output_size, self.input_size_per_partition)
+        self._init_weight(output_size, input_size, self.input_size_per_partition, 1, init_method, stride,
+                          keep_master_weight_for_test, rank, world_size, params_dtype_kw=True)
+        setattr(self.weight, "allreduce", not (self.is_expert and self.expert_parallel))
+
+        if bias:
+            self.bias = self._new_param(self.output_size)
+            if config.perform_initialization:
+                with torch.no_grad():
+                    self.bias.zero_()
+            setattr(self.bias, "allreduce", not (self.is_expert and self.expert_parallel))
+            setattr(self.bias, "sequence_parallel", self.sequence_parallel)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input_: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """input_ [s, b, input_size/t] -> ([s(/t with SP), b, output_size], bias if skip_bias_add)."""
+        if not self.input_is_parallel:
+            input_ = _ScatterLastDim.apply(input_, self.tp_group)
+        y2d = _flatten_input(input_, self.input_size_per_partition, type(self).__name__)
+        bias = self.bias if not self.skip_bias_add else None
+        args = _LinearArgs(self.tp_group, self.sequence_parallel, False, self.gradient_accumulation_fusion,
+                           self.overlap_config)
+        t = get_pg_size(self.tp_group)
+        if self.sequence_parallel and input_.shape[0] % t:
+            raise ValueError(f"OverlapRowParallelLinear: sequence length {input_.shape[0]} is not divisible by the "
+                             f"tensor-parallel size {t} (sequence parallel)")
+        _check_main_grad(self.weight, self.gradient_accumulation_fusion)
+        out2d = _RowParallelFn.apply(y2d, self.weight, bias, args)
+        rows = input_.shape[0] // t if self.sequence_parallel else input_.shape[0]
+        output = out2d.view(rows, *input_.shape[1:-1], self.output_size)
+        return output, (self.bias if self.skip_bias_add else None)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Sharding along axis 1, bias not sharded (as Megatron's RowParallelLinear)."""
+        return self._sharded(prefix, sharded_offsets, metadata, {"weight": 1})
+
+    def __repr__(self):
+        tp = self.input_size // self.input_size_per_partition
+        return (f"{type(self).__name__}(in_features={self.input_size}, out_features={self.output_size}, "
+                f"bias={self.bias is not None}, TP={tp}, sequence_parallel={self.sequence_parallel})")

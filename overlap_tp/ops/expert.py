@@ -1,0 +1,451 @@
+"""MoE expert-parallel ops: the all-to-all dispatch overlapped with the grouped fc1 GEMM, and the grouped
+fc2 GEMM overlapped with the all-to-all combine.
+
+    a2a_gemm(x[T, H], counts[ep, E], w[L, N, H]) -> y[R, N]       (and xr[R, H] with return_received=True)
+    gemm_a2a(h[R, F], counts[ep, E], w[L, H, F]) -> z[T, H]
+
+x is this rank's routed tokens sorted by global expert (Megatron's `permute` output); counts[s, e] (CPU
+int64, identical on every rank of the EP group) the rows rank s routes to global expert e, E = ep * L;
+rank r owns experts [r*L, (r+1)*L) and their weights w (nn.Linear layout per expert). xr is what
+Megatron's alltoall dispatcher's all_to_all returns (source rank major, local expert minor, before its
+sort_chunks_by_idxs): R = sum_s sum_l counts[s, r*L + l] rows, and y[j] = xr[j] @ w[l].T for the local
+expert l of row j. gemm_a2a takes rows in that order and returns each h[j] @ w[l].T to the rank its token
+came from, at the token's row of that rank's x (what the combine all_to_all returns, ready for
+unpermute). Both are differentiable in their input and w; xr carries no gradient.
+
+Methods (OverlapConfig.method):
+  off        torch.distributed's all_to_all_single with split sizes from counts, and one cuBLAS matmul
+             per (source rank, expert) segment (Megatron's path; the reference under gloo).
+  decompose  the plan's parts (overlap_tp/ops/moe_plan.py) with cuBLAS: gemm_a2a computes group g and sends
+             it on the comm stream while group g+1 is computed; a2a_gemm computes the local rows, then
+             each chunk as soon as the comm stream received it.
+  signal     one persistent Triton GEMM (kernels/signaled_gemm.py) over every local expert (tiles name
+             their expert, plan field EXPERT). gemm_a2a: each group's tiles raise its
+             counter; the comm stream waits on it (cuStreamWaitValue32, no SM) and exchanges the group's
+             rows with every peer (ncclSend/ncclRecv in one group call), received straight into z;
+             the local rows are stored into z by the GEMM. a2a_gemm: the comm stream exchanges chunk
+             after chunk into xr and raises each chunk's ready flag; the GEMM computes the local rows
+             first, then each chunk's tiles after spinning on its flag (needs comm_sms >= 1: NCCL must
+             have SMs that the spinning GEMM does not hold). Transport: NCCL through the capped
+             communicator of overlap_tp/ops/nccl.py (`p2p` is refused); under gloo, torch.distributed's
+             batch_isend_irecv, with the kernel in the Triton CPU interpreter.
+  auto       `off`, with a warning: the tuner does not cover the expert ops yet.
+`groups` is the number of parts per peer (an int, or "auto": about 16 MB per group on the busiest
+rank); `schedule` does not apply. The backward runs the mirrored op with each expert's weight
+transposed as a view (`transposed`: the kernel reads it in place, no copy) and the grouped wgrad with
+cuBLAS, accumulated per (source, expert) segment in place.
+"""
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from overlap_tp.ops import comm
+from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
+from overlap_tp.kernels.signaled_gemm import signaled_gemm, tma_unsupported_reason, weight_layout
+from overlap_tp.ops.moe_plan import Layout, combine_plan, dispatch_plan, layout, parts_per_peer
+from overlap_tp.ops.gemm_rs import _warn_once, gemm_programs
+
+# offsets between the staging matrix and z are used as 16-element aligned by the kernel (16-byte stores)
+OFFSET_ALIGNMENT = 16
+
+
+# ---------------------------------------------------------------------------------------------------
+# Input checks
+# ---------------------------------------------------------------------------------------------------
+
+def check_counts(counts, ep: int, op: str):
+    if not (isinstance(counts, torch.Tensor) and counts.device.type == "cpu" and counts.dtype == torch.int64
+            and counts.dim() == 2):
+        raise ValueError(f"{op}: counts must be a CPU int64 tensor [ep, E], got "
+                         + (f"{counts.dtype} {tuple(counts.shape)} on {counts.device}"
+                            if isinstance(counts, torch.Tensor) else type(counts).__name__))
+    if counts.shape[0] != ep:
+        raise ValueError(f"{op}: counts is [{counts.shape[0]}, {counts.shape[1]}] but the EP group has {ep} ranks")
+    if counts.shape[1] == 0 or counts.shape[1] % ep:
+        raise ValueError(f"{op}: E={counts.shape[1]} experts is not a positive multiple of ep={ep}")
+    if bool((counts < 0).any()):
+        raise ValueError(f"{op}: counts has negative entries")
+
+
+def check_inputs(op: str, a, w, counts, rows: int, rows_name: str, out_name: str):
+    """a [rows, K] and w [L, n, K] for the grouped GEMM a @ w[l].T; a ValueError names the broken rule."""
+    if a.dim() != 2 or w.dim() != 3:
+        raise ValueError(f"{op}: expected a 2-D input and w [L, {out_name}, K]; got {tuple(a.shape)} and "
+                         f"w{tuple(w.shape)}")
+    experts = counts.shape[1] // counts.shape[0]
+    if w.shape[0] != experts:
+        raise ValueError(f"{op}: w holds {w.shape[0]} experts, counts gives this rank E/ep = {experts}")
+    if w.shape[2] != a.shape[1]:
+        raise ValueError(f"{op}: inner dimensions differ: input{tuple(a.shape)} and w{tuple(w.shape)} "
+                         "(w is [L, out, in], nn.Linear layout per expert)")
+    if a.shape[0] != rows:
+        raise ValueError(f"{op}: the input has {a.shape[0]} rows but counts gives {rows} ({rows_name})")
+    if a.dtype not in (torch.bfloat16, torch.float16) or w.dtype != a.dtype:
+        raise ValueError(f"{op}: input and w must both be bf16 or fp16; got {a.dtype} and {w.dtype}")
+    if a.device != w.device:
+        raise ValueError(f"{op}: the input is on {a.device} but w is on {w.device}")
+    if not a.is_contiguous() or weight_layout(w) is None:
+        raise ValueError(f"{op}: the input must be contiguous and w row-major (or the transposed view of a "
+                         f"row-major [L, in, out] tensor)")
+    if a.is_cuda and a.device.index != torch.cuda.current_device():
+        raise ValueError(f"{op}: the input is on {a.device} but this rank's current CUDA device is "
+                         f"cuda:{torch.cuda.current_device()} (one GPU per rank, set with torch.cuda.set_device)")
+
+
+def resolve_method(op: str, config: OverlapConfig, a, w) -> str:
+    """The method that runs, checked to be runnable."""
+    if config.method == "auto":
+        _warn_once(f"overlap_tp {op}: method='auto' runs 'off' (the tuner does not cover the expert ops yet)")
+        return "off"
+    if config.method == "signal":
+        if config.transport != "nccl":
+            raise ValueError(f"{op}: transport={config.transport!r} is not implemented for the expert ops; "
+                             "use transport='nccl'")
+        reason = tma_unsupported_reason(a, w)
+        if reason is None and a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
+            reason = f"the signaled GEMM needs TMA (compute capability >= 9.0), {torch.cuda.get_device_name(a.device)} lacks it"
+        if reason is not None:
+            raise ValueError(f"{op}: method='signal' cannot run: {reason}")
+        if op == "a2a_gemm" and a.is_cuda and config.comm_sms < 1:
+            raise ValueError("a2a_gemm: method='signal' needs comm_sms >= 1: the GEMM spins on ready flags that "
+                             "NCCL kernels raise, so NCCL must have SMs the GEMM does not hold")
+    return config.method
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pieces shared by the methods
+# ---------------------------------------------------------------------------------------------------
+
+def expert_mm(a, w, pieces, outs):
+    """outs[p.dst_buf][dst rows] = a[p's rows] @ w[p.expert].T for every piece (cuBLAS, one call each)."""
+    for p in pieces:
+        if p.src_lo < p.src_hi:
+            torch.mm(a[p.src_lo:p.src_hi], w[p.expert].t(), out=outs[p.dst_buf][p.dst_lo:p.dst_lo + p.src_hi - p.src_lo])
+
+
+def expert_wgrad(grad, inp, lay: Layout):
+    """dw[l] = sum over the source ranks s of grad[seg(s, l)].T @ inp[seg(s, l)], [L, grad columns, inp
+    columns]: accumulated segment by segment in place (no copy of the segments; one rounding per source
+    segment, as accumulating micro-batches does); an expert that received nothing gets zeros."""
+    dw = torch.empty(lay.experts, grad.shape[1], inp.shape[1], dtype=inp.dtype, device=inp.device)
+    written = set()
+    for p in lay.segments:
+        if p.src_lo == p.src_hi:
+            continue
+        g, a = grad[p.src_lo:p.src_hi].t(), inp[p.src_lo:p.src_hi]
+        if p.expert in written:
+            dw[p.expert].addmm_(g, a)
+        else:
+            torch.mm(g, a, out=dw[p.expert])
+            written.add(p.expert)
+    for l in set(range(lay.experts)) - written:
+        dw[l].zero_()
+    return dw
+
+
+def transposed(w: torch.Tensor, config: OverlapConfig) -> torch.Tensor:
+    """Every expert's w[l].T for a backward GEMM: the view, which cuBLAS and the signaled kernel read in
+    place, except with several experts whose inner size is not a multiple of block_k (the kernel's K tail
+    box would overhang into the next expert): then a copy."""
+    wt = w.transpose(1, 2)
+    return wt if w.shape[0] == 1 or w.shape[1] % config.block_k == 0 else wt.contiguous()
+
+
+def all_to_all_rows(inp, rows: int, out_splits, in_splits, group):
+    """torch.distributed's all_to_all_single of row blocks (Megatron's dispatch/combine)."""
+    out = torch.empty(rows, inp.shape[1], dtype=inp.dtype, device=inp.device)
+    dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group)
+    return out
+
+
+def _exchange(coll, exchange, send_buf, recv_buf):
+    coll.exchange([(peer, send_buf[lo:hi]) for peer, lo, hi in exchange.sends],
+                  [(peer, recv_buf[lo:hi]) for peer, lo, hi in exchange.recvs])
+
+
+def _to_device(table, device):
+    """A host table on `device` (pinned, non-blocking, ordered on the current stream)."""
+    return table if device.type != "cuda" else table.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class _Counters:
+    """gemm_a2a's group counters on one device, never reset. Plans change every call, so the host keeps
+    each counter's running total (mod 2**32) as the next call's base instead of calls * group_tiles."""
+    words: torch.Tensor
+    totals: List[int]
+
+    def advance(self, group_tiles):
+        self.totals = [(t + n) & 0xFFFFFFFF for t, n in zip(self.totals, group_tiles)]
+        return list(self.totals)
+
+
+@dataclass
+class _Flags:
+    """a2a_gemm's ready flags on one device, never reset: each call raises them to its epoch."""
+    words: torch.Tensor
+    calls: int = 0
+
+    def next_epoch(self) -> int:
+        self.calls += 1
+        return (self.calls + 2 ** 31) % 2 ** 32 - 2 ** 31   # the call count as an int32, wrapping
+
+
+_counters: Dict[tuple, _Counters] = {}
+_flags: Dict[tuple, _Flags] = {}
+
+
+def _counters_for(device, size) -> _Counters:
+    key = (str(device), size)
+    if key not in _counters:
+        _counters[key] = _Counters(torch.zeros(size, dtype=torch.int32, device=device), [0] * size)
+    return _counters[key]
+
+
+def _flags_for(device, size) -> _Flags:
+    key = (str(device), size)
+    if key not in _flags:
+        _flags[key] = _Flags(torch.zeros(size, dtype=torch.int32, device=device))
+    return _flags[key]
+
+
+# ---------------------------------------------------------------------------------------------------
+# a2a_gemm: dispatch + fc1
+# ---------------------------------------------------------------------------------------------------
+
+def _dispatch_decomposed(x, w, xr, y, plan, coll):
+    """The local rows' matmuls at once; chunk c's exchange on the comm stream, then its matmuls."""
+    engine = comm.comm_engine(x.device)
+    current = torch.cuda.current_stream(x.device) if x.is_cuda else None
+    if current is not None:
+        engine.stream.wait_stream(current)
+    lo, hi, dst = plan.local
+    xr[dst:dst + hi - lo].copy_(x[lo:hi])
+    expert_mm(xr, w, plan.gemm_groups[0], (y,))
+    for exchange, pieces in zip(plan.exchanges, plan.gemm_groups[1:]):
+        if current is None:
+            _exchange(coll, exchange, x, xr)
+        else:
+            with torch.cuda.stream(engine.stream):
+                _exchange(coll, exchange, x, xr)
+                arrived = torch.cuda.Event()
+                arrived.record(engine.stream)
+            current.wait_event(arrived)
+        expert_mm(xr, w, pieces, (y,))
+    if current is not None:
+        current.wait_stream(engine.stream)
+
+
+def _dispatch_signaled(x, w, xr, y, plan, coll, config, describe):
+    """The persistent GEMM over the dispatch plan: local rows at once, each chunk behind its ready flag,
+    which the comm stream raises after the chunk's exchange."""
+    engine = comm.comm_engine(x.device)
+    tiles = _to_device(plan.tiles, x.device)
+    flags = _flags_for(x.device, len(plan.exchanges)) if plan.exchanges else None
+    epoch = flags.next_epoch() if flags is not None else 0
+    lo, hi, dst = plan.local
+
+    def transfers():
+        for c, exchange in enumerate(plan.exchanges):
+            _exchange(coll, exchange, x, xr)
+            engine.raise_flag(flags.words, c, epoch)
+
+    def gemm():
+        if plan.num_tiles:
+            signaled_gemm(xr, w, y, tiles, None, gemm_programs(x.device, config), config,
+                          flags=None if flags is None else flags.words, wait_target=epoch)
+
+    if engine.stream is None:   # CPU: the transfers complete before the (interpreted) kernel starts
+        xr[dst:dst + hi - lo].copy_(x[lo:hi])
+        transfers()
+        gemm()
+        return
+    current = torch.cuda.current_stream(x.device)
+    engine.stream.wait_stream(current)
+    with torch.cuda.stream(engine.stream):   # enqueued first: the transfers never queue behind the GEMM
+        transfers()
+    xr[dst:dst + hi - lo].copy_(x[lo:hi])
+    gemm()
+    done = torch.cuda.Event()
+    done.record(current)
+    current.wait_stream(engine.stream)
+    if flags is not None:
+        engine.watch(done, describe, flags.words, [epoch] * flags.words.numel())
+
+
+def dispatch_gemm(x, counts, w, group, config):
+    """a2a_gemm without autograd: (y [R, N], xr [R, H])."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    check_counts(counts, ep, "a2a_gemm")
+    lay = layout(counts, rank)
+    check_inputs("a2a_gemm", x, w, counts, lay.tokens, "sum of counts[rank]", "N")
+    method = resolve_method("a2a_gemm", config, x, w)
+    n, hidden = w.shape[1], x.shape[1]
+    if method == "off":
+        xr = all_to_all_rows(x, lay.rows, lay.xr_splits, lay.x_splits, group)
+        y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
+        expert_mm(xr, w, lay.segments, (y,))
+        return y, xr
+    parts = parts_per_peer(counts, config.groups, hidden * x.element_size())
+    plan = dispatch_plan(counts, rank, n, config.block_m, config.block_n, parts)
+    xr = torch.empty(lay.rows, hidden, dtype=x.dtype, device=x.device)
+    y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
+    coll = comm.collectives(group, x.device, config.comm_sms)
+    if method == "decompose":
+        _dispatch_decomposed(x, w, xr, y, plan, coll)
+    else:
+        _dispatch_signaled(x, w, xr, y, plan, coll, config,
+                           f"a2a_gemm(T={lay.tokens}, R={lay.rows}, N={n}, H={hidden}, ep={ep}, L={lay.experts}, "
+                           f"parts={parts})")
+    return y, xr
+
+
+# ---------------------------------------------------------------------------------------------------
+# gemm_a2a: fc2 + combine
+# ---------------------------------------------------------------------------------------------------
+
+def _combine_decomposed(h, w, staging, z, plan, coll):
+    """Group g's matmuls, then its exchange on the comm stream while group g+1 is computed; the local
+    rows' matmuls last, straight into z."""
+    engine = comm.comm_engine(h.device)
+    current = torch.cuda.current_stream(h.device) if h.is_cuda else None
+    for pieces, exchange in zip(plan.gemm_groups, plan.exchanges):
+        expert_mm(h, w, pieces, (staging, z))
+        if current is None:
+            _exchange(coll, exchange, staging, z)
+            continue
+        engine.stream.wait_stream(current)
+        with torch.cuda.stream(engine.stream):
+            _exchange(coll, exchange, staging, z)
+    expert_mm(h, w, plan.gemm_groups[-1], (staging, z))
+    if current is not None:
+        current.wait_stream(engine.stream)
+
+
+def _combine_signaled(h, w, staging, z, plan, coll, config, describe):
+    """The persistent GEMM over the combine plan; each group's exchange on the comm stream behind the
+    group's counter. Remote rows go to `staging` (DST_BUF 0), local rows straight into z (DST_BUF 1)."""
+    engine = comm.comm_engine(h.device)
+    tiles = _to_device(plan.tiles, h.device)
+    offset = (z.data_ptr() - staging.data_ptr()) // z.element_size() if z.numel() else 0
+    if offset % OFFSET_ALIGNMENT:
+        raise RuntimeError(f"overlap_tp gemm_a2a: z is {offset} elements from the staging matrix, not a multiple "
+                           f"of {OFFSET_ALIGNMENT}")
+    offsets = _to_device(torch.tensor([0, offset], dtype=torch.int64), h.device)
+    counters = _counters_for(h.device, len(plan.group_tiles))
+    targets = counters.advance(plan.group_tiles)
+
+    def gemm():
+        if plan.num_tiles:
+            signaled_gemm(h, w, staging, tiles, counters.words, gemm_programs(h.device, config), config,
+                          dst_offsets=offsets)
+
+    def transfers():
+        for g, exchange in enumerate(plan.exchanges):
+            engine.wait_counter(counters.words, g, targets[g])
+            _exchange(coll, exchange, staging, z)
+
+    if engine.stream is None:   # CPU: the interpreter finishes the kernel before the exchanges start
+        gemm()
+        transfers()
+        return
+    current = torch.cuda.current_stream(h.device)
+    engine.stream.wait_stream(current)   # before the GEMM launch: inputs and buffers ready, no more
+    gemm()
+    with torch.cuda.stream(engine.stream):
+        transfers()
+        done = torch.cuda.Event()
+        done.record(engine.stream)
+    current.wait_stream(engine.stream)
+    engine.watch(done, describe, counters.words, targets)
+
+
+def gemm_combine(h, counts, w, group, config):
+    """gemm_a2a without autograd: z [T, H]."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    check_counts(counts, ep, "gemm_a2a")
+    lay = layout(counts, rank)
+    check_inputs("gemm_a2a", h, w, counts, lay.rows, "sum over sources of counts[:, this rank's experts]", "H")
+    method = resolve_method("gemm_a2a", config, h, w)
+    n = w.shape[1]
+    if method == "off":
+        out = torch.empty(lay.rows, n, dtype=h.dtype, device=h.device)
+        expert_mm(h, w, lay.segments, (out,))
+        return all_to_all_rows(out, lay.tokens, lay.x_splits, lay.xr_splits, group)
+    parts = parts_per_peer(counts, config.groups, n * h.element_size())
+    plan = combine_plan(counts, rank, n, config.block_m, config.block_n, parts)
+    # at least one row: the kernel addresses z as an offset from the staging matrix
+    staging = torch.empty(max(1, plan.staging_rows), n, dtype=h.dtype, device=h.device)
+    z = torch.empty(lay.tokens, n, dtype=h.dtype, device=h.device)
+    coll = comm.collectives(group, h.device, config.comm_sms)
+    if method == "decompose":
+        _combine_decomposed(h, w, staging, z, plan, coll)
+    else:
+        _combine_signaled(h, w, staging, z, plan, coll, config,
+                          f"gemm_a2a(T={lay.tokens}, R={lay.rows}, H={n}, F={h.shape[1]}, ep={ep}, "
+                          f"L={lay.experts}, parts={parts})")
+    return z
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd and the public ops
+# ---------------------------------------------------------------------------------------------------
+
+class _A2AGemm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, counts, group, config):
+        y, xr = dispatch_gemm(x, counts, w, group, config)
+        ctx.save_for_backward(xr, w)
+        ctx.counts, ctx.group, ctx.config = counts, group, config
+        ctx.mark_non_differentiable(xr)
+        return y, xr
+
+    @staticmethod
+    def backward(ctx, dy, _):
+        """dx = dy_seg @ w[l] sent back to the sources (gemm_a2a with w[l].T); dw[l] = dy_seg.T @ xr_seg."""
+        xr, w = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = gemm_combine(dy, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config)
+        if ctx.needs_input_grad[1]:
+            dw = expert_wgrad(dy, xr, layout(ctx.counts, dist.get_rank(ctx.group)))
+        return dx, dw, None, None, None
+
+
+class _GemmA2A(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, w, counts, group, config):
+        ctx.save_for_backward(h, w)
+        ctx.counts, ctx.group, ctx.config = counts, group, config
+        return gemm_combine(h, counts, w, group, config)
+
+    @staticmethod
+    def backward(ctx, dz):
+        """dzr = dispatch(dz); dh = dzr_seg @ w[l] (a2a_gemm with w[l].T); dw[l] = dzr_seg.T @ h_seg."""
+        h, w = ctx.saved_tensors
+        dz = dz.contiguous()
+        lay = layout(ctx.counts, dist.get_rank(ctx.group))
+        dh = dw = None
+        if ctx.needs_input_grad[0]:
+            dh, dzr = dispatch_gemm(dz, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config)
+        else:
+            dzr = all_to_all_rows(dz, lay.rows, lay.xr_splits, lay.x_splits, ctx.group)
+        if ctx.needs_input_grad[1]:
+            dw = expert_wgrad(dzr, h, lay)
+        return dh, dw, None, None, None
+
+
+def a2a_gemm(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None, *,
+             config: Optional[OverlapConfig] = None, return_received: bool = False):
+    """Dispatch x's rows to their experts' ranks and apply fc1: y[R, N] (xr[R, H] too with return_received)."""
+    y, xr = _A2AGemm.apply(x, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG)
+    return (y, xr) if return_received else y
+
+
+def gemm_a2a(h: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None, *,
+             config: Optional[OverlapConfig] = None) -> torch.Tensor:
+    """Apply fc2 to the received rows and send each back to its token's rank: z[T, H] in x's row order."""
+    return _GemmA2A.apply(h, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG)

@@ -1,0 +1,277 @@
+"""Tile plans: the order in which the signaled GEMM computes tiles, where each tile is stored, which
+group it signals, and which collective moves each group.
+
+A plan is a host-side table, so the kernel stays generic (it reads, per execution index e, where to
+load and where to store) and every schedule can be checked against brute force on the CPU.
+
+Notation (DESIGN.md section 2): the GEMM computes C[M, N] = A[M, K] @ W[N, K].T; t ranks; rank k's
+sequence-parallel rows are the region [k*M/t, (k+1)*M/t). For GEMM+ReduceScatter every rank computes a
+partial C and rank k must receive the sum of all partials over its region. For GEMM+AllReduce the
+layout needs no regions: plans are built with t = 1 and the collective is an all-reduce.
+
+Row-slice schedule (lands in the standard layout, no reorder after the collective):
+    execution order: for each row-slice j (block_m rows of every region), for each region k, all
+    N-tiles, rastered within a group (`raster`: runs of 8 tile rows share the N-tiles of W in L2). A
+    group is a run of whole row-slices [j0, j1) covering local rows [lo, hi). The epilogue
+    stores tile (k, j, n) into the group's staging block laid out as [t, hi - lo, N]:
+        staging row = t*lo + k*(hi - lo) + (j*block_m - lo)
+    so reduce_scatter(staging[t*lo : t*hi]) delivers local rows [lo, hi) straight to every rank.
+
+Tile-exact schedule (FlashOverlap's general case):
+    execution order: the rank-local tile raster (grouped by 8 tile-rows for L2 reuse), each position
+    computed for every region in turn. A group is a run of positions [u0, u1); tile (u, k) is stored
+    as a contiguous block_m x block_n block in slot  t*u0 + k*(u1 - u0) + (u - u0),  so after the
+    reduce-scatter a rank holds its tiles in execution order (slot u); the plan's TileOrder
+    (`slot_of[mi, ni]` = u) undoes it, or the fused RMSNorm reads the tiles where they are.
+"""
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+# One row of the tile table: source rows [src_row, src_row_end) (the end stops a tile at its region's
+# boundary), source/destination column, destination row/column in the staging matrix, group, the
+# destination buffer (0 = local staging; the p2p plan stores region k's tiles into rank k's buffer),
+# the ready flag the tile waits for before loading A (-1: none; AllGather+GEMM plans only), and the
+# expert whose weight the tile multiplies, of the L stacked in W (grouped expert GEMMs,
+# overlap_tp/ops/moe_plan.py; 0 in every single-weight plan).
+SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF, WAIT, EXPERT = range(9)
+TILE_FIELDS = 9
+NO_WAIT = -1
+
+# Output bytes per group the first partition rule aims at: NCCL reaches ~130 GB/s bus bandwidth at
+# 16 MB on the H200 pair (shared/DEVICE.md) while smaller messages are latency-bound.
+TARGET_GROUP_BYTES = 16 << 20
+MAX_AUTO_GROUPS = 8
+RASTER_GROUP_M = 8
+
+
+@dataclass(frozen=True)
+class TileOrder:
+    """Where the tile-exact GEMM+ReduceScatter left each BM x BN block of the [M, N] result.
+
+    `slot_of[mi, ni]` (int32, shape [M // BM, N // BN]) is the slot of the block of rows
+    [mi*BM, (mi+1)*BM) and columns [ni*BN, (ni+1)*BN); slot s occupies elements
+    [s*BM*BN, (s+1)*BM*BN) of the buffer, row-major. Checked to be a permutation on construction.
+    """
+    block_m: int
+    block_n: int
+    slot_of: torch.Tensor
+
+    def __post_init__(self):
+        if not (isinstance(self.block_m, int) and self.block_m > 0):
+            raise ValueError(f"TileOrder: block_m must be a positive int, got {self.block_m!r}")
+        if not (isinstance(self.block_n, int) and self.block_n >= 4 and self.block_n & (self.block_n - 1) == 0):
+            raise ValueError(f"TileOrder: block_n must be a power of two >= 4, got {self.block_n!r}")
+        slot_of = self.slot_of
+        if not (isinstance(slot_of, torch.Tensor) and slot_of.dtype == torch.int32 and slot_of.dim() == 2
+                and slot_of.is_contiguous()):
+            raise ValueError("TileOrder: slot_of must be a contiguous 2-D int32 tensor "
+                             f"[M // block_m, N // block_n], got {slot_of!r:.80}")
+        if not torch.equal(slot_of.flatten().sort().values.cpu(), torch.arange(slot_of.numel(), dtype=torch.int32)):
+            raise ValueError(f"TileOrder: slot_of must be a permutation of 0..{slot_of.numel() - 1}")
+
+    @property
+    def shape(self):
+        """The [M, N] of the standard matrix this order describes."""
+        return self.slot_of.shape[0] * self.block_m, self.slot_of.shape[1] * self.block_n
+
+    def undo(self, buf):
+        """Reference: the standard [M, N] matrix held by the tile-ordered buffer `buf`."""
+        (rows, cols), (mb, nb) = self.shape, self.slot_of.shape
+        blocks = buf.reshape(mb * nb, self.block_m, self.block_n)[self.slot_of.long()]
+        return blocks.permute(0, 2, 1, 3).reshape(rows, cols)
+
+    def apply(self, matrix):
+        """Reference: the tile-ordered buffer (flat) that holds the standard [M, N] `matrix`."""
+        mb, nb = self.slot_of.shape
+        blocks = matrix.reshape(mb, self.block_m, nb, self.block_n).permute(0, 2, 1, 3)
+        buf = torch.empty_like(blocks).reshape(mb * nb, self.block_m, self.block_n)
+        buf[self.slot_of.long().flatten()] = blocks.reshape(mb * nb, self.block_m, self.block_n)
+        return buf.flatten()
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One group's collective: staging rows [src_lo, src_hi) -> output rows [dst_lo, dst_hi)."""
+    src_lo: int
+    src_hi: int
+    dst_lo: int
+    dst_hi: int
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    schedule: str
+    m: int
+    n: int
+    world: int              # regions in the layout: t for reduce-scatter, 1 for all-reduce
+    block_m: int
+    block_n: int
+    tiles: torch.Tensor     # int32 [num_tiles, TILE_FIELDS] in execution order
+    group_tiles: Tuple[int, ...]
+    collectives: Tuple[Collective, ...]
+    staging_shape: Tuple[int, int]   # the matrix the epilogue stores into
+    out_shape: Tuple[int, int]       # the matrix the collective writes (per rank)
+    tile_order: Optional[TileOrder]  # tile_exact only: where each output block sits after the collective
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tiles.shape[0]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_tiles)
+
+
+def split_units(total: int, groups, unit_bytes: int) -> List[int]:
+    """Sizes (in schedule units) of the groups, in execution order.
+
+    groups: "auto", an int (that many near-equal groups, the larger ones first, at most one group per
+    unit) or an explicit tuple that must cover the units exactly.
+    """
+    if groups == "auto":
+        count = round(total * unit_bytes / TARGET_GROUP_BYTES)
+        groups = max(1, min(total, MAX_AUTO_GROUPS, max(2, count)))
+    if isinstance(groups, int):
+        groups = min(groups, total)
+        base, extra = divmod(total, groups)
+        return [base + (i < extra) for i in range(groups)]
+    sizes = list(groups)
+    if sum(sizes) != total:
+        raise ValueError(f"group sizes {tuple(sizes)} sum to {sum(sizes)}, the schedule has {total} units")
+    return sizes
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def row_slice_plan(m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",
+                   elem_bytes: int = 2, raster_group_m: int = RASTER_GROUP_M) -> TilePlan:
+    if m % world:
+        raise ValueError(f"M={m} is not divisible by the group size t={world}")
+    m_local = m // world
+    slices, n_tiles = _cdiv(m_local, block_m), _cdiv(n, block_n)
+    sizes = split_units(slices, groups, world * block_m * n * elem_bytes)
+    tiles, group_tiles, collectives = [], [], []
+    j0 = 0
+    for g, size in enumerate(sizes):
+        lo, hi = j0 * block_m, min((j0 + size) * block_m, m_local)
+        rows = []   # the group's tile rows (source, source end, staging row), rastered with the N-tiles below
+        for j in range(j0, j0 + size):
+            for k in range(world):
+                src = k * m_local + j * block_m
+                rows.append((src, min(src + block_m, (k + 1) * m_local), world * lo + k * (hi - lo) + (j * block_m - lo)))
+        for r, nt in raster(len(rows), n_tiles, raster_group_m):
+            src, end, dst = rows[r]
+            tiles.append((src, end, nt * block_n, dst, nt * block_n, g, 0, NO_WAIT, 0))
+        group_tiles.append(size * world * n_tiles)
+        collectives.append(Collective(world * lo, world * hi, lo, hi))
+        j0 += size
+    return TilePlan("row_slice", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
+                    tuple(group_tiles), tuple(collectives), (m, n), (m_local, n), None)
+
+
+def raster(m_tiles: int, n_tiles: int, group_m: int = RASTER_GROUP_M) -> List[Tuple[int, int]]:
+    """Tile positions in the grouped raster order of Triton's matmul tutorial (L2-friendly)."""
+    order = []
+    for first_m in range(0, m_tiles, group_m):
+        rows = min(group_m, m_tiles - first_m)
+        for i in range(rows * n_tiles):
+            order.append((first_m + i % rows, i // rows))
+    return order
+
+
+def tile_exact_plan(m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",
+                    elem_bytes: int = 2) -> TilePlan:
+    if m % world:
+        raise ValueError(f"M={m} is not divisible by the group size t={world}")
+    m_local = m // world
+    if m_local % block_m or n % block_n:
+        raise ValueError(f"the tile_exact schedule needs M/t={m_local} divisible by block_m={block_m} and "
+                         f"N={n} divisible by block_n={block_n}; use schedule='row_slice'")
+    m_tiles, n_tiles = m_local // block_m, n // block_n
+    positions = raster(m_tiles, n_tiles)
+    sizes = split_units(len(positions), groups, world * block_m * block_n * elem_bytes)
+    slot_of = torch.empty(m_tiles, n_tiles, dtype=torch.int32)
+    tiles, group_tiles, collectives = [], [], []
+    u0 = 0
+    for g, size in enumerate(sizes):
+        for u in range(u0, u0 + size):
+            mi, ni = positions[u]
+            slot_of[mi, ni] = u
+            for k in range(world):
+                slot = world * u0 + k * size + (u - u0)
+                src = k * m_local + mi * block_m
+                tiles.append((src, src + block_m, ni * block_n, slot * block_m, 0, g, 0, NO_WAIT, 0))
+        group_tiles.append(size * world)
+        collectives.append(Collective(world * u0 * block_m, world * (u0 + size) * block_m,
+                                      u0 * block_m, (u0 + size) * block_m))
+        u0 += size
+    total = len(positions)
+    return TilePlan("tile_exact", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
+                    tuple(group_tiles), tuple(collectives), (world * total * block_m, block_n),
+                    (total * block_m, block_n), TileOrder(block_m, block_n, slot_of))
+
+
+def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) -> TilePlan:
+    """Epilogue peer-to-peer reduce-scatter: no collective at all. Rank `rank` stores its partial of
+    region k straight into rank k's receive buffer [t, M/t, N] at slot `rank` (over NVLink for k !=
+    rank); after a barrier every rank sums its t slots. It is the one-group row-slice plan (every wave
+    writes all regions, spreading the NVLink traffic over the whole GEMM) with its destinations moved:
+    there, region k's rows sit at staging rows k*M/t + local row. Row-major (no raster): each tile row's
+    stores go to one owner at a time, which measured faster than the rastered order's interleaving
+    (docs/perf/README.md)."""
+    plan = row_slice_plan(m, n, world, block_m, block_n, groups=1, raster_group_m=1)
+    m_local = m // world
+    tiles = plan.tiles.clone()
+    tiles[:, DST_BUF] = tiles[:, DST_ROW] // m_local
+    tiles[:, DST_ROW] = rank * m_local + tiles[:, DST_ROW] % m_local
+    return dataclasses.replace(plan, schedule="p2p", tiles=tiles, collectives=())
+
+
+def ag_plan(m: int, n: int, k: int, world: int, rank: int, block_m: int, block_n: int, groups="auto",
+            elem_bytes: int = 2) -> TilePlan:
+    """AllGather+GEMM on rank `rank`: C[M, N] = gathered A[M, K] @ W.T, rows in the standard order.
+
+    The local region's tiles come first and wait for nothing. The peers' rows arrive in chunks: chunk
+    c is the same run of row-slices [j0, j1) (local rows [lo, hi)) of every peer region; its tiles, in
+    peer order rank+1, rank+2, ..., wait on ready flag c. A tile's rows never cross a region, so no
+    tile reads rows of a chunk that has not arrived (a tile's load box may overhang into the next
+    region; those rows are masked out of the store and never used). `collectives[c]` holds the chunk's
+    local row range as (lo, hi, lo, hi); `group_tiles[c]` counts the tiles that wait on it.
+    """
+    if m % world:
+        raise ValueError(f"M={m} is not divisible by the group size t={world}")
+    m_local = m // world
+    slices, n_tiles = _cdiv(m_local, block_m), _cdiv(n, block_n)
+
+    def region_tiles(regions, j0, j1, wait):
+        rows = [(p * m_local + j * block_m, min(p * m_local + (j + 1) * block_m, (p + 1) * m_local))
+                for p in regions for j in range(j0, j1)]
+        return [(src, end, nt * block_n, src, nt * block_n, 0, 0, wait, 0)
+                for r, nt in raster(len(rows), n_tiles) for src, end in [rows[r]]]
+
+    tiles = region_tiles([rank], 0, slices, NO_WAIT)
+    group_tiles, collectives = [], []
+    peers = [(rank + i) % world for i in range(1, world)]
+    if peers:
+        sizes = split_units(slices, groups, (world - 1) * block_m * k * elem_bytes)
+        j0 = 0
+        for c, size in enumerate(sizes):
+            chunk = region_tiles(peers, j0, j0 + size, c)
+            tiles += chunk
+            group_tiles.append(len(chunk))
+            lo, hi = j0 * block_m, min((j0 + size) * block_m, m_local)
+            collectives.append(Collective(lo, hi, lo, hi))
+            j0 += size
+    return TilePlan("ag", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
+                    tuple(group_tiles), tuple(collectives), (m, n), (m, n), None)
+
+
+def make_plan(schedule: str, m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",
+              elem_bytes: int = 2) -> TilePlan:
+    build = {"row_slice": row_slice_plan, "tile_exact": tile_exact_plan}[schedule]
+    return build(m, n, world, block_m, block_n, groups, elem_bytes)

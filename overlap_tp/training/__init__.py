@@ -1,0 +1,1 @@
+"""Training: throughput and overlap statistics in the training log, the report, the W&B dashboard."""

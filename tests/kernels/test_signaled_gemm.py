@@ -1,0 +1,87 @@
+"""The signaled GEMM kernel on its own, in the Triton CPU interpreter."""
+import torch
+
+from overlap_tp import OverlapConfig
+from overlap_tp.kernels.signaled_gemm import signaled_gemm
+from overlap_tp.ops.plan import make_plan, p2p_plan
+
+CONFIG = OverlapConfig(block_m=16, block_n=32, block_k=16)
+
+
+def test_counters_count_each_groups_tiles():
+    a = torch.randn(96, 32).to(torch.bfloat16)
+    w = torch.randn(80, 32).to(torch.bfloat16)
+    plan = make_plan("row_slice", 96, 80, 2, 16, 32, groups=3)
+    staging = torch.full(plan.staging_shape, float("nan"), dtype=torch.bfloat16)
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32)
+    for calls in (1, 2):
+        signaled_gemm(a, w, staging, plan.tiles, counters, 3, CONFIG)
+        assert counters.tolist() == [calls * g for g in plan.group_tiles]
+
+
+def test_p2p_stores_reach_every_owner():
+    """t ranks emulated in one process: each rank's kernel stores region k of its partial into rank k's
+    buffer (addressed as an offset from its own); summing the slots gives the reduce-scatter, with the
+    bias added exactly once, on the owner's own partial."""
+    t, m, n, k = 2, 2 * 40, 72, 64
+    a = torch.randn(m, k).to(torch.bfloat16)
+    w = torch.randn(n, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16)
+    buffers = [torch.full((m, n), float("nan"), dtype=torch.bfloat16) for _ in range(t)]
+    k_local = k // t
+    for rank in range(t):
+        shard = slice(rank * k_local, (rank + 1) * k_local)
+        offsets = torch.tensor([(b.data_ptr() - buffers[rank].data_ptr()) // 2 for b in buffers], dtype=torch.int64)
+        assert (offsets % 16 == 0).all()
+        plan = p2p_plan(m, n, t, rank, 16, 32)
+        signaled_gemm(a[:, shard].contiguous(), w[:, shard].contiguous(), buffers[rank], plan.tiles,
+                      torch.zeros(1, dtype=torch.int32), 3, CONFIG, bias, (rank * m // t, (rank + 1) * m // t),
+                      dst_offsets=offsets)
+    dense = a.double() @ w.double().t() + bias.double()
+    for rank in range(t):
+        got = buffers[rank].view(t, m // t, n).sum(0)
+        ref = dense[rank * m // t:(rank + 1) * m // t]
+        assert float((got.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_transposed_weight_is_read_in_place():
+    """w given as weight.t() (a dgrad's operand) gives the same tiles as its row-major copy, bit for bit:
+    single weights at shapes with N and K tails, and stacked expert weights [L, K, N] read as [L, N, K]."""
+    import pytest
+    from overlap_tp.kernels.signaled_gemm import weight_layout
+    from overlap_tp.ops.plan import EXPERT
+    gen = torch.Generator().manual_seed(7)
+    for m, n, k in ((64, 96, 48), (40, 72, 32), (96, 40, 64)):
+        a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        weight = torch.randn(k, n, generator=gen).to(torch.bfloat16)   # stored [K, N]: w = weight.t() is [N, K]
+        assert weight_layout(weight.t()) == "kn" and weight_layout(weight.t().contiguous()) == "nk"
+        plan = make_plan("row_slice", m, n, 1, 16, 32, groups=2)
+        outs = []
+        for w in (weight.t(), weight.t().contiguous()):
+            staging = torch.full(plan.staging_shape, float("nan"), dtype=torch.bfloat16)
+            signaled_gemm(a, w, staging, plan.tiles, None, 3, CONFIG)
+            outs.append(staging)
+        assert torch.equal(outs[0], outs[1]), (m, n, k)
+        ref = a.double() @ weight.double()
+        assert float((outs[0].double() - ref).norm() / ref.norm()) < 1e-2
+    # grouped: L experts stacked [L, K, N]; tiles of rows [16 l, 16 l + 16) use expert l
+    L, m, n, k = 3, 48, 40, 32
+    a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    stacked = torch.randn(L, k, n, generator=gen).to(torch.bfloat16)
+    plan = make_plan("row_slice", m, n, 1, 16, 32, groups=1)
+    tiles = plan.tiles.clone()
+    tiles[:, EXPERT] = tiles[:, 0] // 16
+    outs = []
+    for w in (stacked.transpose(1, 2), stacked.transpose(1, 2).contiguous()):
+        out = torch.full(plan.staging_shape, float("nan"), dtype=torch.bfloat16)
+        signaled_gemm(a, w, out, tiles, None, 3, CONFIG)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    ref = torch.cat([a[16 * l:16 * l + 16].double() @ stacked[l].double() for l in range(L)])
+    assert float((outs[0].double() - ref).norm() / ref.norm()) < 1e-2
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        signaled_gemm(a[:, :24].contiguous(), stacked[:, :24].contiguous().transpose(1, 2), out, tiles, None, 3,
+                      CONFIG)
+    with pytest.raises(ValueError, match="row-major"):
+        from overlap_tp.kernels.signaled_gemm import check_operands
+        check_operands(a, torch.randn(2 * n, k).to(torch.bfloat16)[::2])

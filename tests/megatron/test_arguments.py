@@ -1,0 +1,193 @@
+"""overlap_tp's Megatron flags: parsing (plain argparse and, where importable, Megatron's own parser)
+and the combination checks of validate_overlap_args."""
+import argparse
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from overlap_tp import OverlapConfig
+from overlap_tp.megatron.arguments import (OverlapArgumentError, add_overlap_args, build_parser, layer_configs,
+                                  moe_overlap_config_kwargs, overlap_config_kwargs, validate_overlap_args)
+from overlap_tp.megatron_patches.apply import SPEC
+
+
+def megatron_like(**overrides):
+    """The Megatron attributes validate_overlap_args reads, as after Megatron's validate_args."""
+    values = dict(overlap_tp="signal", overlap_tp_transport="nccl", overlap_tp_comm_sms=None,
+                  overlap_tp_tune_cache=None, overlap_tp_layers=False, overlap_tp_peak_tflops=None,
+                  overlap_moe="off", tensor_model_parallel_size=2, sequence_parallel=True,
+                  transformer_impl="local", spec=None, num_experts=None, tp_comm_overlap=False,
+                  normalization="RMSNorm", fp8=None, yaml_cfg=None, multi_latent_attention=False,
+                  heterogeneous_layers_config_path=None, experimental_attention_variant=None)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def test_defaults_leave_overlap_off():
+    args = build_parser().parse_args([])
+    assert args.overlap_tp == "off" and args.overlap_tp_transport == "auto"
+    assert args.overlap_tp_comm_sms is None and args.overlap_tp_tune_cache is None
+    assert args.overlap_moe == "off" and not args.overlap_tp_layers and args.overlap_tp_stats
+    assert validate_overlap_args(args, warn=None) == []
+    assert OverlapConfig(**overlap_config_kwargs(args)).method == "off"
+
+
+def test_all_flags_parse_into_an_overlap_config():
+    args = build_parser().parse_args(["--overlap-tp", "signal", "--overlap-tp-transport", "p2p",
+                                      "--overlap-tp-comm-sms", "0", "--overlap-tp-tune-cache", "/tmp/t.json",
+                                      "--overlap-tp-peak-tflops", "900", "--no-overlap-tp-stats"])
+    config = OverlapConfig(**overlap_config_kwargs(args))
+    assert (config.method, config.transport, config.comm_sms) == ("signal", "p2p", 0)
+    assert args.overlap_tp_tune_cache == "/tmp/t.json" and args.overlap_tp_peak_tflops == 900.0
+    assert args.overlap_tp_stats is False
+
+
+def test_tp8_signal_gets_the_measured_warning():
+    given = validate_overlap_args(megatron_like(tensor_model_parallel_size=8), warn=None)
+    assert any("TP 8" in g and "host-bound" in g for g in given)
+    assert not any("TP 8" in g for g in validate_overlap_args(megatron_like(), warn=None))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    # (transport, comm_sms) of ag_gemm, gemm_rs, gemm_ar
+    (["--overlap-tp", "signal"], [("p2p", 0), ("nccl", 16), ("nccl", 16)]),
+    (["--overlap-tp", "signal", "--overlap-tp-comm-sms", "8"], [("p2p", 0), ("nccl", 8), ("nccl", 8)]),
+    (["--overlap-tp", "signal", "--overlap-tp-transport", "nccl"], [("nccl", 16)] * 3),
+    (["--overlap-tp", "signal", "--overlap-tp-transport", "p2p", "--overlap-tp-comm-sms", "0"],
+     [("p2p", 0), ("p2p", 0), ("nccl", 0)]),
+    (["--overlap-tp", "decompose"], [("nccl", 16)] * 3),   # auto moves only the signaled ag_gemm
+    (["--overlap-tp", "auto"], [("nccl", 16)] * 3),        # the tuner picks transports itself
+])
+def test_layer_configs_per_op_kind(argv, expected):
+    configs = layer_configs(build_parser().parse_args(argv))
+    assert [(configs[op].transport, configs[op].comm_sms) for op in ("ag_gemm", "gemm_rs", "gemm_ar")] == expected
+    assert len({configs[op].method for op in configs}) == 1
+
+
+@pytest.mark.parametrize("argv", [["--overlap-tp", "fast"], ["--overlap-tp-transport", "ib"],
+                                  ["--overlap-tp-comm-sms", "x"]])
+def test_bad_values_are_refused_by_the_parser(argv, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+
+
+def test_group_is_added_once_and_the_parser_returned():
+    parser = argparse.ArgumentParser()
+    assert add_overlap_args(parser) is parser
+    assert add_overlap_args(parser) is parser  # no argparse conflict the second time
+    assert any(group.title == "overlap_tp" for group in parser._action_groups)
+
+
+def moe_like(**overrides):
+    """An MoE run that --overlap-moe accepts: alltoall dispatcher, expert TP 1, no expert biases."""
+    values = dict(overlap_tp="off", overlap_moe="signal", num_experts=8, moe_token_dispatcher_type="alltoall",
+                  expert_model_parallel_size=2, expert_tensor_parallel_size=1, add_bias_linear=False)
+    values.update(overrides)
+    return megatron_like(**values)
+
+
+def test_overlap_moe_parses_into_its_own_overlap_config():
+    args = build_parser().parse_args(["--overlap-moe", "decompose", "--overlap-tp-transport", "p2p",
+                                      "--overlap-tp-comm-sms", "4"])
+    config = OverlapConfig(**moe_overlap_config_kwargs(args))
+    assert (config.method, config.transport, config.comm_sms) == ("decompose", "nccl", 4)
+    # without the flag the expert ops' own defaults apply (2 groups, 4 SMs), not the dense ops' 16 SMs
+    config = OverlapConfig(**moe_overlap_config_kwargs(build_parser().parse_args(["--overlap-moe", "signal"])))
+    assert (config.method, config.groups, config.comm_sms) == ("signal", 2, 4)
+    config = OverlapConfig(**moe_overlap_config_kwargs(build_parser().parse_args(
+        ["--overlap-moe", "signal", "--overlap-tp-comm-sms", "8"])))
+    assert (config.groups, config.comm_sms) == (2, 8)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--overlap-moe", "fast"])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_overlap_moe_alone_is_accepted(tp):
+    args = moe_like(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    assert validate_overlap_args(args, warn=None) == []
+    assert (args.overlap_tp, args.overlap_moe) == ("off", "signal")
+
+
+def test_overlap_tp_with_an_moe_model_keeps_megatrons_moe():
+    """--overlap-tp on an MoE model, --overlap-moe off: accepted (apply puts Megatron's MoELayer in the MLP slot)."""
+    assert validate_overlap_args(megatron_like(num_experts=8), warn=None) == []
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"num_experts": None}, "--num-experts"),
+    ({"moe_token_dispatcher_type": "allgather"}, "--moe-token-dispatcher-type alltoall"),
+    ({"expert_tensor_parallel_size": None}, "--expert-tensor-parallel-size 1"),   # Megatron's default: TP
+    ({"add_bias_linear": True}, "--disable-bias-linear"),
+    ({"moe_shared_expert_overlap": True}, "Drop --moe-shared-expert-overlap"),
+    ({"overlap_moe_expert_parallel_comm": True}, "Drop --overlap-moe-expert-parallel-comm"),
+    ({"overlap_tp_comm_sms": 0}, "--overlap-tp-comm-sms >= 1"),
+    ({"moe_layer_freq": 2}, "--moe-layer-freq"),
+    ({"sequence_parallel": False}, "--overlap-moe signal needs --sequence-parallel"),
+    ({"spec": ["my.module", "my_spec"]}, "--overlap-moe off to keep your spec"),
+    ({"overlap_moe": "fast"}, "expected one of"),
+])
+def test_overlap_moe_conflicts_say_what_to_change(overrides, match):
+    with pytest.raises(OverlapArgumentError, match=match):
+        validate_overlap_args(moe_like(**overrides), warn=None)
+
+
+def test_tp1_warns_and_runs_off():
+    args = megatron_like(tensor_model_parallel_size=1, sequence_parallel=False)
+    warnings = validate_overlap_args(args, warn=None)
+    assert args.overlap_tp == "off"
+    assert len(warnings) == 1 and "no TP communication" in warnings[0]
+
+
+def test_without_sequence_parallel_explains_the_allreduce_path():
+    with pytest.raises(OverlapArgumentError) as error:
+        validate_overlap_args(megatron_like(sequence_parallel=False), warn=None)
+    message = str(error.value)
+    assert "--sequence-parallel" in message and "GEMM+AllReduce" in message and "--overlap-tp off" in message
+
+
+def test_transformer_engine_gets_a_precedence_note():
+    warnings = validate_overlap_args(megatron_like(transformer_impl="transformer_engine"), warn=None)
+    assert len(warnings) == 1 and "precedence" in warnings[0]
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"spec": ["my.module", "my_spec"]}, "Remove --spec"),
+    ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
+    ({"normalization": "LayerNorm"}, "RMSNorm"),
+    ({"fp8": "hybrid"}, "bf16"),
+    ({"overlap_tp_comm_sms": -1}, ">= 0"),
+    ({"multi_latent_attention": True}, "--multi-latent-attention"),
+])
+def test_conflicts_say_what_to_change(overrides, match):
+    with pytest.raises(OverlapArgumentError, match=match):
+        validate_overlap_args(megatron_like(**overrides), warn=None)
+
+
+def test_our_own_spec_is_accepted():
+    assert validate_overlap_args(megatron_like(spec=list(SPEC)), warn=None) == []
+
+
+def test_overlap_tp_layers_alone_is_checked_like_overlap():
+    with pytest.raises(OverlapArgumentError, match="--overlap-tp-layers needs --sequence-parallel"):
+        validate_overlap_args(megatron_like(overlap_tp="off", overlap_tp_layers=True, sequence_parallel=False),
+                              warn=None)
+
+
+def test_warnings_go_to_the_given_callback():
+    seen = []
+    validate_overlap_args(megatron_like(transformer_impl="transformer_engine"), warn=seen.append)
+    assert len(seen) == 1
+
+
+def test_inside_megatrons_parser(monkeypatch):
+    arguments = pytest.importorskip(
+        "megatron.training.arguments",
+        reason="megatron.training is not importable (megatron-core >= 0.17 on Python >= 3.12 ships it)")
+    monkeypatch.setattr(sys, "argv", ["pretrain", "--num-layers", "2", "--hidden-size", "64",
+                                      "--num-attention-heads", "4", "--overlap-tp", "decompose",
+                                      "--overlap-tp-comm-sms", "8", "--sequence-parallel",
+                                      "--tensor-model-parallel-size", "2"])
+    args = arguments.parse_args(extra_args_provider=add_overlap_args)
+    assert args.overlap_tp == "decompose" and args.overlap_tp_comm_sms == 8 and args.sequence_parallel
+    assert args.num_layers == 2

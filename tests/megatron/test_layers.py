@@ -1,0 +1,470 @@
+"""overlap_tp.megatron.layers / layer_spec / attention under gloo (2 and 4 CPU processes).
+
+- Without sequence parallelism our linears are compared with Megatron's own ColumnParallelLinear /
+  RowParallelLinear (which run on the CPU there) built from the same seed: weights, TP attributes,
+  sharded_state_dict, outputs, input / weight / bias grads.
+- Sequence-parallel paths (Megatron's need CUDA) and gradient_accumulation_fusion (Megatron's needs
+  apex) are compared with a dense single-process fp64 computation.
+- A TransformerLayer from get_gpt_layer_overlap_spec runs forward/backward with and without SP, against
+  the same layer built with Megatron's linears.
+Each test spawns its processes once and checks many cases inside (process start-up dominates).
+"""
+import os
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core==0.16.1)")
+
+from distributed import run_distributed  # noqa: E402
+from overlap_tp import OverlapConfig  # noqa: E402
+
+H, FFN, SEQ, BATCH = 32, 64, 8, 2   # SEQ divisible by 4 ranks
+OFF = OverlapConfig(method="off")
+
+
+def _quiet():
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _init_megatron(world):
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    return ps
+
+
+def _config(world, *, sp=False, fusion=False, dtype=torch.bfloat16, **extra):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, use_cpu_initialization=True,
+                             params_dtype=dtype, bf16=dtype == torch.bfloat16, tensor_model_parallel_size=world,
+                             sequence_parallel=sp, gradient_accumulation_fusion=fusion, **extra)
+
+
+def _init(std=0.05):
+    return lambda w: torch.nn.init.normal_(w, std=std)
+
+
+def rel_error(got, ref):
+    ref = ref.double()
+    return float((got.double() - ref).norm() / max(ref.norm(), 1e-12))
+
+
+def _close(got, ref, what, tol=1e-2):
+    assert got.shape == ref.shape, (what, tuple(got.shape), tuple(ref.shape))
+    err = rel_error(got, ref)
+    assert err < tol, f"{what}: relative error {err:.3g}"
+
+
+def _build(kind, ours, world, config, *, in_size, out_size, bias=True, skip_bias_add=False, **kw):
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+    torch.manual_seed(1234)
+    if kind == "column":
+        cls = OverlapColumnParallelLinear if ours else ColumnParallelLinear
+        kw.setdefault("gather_output", False)
+    else:
+        cls = OverlapRowParallelLinear if ours else RowParallelLinear
+        kw.setdefault("input_is_parallel", True)
+    return cls(in_size, out_size, config=config, init_method=_init(), bias=bias, skip_bias_add=skip_bias_add,
+               tp_comm_buffer_name="fc", **kw)
+
+
+def _full_weights(layer, kind, group):
+    """The full (unsharded) weight and bias of a layer, gathered from the ranks."""
+    import torch.distributed as dist
+    t = dist.get_world_size(group)
+    dim = 0 if kind == "column" else 1
+    parts = [torch.empty_like(layer.weight) for _ in range(t)]
+    dist.all_gather(parts, layer.weight.detach().contiguous(), group=group)
+    w = torch.cat(parts, dim=dim)
+    b = None
+    if layer.bias is not None:
+        if kind == "column":
+            parts = [torch.empty_like(layer.bias) for _ in range(t)]
+            dist.all_gather(parts, layer.bias.detach().contiguous(), group=group)
+            b = torch.cat(parts)
+        else:
+            b = layer.bias.detach()
+    return w, b
+
+
+def _dense(kind, sp, rank, t, w, b, x_full, g_full):
+    """fp64 reference for rank `rank`: (its input, its upstream grad, output, dx, dw, db)."""
+    w, x, g = w.double(), x_full.double(), g_full.double()
+    s = x.shape[0]
+    rows = slice(rank * s // t, (rank + 1) * s // t)
+    if kind == "column":
+        n = w.shape[0]
+        cols = slice(rank * n // t, (rank + 1) * n // t)
+        out = x @ w[cols].t() + (b.double()[cols] if b is not None else 0)
+        dx = g[..., cols] @ w[cols] if not sp else (g @ w)[rows]
+        dx_full_sum = g @ w            # non-SP: the all-reduced dgrad, the same on every rank
+        dw = g[..., cols].reshape(-1, n // t).t() @ x.reshape(-1, x.shape[-1])
+        db = g[..., cols].reshape(-1, n // t).sum(0)
+        x_in = x_full[rows] if sp else x_full
+        g_in = g_full[..., cols]
+        return x_in, g_in, out, (dx if sp else dx_full_sum), dw, db
+    k = w.shape[1]
+    cols = slice(rank * k // t, (rank + 1) * k // t)
+    out = x @ w.t() + (b.double() if b is not None else 0)
+    g_in = g_full[rows] if sp else g_full
+    dx = (g @ w)[..., cols]
+    dw = g.reshape(-1, g.shape[-1]).t() @ x[..., cols].reshape(-1, k // t)
+    db = (g[rows] if sp else g).reshape(-1, g.shape[-1]).sum(0)
+    return x_full[..., cols], g_in, (out[rows] if sp else out), dx, dw, db
+
+
+def _run(layer, x, g):
+    x = x.detach().clone().requires_grad_(True)
+    out, out_bias = layer(x)
+    out.backward(g)
+    return out, out_bias, x.grad
+
+
+def _attrs(p):
+    names = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce", "sequence_parallel")
+    return {n: getattr(p, n, "<unset>") for n in names}
+
+
+def _sharded_summary(sd):
+    out = {}
+    for key, value in sd.items():
+        out[key] = (type(value).__name__, getattr(value, "key", None), getattr(value, "local_shape", None),
+                    getattr(value, "global_shape", None), getattr(value, "global_offset", None),
+                    getattr(value, "axis_fragmentations", None), getattr(value, "replica_id", None))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Linears
+# ---------------------------------------------------------------------------------------------------
+
+def _check_linears(rank, world):
+    _quiet()
+    ps = _init_megatron(world)
+    from overlap_tp.megatron.layers import set_default_overlap_config
+    set_default_overlap_config(OFF)
+    group = ps.get_tensor_model_parallel_group()
+    metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
+    gen = torch.Generator().manual_seed(7)
+    shapes = {"column": (H, FFN), "row": (FFN, H)}
+
+    for kind in ("column", "row"):
+        in_size, out_size = shapes[kind]
+        x_full = torch.randn(SEQ, BATCH, in_size, generator=gen).to(torch.bfloat16)
+        g_full = torch.randn(SEQ, BATCH, out_size, generator=gen).to(torch.bfloat16)
+
+        # --- structure vs Megatron (with and without SP): init, attributes, sharded state dict
+        for sp in (False, True):
+            cfg = _config(world, sp=sp)
+            ours = _build(kind, True, world, cfg, in_size=in_size, out_size=out_size)
+            ref = _build(kind, False, world, cfg, in_size=in_size, out_size=out_size)
+            assert [n for n, _ in ours.named_parameters()] == [n for n, _ in ref.named_parameters()]
+            for (name, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
+                assert p.shape == q.shape and p.dtype == q.dtype, (kind, name)
+                assert torch.equal(p, q), f"{kind}.{name}: init differs from Megatron's"
+                assert _attrs(p) == _attrs(q), (kind, sp, name, _attrs(p), _attrs(q))
+            assert ours.sequence_parallel == ref.sequence_parallel
+            assert _sharded_summary(ours.sharded_state_dict("l.", metadata=metadata)) == \
+                _sharded_summary(ref.sharded_state_dict("l.", metadata=metadata)), (kind, sp)
+            assert set(ours.state_dict()) == set(ref.state_dict())
+
+        # --- non-SP numerics vs Megatron and the dense reference, every skip_bias_add / bias setting
+        cfg = _config(world)
+        for bias, skip in ((True, False), (True, True), (False, False)):
+            ours = _build(kind, True, world, cfg, in_size=in_size, out_size=out_size, bias=bias, skip_bias_add=skip)
+            ref = _build(kind, False, world, cfg, in_size=in_size, out_size=out_size, bias=bias, skip_bias_add=skip)
+            w, b = _full_weights(ours, kind, group)
+            x_in, g_in, out_ref, dx_ref, dw_ref, db_ref = _dense(kind, False, rank, world, w, b, x_full, g_full)
+            if skip and b is not None:   # the caller adds the bias: the dense output has none
+                out_ref = out_ref - (b.double().chunk(world)[rank] if kind == "column" else b.double())
+            out, ob, dx = _run(ours, x_in, g_in)
+            out_m, ob_m, dx_m = _run(ref, x_in, g_in)
+            what = f"{kind} bias={bias} skip={skip} world={world}"
+            assert (ob is None) == (ob_m is None) and (ob is None or ob is ours.bias), what
+            _close(out, out_m, what + " out vs megatron", 1e-2)
+            _close(out, out_ref, what + " out vs dense")
+            _close(dx, dx_m, what + " dgrad vs megatron")
+            _close(dx, dx_ref, what + " dgrad vs dense")
+            _close(ours.weight.grad, ref.weight.grad, what + " wgrad vs megatron")
+            _close(ours.weight.grad, dw_ref, what + " wgrad vs dense")
+            if bias and not skip:
+                _close(ours.bias.grad, ref.bias.grad, what + " bias grad vs megatron")
+                _close(ours.bias.grad, db_ref, what + " bias grad vs dense")
+            elif bias:   # the caller adds the returned bias: no grad reaches it here, as in Megatron
+                assert ours.bias.grad is None and ref.bias.grad is None
+
+        # --- SP numerics vs the dense reference (Megatron's SP path needs CUDA)
+        cfg = _config(world, sp=True)
+        ours = _build(kind, True, world, cfg, in_size=in_size, out_size=out_size)
+        w, b = _full_weights(ours, kind, group)
+        x_in, g_in, out_ref, dx_ref, dw_ref, db_ref = _dense(kind, True, rank, world, w, b, x_full, g_full)
+        out, _, dx = _run(ours, x_in, g_in)
+        what = f"{kind} SP world={world}"
+        _close(out, out_ref, what + " out")
+        _close(dx, dx_ref, what + " dgrad")
+        _close(ours.weight.grad, dw_ref, what + " wgrad")
+        _close(ours.bias.grad, db_ref, what + " bias grad (this rank's rows)")
+
+        # --- overlap methods through the layer's own overlap_config (decompose runs on the CPU)
+        ours.overlap_config = {"gemm_rs": OverlapConfig(method="decompose", chunks=2)}
+        ours.zero_grad()
+        out2, _, dx2 = _run(ours, x_in, g_in)
+        _close(out2, out_ref, what + " decompose out")
+        _close(dx2, dx_ref, what + " decompose dgrad")
+        _close(ours.weight.grad, dw_ref, what + " decompose wgrad")
+
+        # --- gradient_accumulation_fusion: wgrad into fp32 main_grad, DDP's dummy-grad contract
+        for sp in (False, True):
+            cfg = _config(world, sp=sp, fusion=True)
+            ours = _build(kind, True, world, cfg, in_size=in_size, out_size=out_size)
+            w, b = _full_weights(ours, kind, group)
+            x_in, g_in, _, _, dw_ref, _ = _dense(kind, sp, rank, world, w, b, x_full, g_full)
+            what = f"{kind} fusion sp={sp}"
+            for ddp, zero_out in ((False, False), (True, False), (True, True)):
+                weight = ours.weight
+                weight.main_grad = torch.full(weight.shape, 0.25, dtype=torch.float32)
+                for attr in ("grad_added_to_main_grad", "zero_out_wgrad"):
+                    if hasattr(weight, attr):
+                        delattr(weight, attr)
+                if ddp:
+                    weight.grad_added_to_main_grad = False
+                if zero_out:
+                    weight.zero_out_wgrad = True
+                weight.grad = None
+                _run(ours, x_in, g_in)
+                _run(ours, x_in, g_in)           # two micro-batches accumulate
+                _close(weight.main_grad - 0.25, 2 * dw_ref, what + f" main_grad ddp={ddp}")
+                assert weight.main_grad.dtype == torch.float32
+                if not ddp:
+                    assert weight.grad is None, what
+                else:
+                    assert weight.grad_added_to_main_grad is True
+                    assert weight.grad is not None and weight.grad.shape == weight.shape
+                    if zero_out:
+                        assert torch.count_nonzero(weight.grad) == 0
+
+    # --- column gather_output and row input_is_parallel=False (non-SP; Megatron's versions need CUDA)
+    cfg = _config(world)
+    x = torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
+    g = torch.randn(SEQ, BATCH, FFN, generator=gen).to(torch.bfloat16)
+    ours = _build("column", True, world, cfg, in_size=H, out_size=FFN, gather_output=True)
+    w, b = _full_weights(ours, "column", group)
+    _, _, _, dx_ref, dw_ref, _ = _dense("column", False, rank, world, w, b, x, g)
+    out, _, dx = _run(ours, x, g)
+    _close(out, x.double() @ w.double().t() + b.double(), "gather_output out")
+    _close(dx, dx_ref, "gather_output dgrad")
+    _close(ours.weight.grad, dw_ref, "gather_output wgrad")
+    x = torch.randn(SEQ, BATCH, FFN, generator=gen).to(torch.bfloat16)
+    g = torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
+    ours = _build("row", True, world, cfg, in_size=FFN, out_size=H, input_is_parallel=False)
+    w, b = _full_weights(ours, "row", group)
+    _, _, out_ref, _, dw_ref, _ = _dense("row", False, rank, world, w, b, x, g)
+    out, _, dx = _run(ours, x, g)
+    _close(out, out_ref, "input_is_parallel=False out")
+    _close(dx, g.double() @ w.double(), "input_is_parallel=False dgrad")
+    _close(ours.weight.grad, dw_ref, "input_is_parallel=False wgrad")
+
+    # --- frozen weight: no wgrad, dgrad still right
+    ours = _build("column", True, world, _config(world, sp=True), in_size=H, out_size=FFN)
+    ours.weight.requires_grad_(False)
+    w, b = _full_weights(ours, "column", group)
+    g = torch.randn(SEQ, BATCH, FFN, generator=gen).to(torch.bfloat16)
+    x_in, g_in, _, dx_ref, _, db_ref = _dense("column", True, rank, world, w, b, x_full_h(gen), g)
+    out, _, dx = _run(ours, x_in, g_in)
+    _close(dx, dx_ref, "frozen weight dgrad")
+    assert ours.weight.grad is None
+    _close(ours.bias.grad, db_ref, "frozen weight bias grad")
+    ps.destroy_model_parallel()
+
+
+def x_full_h(gen):
+    return torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_linears_match_megatron_and_dense(world):
+    run_distributed(world, _check_linears)
+
+
+# ---------------------------------------------------------------------------------------------------
+# TransformerLayer from the spec
+# ---------------------------------------------------------------------------------------------------
+
+def _layer_config(world, sp):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    return TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, num_query_groups=2,
+                             ffn_hidden_size=FFN, use_cpu_initialization=True, params_dtype=torch.bfloat16,
+                             bf16=True, normalization="RMSNorm", tensor_model_parallel_size=world,
+                             sequence_parallel=sp, hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=True,
+                             qk_layernorm=True, gated_linear_unit=True, init_method_std=0.05)
+
+
+def _megatron_linears_spec(spec):
+    """The same layer spec with Megatron's TransformerLayer (separate bda and pre-MLP norm) and its
+    ColumnParallelLinear / RowParallelLinear."""
+    import copy
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    spec = copy.deepcopy(spec)
+    spec.module = TransformerLayer
+    attn = spec.submodules.self_attention.submodules
+    attn.linear_qkv, attn.linear_proj = ColumnParallelLinear, RowParallelLinear
+    mlp = spec.submodules.mlp.submodules
+    mlp.linear_fc1, mlp.linear_fc2 = ColumnParallelLinear, RowParallelLinear
+    return spec
+
+
+def _check_transformer_layer(rank, world):
+    _quiet()
+    ps = _init_megatron(world)
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear, set_overlap_config
+    from overlap_tp.megatron.norm import OverlapRMSNorm
+    spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
+    g = torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
+    rows = slice(rank * SEQ // world, (rank + 1) * SEQ // world)
+
+    def run(layer_spec, sp):
+        torch.manual_seed(99)
+        layer = build_module(layer_spec, config=_layer_config(world, sp), layer_number=1)
+        set_overlap_config(layer, OFF)
+        xi = (x[rows] if sp else x).clone().requires_grad_(True)
+        out, _ = layer(xi, attention_mask=None)
+        out.backward(g[rows] if sp else g)
+        grads = {n: p.grad for n, p in layer.named_parameters()}
+        return layer, out, xi.grad, grads
+
+    ref_layer, out_ref, dx_ref, grads_ref = run(_megatron_linears_spec(spec), False)
+    for sp in (False, True):
+        layer, out, dx, grads = run(spec, sp)
+        assert isinstance(layer.self_attention.linear_qkv, OverlapColumnParallelLinear)
+        assert isinstance(layer.mlp.linear_fc2, OverlapRowParallelLinear)
+        assert isinstance(layer.input_layernorm, OverlapRMSNorm) and isinstance(layer.pre_mlp_layernorm, OverlapRMSNorm)
+        assert layer.self_attention.linear_proj.sequence_parallel == sp
+        assert layer.fused_attn_norm, "the fused bda + pre-MLP norm path should run"
+        for (n, p), (_, q) in zip(layer.named_parameters(), ref_layer.named_parameters()):
+            assert torch.equal(p, q), f"{n}: weights differ from the Megatron-linears layer"
+        what = f"TransformerLayer sp={sp} world={world}"
+        _close(out, out_ref[rows] if sp else out_ref, what + " out", 2e-2)
+        _close(dx, dx_ref[rows] if sp else dx_ref, what + " dgrad", 3e-2)
+        params = dict(layer.named_parameters())
+        for n, grad in grads.items():
+            assert grad is not None, (what, n)
+            if (sp and getattr(params[n], "sequence_parallel", False)) or "q_layernorm" in n or "k_layernorm" in n:
+                # per-rank partial sums, all-reduced over TP by Megatron's finalize_model_grads
+                # (param.sequence_parallel with SP; q/k layernorm by name); the reference's too
+                grad = grad.float()
+                torch.distributed.all_reduce(grad, group=ps.get_tensor_model_parallel_group())
+                ref = grads_ref[n].float()   # non-SP reference: full sums, except q/k layernorm (per head)
+                if "q_layernorm" in n or "k_layernorm" in n:
+                    torch.distributed.all_reduce(ref, group=ps.get_tensor_model_parallel_group())
+                _close(grad, ref, f"{what} grad {n} (TP-summed)", 3e-2)
+                continue
+            _close(grad, grads_ref[n], f"{what} grad {n}", 3e-2)
+
+    # Without an OverlapRMSNorm to fuse into, the layer is Megatron's and says why.
+    from megatron.core.transformer.identity_op import IdentityOp
+    import copy
+    plain = copy.deepcopy(spec)
+    plain.submodules.pre_mlp_layernorm = IdentityOp
+    with pytest.warns(UserWarning, match="pre_mlp_layernorm is IdentityOp"):
+        layer = build_module(plain, config=_layer_config(world, False), layer_number=1)
+    assert not layer.fused_attn_norm
+    ps.destroy_model_parallel()
+
+
+def test_transformer_layer_from_spec():
+    run_distributed(2, _check_transformer_layer)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------
+
+def _check_errors(rank, world):
+    _quiet()
+    ps = _init_megatron(world)
+    from overlap_tp.megatron.attention import SDPAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from overlap_tp.megatron.layers import set_default_overlap_config
+    set_default_overlap_config(OFF)
+
+    def build(kind="column", cfg=None, **kw):
+        return _build(kind, True, world, cfg or _config(world), in_size=H, out_size=FFN if kind == "column" else H,
+                      **kw)
+
+    def config_with(**attrs):
+        cfg = _config(world)
+        for k, v in attrs.items():
+            setattr(cfg, k, v)
+        return cfg
+
+    cases = [
+        (lambda: build(cfg=config_with(fp8="e4m3")), NotImplementedError, "fp8"),
+        (lambda: build(cfg=config_with(delay_wgrad_compute=True)), NotImplementedError, "delay_wgrad_compute"),
+        (lambda: build(cfg=_config(world, dtype=torch.float32)), ValueError, "bf16 or fp16"),
+        (lambda: build(cfg=_config(world, sp=True), gather_output=True), ValueError, "gather_output"),
+        (lambda: build(is_expert=True), NotImplementedError, "MoE"),
+        (lambda: build("row", input_is_parallel=False, cfg=_config(world, sp=True)), RuntimeError,
+         "input_is_parallel"),
+        (lambda: build()(torch.randn(SEQ, BATCH, H + 1).bfloat16()), ValueError, "expected input"),
+        (lambda: build("row", cfg=_config(world, sp=True))(torch.randn(SEQ + 1, BATCH, H // world).bfloat16()),
+         ValueError, "not divisible"),
+        (lambda: build(cfg=_config(world, fusion=True))(torch.randn(SEQ, BATCH, H).bfloat16()), RuntimeError,
+         "main_grad"),
+        (lambda: build(overlap_config="off"), TypeError, "overlap_config"),
+        (lambda: build(overlap_config={"gemm_xx": OFF}), ValueError, "unknown op kinds"),
+        (lambda: SDPAttention(config_with(context_parallel_size=2), 1, AttnMaskType.causal, "self"),
+         NotImplementedError, "context_parallel_size"),
+    ]
+    for fn, error, match in cases:
+        with pytest.raises(error, match=match):
+            fn()
+    layer = build()
+    with pytest.raises(TypeError):
+        layer.overlap_config = 3
+    layer.config.delay_wgrad_compute = True
+    with pytest.raises(NotImplementedError, match="delay_wgrad_compute"):
+        layer.backward_dw()
+    ps.destroy_model_parallel()
+
+
+def test_bad_settings_raise():
+    run_distributed(2, _check_errors)
+
+
+def test_spec_and_provider():
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from overlap_tp.megatron.attention import SDPAttention
+    from overlap_tp.megatron.layer_spec import OverlapSpecProvider, get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+    from overlap_tp.megatron.norm import OverlapRMSNorm
+    from overlap_tp.megatron.transformer_layer import OverlapTransformerLayer
+    spec = get_gpt_layer_overlap_spec()
+    assert issubclass(spec.module, TransformerLayer) and spec.module is OverlapTransformerLayer
+    sub = spec.submodules
+    assert sub.input_layernorm is OverlapRMSNorm and sub.pre_mlp_layernorm is OverlapRMSNorm
+    assert sub.self_attention.submodules.linear_qkv is OverlapColumnParallelLinear
+    assert sub.self_attention.submodules.linear_proj is OverlapRowParallelLinear
+    assert sub.mlp.submodules.linear_fc1 is OverlapColumnParallelLinear
+    assert sub.mlp.submodules.linear_fc2 is OverlapRowParallelLinear
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        assert sub.self_attention.submodules.core_attention is SDPAttention
+    provider = OverlapSpecProvider()
+    assert provider.fuse_layernorm_and_linear() is False and provider.column_parallel_layer_norm_linear() is None
+    get_gpt_layer_overlap_spec(moe_grouped_gemm=True, normalization="RMSNorm", config=None, vp_stage=None)
+    for bad in (dict(normalization="LayerNorm"), dict(multi_latent_attention=True), dict(fp8="hybrid")):
+        with pytest.raises(NotImplementedError):
+            get_gpt_layer_overlap_spec(**bad)
+    with pytest.raises(NotImplementedError, match="MoE"):
+        provider.grouped_mlp_modules(True, False)
+    with pytest.raises(NotImplementedError, match="RMSNorm"):
+        provider.layer_norm(rms_norm=False)

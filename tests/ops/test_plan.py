@@ -1,0 +1,160 @@
+"""Tile plans against a brute-force simulation of the GEMM epilogue and the per-group collective."""
+import random
+
+import pytest
+import torch
+
+from overlap_tp.ops.plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, NO_WAIT, SRC_ROW, SRC_ROW_END, WAIT, ag_plan,
+                             make_plan, p2p_plan, raster, split_units)
+
+
+def simulate(plan):
+    """Store every tile of the source matrix S[r, c] = r * N + c where the plan says, check that no
+    staging element is written twice and that each tile lands inside its own group's collective, then
+    run each group's reduce-scatter (rank k takes block k of the group's staging rows)."""
+    m, n, t = plan.m, plan.n, plan.world
+    source = torch.arange(m * n, dtype=torch.int64).view(m, n)
+    staging = torch.full(plan.staging_shape, -1, dtype=torch.int64)
+    writes = torch.zeros(plan.staging_shape, dtype=torch.int64)
+    groups = plan.tiles[:, GROUP].tolist()
+    assert groups == sorted(groups), "groups must be contiguous in execution order"
+    for g in range(plan.num_groups):
+        assert groups.count(g) == plan.group_tiles[g]
+    for tile in plan.tiles.tolist():
+        rows = tile[SRC_ROW_END] - tile[SRC_ROW]
+        cols = min(plan.block_n, n - tile[COL])
+        assert 0 < rows <= plan.block_m and cols > 0
+        assert tile[SRC_ROW] // (m // t) == (tile[SRC_ROW_END] - 1) // (m // t), "tile crosses a region"
+        dst = (slice(tile[DST_ROW], tile[DST_ROW] + rows), slice(tile[DST_COL], tile[DST_COL] + cols))
+        staging[dst] = source[tile[SRC_ROW]:tile[SRC_ROW_END], tile[COL]:tile[COL] + cols]
+        writes[dst] += 1
+        c = plan.collectives[tile[GROUP]]
+        assert c.src_lo <= tile[DST_ROW] and tile[DST_ROW] + rows <= c.src_hi, "tile outside its group's collective"
+    assert int(writes.max()) == 1
+    outputs = []
+    for k in range(t):
+        out = torch.full(plan.out_shape, -1, dtype=torch.int64)
+        for c in plan.collectives:
+            block = staging[c.src_lo:c.src_hi]
+            out[c.dst_lo:c.dst_hi] = block.view(t, -1, block.shape[1])[k]
+        outputs.append(out if plan.tile_order is None else plan.tile_order.undo(out))
+    return source, outputs
+
+
+CASES = [  # (m, n, t, block_m, block_n, groups)
+    (64, 64, 1, 16, 32, "auto"), (96, 80, 2, 16, 32, 3), (200, 48, 2, 16, 16, (2, 3, 2)),
+    (128, 64, 4, 16, 32, 2), (8 * 40, 100, 8, 16, 32, "auto"), (4 * 33, 17, 4, 16, 16, 1),
+    (2 * 7, 30, 2, 16, 16, "auto"), (512, 256, 2, 32, 64, 5),
+]
+
+
+@pytest.mark.parametrize("m,n,t,bm,bn,groups", CASES)
+def test_row_slice_lands_in_standard_layout(m, n, t, bm, bn, groups):
+    plan = make_plan("row_slice", m, n, t, bm, bn, groups)
+    source, outputs = simulate(plan)
+    for k, out in enumerate(outputs):
+        assert torch.equal(out, source[k * m // t:(k + 1) * m // t]), f"rank {k}"
+
+
+@pytest.mark.parametrize("m,n,t,bm,bn,groups", [c for c in CASES if (c[0] // c[2]) % c[3] == 0 and c[1] % c[4] == 0])
+def test_tile_exact_round_trips(m, n, t, bm, bn, groups):
+    plan = make_plan("tile_exact", m, n, t, bm, bn, groups)
+    source, outputs = simulate(plan)
+    for k, out in enumerate(outputs):
+        assert torch.equal(out, source[k * m // t:(k + 1) * m // t]), f"rank {k}"
+    assert plan.tile_order.shape == (m // t, n)
+
+
+def test_random_shapes():
+    rng = random.Random(0)
+    for _ in range(40):
+        t = rng.choice([1, 2, 4, 8])
+        bm, bn = rng.choice([16, 32]), rng.choice([16, 32, 64])
+        m_local = rng.choice([bm * rng.randint(1, 9), rng.randint(1, 150)])
+        n = rng.choice([bn * rng.randint(1, 5), rng.randint(1, 130)])
+        schedule = "tile_exact" if m_local % bm == 0 and n % bn == 0 and rng.random() < 0.5 else "row_slice"
+        units = -(-m_local // bm) if schedule == "row_slice" else (m_local // bm) * (n // bn)
+        groups = rng.choice(["auto", rng.randint(1, units)])
+        plan = make_plan(schedule, m_local * t, n, t, bm, bn, groups)
+        source, outputs = simulate(plan)
+        for k, out in enumerate(outputs):
+            assert torch.equal(out, source[k * m_local:(k + 1) * m_local]), (schedule, m_local, n, t, bm, bn, groups)
+
+
+def test_raster_visits_every_tile_once():
+    for m_tiles, n_tiles in [(1, 1), (3, 5), (8, 4), (17, 3), (16, 16)]:
+        order = raster(m_tiles, n_tiles)
+        assert sorted(order) == [(i, j) for i in range(m_tiles) for j in range(n_tiles)]
+
+
+def test_split_units():
+    assert split_units(10, 3, 1) == [4, 3, 3]
+    assert split_units(10, (1, 9), 1) == [1, 9]
+    assert split_units(64, "auto", 1 << 20) == [16] * 4         # 64 MB in 16 MB groups
+    assert split_units(256, "auto", 1 << 20) == [32] * 8        # 256 MB: capped at 8 groups
+    assert split_units(64, "auto", 1 << 10) == [32, 32]         # tiny output still gets 2 groups
+    assert split_units(1, "auto", 1 << 30) == [1]
+    with pytest.raises(ValueError, match="sum to"):
+        split_units(10, (3, 3), 1)
+    assert split_units(3, 5, 1) == [1, 1, 1]                    # at most one group per unit
+
+
+def test_plan_errors():
+    with pytest.raises(ValueError, match="not divisible by the group size"):
+        make_plan("row_slice", 10, 16, 4, 16, 16)
+    with pytest.raises(ValueError, match="tile_exact schedule needs"):
+        make_plan("tile_exact", 2 * 24, 32, 2, 16, 16)
+
+
+@pytest.mark.parametrize("m,n,t,bm,bn", [(96, 80, 2, 16, 32), (4 * 33, 17, 4, 16, 16), (8 * 40, 100, 8, 16, 32)])
+def test_p2p_plan_delivers_every_partial_to_its_owner(m, n, t, bm, bn):
+    """Every rank stores region k of its partial into rank k's receive buffer, slot = its own rank:
+    after all ranks ran, buffer k slot r holds rank r's rows of region k, each element written once."""
+    m_local = m // t
+    received = torch.full((t, t * m_local, n), -1, dtype=torch.int64)
+    for rank in range(t):
+        plan = p2p_plan(m, n, t, rank, bm, bn)
+        assert plan.num_groups == 1 and plan.group_tiles == (plan.num_tiles,)
+        source = torch.arange(m * n, dtype=torch.int64).view(m, n) + rank * m * n   # rank's own partial
+        for tile in plan.tiles.tolist():
+            rows, cols = tile[SRC_ROW_END] - tile[SRC_ROW], min(bn, n - tile[COL])
+            region = tile[SRC_ROW] // m_local
+            assert tile[DST_BUF] == region
+            dst = received[region, tile[DST_ROW]:tile[DST_ROW] + rows, tile[DST_COL]:tile[DST_COL] + cols]
+            assert (dst == -1).all(), "written twice"
+            dst.copy_(source[tile[SRC_ROW]:tile[SRC_ROW_END], tile[COL]:tile[COL] + cols])
+    for k in range(t):
+        for r in range(t):
+            expected = torch.arange(m * n, dtype=torch.int64).view(m, n)[k * m_local:(k + 1) * m_local] + r * m * n
+            assert torch.equal(received[k, r * m_local:(r + 1) * m_local], expected)
+
+
+@pytest.mark.parametrize("m,n,t,bm,bn,groups", CASES)
+def test_ag_plan_covers_every_output_tile_after_its_rows_arrive(m, n, t, bm, bn, groups):
+    """For every rank: each output element is computed exactly once, from its own rows, at its standard
+    position; local rows come first and wait for nothing; a peer row is read only by tiles that wait
+    on the chunk that carries it (chunks: the same local row range of every peer region)."""
+    m_local = m // t
+    for rank in range(t):
+        plan = ag_plan(m, n, 64, t, rank, bm, bn, groups)
+        written = torch.zeros(m, n, dtype=torch.int64)
+        waits = plan.tiles[:, WAIT].tolist()
+        first_wait = next((i for i, f in enumerate(waits) if f != NO_WAIT), len(waits))
+        assert all(f == NO_WAIT for f in waits[:first_wait]) and all(f != NO_WAIT for f in waits[first_wait:])
+        assert waits[first_wait:] == sorted(waits[first_wait:]), "chunks in arrival order"
+        for tile in plan.tiles.tolist():
+            src, end, col = tile[SRC_ROW], tile[SRC_ROW_END], tile[COL]
+            region = src // m_local
+            assert region == (end - 1) // m_local and 0 < end - src <= bm
+            assert (tile[DST_ROW], tile[DST_COL]) == (src, col)
+            if tile[WAIT] == NO_WAIT:
+                assert region == rank
+            else:
+                chunk = plan.collectives[tile[WAIT]]
+                assert region != rank and chunk.src_lo <= src - region * m_local and end - region * m_local <= chunk.src_hi
+            written[src:end, col:col + bn] += 1
+        assert int(written.min()) == 1 and int(written.max()) == 1
+        if t > 1:
+            assert plan.collectives[0].src_lo == 0 and plan.collectives[-1].src_hi == m_local
+            assert all(a.src_hi == b.src_lo for a, b in zip(plan.collectives, plan.collectives[1:]))
+            assert sum(plan.group_tiles) == int((plan.tiles[:, WAIT] != NO_WAIT).sum())

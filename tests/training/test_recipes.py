@@ -1,0 +1,128 @@
+"""The training recipes: present, valid bash, and the flags they pass parse in overlap_tp's parser (and,
+where megatron.training is importable, in Megatron's own); the launcher says how to get Megatron."""
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from overlap_tp.megatron.arguments import build_parser, validate_overlap_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECIPES = ("smoke", "llama3-8b", "llama3-70b-proxy", "mixtral-proxy")
+LLAMA_FLAGS = ("--normalization", "--swiglu", "--disable-bias-linear", "--group-query-attention",
+               "--position-embedding-type", "--bf16", "--log-throughput", "--wandb-project", "--tensorboard-dir",
+               "--sequence-parallel", "--untie-embeddings-and-output-weights")
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def recipe_argv(name, *extra, **env):
+    """The Megatron command line a recipe would launch (DRY_RUN=1 prints it)."""
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("OVERLAP", "TRANSPORT", "COMM_SMS", "TP", "EP", "NUM_LAYERS", "WANDB_PROJECT",
+                            "RDZV_ENDPOINT")}
+    environ.update(DRY_RUN="1", **env)
+    out = subprocess.run(["bash", os.path.join(ROOT, "recipes", f"{name}.sh"), *extra], env=environ,
+                         capture_output=True, text=True, check=True).stdout
+    argv = shlex.split(out)
+    assert argv[0] == "torchrun" and "overlap_tp.launch.pretrain" in argv
+    return argv[argv.index("overlap_tp.launch.pretrain") + 1:]
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("path", [f"recipes/{r}.sh" for r in RECIPES] + ["recipes/common.sh",
+                                                                          "launch/slurm_template.sh"])
+def test_scripts_exist_and_are_valid_bash(path):
+    full = os.path.join(ROOT, path)
+    assert os.path.isfile(full)
+    subprocess.run(["bash", "-n", full], check=True)
+    if not path.endswith("common.sh"):
+        assert os.access(full, os.X_OK), f"{path} is not executable"
+
+
+@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("overlap", ["signal", "off"])
+def test_recipe_flags_parse_and_validate(name, overlap):
+    argv = recipe_argv(name, OVERLAP=overlap)
+    args, megatron_flags = build_parser().parse_known_args(argv)
+    assert args.overlap_tp == overlap
+    for name_ in LLAMA_FLAGS:
+        assert name_ in argv, name_
+    assert flag(argv, "--normalization") == "RMSNorm" and flag(argv, "--tensor-model-parallel-size") == "2"
+    assert "--overlap-tp" not in megatron_flags
+    megatron = dict(tensor_model_parallel_size=int(flag(argv, "--tensor-model-parallel-size")),
+                    sequence_parallel="--sequence-parallel" in argv, normalization=flag(argv, "--normalization"),
+                    transformer_impl=flag(argv, "--transformer-impl"))
+    if "--num-experts" in argv:   # the MoE flags --overlap-moe checks
+        assert args.overlap_moe == overlap and "--overlap-moe" not in megatron_flags
+        megatron.update(num_experts=int(flag(argv, "--num-experts")), add_bias_linear="--disable-bias-linear" not in argv,
+                        moe_token_dispatcher_type=flag(argv, "--moe-token-dispatcher-type"),
+                        expert_tensor_parallel_size=int(flag(argv, "--expert-tensor-parallel-size")))
+    for key, value in megatron.items():
+        setattr(args, key, value)
+    assert validate_overlap_args(args, warn=None) == []
+
+
+def test_llama_shapes():
+    eight = recipe_argv("llama3-8b")
+    assert [flag(eight, f) for f in ("--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+                                     "--num-query-groups", "--seq-length", "--vocab-size")] == \
+        ["32", "4096", "14336", "32", "8", "8192", "128256"]
+    seventy = recipe_argv("llama3-70b-proxy")
+    assert [flag(seventy, f) for f in ("--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
+                                       "--num-query-groups", "--seq-length")] == ["8192", "28672", "64", "8", "8192"]
+    assert flag(recipe_argv("llama3-70b-proxy", NUM_LAYERS="10"), "--num-layers") == "10"
+
+
+def test_mixtral_shapes_and_moe_layout():
+    argv = recipe_argv("mixtral-proxy")
+    assert [flag(argv, f) for f in ("--hidden-size", "--ffn-hidden-size", "--num-experts", "--moe-router-topk",
+                                    "--num-attention-heads", "--num-query-groups", "--seq-length")] == \
+        ["4096", "14336", "8", "2", "32", "8", "4096"]
+    assert [flag(argv, f) for f in ("--tensor-model-parallel-size", "--expert-model-parallel-size",
+                                    "--expert-tensor-parallel-size", "--moe-token-dispatcher-type")] == \
+        ["2", "2", "1", "alltoall"]
+    assert (flag(argv, "--overlap-tp"), flag(argv, "--overlap-moe")) == ("signal", "signal")
+    baseline = recipe_argv("mixtral-proxy", "--overlap-moe", "signal", OVERLAP="off")
+    args, _ = build_parser().parse_known_args(baseline)
+    assert (args.overlap_tp, args.overlap_moe) == ("off", "signal")   # the MoE overlap alone: flags after win
+
+
+def test_knobs_and_extra_flags_pass_through():
+    argv = recipe_argv("smoke", OVERLAP="decompose", TRANSPORT="p2p", COMM_SMS="0", WANDB_PROJECT="")
+    args, _ = build_parser().parse_known_args(argv + ["--overlap-tp-tune-cache", "/tmp/c.json"])
+    assert (args.overlap_tp, args.overlap_tp_transport, args.overlap_tp_comm_sms) == ("decompose", "p2p", 0)
+    assert "--wandb-project" not in argv
+    argv = recipe_argv("smoke", "--overlap-tp", "off", "--train-iters", "3")
+    assert argv[-4:] == ["--overlap-tp", "off", "--train-iters", "3"]  # given last: they win
+    assert build_parser().parse_known_args(argv)[0].overlap_tp == "off"
+
+
+def test_recipe_flags_in_megatrons_parser(monkeypatch):
+    arguments = pytest.importorskip(
+        "megatron.training.arguments",
+        reason="megatron.training is not importable (megatron-core >= 0.17 on Python >= 3.12 ships it)")
+    from overlap_tp.megatron.arguments import add_overlap_args
+    for name in RECIPES:
+        monkeypatch.setattr(sys, "argv", ["pretrain"] + recipe_argv(name))
+        args = arguments.parse_args(extra_args_provider=add_overlap_args)
+        assert args.overlap_tp == "signal" and args.sequence_parallel and args.swiglu
+
+
+def test_launcher_without_megatron_training_says_how_to_get_it():
+    try:
+        import megatron.training.training  # noqa: F401
+        pytest.skip("megatron.training is importable here")
+    except ImportError:
+        pass
+    result = subprocess.run([sys.executable, "-m", "overlap_tp.launch.pretrain", "--num-layers", "2"],
+                            capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "megatron-core >= 0.17" in result.stderr and "Python >= 3.12" in result.stderr
+    assert "Megatron-LM checkout on PYTHONPATH" in result.stderr

@@ -1,0 +1,72 @@
+"""Overlap statistics sampling (overlap_tp.training.sampling) under gloo: armed calls are stamped and recorded
+against a reference measured once per shape on every rank; results are unchanged; async and disarmed
+calls are not stamped."""
+import pytest
+import torch
+
+from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
+from overlap_tp.training.sampling import SAMPLER, OpSampler, OpShape, Reference, Sample, measure_reference, sample_iteration
+from overlap_tp.training.throughput import OverlapStats
+from distributed import run_distributed
+from problems import SMALL_TILES, dense_problem
+
+SIGNAL = OverlapConfig(method="signal", schedule="row_slice", groups=2, **SMALL_TILES)
+OFF = OverlapConfig(method="off")
+
+
+def _check_sampling(rank, world):
+    a, w, _ = dense_problem(64, 48, 32, seed=3, bias=False)
+    shard = slice(rank * 32 // world, (rank + 1) * 32 // world)
+    a_k, w_k = a[:, shard].contiguous(), w[:, shard].contiguous()
+    a_rows = a[rank * 64 // world:(rank + 1) * 64 // world].contiguous()
+    unsampled = [gemm_rs(a_k, w_k, config=SIGNAL), gemm_ar(a_k, w_k, config=OFF), ag_gemm(a_rows, w, config=SIGNAL)]
+
+    measured = []
+
+    def measure(shape, op):
+        measured.append(shape.kind)
+        return measure_reference(shape, op)
+
+    SAMPLER.measure, SAMPLER.samples, SAMPLER.references = measure, [], {}
+    stats = OverlapStats()
+    SAMPLER.armed = True
+    try:
+        for _ in range(2):   # two calls of each shape: one reference each
+            sampled = [gemm_rs(a_k, w_k, config=SIGNAL), gemm_ar(a_k, w_k, config=OFF), ag_gemm(a_rows, w, config=SIGNAL)]
+            for got, ref in zip(sampled, unsampled):
+                assert torch.equal(got, ref)
+        gemm_rs(a_k, w_k, config=SIGNAL, async_op=True).wait()   # async: not stamped
+    finally:
+        SAMPLER.armed = False
+    gemm_rs(a_k, w_k, config=SIGNAL)                              # disarmed: not stamped
+    assert SAMPLER.collect(stats) == 6
+    assert measured == ["gemm_rs", "gemm_ar", "ag_gemm"]
+    summary = stats.summary()
+    assert set(summary["by_kind"]) == {"gemm_rs", "gemm_ar", "ag_gemm"}
+    for kind, totals in summary["by_kind"].items():
+        assert totals["calls"] == 2, kind
+        assert totals["overlapped_ms"] > 0 and totals["sequential_ms"] > 0 and totals["gemm_ms"] > 0, kind
+        assert totals["comm_ms"] > 0, kind
+    assert SAMPLER.collect(stats) == 0   # the stamps were consumed
+
+
+@pytest.mark.parametrize("world", [2])
+def test_armed_calls_are_recorded_against_a_reference_per_shape(world):
+    run_distributed(world, _check_sampling)
+
+
+def test_collect_records_each_sample_with_its_shapes_reference():
+    sampler = OpSampler(measure=lambda shape, op: Reference(sequential_ms=2.0, gemm_ms=0.5, comm_ms=0.25))
+    shape = OpShape("gemm_rs", (8, 4), (4, 4), torch.bfloat16, torch.device("cpu"), None)
+    sampler.samples = [Sample(shape, None, 0.0, 0.001), Sample(shape, None, 1.0, 1.003)]
+    stats = OverlapStats()
+    assert sampler.collect(stats) == 2
+    assert [(r[0], round(r[1], 6), r[2:]) for r in stats.records] == [
+        ("gemm_rs", 1.0, (2.0, 0.5, 0.25)), ("gemm_rs", 3.0, (2.0, 0.5, 0.25))]
+
+
+def test_sample_iteration_is_the_logged_step():
+    # train_step(iteration=k) runs the step Megatron then logs as k + 1
+    assert [k for k in range(12) if sample_iteration(k, 5)] == [4, 9]
+    assert [k for k in range(3) if sample_iteration(k, 1)] == [0, 1, 2]
+    assert not sample_iteration(None, 1)
