@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from overlap_tp.ops.plan import TileOrder  # noqa: F401  (the layout contract; re-exported for callers)
+from overlap_tp.kernels.tile_order import TileOrder  # noqa: F401  (the layout contract; re-exported for callers)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _STANDARD_TILE_N = 256  # columns per block row when the input is in the standard layout

@@ -39,7 +39,16 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from overlap_tp.ops.plan import TILE_FIELDS
+
+# The plan table (built by overlap_tp/ops/plan.py), one row per tile in execution order: source rows
+# [src_row, src_row_end) (the end stops a tile at its region's boundary), source/destination column,
+# destination row/column in the staging matrix, group, the destination buffer (0 = local staging; the
+# p2p plan stores region k's tiles into rank k's buffer), the ready flag the tile waits for before
+# loading A (-1: none; AllGather+GEMM plans only), and the expert whose weight the tile multiplies, of
+# the L stacked in W (grouped expert GEMMs, overlap_tp/ops/moe_plan.py; 0 in every single-weight plan).
+SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF, WAIT, EXPERT = range(9)
+TILE_FIELDS = 9
+NO_WAIT = -1
 
 # Under the CPU interpreter the kernel upcasts its dot operands (the interpreter's tl.dot mishandles
 # bf16/fp16; the upcast is exact, a product of two bf16 values is exact in fp32) and uses

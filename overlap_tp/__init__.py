@@ -16,6 +16,7 @@ from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.expert import a2a_gemm, gemm_a2a
 from overlap_tp.ops.ag_gemm import ag_gemm
 from overlap_tp.ops.gemm_rs import gemm_ar, gemm_rs
+from overlap_tp import tune  # noqa: F401  (registers the tuner as the op layer's resolver of method='auto')
 
 __all__ = ["OverlapConfig", "ag_gemm", "gemm_rs", "gemm_ar", "a2a_gemm", "gemm_a2a"]
 __version__ = "0.1.0"

@@ -25,8 +25,9 @@ import sys
 import torch
 
 from overlap_tp import OverlapConfig
-from overlap_tp.bench import report
-from overlap_tp.bench.ops import AG_SHAPES, SHAPES, at_tp, event_times
+from overlap_tp.tune import report
+from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, at_tp
+from overlap_tp.tune.timing import event_times
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.gemm_rs import gemm_programs, plan_state
 from overlap_tp.ops.plan import ag_plan

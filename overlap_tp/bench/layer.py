@@ -52,8 +52,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from overlap_tp.bench import report
-from overlap_tp.bench.ops import queued_ms, slowest_median, timed_samples
+from overlap_tp.tune import report
+from overlap_tp.tune.timing import queued_ms, slowest_median, timed_samples
 from overlap_tp.ops.config import OverlapConfig
 
 MODELS = {
@@ -331,7 +331,7 @@ def write_report(args, rows, command, group):
              "grad and every parameter grad (worst: which); dist calls: torch.distributed collective calls during "
              "the check step (nocomm must show 0; our signal path uses its own NCCL communicator, not counted). "
              "GPU ms: the same step with every launch queued before the GPU starts it (no launch gaps); host ms: "
-             "the host's time to enqueue it (bench.ops.queued_ms); ms above GPU ms is time the host set the pace. "
+             "the host's time to enqueue it (tune.timing.queued_ms); ms above GPU ms is time the host set the pace. "
              "GPU/megatron: GPU ms over Megatron's. The queued run is not always the faster one: with several "
              f"streams its GPU ms has exceeded the span; a GPU ms above {GPU_MS_SLACK} x ms is flagged in 'GPU ms "
              "note' and left out of the ratios (and Megatron's flagged leaves every ratio out).\n\n"

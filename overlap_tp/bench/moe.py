@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
-from overlap_tp.bench import report
+from overlap_tp.tune import report
 from overlap_tp.bench import ops
-from overlap_tp.bench.ops import timed
+from overlap_tp.tune.timing import timed
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG
 from overlap_tp.ops.expert import all_to_all_rows, expert_mm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm

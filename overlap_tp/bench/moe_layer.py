@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG
-from overlap_tp.bench import report
+from overlap_tp.tune import report
 from overlap_tp.bench.moe import ZIPF_S
-from overlap_tp.bench.ops import agree, timed
+from overlap_tp.bench.ops import agree
+from overlap_tp.tune.timing import timed
 
 INPUT_SETS = 3
 ROUTINGS = ("uniform", "zipf", "rank0_only")

@@ -38,8 +38,8 @@ import sys
 import time
 
 import torch
-from overlap_tp.bench import report
-from overlap_tp.bench.ops import sleep_cycles_per_ms
+from overlap_tp.tune import report
+from overlap_tp.tune.timing import sleep_cycles_per_ms
 from overlap_tp.kernels.fused_add_rmsnorm import (
     TileOrder, backward_grid, dropout_keep_mask, dropout_seed, empty_forward_outputs, launch_backward, launch_forward,
     reference_add_rmsnorm)

@@ -22,35 +22,14 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
-from overlap_tp.bench import report
+from overlap_tp.tune import report
+from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, at_tp
+from overlap_tp.tune.timing import timed
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.gemm_rs import gemm_programs, plan_state
 from overlap_tp.ops.plan import ag_plan
 
-# name -> (K_local, N) of the row-parallel GEMMs (GEMM+RS, GEMM+AR), BENCHMARKS.md
-SHAPES = {
-    "l8b.proj": (2048, 4096),
-    "l8b.fc2": (7168, 4096),
-    "l70b.proj": (4096, 8192),
-    "l70b.fc2": (14336, 8192),
-}
-# name -> (K, N_local) of the column-parallel GEMMs (AG+GEMM), BENCHMARKS.md
-AG_SHAPES = {
-    "l8b.qkv": (4096, 3072),
-    "l8b.fc1": (4096, 14336),
-    "l70b.qkv": (8192, 5120),
-    "l70b.fc1": (8192, 28672),
-}
 INPUT_SETS = 3
-TABLE_TP = 2   # the tables hold BENCHMARKS.md's TP = 2 shards
-
-
-def at_tp(op, k, n, t):
-    """A table shape's GEMM at TP = t: the model's layer is the same, its sharded dimension (K_local of
-    the row-parallel GEMMs, N_local of the column-parallel ones) is TABLE_TP / t times the table's."""
-    if op == "ag":
-        return k, n * TABLE_TP // t
-    return k * TABLE_TP // t, n
 
 
 def parse_args(argv):
@@ -70,107 +49,6 @@ def parse_args(argv):
     p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="gemm_rs_ar", help="report file name (without extension)")
     return p.parse_args(argv)
-
-
-def timed_samples(fn, sets, reps, group, warmup=5, device=None):
-    """This rank's times (ms) of `reps` back-to-back fn(*set) calls, after `warmup` calls and a barrier.
-    CUDA events on the GPU (device None = cuda); wall clock per call on a CPU device."""
-    device = torch.device("cuda") if device is None else device
-    for i in range(warmup):
-        fn(*sets[i % len(sets)])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier(group)
-    if device.type != "cuda":
-        samples = []
-        for i in range(reps):
-            t0 = time.perf_counter()
-            fn(*sets[i % len(sets)])
-            samples.append(1e3 * (time.perf_counter() - t0))
-        return samples
-    return event_times(fn, sets, reps)
-
-
-def event_times(fn, sets, reps):
-    """GPU times (ms, CUDA events) of `reps` back-to-back fn(*set) calls, the sets taken in turn."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        fn(*sets[i % len(sets)])
-        ends[i].record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
-
-
-def slowest_median(samples, group, device=None):
-    """The median of each rank's samples, the largest over the ranks."""
-    device = torch.device("cuda") if device is None else device
-    median = torch.tensor(statistics.median(samples), dtype=torch.float64, device=device)
-    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
-    return float(median)
-
-
-def timed(fn, sets, reps, group, warmup=5, device=None):
-    """Median time (ms) of fn(*set) over `reps` back-to-back calls, the slowest rank's; `warmup` calls first."""
-    return slowest_median(timed_samples(fn, sets, reps, group, warmup, device), group, device)
-
-
-def queued_ms(fn, sets, group, rounds=5):
-    """(host_ms, gpu_ms) of one fn(*set) on the GPU: the host's enqueue time, and the GPU's time with
-    every launch already queued. A sleep kernel holds the GPU while the host enqueues the call, so the
-    host never waits for the GPU (host_ms: wall clock around the call) and the GPU then runs the call
-    from its queue without launch gaps (gpu_ms: CUDA events around the call). `timed` measures the two
-    overlapped, back to back: where its time exceeds gpu_ms, the host set the pace. The sleep is 4x the
-    first round's host time (the slowest rank's; the same on every rank), doubled for a round whose host
-    time reached 80% of it (that round is redone).
-    Medians over `rounds`, the slowest rank's."""
-    cycles_per_ms = sleep_cycles_per_ms()
-    sleep_ms, host, gpu = None, [], []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    while len(gpu) < rounds:
-        args = sets[len(gpu) % len(sets)]
-        torch.cuda.synchronize()
-        dist.barrier(group)
-        if sleep_ms is not None:
-            torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
-        start.record()
-        t0 = time.perf_counter()
-        fn(*args)
-        host_ms = (time.perf_counter() - t0) * 1e3
-        end.record()
-        torch.cuda.synchronize()
-        # One sleep for every rank (the longest), or the first collective would also wait out the
-        # difference between the ranks' sleeps; every rank redoes the same rounds.
-        late = torch.tensor([float(sleep_ms is None or host_ms > 0.8 * sleep_ms), host_ms], device=start.device)
-        dist.all_reduce(late, op=dist.ReduceOp.MAX, group=group)
-        if float(late[0]):
-            sleep_ms = 4 * float(late[1]) if sleep_ms is None else 2 * max(sleep_ms, float(late[1]))
-            continue
-        host.append(host_ms)
-        gpu.append(start.elapsed_time(end))
-    medians = torch.tensor([statistics.median(host), statistics.median(gpu)], dtype=torch.float64,
-                           device=start.device)
-    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
-    return float(medians[0]), float(medians[1])
-
-
-@functools.cache
-def sleep_cycles_per_ms(reps=5):
-    """How many cycles of torch.cuda._sleep (a spin kernel that counts SM clock cycles) make a millisecond
-    on this GPU: the median of `reps` timed 10M-cycle sleeps, measured once per process (callers size
-    their sleeps generously; queued_ms doubles one that proves too short)."""
-    cycles = 10_000_000
-    torch.cuda._sleep(cycles)   # warm-up
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return cycles / statistics.median(times)
 
 
 def agree(got, ref, what):

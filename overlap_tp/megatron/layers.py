@@ -48,7 +48,7 @@ except ImportError:
     fused_weight_gradient_mlp_cuda = None
 
 __all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "get_default_overlap_config",
-           "set_default_overlap_config", "set_overlap_config"]
+           "set_default_overlap_config", "set_op_observer", "set_overlap_config"]
 
 OP_KINDS = ("ag_gemm", "gemm_rs", "gemm_ar")
 LayerOverlapConfig = Union[None, OverlapConfig, Mapping[str, OverlapConfig]]
@@ -107,6 +107,21 @@ def set_overlap_config(model: torch.nn.Module, config: LayerOverlapConfig):
             module.overlap_config = config
             count += 1
     return count
+
+
+# Training telemetry (overlap_tp.training.sampling) observes the layers' synchronous op calls through this
+# hook: observer(kind, call, a, w, group) runs call() (the op on a, w) and returns its output.
+_op_observer = None
+
+
+def set_op_observer(observer: Optional[Callable]):
+    """Route every synchronous gemm_rs / gemm_ar / ag_gemm call of the layers through `observer` (None: off)."""
+    global _op_observer
+    _op_observer = observer
+
+
+def _observed(kind: str, call: Callable[[], Any], a: torch.Tensor, w: torch.Tensor, group):
+    return call() if _op_observer is None else _op_observer(kind, call, a, w, group)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -222,7 +237,8 @@ class _ColumnParallelFn(torch.autograd.Function):
         if args.sequence_parallel:
             # The gathered input is not kept: backward re-gathers it (Megatron's choice; keeping it
             # costs t times this layer's input activation memory).
-            out = ag_gemm(x, weight, args.group, bias=bias, config=args.config("ag_gemm"))
+            out = _observed("ag_gemm", lambda: ag_gemm(x, weight, args.group, bias=bias, config=args.config("ag_gemm")),
+                            x, weight, args.group)
         else:
             out = torch.matmul(x, weight.t())
             if bias is not None:
@@ -265,9 +281,11 @@ class _RowParallelFn(torch.autograd.Function):
     def forward(ctx, y, weight, bias, args: _LinearArgs):
         _save_common(ctx, weight, bias, args)
         if args.sequence_parallel:
-            out = gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs"))
+            out = _observed("gemm_rs", lambda: gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs")),
+                            y, weight, args.group)
         else:
-            out = gemm_ar(y, weight, args.group, bias=bias, config=args.config("gemm_ar"))
+            out = _observed("gemm_ar", lambda: gemm_ar(y, weight, args.group, bias=bias, config=args.config("gemm_ar")),
+                            y, weight, args.group)
         ctx.save_for_backward(y, weight)
         return out
 
@@ -280,8 +298,8 @@ class _RowParallelFn(torch.autograd.Function):
         dy, dz_full = None, dz
         if args.sequence_parallel:
             if need_dy:   # the gathered dZ comes back with the dgrad and is reused for the wgrad
-                dy, dz_full = ag_gemm(dz, weight.t(), args.group, config=args.config("ag_gemm"),
-                                      return_gathered=True)
+                dy, dz_full = _observed("ag_gemm", lambda: ag_gemm(dz, weight.t(), args.group, config=args.config("ag_gemm"),
+                                                                   return_gathered=True), dz, weight.t(), args.group)
             elif need_dw:
                 dz_full, _ = comm.all_gather_rows(dz, args.group)
         elif need_dy:

@@ -30,7 +30,6 @@ from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.gemm_rs import chunk_bounds, collectives_for, gemm_programs, prepare, resolve_method
 from overlap_tp.ops.plan import TilePlan, ag_plan
-from overlap_tp.training.sampling import sampled
 
 
 @dataclass
@@ -126,7 +125,6 @@ def _signaled(a_shard, w, bias, gathered, out, group, rank, t, config):
                  [epoch] * state.flags.numel())
 
 
-@sampled("ag_gemm")
 def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
             config: Optional[OverlapConfig] = None, return_gathered: bool = False):
     """all_gather(a_shard) @ w.T + bias; with return_gathered=True returns (out, gathered)."""

@@ -27,16 +27,29 @@ DEFAULT_WATCHDOG_S = 300.0
 # Process groups
 # ---------------------------------------------------------------------------------------------------
 
+def _megatron_parallel_state():
+    """megatron.core.parallel_state if Megatron has set up its model-parallel groups, else None. Looked up
+    among the loaded modules, not imported: the op layer depends on nothing above it, and a process whose
+    Megatron is initialized has loaded the module already."""
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None or not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state
+
+
+def _check_initialized():
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("overlap_tp: torch.distributed is not initialized; call "
+                           "dist.init_process_group() (torchrun) or pass group=")
+
+
 def resolve_group(group=None):
     """`None` means Megatron's tensor-parallel group when Megatron is initialized, else the default."""
     if group is not None:
         return group
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("overlap_tp: torch.distributed is not initialized; call "
-                           "dist.init_process_group() (torchrun) or pass group=")
-    from overlap_tp.megatron_patches.parallel_state import megatron_tp_group
-    tp_group = megatron_tp_group()
-    return tp_group if tp_group is not None else dist.group.WORLD
+    _check_initialized()
+    parallel_state = _megatron_parallel_state()
+    return dist.group.WORLD if parallel_state is None else parallel_state.get_tensor_model_parallel_group()
 
 
 def resolve_ep_group(group=None):
@@ -44,16 +57,9 @@ def resolve_ep_group(group=None):
     initialized, else the default group."""
     if group is not None:
         return group
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("overlap_tp: torch.distributed is not initialized; call "
-                           "dist.init_process_group() (torchrun) or pass group=")
-    try:
-        from megatron.core import parallel_state
-    except ImportError:
-        return dist.group.WORLD
-    if not parallel_state.model_parallel_is_initialized():
-        return dist.group.WORLD
-    return parallel_state.get_expert_model_parallel_group()
+    _check_initialized()
+    parallel_state = _megatron_parallel_state()
+    return dist.group.WORLD if parallel_state is None else parallel_state.get_expert_model_parallel_group()
 
 
 class TorchCollectives:

@@ -1,6 +1,7 @@
-"""OverlapConfig: everything an overlapped op has to choose, validated up front."""
+"""OverlapConfig: everything an overlapped op has to choose, validated up front; and the hook through which
+the tuner resolves method='auto'."""
 from dataclasses import dataclass
-from typing import Tuple, Union
+from typing import Callable, Optional, Tuple, Union
 
 METHODS = ("signal", "decompose", "off", "auto")
 SCHEDULES = ("row_slice", "tile_exact")
@@ -91,3 +92,25 @@ class OverlapConfig:
 # exchange hides; 2-4 SMs and 2-4 parts per peer were the best corners of the sweep (docs/perf/moe_ops.md).
 EXPERT_OP_DEFAULTS = dict(groups=2, comm_sms=4)
 DEFAULT_EXPERT_CONFIG = OverlapConfig(**EXPERT_OP_DEFAULTS)
+
+
+# method='auto' is resolved by the tuner (overlap_tp.tune), which sits above the op layer: it registers its
+# resolver here when imported (overlap_tp's package __init__ imports it), so the op layer imports nothing above.
+_auto_resolver: Optional[Callable] = None
+
+
+def set_auto_resolver(resolver: Optional[Callable]):
+    """resolver(op, m, n, k, dtype, device, group, base) -> OverlapConfig with a method other than 'auto'."""
+    global _auto_resolver
+    _auto_resolver = resolver
+
+
+def resolve_auto(op: str, m: int, n: int, k: int, dtype, device, group, base: "OverlapConfig") -> "OverlapConfig":
+    """method='auto' resolved for an op of this shape (m: the output rows). Raises where no tuner is loaded."""
+    if _auto_resolver is None:
+        raise RuntimeError(f"overlap_tp {op}: method='auto' needs the tuner: import overlap_tp (or overlap_tp.tune) "
+                           f"before building the op, or pass a config with another method")
+    config = _auto_resolver(op, m, n, k, dtype, device, group, base)
+    if config.method == "auto":
+        raise RuntimeError(f"overlap_tp {op}: the auto resolver returned method='auto'")
+    return config

@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.ops import comm
-from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.config import OverlapConfig, resolve_auto
 from overlap_tp.kernels.signaled_gemm import check_operands, signaled_gemm, tma_unsupported_reason
 from overlap_tp.ops.plan import TileOrder, TilePlan, make_plan
-from overlap_tp.training.sampling import sampled
 
 DEFAULT_CONFIG = OverlapConfig()
 _warned = set()
@@ -80,8 +79,9 @@ def tuned_config(config: OverlapConfig, op: str, a, w, group) -> OverlapConfig:
     if not a.is_cuda:
         _warn_once(f"overlap_tp {op}: method='auto' runs 'off' on CPU tensors (the tuner measures on GPUs only)")
         return dataclasses.replace(config, method="off")
-    from overlap_tp import tune
-    return tune.choose(op, a, w, group, base=config)
+    t = dist.get_world_size(group)
+    m = a.shape[0] * t if op == "ag_gemm" else a.shape[0]
+    return resolve_auto(op, m, w.shape[0], a.shape[1], a.dtype, a.device, group, config)
 
 
 def prepare(op, a, w, bias, group, config, rows_split: bool):
@@ -262,7 +262,6 @@ def _plus_bias(out, bias):
 # Public ops
 # ---------------------------------------------------------------------------------------------------
 
-@sampled("gemm_rs")
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
             config: Optional[OverlapConfig] = None, async_op: bool = False):
     """reduce_scatter(a @ w.T + bias) along dim 0: rank k gets rows [k*M/t, (k+1)*M/t), bias added once.
@@ -307,7 +306,6 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torc
     return pending if async_op else pending.wait()
 
 
-@sampled("gemm_ar")
 def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
             config: Optional[OverlapConfig] = None, async_op: bool = False):
     """all_reduce(a @ w.T) + bias, bias added once. async_op=True: a Pending whose wait() returns that."""

@@ -1,8 +1,9 @@
 """Overlap statistics in training: time the overlapped ops of one sampled iteration per log interval and
 compare each with its sequential cost on the same shape.
 
+    SAMPLER.install()         (once: the Megatron layers' op observer, overlap_tp.megatron.layers.set_op_observer)
     SAMPLER.armed = True      (the train_step hook, for the iteration whose end is logged)
-    gemm_rs / gemm_ar / ag_gemm calls  -> a start and an end stamp around each synchronous call
+    the layers' gemm_rs / gemm_ar / ag_gemm calls -> a start and an end stamp around each synchronous call
     SAMPLER.collect(stats)    (the training_log hook, on every rank) -> stats.record(kind, overlapped,
                               sequential, gemm, comm) per sampled call
 
@@ -23,7 +24,6 @@ sequential one, and its exposed communication is the baseline's.
 On the GPU the stamps are CUDA events on the caller's stream (a call's time is its span on the stream,
 launch gaps included); on CPU tensors (gloo tests) they are host clocks around the call.
 """
-import functools
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,10 +33,13 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.ops import comm
+from overlap_tp.ops.ag_gemm import ag_gemm
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.gemm_rs import gemm_ar, gemm_rs
 
 REFERENCE_REPS = 3
-SAMPLED_OPS = ("gemm_rs", "gemm_ar", "ag_gemm")   # the kinds `sampled` decorates
+SAMPLED_OPS = ("gemm_rs", "gemm_ar", "ag_gemm")   # the kinds the layers' observer sees
+_FUNCTIONAL_OPS = {"gemm_rs": gemm_rs, "gemm_ar": gemm_ar, "ag_gemm": ag_gemm}   # what references run
 
 
 @dataclass(frozen=True)
@@ -129,12 +132,20 @@ class OpSampler:
         self.samples = []
         self.references = {}
 
-    def call(self, kind, op, a, w, group, kwargs):
+    def install(self):
+        """Observe the Megatron layers' synchronous op calls (idempotent)."""
+        from overlap_tp.megatron.layers import set_op_observer
+        set_op_observer(self.observe)
+
+    def observe(self, kind, call, a, w, group):
+        """The layers' op observer: call() as is while disarmed, stamped around while armed."""
+        if not self.armed:
+            return call()
         group = comm.resolve_group(group)
         start = _stamp(a.device)
-        out = op(a, w, group, **kwargs)
+        out = call()
         self.samples.append(Sample(OpShape(kind, tuple(a.shape), tuple(w.shape), a.dtype, a.device, group),
-                                    op, start, _stamp(a.device)))
+                                   _FUNCTIONAL_OPS[kind], start, _stamp(a.device)))
         return out
 
     def collect(self, stats) -> int:
@@ -151,19 +162,6 @@ class OpSampler:
 
 
 SAMPLER = OpSampler()
-
-
-def sampled(kind: str):
-    """Decorator for a dense op `fn(a, w, group=None, *, bias, config, async_op)`: stamped while SAMPLER is
-    armed (synchronous calls only), otherwise called straight through."""
-    def wrap(fn):
-        @functools.wraps(fn)
-        def op(a, w, group=None, **kwargs):
-            if not SAMPLER.armed or kwargs.get("async_op", False):
-                return fn(a, w, group, **kwargs)
-            return SAMPLER.call(kind, fn, a, w, group, kwargs)
-        return op
-    return wrap
 
 
 def sample_iteration(iteration: Optional[int], log_interval: int) -> bool:

@@ -296,6 +296,8 @@ def install_training_log_hook(args=None, module=None):
         a = run_args()
         return ThroughputLogger(a, sampler=SAMPLER if stats_enabled(a) else None)
 
+    SAMPLER.install()
+
     original_step = getattr(module, "train_step", None)
     if original_step is not None and not getattr(original_step, "_overlap_tp_sampling", False):
         @functools.wraps(original_step)

@@ -18,12 +18,12 @@ Decision for one (device, op, dtype, t, M, N, K):
 import torch
 import torch.distributed as dist
 
-from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.config import OverlapConfig, set_auto_resolver
 from overlap_tp.tune.cache import TuneCache, cache_key, config_from_dict, config_to_dict, software_stamp
 from overlap_tp.tune.candidates import Shape, candidates, label, op_name
 from overlap_tp.tune.predict import DEFAULT_PROGRESS, Measurements, rank
 
-__all__ = ["choose", "decide", "shape_of", "TuneCache", "Shape", "Measurements"]
+__all__ = ["choose", "choose_shape", "decide", "resolve_auto", "shape_of", "TuneCache", "Shape", "Measurements"]
 
 DEFAULT_MARGIN = 0.02
 DEFAULT_VERIFY = 2
@@ -100,7 +100,20 @@ def _open_cache(cache, device_name):
 def choose(op: str, a: torch.Tensor, w: torch.Tensor, group=None, *, cache=None,
            base: OverlapConfig = OverlapConfig(), margin: float = DEFAULT_MARGIN, verify_count: int = DEFAULT_VERIFY,
            progress: str = DEFAULT_PROGRESS, measure=None) -> OverlapConfig:
-    """The OverlapConfig to run `op` ("rs"/"gemm_rs", "ar"/"gemm_ar", "ag"/"ag_gemm") with these operands.
+    """The OverlapConfig to run `op` ("rs"/"gemm_rs", "ar"/"gemm_ar", "ag"/"ag_gemm") with these operands
+    (choose_shape on their shape). On CPU tensors: 'off', with no measurement and no group needed."""
+    if not a.is_cuda and measure is None:
+        return OverlapConfig(method="off", **_fixed(base))
+    from overlap_tp.ops import comm
+    group = comm.resolve_group(group)
+    return choose_shape(shape_of(op, a, w, dist.get_world_size(group)), group, a.device, cache=cache, base=base,
+                        margin=margin, verify_count=verify_count, progress=progress, measure=measure)
+
+
+def choose_shape(shape: Shape, group, device: torch.device, *, cache=None, base: OverlapConfig = OverlapConfig(),
+                 margin: float = DEFAULT_MARGIN, verify_count: int = DEFAULT_VERIFY,
+                 progress: str = DEFAULT_PROGRESS, measure=None) -> OverlapConfig:
+    """The OverlapConfig to run the op of `shape` with, on `group` (a process group of shape.t ranks).
 
     Collective over `group` on a cache miss (every rank must call it for the same shape, as for the
     op itself). cache: None = default path ($OVERLAP_TP_TUNE_CACHE or ~/.cache/overlap_tp/tune.json), a
@@ -108,14 +121,10 @@ def choose(op: str, a: torch.Tensor, w: torch.Tensor, group=None, *, cache=None,
     object with curves(shape, group, device, base) and end_to_end(shape, configs, group, device)
     (default: overlap_tp.tune.measure; tests pass a fake to run the decision path on CPU).
     """
-    if not a.is_cuda and measure is None:
+    if device.type != "cuda" and measure is None:
         return OverlapConfig(method="off", **_fixed(base))
-    from overlap_tp.ops import comm
-    group = comm.resolve_group(group)
-    t = dist.get_world_size(group)
-    shape = shape_of(op, a, w, t)
-    device = a.device
-    device_name = torch.cuda.get_device_name(device) if a.is_cuda else "cpu"
+    t = shape.t
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     memo_key = (device_name, shape, tuple(dist.get_process_group_ranks(group)), base, margin, verify_count,
                 progress, str(cache) if not isinstance(cache, TuneCache) else cache.path)
     if memo_key in _memo:
@@ -145,7 +154,17 @@ def choose(op: str, a: torch.Tensor, w: torch.Tensor, group=None, *, cache=None,
     return config
 
 
+def resolve_auto(op: str, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group,
+                 base: OverlapConfig) -> OverlapConfig:
+    """The op layer's resolver of method='auto' (registered below): the tuner's choice for an op of this shape
+    (m: the op's output rows, every rank's rows for ag_gemm)."""
+    shape = Shape(op_name(op), m, n, k, dist.get_world_size(group), str(dtype).replace("torch.", ""))
+    return choose_shape(shape, group, device, base=base)
+
+
 def clear_memo():
     """Forget this process's decisions (tests; a new cache file)."""
     _memo.clear()
 
+
+set_auto_resolver(resolve_auto)   # the op layer asks the tuner for method='auto' through this hook

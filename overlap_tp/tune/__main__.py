@@ -46,7 +46,7 @@ def parse_args(argv):
 
 
 def shapes_from_args(args, t):
-    from overlap_tp.bench.ops import AG_SHAPES, SHAPES, at_tp
+    from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, at_tp
     table = AG_SHAPES if args.op == "ag" else SHAPES
     out = []
     for spec in filter(None, args.shapes.split(",")):
@@ -124,7 +124,7 @@ def _stats(points, p):
 
 
 def write_validation(out_dir, summaries, points, measurements, argv):
-    from overlap_tp.bench import report
+    from overlap_tp.tune import report
     stats = {p: _stats(points, p) for p in PROGRESS}
     share = {}
     for p in PROGRESS:

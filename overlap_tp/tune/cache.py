@@ -40,11 +40,18 @@ def default_path() -> str:
     return os.environ.get(ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "overlap_tp", "tune.json")
 
 
+def _package_version() -> Optional[str]:
+    """overlap_tp's installed version (setup.py's), None when it runs from a source tree not installed."""
+    from importlib import metadata
+    try:
+        return metadata.version("overlap_tp")
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def software_stamp(device_name: str) -> Dict[str, Optional[str]]:
     """What an entry is valid for: this device and these versions."""
     import torch
-
-    import overlap_tp
 
     try:
         import triton
@@ -58,7 +65,7 @@ def software_stamp(device_name: str) -> Dict[str, Optional[str]]:
             nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
     except (AttributeError, RuntimeError):
         nccl = None
-    return {"format": FORMAT_VERSION, "overlap_tp": overlap_tp.__version__, "torch": torch.__version__,
+    return {"format": FORMAT_VERSION, "overlap_tp": _package_version(), "torch": torch.__version__,
             "triton": triton_version, "nccl": nccl, "device": device_name}
 
 

@@ -7,7 +7,7 @@ curves():      the predictor's inputs for one shape: the signaled GEMM alone per
 end_to_end():  candidates timed through the public ops, each checked against method='off' first
                (the exhaustive mode and the verification of the predictor's picks).
 
-Timing: overlap_tp.bench.ops.timed (CUDA events, warm-up, barrier, median, all-reduce MAX), so every
+Timing: overlap_tp.tune.timing.timed (CUDA events, warm-up, barrier, median, all-reduce MAX), so every
 rank holds the slowest rank's numbers and every decision made from them is the same on every rank.
 Anything that decides whether a collective runs (a candidate's check, an optional curve) is agreed
 across ranks first, so a rank-local failure cannot leave the others waiting in a collective.
@@ -19,16 +19,18 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.ops import comm
+from overlap_tp.ops.ag_gemm import ag_gemm
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.gemm_rs import gemm_ar, gemm_rs
 from overlap_tp.tune.candidates import COMM_SMS, DECOMPOSE_CHUNKS, DECOMPOSE_COMM_SMS, Shape, label, layout
 from overlap_tp.tune.predict import Measurements
+from overlap_tp.tune.timing import timed
 
 CURVE_POINTS = 8          # bytes halve from the whole collective down to 1/128 of it
 INPUT_SETS = 2
 
 
 def _timed(fn, sets, reps, group):
-    from overlap_tp.bench.ops import timed
     return timed(fn, sets, reps, group)
 
 
@@ -47,13 +49,7 @@ def _inputs(shape: Shape, device, sets=INPUT_SETS):
 
 
 def _run(shape: Shape):
-    from overlap_tp import gemm_ar, gemm_rs
-    if shape.op == "rs":
-        return gemm_rs
-    if shape.op == "ar":
-        return gemm_ar
-    from overlap_tp import ag_gemm
-    return ag_gemm
+    return {"rs": gemm_rs, "ar": gemm_ar, "ag": ag_gemm}[shape.op]
 
 
 def end_to_end(shape: Shape, configs: Iterable[OverlapConfig], group, device, *, reps: int = 20,

@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Dict, List, Sequence
 
-from overlap_tp.bench.report import markdown_table
+from overlap_tp.tune.report import markdown_table
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.tune.candidates import Shape, candidates, config_from_label, label
 from overlap_tp.tune.predict import NO_CONTENTION, Contention, Measurements, predict, rank

@@ -1,6 +1,6 @@
 """Overlap statistics sampling (overlap_tp.training.sampling) under gloo: armed calls are stamped and recorded
-against a reference measured once per shape on every rank; results are unchanged; async and disarmed
-calls are not stamped."""
+against a reference measured once per shape on every rank; results are unchanged; calls that do not come
+through the observer (async ones) and disarmed calls are not stamped."""
 import pytest
 import torch
 
@@ -29,16 +29,19 @@ def _check_sampling(rank, world):
 
     SAMPLER.measure, SAMPLER.samples, SAMPLER.references = measure, [], {}
     stats = OverlapStats()
+    observe = SAMPLER.observe   # what the layers call (overlap_tp.megatron.layers.set_op_observer)
     SAMPLER.armed = True
     try:
         for _ in range(2):   # two calls of each shape: one reference each
-            sampled = [gemm_rs(a_k, w_k, config=SIGNAL), gemm_ar(a_k, w_k, config=OFF), ag_gemm(a_rows, w, config=SIGNAL)]
+            sampled = [observe("gemm_rs", lambda: gemm_rs(a_k, w_k, config=SIGNAL), a_k, w_k, None),
+                       observe("gemm_ar", lambda: gemm_ar(a_k, w_k, config=OFF), a_k, w_k, None),
+                       observe("ag_gemm", lambda: ag_gemm(a_rows, w, config=SIGNAL), a_rows, w, None)]
             for got, ref in zip(sampled, unsampled):
                 assert torch.equal(got, ref)
-        gemm_rs(a_k, w_k, config=SIGNAL, async_op=True).wait()   # async: not stamped
+        gemm_rs(a_k, w_k, config=SIGNAL, async_op=True).wait()   # async: the layers do not observe it
     finally:
         SAMPLER.armed = False
-    gemm_rs(a_k, w_k, config=SIGNAL)                              # disarmed: not stamped
+    observe("gemm_rs", lambda: gemm_rs(a_k, w_k, config=SIGNAL), a_k, w_k, None)   # disarmed: not stamped
     assert SAMPLER.collect(stats) == 6
     assert measured == ["gemm_rs", "gemm_ar", "ag_gemm"]
     summary = stats.summary()
@@ -70,3 +73,16 @@ def test_sample_iteration_is_the_logged_step():
     assert [k for k in range(12) if sample_iteration(k, 5)] == [4, 9]
     assert [k for k in range(3) if sample_iteration(k, 1)] == [0, 1, 2]
     assert not sample_iteration(None, 1)
+
+
+def test_install_routes_the_layers_op_calls_through_the_sampler():
+    pytest.importorskip("megatron.core", reason="the layers need megatron-core")
+    from overlap_tp.megatron import layers
+    try:
+        SAMPLER.install()
+        assert layers._op_observer == SAMPLER.observe
+        calls = []
+        assert layers._observed("gemm_rs", lambda: calls.append(1) or "out", None, None, None) == "out"
+        assert calls == [1] and SAMPLER.samples == []   # disarmed: called straight through
+    finally:
+        layers.set_op_observer(None)

@@ -431,7 +431,7 @@ def test_choose_agrees_across_ranks(tmp_path):
 
 def test_cli_shapes_are_the_table_layer_at_the_runs_tp():
     from types import SimpleNamespace
-    from overlap_tp.bench.ops import AG_SHAPES, SHAPES
+    from overlap_tp.tune.shapes import AG_SHAPES, SHAPES
     from overlap_tp.tune.__main__ import shapes_from_args
     k2, n2 = SHAPES["l8b.proj"]
     (_, at2), = shapes_from_args(SimpleNamespace(op="rs", shapes="l8b.proj.s8192", mnk=[]), 2)

@@ -1,4 +1,4 @@
-"""Write benchmark results as JSON plus a Markdown table, with the environment they were measured in."""
+"""Benchmark and tuner records: JSON plus a Markdown table, with the environment they were measured in."""
 import datetime
 import json
 import os
