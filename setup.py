@@ -34,8 +34,6 @@ setup(
         # to turn its one-element scalar arrays into Python ints.
         # matplotlib: the training report (overlap_tp.training.report) and its test.
         "dev": ["pytest>=7", "numpy<2.3", "matplotlib"],
-        # The comm stream waits on tile counters with cuStreamWaitValue32 from cuda-bindings.
-        "gpu": ["cuda-bindings"],
         "megatron": ["megatron-core>=0.16"],
         # wandb-workspaces: the W&B dashboard (python -m overlap_tp.training.wandb_dashboard).
         "wandb": ["wandb", "wandb-workspaces"],

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from overlap_tp.ops import comm
 from overlap_tp.ops.ag_gemm import ag_gemm
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.gemm_rs import gemm_ar, gemm_rs
+from overlap_tp.ops.gemm_ar import gemm_ar
+from overlap_tp.ops.gemm_rs import gemm_rs
 
 REFERENCE_REPS = 3
 SAMPLED_OPS = ("gemm_rs", "gemm_ar", "ag_gemm")   # the kinds the layers' observer sees

@@ -3,7 +3,7 @@ import torch
 
 from overlap_tp import OverlapConfig
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.plan import make_plan, p2p_plan
+from overlap_tp.ops.tile_plan import make_plan, p2p_plan
 
 CONFIG = OverlapConfig(block_m=16, block_n=32, block_k=16)
 
@@ -49,7 +49,7 @@ def test_transposed_weight_is_read_in_place():
     single weights at shapes with N and K tails, and stacked expert weights [L, K, N] read as [L, N, K]."""
     import pytest
     from overlap_tp.kernels.signaled_gemm import weight_layout
-    from overlap_tp.ops.plan import EXPERT
+    from overlap_tp.ops.tile_plan import EXPERT
     gen = torch.Generator().manual_seed(7)
     for m, n, k in ((64, 96, 48), (40, 72, 32), (96, 40, 64)):
         a = torch.randn(m, k, generator=gen).to(torch.bfloat16)

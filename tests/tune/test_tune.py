@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.plan import make_plan
+from overlap_tp.ops.tile_plan import make_plan
 from overlap_tp.tune import choose, clear_memo, decide, refit
 from overlap_tp.tune.cache import TuneCache, cache_key, config_to_dict, default_path
 from overlap_tp.tune.candidates import (MAX_PARTITIONS, Shape, candidates, config_from_label, label, layout,
