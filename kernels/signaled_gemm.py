@@ -14,12 +14,13 @@ than `tl.debug_barrier()`, because Triton 3.6 refuses to software-pipeline a fla
 that contains the latter (the TTGIR then holds one shared-memory stage instead of `num_stages`, and
 the kernel ran at ~30% of cuBLAS on an H200).
 
-Counters are never reset: each call adds group_tiles[g] to counter g, and waiters compare cyclically
-against (calls * group_tiles[g]) mod 2**32, so no memset sits on the critical path.
+Counters count one call's tiles: each call raises counter g from 0 to group_tiles[g], and the waiter writes
+0 back after its wait (overlap_tp/ops/comm.py), so every call and every CUDA graph replay waits for the same
+fixed target and no memset sits on the critical path.
 
 AllGather+GEMM runs the same kernel the other way round (WAIT, no SIGNAL): a tile whose WAIT field
 names a ready flag spins on it before its first load, with acquire loads, until the flag reaches this
-call's epoch (compared cyclically); the comm stream raises the flag with cuStreamWriteValue32 once the
+call's value (1; compared cyclically); the comm stream raises the flag with cuStreamWriteValue32 once the
 chunk's transfer completed. The TMA loads that follow read through the async proxy, so a
 `fence.proxy.async` orders them after the acquire.
 
@@ -80,7 +81,7 @@ def fence_async_proxy_then(value):
 
 @triton.jit
 def wait_flag_then(flags_ptr, flag, target, value, INTERPRETED: tl.constexpr):
-    """Spin until flags[flag] - target >= 0 (int32, cyclic: the epochs may wrap), then `value`, which
+    """Spin until flags[flag] - target >= 0 (int32, cyclic compare), then `value`, which
     the caller uses to address its loads: they depend on the wait through the opaque asm and cannot
     be hoisted above it (by the compiler or the software pipeliner)."""
     if INTERPRETED:
@@ -101,7 +102,7 @@ def signaled_gemm_kernel(
     bias_ptr, bias_row_lo, bias_row_hi,   # bias added to source rows [lo, hi) only
     tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, TILE_FIELDS] in execution order
     counters_ptr,                   # SIGNAL: int32 per group, raised once per stored tile
-    flags_ptr, wait_target,         # WAIT: int32 ready flags and this call's epoch
+    flags_ptr, wait_target,         # WAIT: int32 ready flags and the value they are raised to
     N, K,                           # N: the output columns of one weight (one expert)
     HAS_BIAS: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, INTERPRETED: tl.constexpr,
     W_KN: tl.constexpr,             # w_desc holds W row-major as [L*K, N] (C = A @ W), not [L*N, K]

@@ -6,7 +6,8 @@
 #   RDZV_ENDPOINT=host:port  RDZV_ID=job  torchrun's c10d rendezvous instead (multi-node, SLURM)
 #   TRANSFORMER_IMPL=local|transformer_engine   (default: transformer_engine where it imports)
 #   GRAPHS=local|full_iteration|none    Megatron's --cuda-graph-impl for both sides, on and off alike
-#                                       (default local: docs/perf/README.md has the measurements)
+#                                       (default local; smoke: full_iteration, measured fastest there,
+#                                       docs/perf/s10/README.md)
 #   WANDB_PROJECT (default overlap_tp; "" turns W&B off)  WANDB_MODE (offline unless set)  EXP_NAME
 #   OUT_DIR (default runs/$RECIPE-$OVERLAP): train.log, tensorboard/, wandb/
 #   DRY_RUN=1                           print the launch command instead of running it
