@@ -6,12 +6,15 @@
 `validate_overlap_args(args)` runs after Megatron's own `validate_args` (which turns
 `--sequence-parallel` off at TP=1) and checks the combination with Megatron's flags, with messages
 that say what to change. Both touch only attributes that exist on `args`, reading Megatron's with
-`getattr(..., default)`, so a plain namespace in a test works too.
+`getattr(..., default)`, so a plain namespace in a test works too. `validate_overlap_args` also checks
+the OVERLAP_TP_* environment variables (`validate_overlap_env`), so a bad value stops the run at start
+rather than at its first use, mid-training.
 
     --overlap-tp {off,signal,decompose,auto}   OverlapConfig.method for the TP/SP linear layers (off)
     --overlap-tp-transport {auto,nccl,p2p}     OverlapConfig.transport per op kind (auto, see layer_configs)
     --overlap-tp-comm-sms N                    OverlapConfig.comm_sms (default 16; the expert ops 4)
-    --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans
+    --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans (default: see
+                                               tune_cache_path)
     --overlap-tp-layers                        use overlap_tp's layer spec even with --overlap-tp off
     --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
     --overlap-moe {off,signal,decompose,auto}  OverlapConfig.method for the MoE expert ops (off)
@@ -27,6 +30,13 @@ GROUP_TITLE = "overlap_tp"
 # --overlap-tp-transport: "auto" picks per op kind (layer_configs), the others are OverlapConfig.transport.
 TRANSPORT_FLAGS = ("auto",) + TRANSPORTS
 TUNE_CACHE_ENV = "OVERLAP_TP_TUNE_CACHE"
+# The environment overrides read later, by layers this one may not import (the watchdog in
+# overlap_tp.ops.comm, the MFU's peak in overlap_tp.training.throughput; tests/megatron/test_arguments.py
+# checks the names against theirs). OVERLAP_TP_GIT_COMMIT (a label in benchmark records) and
+# OVERLAP_TP_GPU_WORLD (the GPU tests' rank count) are not read by training.
+WATCHDOG_ENV = "OVERLAP_TP_WATCHDOG_S"
+PEAK_TFLOPS_ENV = "OVERLAP_TP_PEAK_TFLOPS"
+TUNE_CACHE_FILE = "overlap_tp_tune.json"
 
 
 class OverlapArgumentError(ValueError):
@@ -66,7 +76,9 @@ def add_overlap_args(parser):
     group.add_argument(
         "--overlap-tp-tune-cache", type=str, default=None, metavar="PATH",
         help="File where the per-shape tuner (--overlap-tp auto) keeps its measured plans, so "
-             f"tuning happens once per shape and machine (exported as {TUNE_CACHE_ENV}).")
+             f"tuning happens once per shape and machine (exported as {TUNE_CACHE_ENV}). Default: "
+             f"${TUNE_CACHE_ENV}, else {TUNE_CACHE_FILE} in the --save folder (a resumed run reuses the "
+             "plans), else none (plans kept in memory for the run only; nothing is written).")
     group.add_argument(
         "--overlap-tp-layers", action="store_true",
         help="Use overlap_tp's layer spec even with --overlap-tp off: its modules then run cuBLAS then "
@@ -105,12 +117,58 @@ def _warn(message):
         warnings.warn(message, stacklevel=3)
 
 
+def tune_cache_path(args, environ=None):
+    """Where the tuner of this training run keeps its plans: --overlap-tp-tune-cache, else
+    $OVERLAP_TP_TUNE_CACHE, else overlap_tp_tune.json in Megatron's --save folder (the run's own output,
+    kept with its checkpoints), else None (no file)."""
+    environ = os.environ if environ is None else environ
+    given = getattr(args, "overlap_tp_tune_cache", None) or environ.get(TUNE_CACHE_ENV)
+    if given:
+        return given
+    save = getattr(args, "save", None)
+    return os.path.join(save, TUNE_CACHE_FILE) if save else None
+
+
+def validate_overlap_env(args=None, environ=None):
+    """Check the OVERLAP_TP_* overrides (and the tune cache location `args` gives, if any); raise
+    OverlapArgumentError with a one-line message naming the variable."""
+    environ = os.environ if environ is None else environ
+
+    def number(name):
+        value = environ.get(name)
+        if value is None or value == "":
+            return None
+        try:
+            return float(value)
+        except ValueError:
+            raise OverlapArgumentError(f"{name}={value!r}: expected a number") from None
+
+    peak = number(PEAK_TFLOPS_ENV)
+    if peak is not None and not (peak > 0 and peak != float("inf")):
+        raise OverlapArgumentError(f"{PEAK_TFLOPS_ENV}={environ[PEAK_TFLOPS_ENV]!r}: expected a positive number "
+                                   "(the per-GPU peak TFLOP/s the logged MFU divides by)")
+    watchdog = number(WATCHDOG_ENV)
+    if watchdog is not None and not (watchdog >= 0 and watchdog != float("inf")):
+        raise OverlapArgumentError(f"{WATCHDOG_ENV}={environ[WATCHDOG_ENV]!r}: expected seconds >= 0 (0 turns the "
+                                   "watchdog off)")
+    from overlap_tp.tune.cache import location_problem
+    flag = getattr(args, "overlap_tp_tune_cache", None)
+    what, cache = ("--overlap-tp-tune-cache", flag) if flag else (TUNE_CACHE_ENV, environ.get(TUNE_CACHE_ENV))
+    if not cache and getattr(args, "overlap_tp", "off") == "auto":   # only auto tunes: else --save is Megatron's
+        what, cache = "the tune cache in --save", tune_cache_path(args, environ)
+    problem = cache and location_problem(cache)
+    if problem:
+        raise OverlapArgumentError(f"{what}: {problem}")
+
+
 def validate_overlap_args(args, *, warn=_warn):
-    """Check overlap_tp's flags against Megatron's; raise OverlapArgumentError with what to change.
+    """Check overlap_tp's flags against Megatron's, and the OVERLAP_TP_* environment; raise
+    OverlapArgumentError with what to change.
 
     Call it after Megatron's `validate_args`. May set `args.overlap_tp = "off"` (TP=1: nothing to
     overlap). Returns the list of warnings it gave (each also passed to `warn`).
     """
+    validate_overlap_env(args)
     given = []
 
     def note(message):
