@@ -186,8 +186,8 @@ for fmt in $FORMATS; do
   fault "fault_$fmt" KILL "$WATCHDOG_S" 'exitcode *: -9|Signal 9|SIGKILL'
   note "- checkpoint left by fault_$fmt: iteration $(cat "$CKPT/latest_checkpointed_iteration.txt" 2>/dev/null || echo none)"
   # 2b. resume from it to TRAIN_ITERS
-  train "resume_$fmt" "$WATCHDOG_S" --load "$CKPT" --save "$CKPT" --save-interval "$SAVE_EVERY" --ckpt-format "$fmt" \
-    --exit-on-missing-checkpoint
+  # no --save: the resumed run is compared, not checkpointed again (saves cost device time)
+  train "resume_$fmt" "$WATCHDOG_S" --load "$CKPT" --ckpt-format "$fmt" --exit-on-missing-checkpoint
   finish "resume_$fmt"
   note "- resume_$fmt: exit $RC"
   [[ $RC == 0 ]] || FAILS=$((FAILS + 1))
