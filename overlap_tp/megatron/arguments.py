@@ -25,16 +25,16 @@ import os
 import warnings
 
 from overlap_tp.ops.config import EXPERT_OP_DEFAULTS, METHODS, TRANSPORTS, OverlapConfig
+from overlap_tp.ops.watchdog import timeout_from_env
 
 GROUP_TITLE = "overlap_tp"
 # --overlap-tp-transport: "auto" picks per op kind (layer_configs), the others are OverlapConfig.transport.
 TRANSPORT_FLAGS = ("auto",) + TRANSPORTS
 TUNE_CACHE_ENV = "OVERLAP_TP_TUNE_CACHE"
-# The environment overrides read later, by layers this one may not import (the watchdog in
-# overlap_tp.ops.comm, the MFU's peak in overlap_tp.training.throughput; tests/megatron/test_arguments.py
-# checks the names against theirs). OVERLAP_TP_GIT_COMMIT (a label in benchmark records) and
-# OVERLAP_TP_GPU_WORLD (the GPU tests' rank count) are not read by training.
-WATCHDOG_ENV = "OVERLAP_TP_WATCHDOG_S"
+# The MFU's peak override, read later by overlap_tp.training.throughput, a layer this one may not import
+# (tests/megatron/test_arguments.py checks the name against its). The watchdog's variable is read by
+# overlap_tp.ops.watchdog; OVERLAP_TP_GIT_COMMIT (a label in benchmark records) and OVERLAP_TP_GPU_WORLD
+# (the GPU tests' rank count) are not read by training.
 PEAK_TFLOPS_ENV = "OVERLAP_TP_PEAK_TFLOPS"
 TUNE_CACHE_FILE = "overlap_tp_tune.json"
 
@@ -117,45 +117,39 @@ def _warn(message):
         warnings.warn(message, stacklevel=3)
 
 
-def tune_cache_path(args, environ=None):
+def tune_cache_path(args):
     """Where the tuner of this training run keeps its plans: --overlap-tp-tune-cache, else
     $OVERLAP_TP_TUNE_CACHE, else overlap_tp_tune.json in Megatron's --save folder (the run's own output,
     kept with its checkpoints), else None (no file)."""
-    environ = os.environ if environ is None else environ
-    given = getattr(args, "overlap_tp_tune_cache", None) or environ.get(TUNE_CACHE_ENV)
+    given = getattr(args, "overlap_tp_tune_cache", None) or os.environ.get(TUNE_CACHE_ENV)
     if given:
         return given
     save = getattr(args, "save", None)
     return os.path.join(save, TUNE_CACHE_FILE) if save else None
 
 
-def validate_overlap_env(args=None, environ=None):
-    """Check the OVERLAP_TP_* overrides (and the tune cache location `args` gives, if any); raise
-    OverlapArgumentError with a one-line message naming the variable."""
-    environ = os.environ if environ is None else environ
-
-    def number(name):
-        value = environ.get(name)
-        if value is None or value == "":
-            return None
+def validate_overlap_env(args=None):
+    """Check the OVERLAP_TP_* overrides in os.environ (and the tune cache location `args` gives, if any);
+    raise OverlapArgumentError with a one-line message naming the variable. The watchdog's variable is
+    parsed by the watchdog's own reader, so what passes here is what the ops will accept."""
+    raw = os.environ.get(PEAK_TFLOPS_ENV)
+    if raw:   # empty = unset, as overlap_tp.training.throughput.peak_tflops reads it
         try:
-            return float(value)
+            peak = float(raw)
         except ValueError:
-            raise OverlapArgumentError(f"{name}={value!r}: expected a number") from None
-
-    peak = number(PEAK_TFLOPS_ENV)
-    if peak is not None and not (peak > 0 and peak != float("inf")):
-        raise OverlapArgumentError(f"{PEAK_TFLOPS_ENV}={environ[PEAK_TFLOPS_ENV]!r}: expected a positive number "
-                                   "(the per-GPU peak TFLOP/s the logged MFU divides by)")
-    watchdog = number(WATCHDOG_ENV)
-    if watchdog is not None and not (watchdog >= 0 and watchdog != float("inf")):
-        raise OverlapArgumentError(f"{WATCHDOG_ENV}={environ[WATCHDOG_ENV]!r}: expected seconds >= 0 (0 turns the "
-                                   "watchdog off)")
+            peak = None
+        if peak is None or not (0 < peak < float("inf")):
+            raise OverlapArgumentError(f"{PEAK_TFLOPS_ENV}={raw!r}: expected a positive number (the per-GPU peak "
+                                       "TFLOP/s the logged MFU divides by)")
+    try:
+        timeout_from_env()
+    except ValueError as error:
+        raise OverlapArgumentError(str(error)) from None
     from overlap_tp.tune.cache import location_problem
     flag = getattr(args, "overlap_tp_tune_cache", None)
-    what, cache = ("--overlap-tp-tune-cache", flag) if flag else (TUNE_CACHE_ENV, environ.get(TUNE_CACHE_ENV))
+    what, cache = ("--overlap-tp-tune-cache", flag) if flag else (TUNE_CACHE_ENV, os.environ.get(TUNE_CACHE_ENV))
     if not cache and getattr(args, "overlap_tp", "off") == "auto":   # only auto tunes: else --save is Megatron's
-        what, cache = "the tune cache in --save", tune_cache_path(args, environ)
+        what, cache = "the tune cache in --save", tune_cache_path(args)
     problem = cache and location_problem(cache)
     if problem:
         raise OverlapArgumentError(f"{what}: {problem}")
