@@ -134,9 +134,10 @@ def choose_shape(shape: Shape, group, device: torch.device, *, cache=None, base:
 
     Collective over `group` on a cache miss (every rank must call it for the same shape, as for the
     op itself). cache: None = $OVERLAP_TP_TUNE_CACHE if set, else no disk (warned once: the decisions
-    live in this process only); a path, a TuneCache, or False (no disk). base: block sizes / stages every candidate keeps. measure: an
-    object with curves(shape, group, device, base) and end_to_end(shape, configs, group, device)
-    (default: overlap_tp.tune.measure; tests pass a fake to run the decision path on CPU).
+    live in this process only); a path, a TuneCache, or False (no disk). base: block sizes / stages
+    every candidate keeps. measure: an object with curves(shape, group, device, base) and
+    end_to_end(shape, configs, group, device) (default: overlap_tp.tune.measure; tests pass a fake to
+    run the decision path on CPU).
     """
     if device.type != "cuda" and measure is None:
         return OverlapConfig(method="off", **_fixed(base))

@@ -5,8 +5,8 @@
 #   1. reference: TRAIN_ITERS (30) iterations, uninterrupted, no checkpoint.
 #   2. per checkpoint format F in torch_dist and torch (Megatron's legacy format):
 #      a. fault: the same run with --save every 10 iterations; once iteration KILL_AFTER (12) is logged, and
-#         the checkpoint of iteration 10 is written, half a step later SIGKILL the rank-1 worker (LOCAL_RANK 1):
-#         mid-step. Expect torchrun to end the job with an error naming rank 1 and signal 9, within
+#         the checkpoint of iteration 10 is written, half a logged step time later SIGKILL the rank-1 worker
+#         (LOCAL_RANK 1): mid-step. Expect torchrun to end the job with an error naming rank 1 and signal 9, within
 #         OVERLAP_TP_WATCHDOG_S (WATCHDOG_S, 30) of the kill, and no process of the job left alive.
 #      b. resume: --load the same folder (the checkpoint of iteration 10) and train to TRAIN_ITERS: the 20
 #         following iterations must log the reference's losses and grad norms exactly (as printed).
@@ -16,6 +16,7 @@
 #      torchrun sees nothing): rank 0's overlap_tp watchdog must end it with its message within
 #      STALL_WATCHDOG_S (20) plus torchrun's shutdown.
 #
+# The recipe's own knobs pass through (e.g. GRAPHS=none for eager steps; its default is Megatron's local CUDA graphs).
 # Run from the repository root on the device: `COMMIT=<sha> bash docs/perf/scripts/run_s10_faults.sh`.
 # Writes under $OUT (at most 8 files): summary.md, reference.log, fault_<F>.log, resume_<F>.log (and stall.log).
 # Budget: about 3-4 minutes on 2 x H200 without STALL (each run ~30 s: start-up, Triton compiles, 30 steps).
@@ -140,7 +141,9 @@ fault() {   # fault JOB SIGNAL LIMIT_S MESSAGE_REGEX: once iteration KILL_AFTER 
     FAILS=$((FAILS + 1))
     return
   fi
-  sleep 0.08   # about half of a smoke step (~170 ms): the signal lands inside iteration KILL_AFTER + 1
+  # half of the last logged step time: the signal lands inside iteration KILL_AFTER + 1
+  sleep "$(grep -oE 'elapsed time per iteration \(ms\): [0-9.]+' "$WORK/$job/train.log" | tail -1 \
+           | awk '{printf "%.3f", $NF / 2000}' | grep . || echo 0.08)"
   t_kill=$(now)
   kill "-$signal" "$victim"
   # wait for torchrun, but not past the limit by much: a job that does not end is the failure being
