@@ -48,7 +48,7 @@ def parse_args(argv):
     p.add_argument("--sweep", action="store_true", help="also time schedule x groups x comm_sms variants")
     p.add_argument("--auto", action="store_true",
                    help="also time method='auto' (the tuner's pick; tunes each shape once, cache: "
-                        "$OVERLAP_TP_TUNE_CACHE) and report it against seq")
+                        "$OVERLAP_TP_TUNE_CACHE if set, else none) and report it against seq")
     p.add_argument("--graphs", action="store_true",
                    help="time every configuration (ours and each baseline) as replays of a captured CUDA graph")
     p.add_argument("--host", action="store_true",
