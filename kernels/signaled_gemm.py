@@ -222,7 +222,7 @@ def _launch_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_ro
     assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
     grid = max(1, min(num_programs, num_tiles))
     args = (TensorDescriptor.from_tensor(a, [bm, bk]), w_desc,
-            dst, dst.stride(0), dst_offsets if dst_offsets is not None else _zero_offset(dst.device),
+            dst, dst.stride(0), dst_offsets if dst_offsets is not None else default_offsets(dst.device),
             bias if bias is not None else dst, bias_rows[0], bias_rows[1],
             tiles, num_tiles, counters if counters is not None else tiles,
             flags if flags is not None else tiles, wait_target,
@@ -244,15 +244,16 @@ def _jit_launch(grid, args, options):
     return signaled_gemm_kernel[(grid,)](*positional, **constexprs, **options)
 
 
-_zero_offsets = {}
-_zero_offsets = {}
+_default_offsets = {}
+_default_offsets = {}
 
 
-def _zero_offset(device):
-    """The offset table of plans that store everything into dst itself."""
-    if device not in _zero_offsets:
-        _zero_offsets[device] = torch.zeros(1, dtype=torch.int64, device=device)
-    return _zero_offsets[device]
+def default_offsets(device):
+    """The offset table of plans that store everything into dst itself (one per device; plans make it when
+    they are built, so no call under graph capture allocates it)."""
+    if device not in _default_offsets:
+        _default_offsets[device] = torch.zeros(1, dtype=torch.int64, device=device)
+    return _default_offsets[device]
 
 
 def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, bias_rows=(0, 0), dst_offsets=None,

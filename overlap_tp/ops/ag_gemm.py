@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from overlap_tp.kernels.signaled_gemm import SignaledGemm, _zero_offset, check_operands
+from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
 from overlap_tp.ops import comm
 from overlap_tp.ops.common import OpPlan, cached_plan, chunk_bounds, gemm_programs
 from overlap_tp.ops.config import OverlapConfig
@@ -64,7 +64,7 @@ class AgGemm(OpPlan):
                 self.watched.words = (("ready flags", self.flags),)
             self.engine = comm.comm_engine(device)
             if device.type == "cuda":
-                _zero_offset(device)
+                default_offsets(device)
             if config.transport == "p2p":
                 from overlap_tp.ops.p2p import ShardPull
                 self.pull = ShardPull(self.group, self.rank, t, m, k, dtype, device)

@@ -177,7 +177,7 @@ class CommEngine:
 
     def capturing(self) -> bool:
         """Whether the caller's stream is being captured into a CUDA graph."""
-        return self.stream is not None and torch.cuda.is_current_stream_capturing()
+        return capturing(self.device)
 
     def current(self) -> int:
         """The caller's current stream on this device, as a raw handle."""

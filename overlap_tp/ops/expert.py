@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from overlap_tp.kernels.signaled_gemm import SignaledGemm, _zero_offset, tma_unsupported_reason, weight_layout
+from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, tma_unsupported_reason, weight_layout
 from overlap_tp.ops import comm
 from overlap_tp.ops.common import check_not_capturing, gemm_programs, warn_once
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
@@ -188,7 +188,7 @@ class _ExpertState:
             self.gemm = SignaledGemm(self.tiles, programs, config, counters=self.words,
                                      dst_offsets=None if offsets is None else offsets.to(device))
         if device.type == "cuda":
-            _zero_offset(device)
+            default_offsets(device)
             if kind == "gemm_a2a":
                 comm.comm_engine(device).prepare_counter_waits(plan.group_tiles)
         self.watched = Watched(describe, (("flags" if kind == "a2a_gemm" else "counters", self.words),)) \

@@ -41,6 +41,8 @@ class GemmAR(OpPlan):
             self.signaled = SignaledReduction(plan, device, config, gemm_programs(device, config),
                                               (0, m) if self.rank == 0 else (0, 0),
                                               comm.collectives(self.group, device, config.comm_sms), "all_reduce")
+            if self.watched is not None:
+                self.watched.words = (("counters", self.signaled.counters),)
         elif self.method == "decompose":
             self.coll = comm.collectives(self.group, device, config.comm_sms)
             self.bounds = chunk_bounds(m, config.chunks)

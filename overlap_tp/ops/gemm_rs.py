@@ -58,6 +58,8 @@ class GemmRS(OpPlan):
             self.signaled = SignaledReduction(plan, device, config, gemm_programs(device, config),
                                               (self.rank * self.m_local, (self.rank + 1) * self.m_local),
                                               comm.collectives(self.group, device, config.comm_sms), "reduce_scatter")
+            if self.watched is not None:
+                self.watched.words = (("counters", self.signaled.counters),)
         elif self.method == "decompose":
             self.coll = comm.collectives(self.group, device, config.comm_sms)
             self.bounds = chunk_bounds(self.m_local, config.chunks)

@@ -18,7 +18,7 @@ argument is written next to it. Buffers belong to their plan and live as long as
 """
 import torch
 
-from overlap_tp.kernels.signaled_gemm import SignaledGemm, _zero_offset
+from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
 from overlap_tp.ops import memops
 from overlap_tp.ops.sync import PeerSignals
 from overlap_tp.ops.tile_plan import p2p_plan
@@ -58,11 +58,12 @@ class P2PReduceScatter:
         self.handle = handle
         offsets = torch.tensor([off // self.buf.element_size() for off in byte_offsets], dtype=torch.int64,
                                device=device)
-        _zero_offset(device)
+        default_offsets(device)
         self.gemm = SignaledGemm(self.tiles, programs, config, bias_rows=(rank * self.m_local, (rank + 1) * self.m_local),
                                  dst_offsets=offsets)
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0))
         self.device_index = device.index
+        watched.words = (("peer signals [SUMMED, ARRIVED] x rank", self.signals.words),)
 
     def __call__(self, a, w, bias):
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)

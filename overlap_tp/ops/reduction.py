@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from overlap_tp.kernels.signaled_gemm import SignaledGemm, _zero_offset
+from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
 from overlap_tp.ops import comm
 from overlap_tp.ops.tile_plan import TileOrder, TilePlan, make_plan
 
@@ -52,7 +52,7 @@ class SignaledReduction:
                            for g, c in enumerate(plan.collectives))
         self.collective = collective   # "reduce_scatter" | "all_reduce" (in place: source rows = output rows)
         if device.type == "cuda":
-            _zero_offset(device)       # the kernel's default offset table, made now rather than under capture
+            default_offsets(device)       # the kernel's default offset table, made now rather than under capture
             self.engine.prepare_counter_waits(plan.group_tiles)
 
     def run(self, a, w, bias, received, staging, watched) -> Callable[[], None]:
