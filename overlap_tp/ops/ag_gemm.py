@@ -131,20 +131,7 @@ class AgGemm(OpPlan):
             if p2p:
                 self.pull.finish(stream)
 
-        if engine.stream is None:   # CPU: the transfers complete before the (interpreted) kernel starts
-            transfers(None)
-            self.gemm(gathered, w, out, bias)
-            engine.lower_flags(self.flags, None)
-            return
-        capturing = comm.capturing(self.device)
-        current = engine.current()
-        engine.fork(current, capturing)
-        transfers(engine.raw)              # enqueued first: the transfers never queue behind the GEMM
-        self.gemm(gathered, w, out, bias)
-        engine.lower_flags(self.flags, current)   # after the GEMM that waited on them
-        engine.join(current, capturing)
-        if not capturing:
-            self.watched.record(current)
+        engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.flags, self.watched)
 
 
 def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,

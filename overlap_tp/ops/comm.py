@@ -212,6 +212,49 @@ class CommEngine:
             memops.wait_value(self.raw, address, target)
             memops.write_value(self.raw, address, 0)
 
+    def gemm_then_collectives(self, gemm, counters, group_tiles, collective, watched):
+        """The signaled GEMM+collective shape (GEMM+RS, GEMM+AR, GEMM+A2A): fork, the GEMM on the caller's
+        stream (it raises counters[g] per stored tile of group g), then on the comm stream per group: wait until
+        counters[g] == group_tiles[g], reset, collective(g, comm stream). Returns the join, which the caller runs
+        before reading what the collectives wrote (at once, or in Pending.wait())."""
+        if self.stream is None:   # CPU: the interpreter finishes the kernel before the collectives start
+            gemm()
+            for g, tiles in enumerate(group_tiles):
+                self.wait_counter(counters, g, tiles, False)
+                collective(g, None)
+            return _no_join
+        capturing = self.capturing()
+        self.fork(self.current(), capturing)   # before the GEMM launch: inputs and buffers ready, no more
+        gemm()
+        for g, tiles in enumerate(group_tiles):
+            self.wait_counter(counters, g, tiles, capturing)
+            collective(g, self.raw)
+        if not capturing and watched is not None:
+            watched.record(self.raw)
+
+        def join():
+            self.join(self.current(), self.capturing())
+        return join
+
+    def transfers_then_gemm(self, transfers, gemm, flags, watched):
+        """The AllGather+GEMM shape (AG+GEMM, A2A+GEMM): fork, the transfers on the comm stream, enqueued first
+        so they never queue behind the GEMM (each raises its chunk's flag), the GEMM on the caller's stream
+        (its tiles wait for their chunk's flag), the flags lowered behind it, and the join."""
+        if self.stream is None:   # CPU: the transfers complete before the (interpreted) kernel starts
+            transfers(None)
+            gemm()
+            self.lower_flags(flags, None)
+            return
+        capturing = self.capturing()
+        current = self.current()
+        self.fork(current, capturing)
+        transfers(self.raw)
+        gemm()
+        self.lower_flags(flags, current)   # after the GEMM that waited on them
+        self.join(current, capturing)
+        if not capturing and watched is not None:
+            watched.record(current)
+
     def prepare_counter_waits(self, targets):
         """Compile the capture-time wait kernel for these targets now, eagerly (Triton compiles per
         specialization of the target; a compile inside a capture could load a module mid-capture)."""
@@ -237,6 +280,10 @@ class CommEngine:
         else:
             for index in range(flags.numel()):
                 memops.write_value(stream, flags.data_ptr() + 4 * index, 0)
+
+
+def _no_join():
+    return None
 
 
 _engines = {}

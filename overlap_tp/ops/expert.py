@@ -248,25 +248,11 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll):
             engine.raise_flag(state.words, c)
 
     def gemm():
+        xr[dst:dst + hi - lo].copy_(x[lo:hi])
         if plan.num_tiles:
             state.gemm(xr, w, y)
 
-    if engine.stream is None:   # CPU: the transfers complete before the (interpreted) kernel starts
-        xr[dst:dst + hi - lo].copy_(x[lo:hi])
-        transfers(None)
-        gemm()
-        engine.lower_flags(state.words, None)
-        return
-    capturing = comm.capturing(x.device)
-    current = engine.current()
-    engine.fork(current, capturing)
-    transfers(engine.raw)   # enqueued first: the transfers never queue behind the GEMM
-    xr[dst:dst + hi - lo].copy_(x[lo:hi])
-    gemm()
-    engine.lower_flags(state.words, current)
-    engine.join(current, capturing)
-    if not capturing:
-        state.watched.record(current)
+    engine.transfers_then_gemm(transfers, gemm, state.words, state.watched)
 
 
 def dispatch_gemm(x, counts, w, group, config):
@@ -326,23 +312,13 @@ def _combine_signaled(h, w, staging, z, state: _ExpertState, coll):
         if plan.num_tiles:
             state.gemm(h, w, staging)
 
-    def transfers(stream, capturing):
-        for g, exchange in enumerate(plan.exchanges):
-            engine.wait_counter(state.words, g, plan.group_tiles[g], capturing)
-            _exchange(coll, exchange, staging, z, stream)
+    def exchange(g, stream):
+        _exchange(coll, plan.exchanges[g], staging, z, stream)
 
-    if engine.stream is None:   # CPU: the interpreter finishes the kernel before the exchanges start
-        gemm()
-        transfers(None, False)
-        return
-    capturing = comm.capturing(h.device)
-    current = engine.current()
-    engine.fork(current, capturing)   # before the GEMM launch: inputs and buffers ready, no more
-    gemm()
-    transfers(engine.raw, capturing)
-    if not capturing:
-        state.watched.record(engine.raw)
-    engine.join(current, capturing)
+    # the groups with an exchange; the last group's tiles (the local rows, stored straight into z) are not
+    # waited on: its counter only counts
+    waited = plan.group_tiles[:len(plan.exchanges)]
+    engine.gemm_then_collectives(gemm, state.words, waited, exchange, state.watched)()
 
 
 def gemm_combine(h, counts, w, group, config):

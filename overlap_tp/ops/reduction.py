@@ -58,36 +58,15 @@ class SignaledReduction:
     def run(self, a, w, bias, received, staging, watched) -> Callable[[], None]:
         """The GEMM into `staging` and every group's collective into `received`; returns the join (the caller's
         stream waits for the comm stream: call it before reading `received`)."""
-        engine = self.engine
-        if engine.stream is None:   # CPU: the interpreter finishes the kernel before the collectives start
-            self.gemm(a, w, staging, bias)
-            for g, tiles, dst_lo, dst_hi, src_lo, src_hi in self.steps:
-                engine.wait_counter(self.counters, g, tiles, False)
-                self._collective(received[dst_lo:dst_hi], staging[src_lo:src_hi], None)
-            return _nothing
-        capturing = engine.capturing()
-        current = engine.current()
-        engine.fork(current, capturing)   # before the GEMM launch: inputs and buffers ready, no more
-        self.gemm(a, w, staging, bias)
-        for g, tiles, dst_lo, dst_hi, src_lo, src_hi in self.steps:
-            engine.wait_counter(self.counters, g, tiles, capturing)
-            self._collective(received[dst_lo:dst_hi], staging[src_lo:src_hi], engine.raw)
-        if not capturing:
-            watched.record(engine.raw)
+        def collective(g, stream):
+            _, _, dst_lo, dst_hi, src_lo, src_hi = self.steps[g]
+            if self.collective == "reduce_scatter":
+                self.coll.reduce_scatter(received[dst_lo:dst_hi], staging[src_lo:src_hi], stream=stream)
+            else:
+                self.coll.all_reduce(received[dst_lo:dst_hi], stream=stream)
 
-        def join():
-            engine.join(engine.current(), engine.capturing())
-        return join
-
-    def _collective(self, dst, src, stream):
-        if self.collective == "reduce_scatter":
-            self.coll.reduce_scatter(dst, src, stream=stream)
-        else:
-            self.coll.all_reduce(dst, stream=stream)
-
-
-def _nothing():
-    return None
+        return self.engine.gemm_then_collectives(lambda: self.gemm(a, w, staging, bias), self.counters,
+                                                 self.plan.group_tiles, collective, watched)
 
 
 def decomposed(device, out, compute_chunk, collective, bounds) -> list:
