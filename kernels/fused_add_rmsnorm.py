@@ -301,7 +301,7 @@ def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=F
 def backward_grid(m, n, device, programs_per_sm=None, num_warps=None, orders=()):
     """(programs, rows_per_program, TILE_N, N_TILES, num_warps) of the backward launch for m rows of n.
 
-    Defaults, from the launch grid sweep on H200 (docs/perf/fused_add_rmsnorm.md, `--sweep`): 32 fp32
+    Defaults, from the launch grid sweep on H200 (docs/perf/norm_sweep.md, `--sweep`): 32 fp32
     elements per thread per row (num_warps = row block / 1024) and about 256 threads per SM (2 programs
     per SM at 4096 columns, 1 at 8192). More warps per row or more programs per SM measured 5-25% slower:
     each program already keeps two rows of loads in flight, and more programs add partial rows to write
@@ -327,7 +327,7 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
     s: the residual's, or x's for the plain norm, standard layout) and dx (x's grad, in dx_order) unless
     `dx` is None, which means dx is ds (no dropout, standard layout, same dtype). Each program writes one
     partial row (programs x N fp32) that a second kernel sums (`_sum_partials_kernel`; at 2048 x 4096
-    torch's `sum(0)` took 4 us longer, docs/perf/s9/). pdl: launch that kernel with
+    torch's `sum(0)` took 4 us longer, git show 27bec54:docs/perf/s9/README.md). pdl: launch that kernel with
     programmatic dependent launch, so it is resident and waiting when the backward ends (None: where the
     GPU has it, Hopper on). programs_per_sm, num_warps: the benchmark sweeps them; it also times pdl=False."""
     m, n = rstd.shape[0], weight.shape[0]

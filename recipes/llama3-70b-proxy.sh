@@ -5,7 +5,7 @@
 # one layer 856 M params -> 7.7 GB + ~2 GB activations (flash attention, no recompute); embedding and
 # output layer 2.1 B params -> 19 GB; so ~10 layers in ~130 GB. NUM_LAYERS defaults to 8 to leave room
 # for NCCL/allocator overhead. Measured (no TE, GBS 4): 8 layers peak at 94 GB per GPU at TP=2;
-# 16 layers at TP=4 (TP=4 NPROC=4) peak at 83 GB (docs/perf/llama3-70b-proxy/).
+# 16 layers at TP=4 (TP=4 NPROC=4) peak at 83 GB (`git show 27bec54:docs/perf/llama3-70b-proxy/README.md`).
 #   bash recipes/llama3-70b-proxy.sh              overlap on (--overlap-tp signal)
 #   OVERLAP=off bash recipes/llama3-70b-proxy.sh  baseline: Megatron's path, overlap off
 set -euo pipefail

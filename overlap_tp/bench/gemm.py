@@ -16,7 +16,7 @@ Times: cuBLAS and every variant of a GEMM are timed in --rounds interleaved roun
 each (CUDA events; inputs rotated over --input-sets sets, no L2 flush, as in a layer), so the clock drift of a
 run falls on all of them alike; `ms` is the median over all rounds, `ratio range` the lowest and highest of the
 per-round ratios. (Timed one after the other, cuBLAS read 10-20% apart on two machines of the same kind, and the
-ratios moved with it: docs/perf/s9/README.md.)
+ratios moved with it: `git show 27bec54:docs/perf/s9/README.md`.)
 """
 import argparse
 import statistics

@@ -68,7 +68,7 @@ def add_overlap_args(parser):
              "stores into the owner's buffer for GEMM+ReduceScatter, copy-engine pulls for "
              "AllGather+GEMM; GEMM+AllReduce keeps nccl). auto (default): AllGather+GEMM on p2p with its "
              "GEMM on every SM, GEMM+ReduceScatter and GEMM+AllReduce on nccl, the combination that "
-             "measured fastest in the layer benchmark at TP 2 and 4 (docs/perf/README.md).")
+             "measured fastest in the layer benchmark at TP 2 and 4 (docs/perf/README.md, earlier records: layer_t2_gpu).")
     group.add_argument(
         "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
         help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "

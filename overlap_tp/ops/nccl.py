@@ -3,7 +3,7 @@
 Why not torch.distributed for these: on the H200 pair one `dist.reduce_scatter_tensor` call cost
 ~90-100 us of host time (torch 2.11: work objects, events, `record_param_comms`), while a 16 MB
 reduce-scatter takes ~80 us on the GPU. A signaled GEMM issues one collective per group behind the
-GEMM launch, so the host, not the GPU, set the pace (docs/perf/gemm_rs_ar.md). ncclReduceScatter
+GEMM launch, so the host, not the GPU, set the pace (`git show 27bec54:docs/perf/gemm_rs_ar.md`). ncclReduceScatter
 itself costs a few microseconds to enqueue. The collectives are still NCCL's (communication
 agnosticism); only the Python/C++ wrapper is skipped.
 
@@ -88,7 +88,7 @@ class Communicator:
         # No thread-block clusters: NCCL's default on Hopper launches clusters of CTAs, which must be
         # co-scheduled within one GPC. Next to a persistent GEMM that holds all but `max_ctas` SMs, the
         # free SMs are scattered over GPCs and a cluster may never fit; an AllGather+GEMM whose CTAs
-        # spin on the broadcast's ready flags then hangs (seen on the H200 pair: docs/perf/README.md).
+        # spin on the broadcast's ready flags then hangs (seen on the H200 pair: docs/perf/README.md, earlier records: ag_gemm).
         config.cgaClusterSize = 1
         self.comm = ctypes.c_void_p()
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)

@@ -172,7 +172,7 @@ def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) 
     writes all regions, spreading the NVLink traffic over the whole GEMM) with its destinations moved:
     there, region k's rows sit at staging rows k*M/t + local row. Row-major (no raster): each tile row's
     stores go to one owner at a time, which measured faster than the rastered order's interleaving
-    (docs/perf/README.md)."""
+    (docs/perf/README.md, earlier records: gemm_rs_p2p_order)."""
     plan = row_slice_plan(m, n, world, block_m, block_n, groups=1, raster_group_m=1)
     m_local = m // world
     tiles = plan.tiles.clone()
