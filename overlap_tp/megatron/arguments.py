@@ -250,8 +250,8 @@ def _validate_moe(args, moe, comm_sms):
 
 
 def _is_our_spec(spec):
-    from overlap_tp.megatron_patches.apply import SPEC
-    return list(spec) == list(SPEC)
+    from overlap_tp.megatron_patches.apply import is_overlap_spec
+    return is_overlap_spec(spec)
 
 
 def overlap_config_kwargs(args):
