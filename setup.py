@@ -44,6 +44,7 @@ setup(
     entry_points={
         "console_scripts": [
             "overlap-tp-pretrain = overlap_tp.launch.pretrain:main",
+            "overlap-tp-run = overlap_tp.launch.run:main",
             "overlap-tp-report = overlap_tp.training.report:main",
         ],
     },

@@ -133,9 +133,14 @@ class OpSampler:
         self.references = {}
 
     def install(self):
-        """Observe the Megatron layers' synchronous op calls (idempotent)."""
-        from overlap_tp.megatron.layers import set_op_observer
+        """Observe the Megatron layers' synchronous op calls (idempotent). Without megatron-core there are no
+        layers to observe: returns False."""
+        try:
+            from overlap_tp.megatron.layers import set_op_observer
+        except ImportError:
+            return False
         set_op_observer(self.observe)
+        return True
 
     def observe(self, kind, call, a, w, group):
         """The layers' op observer: call() as is while disarmed, stamped around while armed."""
