@@ -80,9 +80,10 @@ def add_overlap_args(parser):
     group.add_argument(
         "--no-overlap-tp-stats", dest="overlap_tp_stats", action="store_false",
         help="Do not sample overlap statistics. By default the step logged every --log-interval times "
-             "each overlapped GEMM+collective call against its sequential cost on the same shape "
-             "(measured once per shape, outside the logged step time) and logs overlap efficiency and "
-             "exposed communication, in total and per op kind.")
+             "each overlapped GEMM+collective call on the GPU against its GEMM alone and its collective "
+             "alone on the same shapes (measured once per shape, outside the logged step time) and logs "
+             "exposed communication (ms per step beyond the GEMMs, >= 0) and communication hidden (0-1), "
+             "in total and per op kind; left out, with the reason, for CUDA-graph replays and host-bound steps.")
     group.add_argument(
         "--overlap-moe", choices=list(_ordered(METHODS)), default="off",
         help="How MoE layers run their token all-to-all and expert GEMMs. off: Megatron's own MoE "
@@ -290,3 +291,7 @@ def moe_overlap_config_kwargs(args):
 def build_parser():
     """A stand-alone parser with only overlap_tp's flags (tests, `--help`)."""
     return add_overlap_args(argparse.ArgumentParser(prog="overlap_tp", allow_abbrev=False))
+
+
+if __name__ == "__main__":   # `python -m overlap_tp.megatron.arguments --help`: the flags, no Megatron needed
+    build_parser().parse_args()
