@@ -153,8 +153,9 @@ def _has_data_source(args):
 
 
 def extra_args_provider(parser):
+    from overlap_tp.launch.run import repair_help_strings
     from overlap_tp.megatron.arguments import add_overlap_args
-    return add_overlap_args(parser)
+    return repair_help_strings(add_overlap_args(parser))
 
 
 def use_prebuilt_dataset_helpers():

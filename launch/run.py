@@ -108,7 +108,7 @@ class Launch:
             def provider(parser):
                 if extra_args_provider is not None:   # the script's own flags first, as Megatron would
                     parser = extra_args_provider(parser)
-                return add_overlap_args(parser)
+                return repair_help_strings(add_overlap_args(parser))
             self.parsed = True
             return original(provider, *args, **kwargs)
 
@@ -190,6 +190,19 @@ def _megatron_training_modules():
     globals), and those that bound parse_args / validate_args by name (0.16/0.17: initialize.py)."""
     return [m for n, m in list(sys.modules.items())
             if (n == "megatron.training" or n.startswith("megatron.training.")) and m is not None]
+
+
+def repair_help_strings(parser):
+    """Escape the lone '%' of help strings argparse cannot format, so `--help` prints instead of raising
+    (megatron-core 0.19's --moe-paged-stash-buffer-size-factor-cuda says "10%)."). Returns the parser."""
+    formatter = parser._get_formatter()
+    for action in parser._actions:
+        if action.help:
+            try:
+                formatter._expand_help(action)
+            except (ValueError, TypeError, KeyError):
+                action.help = action.help.replace("%", "%%")
+    return parser
 
 
 def _is_overlap_module(module):

@@ -259,3 +259,16 @@ def test_real_megatron_parse_validate_and_model_config(tmp_path, monkeypatch):
     finally:
         patches.reset()
         layers.set_default_overlap_config(**saved)
+
+
+def test_help_strings_argparse_cannot_format_are_repaired(capsys):
+    """megatron-core 0.19 has a help string with a lone '%' ("10%)."): --help would raise instead of printing."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="megatron")
+    parser.add_argument("--factor", type=float, help="Magnitude is headroom (e.g. 1.10 = 10%).")
+    parser.add_argument("--fine", default=3, help="default %(default)s")
+    with pytest.raises(ValueError):
+        parser.format_help()
+    launcher.repair_help_strings(parser)
+    text = parser.format_help()
+    assert "1.10 = 10%)." in text and "default 3" in text
