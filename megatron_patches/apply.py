@@ -152,19 +152,23 @@ def overlap_layer_spec(config, vp_stage=None):
     """The decoder block spec with overlap_tp's layers, for a GPTModelConfig (0.19+) or a
     TransformerConfig: every layer is `get_gpt_layer_overlap_spec` with the TransformerConfig's values
     for the keywords it names (num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
-    qk_l2_norm, normalization; config and vp_stage if it takes them), and the block's final norm is
-    OverlapRMSNorm. A block spec rather than a layer spec: given a layer spec, Megatron picks the final
-    norm itself, and without TE or Apex that is WrappedTorchNorm, which refuses sequence parallel."""
+    qk_l2_norm, normalization, transformer_impl; config and vp_stage if it takes them), and the block's final
+    norm is OverlapRMSNorm (TENorm with transformer_impl "transformer_engine" where TE imports). A block spec
+    rather than a layer spec: given a layer spec, Megatron picks the final norm itself, and without TE or
+    Apex that is WrappedTorchNorm, which refuses sequence parallel."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    from overlap_tp.megatron.layer_spec import te_norm_module
     from overlap_tp.megatron.norm import OverlapRMSNorm
     transformer = getattr(config, "transformer", config)
     if "vp_stage" in inspect.signature(get_num_layers_to_build).parameters:
         layers = get_num_layers_to_build(transformer, vp_stage=vp_stage)
     else:
         layers = get_num_layers_to_build(transformer)
+    # the final norm carries no TP communication: Transformer Engine's with --transformer-impl transformer_engine
+    final_norm = te_norm_module(getattr(transformer, "transformer_impl", None)) or OverlapRMSNorm
     return TransformerBlockSubmodules(layer_specs=[overlap_transformer_layer_spec(config, vp_stage)] * layers,
-                                      layer_norm=OverlapRMSNorm)
+                                      layer_norm=final_norm)
 
 
 def overlap_transformer_layer_spec(config, vp_stage=None):
@@ -180,6 +184,7 @@ def overlap_transformer_layer_spec(config, vp_stage=None):
         "multi_latent_attention": getattr(transformer, "multi_latent_attention", False),
         "qk_l2_norm": getattr(transformer, "qk_l2_norm", False),
         "normalization": getattr(transformer, "normalization", None),
+        "transformer_impl": getattr(transformer, "transformer_impl", None),
         "config": transformer,
         "vp_stage": vp_stage,
     }

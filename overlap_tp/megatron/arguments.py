@@ -206,9 +206,10 @@ def validate_overlap_args(args, *, warn=_warn):
              "choice, off where overlap does not pay) or --overlap-tp off.")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         note(f"{flag} with --transformer-impl transformer_engine: overlap_tp's layer spec takes "
-             "precedence over it for every transformer layer. qkv/proj/fc1/fc2 become overlap_tp "
-             "modules and the norms separate OverlapRMSNorm modules (TE's fused LayerNorm+Linear is "
-             "not used); core attention is TE's where Transformer Engine imports, else PyTorch SDPA. "
+             "precedence over it where TP communication happens. qkv/proj/fc1/fc2 become overlap_tp "
+             "modules and the norms in front of them separate OverlapRMSNorm modules (TE's fused "
+             "LayerNorm+Linear is not used); core attention, the q/k layernorms and the final norm are "
+             "TE's where Transformer Engine imports, else PyTorch SDPA and OverlapRMSNorm. "
              "Pass --transformer-impl local to silence this.")
     return given
 
