@@ -271,7 +271,7 @@ def test_hook_arms_the_sampler_for_the_logged_step():
 def test_matches_megatrons_own_count():
     training = pytest.importorskip(
         "megatron.training.training",
-        reason="megatron.training is not importable (megatron-core >= 0.17 on Python >= 3.12 ships it)")
+        reason="megatron.training is not importable (megatron-core >= 0.19 on Python >= 3.12 ships it)")
     from megatron.training import arguments
     recipe = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
               "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
