@@ -21,7 +21,8 @@ sys.argv = [SCRIPT, ARGS...], as `python SCRIPT ARGS...` would):
 
 SCRIPT must parse its arguments through `megatron.training` (every Megatron-LM `pretrain_*.py` does);
 one that ends without doing so is reported. The two-line alternative for your own script (no
-launcher): `docs/layers.md`, "Your own training script".
+launcher) and `--spec overlap_tp.megatron_patches.spec signal`: README.md, "You already have a
+Megatron-LM script".
 
 Needs `megatron.training`: megatron-core >= 0.19 (Python >= 3.12), or a Megatron-LM checkout on
 PYTHONPATH or next to SCRIPT (Megatron-LM's scripts import the `megatron` folder beside them).
