@@ -153,7 +153,9 @@ class OpSampler:
 
     def observe(self, kind, call, a, w, group):
         """The layers' op observer: call() as is while disarmed, stamped around while armed."""
-        if not self.armed:
+        if not self.armed or (a.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # a call captured into a CUDA graph runs later, at replay: there is nothing to time now (and
+            # querying an event inside a capture is an error)
             return call()
         group = comm.resolve_group(group)
         start = _stamp(a.device)
