@@ -50,7 +50,7 @@ TORCHRUN=(torchrun --nproc-per-node 2 --master-port 29511)
 run() {   # name, then the command after torchrun's flags
   local name=$1; shift
   echo "== $name: $*" | tee "$OUT/$name.train.log"
-  timeout 150 "${TORCHRUN[@]}" "$@" >> "$OUT/$name.train.log" 2>&1
+  timeout 120 "${TORCHRUN[@]}" "$@" >> "$OUT/$name.train.log" 2>&1
   echo "== $name: exit $?" | tee -a "$OUT/$name.train.log"
   grep -E "^\[overlap_tp\]|iteration +30/|Error|error:" "$OUT/$name.train.log" | tail -6
 }
