@@ -16,7 +16,7 @@ def readme_commands():
 def ci_commands():
     text = open(os.path.join(ROOT, ".ci", "run")).read()
     body = text[text.index("leg() {"):text.index("\n}\n")]
-    legs = re.findall(r"^leg (\S+) (\S+)$", text, re.M)
+    legs = re.findall(r"^leg (\S+) (\S+)$", text, re.M)   # python, extras
     assert len(legs) == 2, legs
     commands = [line.strip() for line in body.splitlines()
                 if line.strip().startswith(("pip install", "python -m pytest"))]
@@ -32,4 +32,4 @@ def test_ci_runs_the_readme_commands():
 
 def test_ci_has_a_python_312_leg_with_megatron():
     text = open(os.path.join(ROOT, ".ci", "run")).read()
-    assert re.search(r"^leg python3\.12 \S*megatron", text, re.M)
+    assert re.search(r'^leg "\$PY312" \S*megatron', text, re.M) and re.search(r"^PY312=\$\(python312\)$", text, re.M)
