@@ -35,8 +35,6 @@ setup(
         # passes the tests with numpy 2.4, but triton>=3.4 admits 3.6, so the cap stays.
         # matplotlib: the training report (overlap_tp.training.report) and its test.
         "dev": ["pytest>=7", "numpy<2.3", "matplotlib"],
-        # The comm stream waits on tile counters with cuStreamWaitValue32 from cuda-bindings.
-        "gpu": ["cuda-bindings"],
         # megatron.training (the launchers, the recipes) ships with megatron-core >= 0.19, which needs
         # Python >= 3.12; on older Pythons pip finds no such release and says so.
         "megatron": ["megatron-core>=0.19"],

@@ -1,7 +1,7 @@
 """Persistent Triton GEMM that signals per group of tiles: C = A @ W.T, W in nn.Linear layout.
 
 The main loop is the plain TMA-fed K loop of a persistent GEMM. Only two things differ from a
-textbook kernel: the tile order comes from a plan table (overlap_tp/ops/plan.py), and the epilogue, after
+textbook kernel: the tile order comes from a plan table (overlap_tp/ops/tile_plan.py), and the epilogue, after
 storing a tile, raises its group's counter with a release atomic so the comm stream (or the next
 kernel) can start on a group as soon as its last tile is visible.
 
@@ -14,12 +14,13 @@ than `tl.debug_barrier()`, because Triton 3.6 refuses to software-pipeline a fla
 that contains the latter (the TTGIR then holds one shared-memory stage instead of `num_stages`, and
 the kernel ran at ~30% of cuBLAS on an H200).
 
-Counters are never reset: each call adds group_tiles[g] to counter g, and waiters compare cyclically
-against (calls * group_tiles[g]) mod 2**32, so no memset sits on the critical path.
+Counters count one call's tiles: each call raises counter g from 0 to group_tiles[g], and the waiter writes
+0 back after its wait (overlap_tp/ops/comm.py), so every call and every CUDA graph replay waits for the same
+fixed target and no memset sits on the critical path.
 
 AllGather+GEMM runs the same kernel the other way round (WAIT, no SIGNAL): a tile whose WAIT field
 names a ready flag spins on it before its first load, with acquire loads, until the flag reaches this
-call's epoch (compared cyclically); the comm stream raises the flag with cuStreamWriteValue32 once the
+call's value (1; compared cyclically); the comm stream raises the flag with cuStreamWriteValue32 once the
 chunk's transfer completed. The TMA loads that follow read through the async proxy, so a
 `fence.proxy.async` orders them after the acquire.
 
@@ -40,12 +41,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
-# The plan table (built by overlap_tp/ops/plan.py), one row per tile in execution order: source rows
+# The plan table (built by overlap_tp/ops/tile_plan.py), one row per tile in execution order: source rows
 # [src_row, src_row_end) (the end stops a tile at its region's boundary), source/destination column,
 # destination row/column in the staging matrix, group, the destination buffer (0 = local staging; the
 # p2p plan stores region k's tiles into rank k's buffer), the ready flag the tile waits for before
 # loading A (-1: none; AllGather+GEMM plans only), and the expert whose weight the tile multiplies, of
-# the L stacked in W (grouped expert GEMMs, overlap_tp/ops/moe_plan.py; 0 in every single-weight plan).
+# the L stacked in W (grouped expert GEMMs, overlap_tp/ops/moe_tile_plan.py; 0 in every single-weight plan).
 SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF, WAIT, EXPERT = range(9)
 TILE_FIELDS = 9
 NO_WAIT = -1
@@ -80,7 +81,7 @@ def fence_async_proxy_then(value):
 
 @triton.jit
 def wait_flag_then(flags_ptr, flag, target, value, INTERPRETED: tl.constexpr):
-    """Spin until flags[flag] - target >= 0 (int32, cyclic: the epochs may wrap), then `value`, which
+    """Spin until flags[flag] - target >= 0 (int32, cyclic compare), then `value`, which
     the caller uses to address its loads: they depend on the wait through the opaque asm and cannot
     be hoisted above it (by the compiler or the software pipeliner)."""
     if INTERPRETED:
@@ -101,7 +102,7 @@ def signaled_gemm_kernel(
     bias_ptr, bias_row_lo, bias_row_hi,   # bias added to source rows [lo, hi) only
     tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, TILE_FIELDS] in execution order
     counters_ptr,                   # SIGNAL: int32 per group, raised once per stored tile
-    flags_ptr, wait_target,         # WAIT: int32 ready flags and this call's epoch
+    flags_ptr, wait_target,         # WAIT: int32 ready flags and the value they are raised to
     N, K,                           # N: the output columns of one weight (one expert)
     HAS_BIAS: tl.constexpr, SIGNAL: tl.constexpr, WAIT: tl.constexpr, INTERPRETED: tl.constexpr,
     W_KN: tl.constexpr,             # w_desc holds W row-major as [L*K, N] (C = A @ W), not [L*N, K]
@@ -206,6 +207,44 @@ def tma_unsupported_reason(a: torch.Tensor, w: torch.Tensor):
     return None
 
 
+def _launch_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_rows, dst_offsets, flags, wait_target):
+    """(grid, the kernel's arguments in parameter order, the launch options): one source for the JIT launch
+    and the direct launch of SignaledGemm."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    n, k = w.shape[-2], a.shape[1]
+    w_kn = weight_layout(w) == "kn"
+    if w_kn and w.dim() == 3 and w.shape[0] > 1 and k % bk:
+        raise ValueError(f"transposed expert weights need K={k} to be a multiple of block_k={bk} (a K tail box "
+                         f"would read the next expert's rows)")
+    w_rows = w.transpose(-2, -1) if w_kn else w     # the row-major storage: [.., K, N] or [.., N, K]
+    w_desc = TensorDescriptor.from_tensor(w_rows.reshape(-1, w_rows.shape[-1]), [bk, bn] if w_kn else [bn, bk])
+    num_tiles = tiles.shape[0]
+    assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
+    grid = max(1, min(num_programs, num_tiles))
+    args = (TensorDescriptor.from_tensor(a, [bm, bk]), w_desc,
+            dst, dst.stride(0), dst_offsets if dst_offsets is not None else _zero_offset(dst.device),
+            bias if bias is not None else dst, bias_rows[0], bias_rows[1],
+            tiles, num_tiles, counters if counters is not None else tiles,
+            flags if flags is not None else tiles, wait_target,
+            n, k,
+            # constexprs, in parameter order
+            bias is not None, counters is not None, flags is not None, INTERPRET, w_kn, TILE_FIELDS,
+            bm, bn, bk, grid)
+    return grid, args, dict(num_stages=config.num_stages, num_warps=config.num_warps)
+
+
+_CONSTEXPRS = ("HAS_BIAS", "SIGNAL", "WAIT", "INTERPRETED", "W_KN", "TILE_FIELDS", "BLOCK_M", "BLOCK_N", "BLOCK_K",
+               "NUM_PROGRAMS")
+
+
+def _jit_launch(grid, args, options):
+    """Through Triton's JIT (compiles on the first call of a specialization); returns the compiled kernel."""
+    positional = args[:-len(_CONSTEXPRS)]
+    constexprs = dict(zip(_CONSTEXPRS, args[-len(_CONSTEXPRS):]))
+    return signaled_gemm_kernel[(grid,)](*positional, **constexprs, **options)
+
+
+_zero_offsets = {}
 _zero_offsets = {}
 
 
@@ -222,28 +261,51 @@ def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, b
     DST_BUF is b, into the buffer `dst_offsets[b]` elements away from dst), raising `counters` (unless
     None); with `flags`, a tile whose WAIT field is f >= 0 first waits until flags[f] reaches wait_target.
     `w` is one weight [N, K] or L expert weights [L, N, K] that the tiles pick by their EXPERT field, either
-    row-major or the transposed view of a row-major [L, K, N] (weight_layout "kn", read in place)."""
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    n, k = w.shape[-2], a.shape[1]
-    w_kn = weight_layout(w) == "kn"
-    if w_kn and w.dim() == 3 and w.shape[0] > 1 and k % bk:
-        raise ValueError(f"transposed expert weights need K={k} to be a multiple of block_k={bk} (a K tail box "
-                         f"would read the next expert's rows)")
-    w_rows = w.transpose(-2, -1) if w_kn else w     # the row-major storage: [.., K, N] or [.., N, K]
-    w_desc = TensorDescriptor.from_tensor(w_rows.reshape(-1, w_rows.shape[-1]), [bk, bn] if w_kn else [bn, bk])
-    num_tiles = tiles.shape[0]
-    assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
-    grid = (max(1, min(num_programs, num_tiles)),)
-    signaled_gemm_kernel[grid](
-        TensorDescriptor.from_tensor(a, [bm, bk]), w_desc,
-        dst, dst.stride(0), dst_offsets if dst_offsets is not None else _zero_offset(dst.device),
-        bias if bias is not None else dst, bias_rows[0], bias_rows[1],
-        tiles, num_tiles, counters if counters is not None else tiles,
-        flags if flags is not None else tiles, wait_target,
-        n, k,
-        HAS_BIAS=bias is not None, SIGNAL=counters is not None, WAIT=flags is not None, INTERPRETED=INTERPRET,
-        W_KN=w_kn,
-        TILE_FIELDS=TILE_FIELDS,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGRAMS=grid[0],
-        num_stages=config.num_stages, num_warps=config.num_warps,
-    )
+    row-major or the transposed view of a row-major [L, K, N] (weight_layout "kn", read in place).
+    Through Triton's JIT dispatch; the ops' plans launch through SignaledGemm instead."""
+    _jit_launch(*_launch_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_rows, dst_offsets, flags,
+                              wait_target))
+
+
+class SignaledGemm:
+    """The signaled GEMM of one plan, launched without Triton's JIT dispatch.
+
+    Triton's launch path binds and specializes every argument and looks the kernel up by that key on every
+    call (~25 us of host time per launch on the H200 hosts, docs/perf/host_cost.md). A plan's launches differ
+    only in their tensors, so this keeps the compiled kernel of each variant (bias or not, weight layout, the
+    destination's 16-byte alignment and row stride: what Triton specializes on that a call can change) and
+    launches it directly. The first launch of a variant goes through the JIT, which compiles it. Under the CPU
+    interpreter every launch goes through the JIT (there is no compiled kernel)."""
+
+    def __init__(self, tiles, num_programs, config, *, counters=None, bias_rows=(0, 0), dst_offsets=None, flags=None,
+                 wait_target=0):
+        self.tiles, self.num_programs, self.config = tiles, num_programs, config
+        self.counters, self.bias_rows, self.dst_offsets = counters, bias_rows, dst_offsets
+        self.flags, self.wait_target = flags, wait_target
+        self.device_index = tiles.device.index
+        self._compiled = {}
+
+    def __call__(self, a, w, dst, bias=None):
+        grid, args, options = _launch_args(a, w, dst, self.tiles, self.counters, self.num_programs, self.config, bias,
+                                           self.bias_rows, self.dst_offsets, self.flags, self.wait_target)
+        if INTERPRET:
+            _jit_launch(grid, args, options)
+            return
+        variant = (bias is not None, args[-6], dst.data_ptr() % 16 == 0, bias is None or bias.data_ptr() % 16 == 0,
+                   dst.stride(0))
+        kernel = self._compiled.get(variant)
+        if kernel is None:
+            self._compiled[variant] = _jit_launch(grid, args, options)
+            return
+        kernel.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(self.device_index), kernel.function,
+                   kernel.packed_metadata, None, None, None, *args)
+
+
+@triton.jit
+def wait_and_reset_kernel(counter_ptr, target):
+    """One thread spins until counter == target (acquire: what the GEMM stored before its release atomics is
+    visible after), then writes 0 back: the next call of the plan counts from zero again. The comm stream
+    runs it under CUDA graphs instead of a stream wait-value (see overlap_tp/ops/comm.py)."""
+    while load_acquire(counter_ptr) != target:
+        pass
+    tl.store(counter_ptr, 0)

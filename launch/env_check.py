@@ -1,7 +1,7 @@
 """`python -m overlap_tp.launch.env_check`: can this machine run overlap_tp's GPU paths?
 
 Prints GPU count and names, peer access between every pair, NCCL and CUDA versions, whether CUDA
-stream memory operations are reachable (cuda-bindings), whether NVLink multicast is disabled, and
+stream memory operations are reachable (the driver's _v2 entry points), whether NVLink multicast is disabled, and
 the Megatron / Transformer Engine versions. Exits 1 when something the overlapped GPU ops need is missing.
 """
 import importlib.metadata
@@ -37,11 +37,14 @@ def main():
         print(f"  cuda:{i} peer access to {peers}")
     if count:
         print(f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
-    try:
-        import cuda.bindings.driver  # noqa: F401
-        print(f"cuda-bindings {version('cuda-bindings')}: stream memory operations available")
-    except ImportError:
-        problems.append("cuda-bindings missing: the comm stream cannot wait on tile counters (pip install cuda-bindings)")
+    if count:
+        try:
+            from overlap_tp.ops import memops
+            memops._driver()
+            print("libcuda: stream memory operations (cuStreamWaitValue32_v2 / cuStreamWriteValue32_v2) available")
+        except (OSError, AttributeError) as error:
+            problems.append(f"the CUDA driver's stream memory operations are missing ({error}): the comm stream "
+                            f"cannot wait on tile counters")
     for name, wanted in MULTICAST_OFF.items():
         value = os.environ.get(name)
         note = "" if value == wanted else f"  (set {name}={wanted} on hosts where NVLink multicast is forbidden)"

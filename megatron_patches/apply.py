@@ -16,7 +16,10 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
   OverlapConfig (`overlap_tp.megatron.moe_layer.set_default_moe_overlap_config`, `get_moe_overlap_config()`) comes
   from `--overlap-moe` and `--overlap-tp-comm-sms`; with it off, the MLP slot of overlap_tp's layer spec
   holds the MoE module Megatron's own spec would build (its MoELayer, untouched).
-- `OVERLAP_TP_TUNE_CACHE` in the environment, from `--overlap-tp-tune-cache`.
+- `OVERLAP_TP_TUNE_CACHE` in the environment: `--overlap-tp-tune-cache`, else the variable as the user
+  set it, else `overlap_tp_tune.json` in Megatron's `--save` folder
+  (`overlap_tp.megatron.arguments.tune_cache_path`); with none of them it stays unset and the tuner
+  writes nothing.
 
 Applying twice changes nothing more (the second report lists no change). With `--overlap-tp off`,
 `--overlap-moe off` and no `--overlap-tp-layers` nothing is touched. Run `validate_overlap_args(args)` first.
@@ -25,7 +28,7 @@ import dataclasses
 import inspect
 import os
 
-from overlap_tp.megatron.arguments import TUNE_CACHE_ENV, layer_configs, moe_overlap_config_kwargs
+from overlap_tp.megatron.arguments import TUNE_CACHE_ENV, layer_configs, moe_overlap_config_kwargs, tune_cache_path
 from overlap_tp.ops.config import OverlapConfig
 
 # What apply() puts into --spec: overlap_tp.megatron_patches.spec's `flags`, a block spec that Megatron's
@@ -129,7 +132,7 @@ def apply(args, *, log=None):
         args.spec = list(SPEC)
         report.changed.append(f"--spec {' '.join(SPEC)} (was {spec})")
 
-    cache = getattr(args, "overlap_tp_tune_cache", None)
+    cache = tune_cache_path(args)
     if cache and os.environ.get(TUNE_CACHE_ENV) != cache:
         os.environ[TUNE_CACHE_ENV] = cache
         report.changed.append(f"{TUNE_CACHE_ENV}={cache}")

@@ -15,7 +15,8 @@ Public ops (the contract other parts and outside benchmarks call):
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.expert import a2a_gemm, gemm_a2a
 from overlap_tp.ops.ag_gemm import ag_gemm
-from overlap_tp.ops.gemm_rs import gemm_ar, gemm_rs
+from overlap_tp.ops.gemm_ar import gemm_ar
+from overlap_tp.ops.gemm_rs import gemm_rs
 from overlap_tp import tune  # noqa: F401  (registers the tuner as the op layer's resolver of method='auto')
 
 __all__ = ["OverlapConfig", "ag_gemm", "gemm_rs", "gemm_ar", "a2a_gemm", "gemm_a2a"]

@@ -5,6 +5,9 @@
 #   TP=2  NPROC=2  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static rendezvous)
 #   RDZV_ENDPOINT=host:port  RDZV_ID=job  torchrun's c10d rendezvous instead (multi-node, SLURM)
 #   TRANSFORMER_IMPL=local|transformer_engine   (default: transformer_engine where it imports)
+#   GRAPHS=local|full_iteration|none    Megatron's --cuda-graph-impl for both sides, on and off alike
+#                                       (default local; smoke: full_iteration, measured fastest there,
+#                                       docs/perf/s10/README.md)
 #   WANDB_PROJECT (default overlap_tp; "" turns W&B off)  WANDB_MODE (offline unless set)  EXP_NAME
 #   OUT_DIR (default runs/$RECIPE-$OVERLAP): train.log, tensorboard/, wandb/
 #   DRY_RUN=1                           print the launch command instead of running it
@@ -42,6 +45,13 @@ run_recipe() {
       overlap_args+=(--overlap-tp-layers)
     fi
   fi
+  local graph_args=()
+  case ${GRAPHS:-local} in
+    none) ;;
+    local) graph_args=(--cuda-graph-impl local) ;;
+    full_iteration) graph_args=(--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad) ;;
+    *) echo "[recipe] GRAPHS=${GRAPHS}: expected local, full_iteration or none" >&2; return 2 ;;
+  esac
   local log_args=(--log-interval "${LOG_INTERVAL:-5}" --log-throughput --log-timers-to-tensorboard
                   --tensorboard-dir "$out_dir/tensorboard" --eval-iters 0 --eval-interval 1000000)
   local project=${WANDB_PROJECT-overlap_tp}
@@ -61,7 +71,8 @@ run_recipe() {
   local cmd=(torchrun --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" "${rendezvous[@]}"
              -m overlap_tp.launch.pretrain
              --tensor-model-parallel-size "$TP" --sequence-parallel --transformer-impl "$impl"
-             "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${log_args[@]}" "${overlap_args[@]}" "${env_args[@]}" "$@")
+             "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${log_args[@]}" "${overlap_args[@]}" "${env_args[@]}"
+             "${graph_args[@]}" "$@")
   if [[ ${DRY_RUN:-0} == 1 ]]; then
     printf '%q ' "${cmd[@]}"; echo
     return 0
@@ -69,7 +80,7 @@ run_recipe() {
   # megatron.training and a GPU per rank, checked before torchrun starts anything (one line, exit 1)
   "$PYTHON" -c "import sys; from overlap_tp.launch.pretrain import preflight; sys.exit(preflight($NPROC))" || return 1
   mkdir -p "$out_dir"
-  echo "[recipe] $RECIPE, --overlap-tp $OVERLAP, log: $out_dir/train.log" >&2
+  echo "[recipe] $RECIPE, --overlap-tp $OVERLAP, graphs ${GRAPHS:-local}, log: $out_dir/train.log" >&2
   set -o pipefail
   "${cmd[@]}" 2>&1 | tee "$out_dir/train.log"
 }

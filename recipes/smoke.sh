@@ -3,10 +3,12 @@
 # Megatron's mock data, about a minute; W&B offline (wandb/ under OUT_DIR), TensorBoard, train.log.
 #   bash recipes/smoke.sh                 overlap on (--overlap-tp signal)
 #   OVERLAP=off bash recipes/smoke.sh     the same run, overlap off (baseline)
+# Both under Megatron's full-iteration CUDA graphs unless GRAPHS=local|none says otherwise.
 # Then: python -m overlap_tp.training.report runs/smoke-off/train.log runs/smoke-signal/train.log --out runs/report
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=smoke
+GRAPHS=${GRAPHS:-full_iteration}   # measured fastest here, for off and signal alike (docs/perf/s10/README.md)
 MODEL_ARGS=("${LLAMA_ARGS[@]}"
             --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16
             --num-query-groups 4 --kv-channels 64 --seq-length 2048 --max-position-embeddings 2048

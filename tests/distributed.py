@@ -1,5 +1,6 @@
 """Run a function on N processes joined in one group: gloo on the CPU (the stand-in for a TP group in
 CI), or NCCL with one GPU per process."""
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -22,9 +23,24 @@ def _worker(rank, world_size, init_file, backend, fn, args):
         dist.destroy_process_group()
     # Passed: leave without the interpreter's teardown, where a native thread still joinable at exit
     # occasionally aborted a passing gloo worker ("terminate called without an active exception", CI).
+    # os._exit also skips multiprocessing's exit handlers, which shut down the processes this worker
+    # started (Megatron's checkpoint writer keeps a Manager server process for its results queue): end
+    # them here, or they outlive the test (tests/conftest.py fails the session if they do).
+    _end_children()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _end_children(timeout_s=10.0):
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(timeout_s)
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
 def run_distributed(world_size, fn, *args, backend="gloo"):

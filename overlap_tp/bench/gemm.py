@@ -29,8 +29,9 @@ from overlap_tp.tune import report
 from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, at_tp
 from overlap_tp.tune.timing import event_times
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.gemm_rs import gemm_programs, plan_state
-from overlap_tp.ops.plan import ag_plan
+from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.reduction import device_plan
+from overlap_tp.ops.tile_plan import ag_plan
 
 DEFAULT = OverlapConfig(method="signal")
 
@@ -109,7 +110,7 @@ def bench_gemm(name, op, m, k, n, layout, args, configs, comm_sms_list):
                 out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
                 expected = want
             else:
-                state = plan_state("row_slice", m, n, args.tp, grid_config, 2, device)
+                state = device_plan("row_slice", m, n, args.tp, grid_config, 2, device)
                 tiles, out = state.tiles, torch.empty(state.plan.staging_shape, device=device, dtype=torch.bfloat16)
                 # group g's staging rows hold rows [lo, hi) of every rank region, region after region
                 regions = want.view(args.tp, m // args.tp, n)

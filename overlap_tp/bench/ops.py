@@ -13,10 +13,8 @@ Times are medians of --reps calls (CUDA events, inputs rotated over 3 sets), the
 Every configuration's output is checked against `seq` before it is timed.
 """
 import argparse
-import functools
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -24,10 +22,15 @@ import torch.distributed as dist
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
 from overlap_tp.tune import report
 from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, at_tp
-from overlap_tp.tune.timing import timed
+from overlap_tp.ops.ag_gemm import AgGemm
+from overlap_tp.ops.gemm_ar import GemmAR
+from overlap_tp.ops.gemm_rs import GemmRS
+from overlap_tp.tune.timing import graph_timed, queued_ms
+from overlap_tp.tune.timing import timed as eager_timed
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.gemm_rs import gemm_programs, plan_state
-from overlap_tp.ops.plan import ag_plan
+from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.reduction import device_plan
+from overlap_tp.ops.tile_plan import ag_plan
 
 INPUT_SETS = 3
 
@@ -45,7 +48,12 @@ def parse_args(argv):
     p.add_argument("--sweep", action="store_true", help="also time schedule x groups x comm_sms variants")
     p.add_argument("--auto", action="store_true",
                    help="also time method='auto' (the tuner's pick; tunes each shape once, cache: "
-                        "$OVERLAP_TP_TUNE_CACHE) and report it against seq")
+                        "$OVERLAP_TP_TUNE_CACHE if set, else none) and report it against seq")
+    p.add_argument("--graphs", action="store_true",
+                   help="time every configuration (ours and each baseline) as replays of a captured CUDA graph")
+    p.add_argument("--host", action="store_true",
+                   help="also measure ours' host time per call (GPU held busy): through a prebuilt plan and the "
+                        "functional API")
     p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="gemm_rs_ar", help="report file name (without extension)")
     return p.parse_args(argv)
@@ -82,6 +90,7 @@ def ours_variants(op, sweep):
 
 
 def bench_shape(op, name, m, k, n, args, group):
+    timed = graph_timed if args.graphs else eager_timed
     t = dist.get_world_size(group)
     a_rows = m // t if op == "ag" else m      # ag_gemm's input is this rank's shard of the rows
     sets = [(torch.randn(a_rows, k, device="cuda", dtype=torch.bfloat16),
@@ -116,7 +125,7 @@ def bench_shape(op, name, m, k, n, args, group):
         row["sgemm"] = timed(lambda a, w: signaled_gemm(gathered, w, out, tiles, None, programs, full_grid),
                              sets, args.reps, group)
     else:
-        state = plan_state(full_grid.schedule, m, n, t if op == "rs" else 1, full_grid, 2, sets[0][0].device)
+        state = device_plan(full_grid.schedule, m, n, t if op == "rs" else 1, full_grid, 2, sets[0][0].device)
         staging = torch.empty(state.plan.staging_shape, device="cuda", dtype=torch.bfloat16)
         counters = torch.zeros_like(state.counters)
         row["sgemm"] = timed(lambda a, w: signaled_gemm(a, w, staging, state.tiles, counters, programs, full_grid),
@@ -139,7 +148,12 @@ def bench_shape(op, name, m, k, n, args, group):
             return symm._fused_all_gather_matmul(a, [w.t()], 0, group.group_name)[1][0]
 
         agree(async_tp(*sets[0]), seq_out, "async-TP")
-        row["async_tp"] = timed(async_tp, sets, args.reps, group)
+        try:
+            row["async_tp"] = timed(async_tp, sets, args.reps, group)
+        except RuntimeError as error:   # PyTorch's fused ops may refuse capture: say so, keep the others
+            row["async_tp_error"] = str(error).splitlines()[0][:120]
+            if dist.get_rank(group) == 0:
+                print(f"async-TP not timed ({op} {name}.s{m}): {row['async_tp_error']}", flush=True)
 
     variants = {}
     for label, config in ours_variants(op, args.sweep).items():
@@ -149,6 +163,12 @@ def bench_shape(op, name, m, k, n, args, group):
         variants[label] = timed(lambda a, w: run(a, w, group, config=config), sets, args.reps, group)
     row["ours"] = variants.pop("ours")
     row["S"] = row["seq"] / row["ours"]
+    if args.host:
+        ours = ours_variants(op, False)["ours"]
+        plan = {"rs": GemmRS, "ar": GemmAR, "ag": AgGemm}[op](group, a_rows, n, k, torch.bfloat16, sets[0][0].device, ours)
+        row["host_plan_us"] = 1e3 * queued_ms(lambda a, w: plan(a, w), sets, group, rounds=20)[0]
+        row["host_api_us"] = 1e3 * queued_ms(lambda a, w: run(a, w, group, config=ours), sets, group, rounds=20)[0]
+        row["host_seq_us"] = 1e3 * queued_ms(lambda a, w: run(a, w, group, config=off), sets, group, rounds=20)[0]
     row["pct_ideal"] = 100 * (row["S"] - 1) / (row["S_ideal"] - 1) if row["S_ideal"] > 1.001 else None
     if variants:
         row["best_variant"], row["best"] = min(variants.items(), key=lambda kv: kv[1])
@@ -171,7 +191,7 @@ def bench_shape(op, name, m, k, n, args, group):
     # FlashOverlap's bound: the GEMM plus the last group's collective when the GEMM dominates, else the
     # first wave of the GEMM plus the whole collective.
     default = OverlapConfig(method="signal")
-    plan = plan_state(default.schedule, m, n, t if op == "rs" else 1, default, 2, sets[0][0].device).plan
+    plan = device_plan(default.schedule, m, n, t if op == "rs" else 1, default, 2, sets[0][0].device).plan
     last = plan.collectives[-1]
     if row["gemm"] >= row["comm"]:
         src = partial[:last.src_hi - last.src_lo]
@@ -194,7 +214,8 @@ COLUMNS = [
     ("pct_ideal", "%ideal", "{:.0f}"), ("fo_bound", "FO bound", "{:.3f}"), ("best", "best variant", "{:.3f}"),
     ("best_variant", "which", "{}"), ("p2p", "p2p", "{:.3f}"), ("S_p2p", "S p2p", "{:.2f}"),
     ("sgemm_vs_cublas", "sgemm/cuBLAS", "{:.3f}"), ("auto", "auto", "{:.3f}"), ("auto_vs_seq", "seq/auto", "{:.2f}"),
-    ("auto_pick", "auto pick", "{}"),
+    ("auto_pick", "auto pick", "{}"), ("host_plan_us", "host us (plan)", "{:.0f}"),
+    ("host_api_us", "host us (gemm_rs/...)", "{:.0f}"), ("host_seq_us", "host us (seq)", "{:.0f}"),
 ]
 
 
@@ -224,9 +245,13 @@ def main(argv):
                                    for key in row), flush=True)
     if dist.get_rank() == 0:
         sgemm = statistics.median(r["sgemm_vs_cublas"] for r in rows)
+        mode = ("every configuration captured in a CUDA graph and timed by replay" if args.graphs
+                else "eager, back-to-back calls")
         notes = (f"Signaled GEMM without communication vs cuBLAS, median over rows: {sgemm:.3f}.\n"
-                 "Times in ms (median of calls, slowest rank). S = seq / ours; %ideal = (S-1)/(S_ideal-1); "
-                 "FO bound = FlashOverlap's theoretical bound.")
+                 f"Times in ms (median of calls, slowest rank; {mode}). S = seq / ours; %ideal = (S-1)/(S_ideal-1); "
+                 "FO bound = FlashOverlap's theoretical bound. host us: the host's time to enqueue one call with "
+                 "the GPU held busy (queued_ms), ours' default config through a prebuilt plan, through the "
+                 "functional API (a cached plan), and seq (method 'off').")
         command = f"torchrun --nproc-per-node {dist.get_world_size()} -m overlap_tp.bench ops " + " ".join(argv)
         report.write(args.out, args.name, "GEMM+ReduceScatter / GEMM+AllReduce / AllGather+GEMM, t = %d"
                      % dist.get_world_size(),

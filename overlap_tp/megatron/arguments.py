@@ -6,12 +6,15 @@
 `validate_overlap_args(args)` runs after Megatron's own `validate_args` (which turns
 `--sequence-parallel` off at TP=1) and checks the combination with Megatron's flags, with messages
 that say what to change. Both touch only attributes that exist on `args`, reading Megatron's with
-`getattr(..., default)`, so a plain namespace in a test works too.
+`getattr(..., default)`, so a plain namespace in a test works too. `validate_overlap_args` also checks
+the OVERLAP_TP_* environment variables (`validate_overlap_env`), so a bad value stops the run at start
+rather than at its first use, mid-training.
 
     --overlap-tp {off,signal,decompose,auto}   OverlapConfig.method for the TP/SP linear layers (off)
     --overlap-tp-transport {auto,nccl,p2p}     OverlapConfig.transport per op kind (auto, see layer_configs)
     --overlap-tp-comm-sms N                    OverlapConfig.comm_sms (default 16; the expert ops 4)
-    --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans
+    --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans (default: see
+                                               tune_cache_path)
     --overlap-tp-layers                        use overlap_tp's layer spec even with --overlap-tp off
     --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
     --overlap-moe {off,signal,decompose,auto}  OverlapConfig.method for the MoE expert ops (off)
@@ -22,11 +25,18 @@ import os
 import warnings
 
 from overlap_tp.ops.config import EXPERT_OP_DEFAULTS, METHODS, TRANSPORTS, OverlapConfig
+from overlap_tp.ops.watchdog import timeout_from_env
 
 GROUP_TITLE = "overlap_tp"
 # --overlap-tp-transport: "auto" picks per op kind (layer_configs), the others are OverlapConfig.transport.
 TRANSPORT_FLAGS = ("auto",) + TRANSPORTS
 TUNE_CACHE_ENV = "OVERLAP_TP_TUNE_CACHE"
+# The MFU's peak override, read later by overlap_tp.training.throughput, a layer this one may not import
+# (tests/megatron/test_arguments.py checks the name against its). The watchdog's variable is read by
+# overlap_tp.ops.watchdog; OVERLAP_TP_GIT_COMMIT (a label in benchmark records) and OVERLAP_TP_GPU_WORLD
+# (the GPU tests' rank count) are not read by training.
+PEAK_TFLOPS_ENV = "OVERLAP_TP_PEAK_TFLOPS"
+TUNE_CACHE_FILE = "overlap_tp_tune.json"
 
 
 class OverlapArgumentError(ValueError):
@@ -66,7 +76,9 @@ def add_overlap_args(parser):
     group.add_argument(
         "--overlap-tp-tune-cache", type=str, default=None, metavar="PATH",
         help="File where the per-shape tuner (--overlap-tp auto) keeps its measured plans, so "
-             f"tuning happens once per shape and machine (exported as {TUNE_CACHE_ENV}).")
+             f"tuning happens once per shape and machine (exported as {TUNE_CACHE_ENV}). Default: "
+             f"${TUNE_CACHE_ENV}, else {TUNE_CACHE_FILE} in the --save folder (a resumed run reuses the "
+             "plans), else none (plans kept in memory for the run only; nothing is written).")
     group.add_argument(
         "--overlap-tp-layers", action="store_true",
         help="Use overlap_tp's layer spec even with --overlap-tp off: its modules then run cuBLAS then "
@@ -106,12 +118,52 @@ def _warn(message):
         warnings.warn(message, stacklevel=3)
 
 
+def tune_cache_path(args):
+    """Where the tuner of this training run keeps its plans: --overlap-tp-tune-cache, else
+    $OVERLAP_TP_TUNE_CACHE, else overlap_tp_tune.json in Megatron's --save folder (the run's own output,
+    kept with its checkpoints), else None (no file)."""
+    given = getattr(args, "overlap_tp_tune_cache", None) or os.environ.get(TUNE_CACHE_ENV)
+    if given:
+        return given
+    save = getattr(args, "save", None)
+    return os.path.join(save, TUNE_CACHE_FILE) if save else None
+
+
+def validate_overlap_env(args=None):
+    """Check the OVERLAP_TP_* overrides in os.environ (and the tune cache location `args` gives, if any);
+    raise OverlapArgumentError with a one-line message naming the variable. The watchdog's variable is
+    parsed by the watchdog's own reader, so what passes here is what the ops will accept."""
+    raw = os.environ.get(PEAK_TFLOPS_ENV)
+    if raw:   # empty = unset, as overlap_tp.training.throughput.peak_tflops reads it
+        try:
+            peak = float(raw)
+        except ValueError:
+            peak = None
+        if peak is None or not (0 < peak < float("inf")):
+            raise OverlapArgumentError(f"{PEAK_TFLOPS_ENV}={raw!r}: expected a positive number (the per-GPU peak "
+                                       "TFLOP/s the logged MFU divides by)")
+    try:
+        timeout_from_env()
+    except ValueError as error:
+        raise OverlapArgumentError(str(error)) from None
+    from overlap_tp.tune.cache import location_problem
+    flag = getattr(args, "overlap_tp_tune_cache", None)
+    what, cache = ("--overlap-tp-tune-cache", flag) if flag else (TUNE_CACHE_ENV, os.environ.get(TUNE_CACHE_ENV))
+    if not cache and getattr(args, "overlap_tp", "off") == "auto":   # only auto tunes: else --save is Megatron's
+        what, cache = "the tune cache in --save", tune_cache_path(args)
+    problem = cache and location_problem(cache)
+    if problem:
+        raise OverlapArgumentError(f"{what}: {problem}")
+
+
 def validate_overlap_args(args, *, warn=_warn):
-    """Check overlap_tp's flags against Megatron's; raise OverlapArgumentError with what to change.
+    """Check overlap_tp's flags against Megatron's, and the OVERLAP_TP_* environment; raise
+    OverlapArgumentError with what to change.
 
     Call it after Megatron's `validate_args`. May set `args.overlap_tp = "off"` (TP=1: nothing to
     overlap). Returns the list of warnings it gave (each also passed to `warn`).
     """
+    validate_overlap_env(args)
     given = []
 
     def note(message):

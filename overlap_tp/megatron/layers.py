@@ -40,7 +40,8 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
 from overlap_tp.ops import comm
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.ag_gemm import ag_gemm
-from overlap_tp.ops.gemm_rs import gemm_ar, gemm_rs
+from overlap_tp.ops.gemm_ar import gemm_ar
+from overlap_tp.ops.gemm_rs import gemm_rs
 
 try:
     import fused_weight_gradient_mlp_cuda  # apex: Megatron's fused fp32 wgrad accumulation

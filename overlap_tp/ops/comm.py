@@ -1,26 +1,22 @@
-"""Communication engine: process groups, the comm stream, waiting on tile counters, the watchdog.
+"""Communication engine: process groups, collectives, the comm stream and its synchronisation.
 
 The comm stream is a high-priority CUDA stream per device. For every group of tiles it (1) waits on
-the group's counter without spending an SM (cuStreamWaitValue32: the stream's front end polls the
-word), then (2) issues the group's collective on an NCCL communicator whose CTAs are capped at the
+the group's counter (a stream wait-value in eager mode, no SM; a one-thread kernel under graph capture),
+resets it, then (2) issues the group's collective on an NCCL communicator whose CTAs are capped at the
 SMs the GEMM left free.
 
 Why this cannot deadlock: the GEMM never waits on communication (GEMM+RS / GEMM+AR), so its CTAs
 always finish; the collective kernels queue behind waits that the GEMM is guaranteed to satisfy, and
-every rank issues the same collectives in the same order. The watchdog turns any violation of that
-argument (a bug, a dead peer) into a clear error instead of a silent hang.
+every rank issues the same collectives in the same order. The watchdog (overlap_tp/ops/watchdog.py) turns
+any violation of that argument (a bug, a dead peer) into a clear error instead of a silent hang.
 """
-import os
 import sys
-import threading
-import time
-from collections import deque
 
 import torch
 import torch.distributed as dist
 
-WATCHDOG_ENV = "OVERLAP_TP_WATCHDOG_S"
-DEFAULT_WATCHDOG_S = 300.0
+from overlap_tp.kernels.signaled_gemm import wait_and_reset_kernel
+from overlap_tp.ops import memops
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -65,13 +61,14 @@ def resolve_ep_group(group=None):
 class TorchCollectives:
     """Collectives through torch.distributed: Megatron's own path (method 'off') and the CPU/gloo path.
     Gloo has no reduce-scatter and sums bf16 poorly, so there it all-reduces in fp32 and rounds once
-    (what NCCL's bf16 sum gives at t = 2)."""
+    (what NCCL's bf16 sum gives at t = 2). `stream` is accepted for the overlapped ops' CPU path, where
+    it is None: torch.distributed issues on the current stream."""
 
     def __init__(self, group):
         self.group = group
         self.gloo = dist.get_backend(group) == "gloo"
 
-    def reduce_scatter(self, out, inp, async_op=False):
+    def reduce_scatter(self, out, inp, async_op=False, stream=None):
         """Returns torch.distributed's work with async_op (None where it completed: gloo)."""
         if not self.gloo:
             return dist.reduce_scatter_tensor(out, inp, group=self.group, async_op=async_op)
@@ -80,13 +77,13 @@ class TorchCollectives:
         out.copy_(total.view(dist.get_world_size(self.group), *out.shape)[dist.get_rank(self.group)])
         return None
 
-    def all_gather_rows(self, gathered, src, lo, hi):
+    def all_gather_rows(self, gathered, src, lo, hi, stream=None):
         """Rows [lo, hi) of every rank's shard `src` into the same rows of that rank's region of
         `gathered` [t * rows, K] (the standard order)."""
         regions = gathered.chunk(dist.get_world_size(self.group))
         dist.all_gather([region[lo:hi] for region in regions], src[lo:hi], group=self.group)
 
-    def exchange(self, sends, recvs):
+    def exchange(self, sends, recvs, stream=None):
         """Send every (peer, tensor) of `sends` and receive every (peer, tensor) of `recvs` in place, as one
         batch of point-to-point ops (peers are ranks of the group)."""
         ops = [dist.P2POp(op, x, dist.get_global_rank(self.group, peer), self.group)
@@ -95,7 +92,7 @@ class TorchCollectives:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-    def all_reduce(self, x, async_op=False):
+    def all_reduce(self, x, async_op=False, stream=None):
         """Returns torch.distributed's work with async_op (None where it completed: gloo bf16/fp16)."""
         if not self.gloo or x.dtype == torch.float32:
             return dist.all_reduce(x, group=self.group, async_op=async_op)
@@ -126,108 +123,120 @@ def collectives(group, device: torch.device, max_ctas: int):
     CPU tensors. Created once per (group, device, cap), collectively by the group's ranks."""
     if device.type != "cuda" or dist.get_backend(group) != "nccl":
         return TorchCollectives(group)
-    key = (id(group), device.index, max_ctas)
+    key = (group, device.index, max_ctas)   # the group itself: its id() could be reused once it is freed
     if key not in _communicators:
         from overlap_tp.ops.nccl import Communicator
         _communicators[key] = Communicator(group, device, max_ctas)
     return _communicators[key]
 
 
+def agree(group, fields: dict, what: str):
+    """Check that every rank of `group` passes the same `fields` (shapes, dtype, config: what the ranks'
+    collectives must match on); else a ValueError on every rank naming each rank's values, instead of a hang
+    or a silent wrong result. One all-gather of small objects: called once per plan, not per call."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    everyone = [None] * world
+    dist.all_gather_object(everyone, fields, group=group)
+    differ = sorted({name for entry in everyone for name in fields if entry.get(name) != fields[name]})
+    if differ:
+        per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{name}={entry.get(name)!r}" for name in differ)
+                             for r, entry in enumerate(everyone))
+        raise ValueError(f"overlap_tp {what}: the ranks of the group disagree on {', '.join(differ)} ({per_rank}); "
+                         f"every rank must call the op with the same shapes, dtype and config")
+
+
 # ---------------------------------------------------------------------------------------------------
-# Waiting on counters
+# The comm stream
 # ---------------------------------------------------------------------------------------------------
 
-class _StreamMemOps:
-    """cuStreamWaitValue32 / cuStreamWriteValue32 through cuda-bindings, with the driver's handle objects
-    built once per stream and per word (the words waited on are plan counters and flags that live as long
-    as their plan), since a signaled call issues one wait per group of tiles."""
-
-    def __init__(self):
-        try:
-            from cuda.bindings import driver
-        except ImportError as e:
-            raise RuntimeError("overlap_tp: the comm stream waits and signals with CUDA stream memory operations, "
-                               "which need the cuda-bindings package (pip install 'overlap_tp[gpu]')") from e
-        self.driver = driver
-        self.geq = driver.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        self.fenced = driver.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        self.success = driver.CUresult.CUDA_SUCCESS
-        self.streams, self.words = {}, {}
-
-    def handles(self, stream, address):
-        raw = stream.cuda_stream
-        cu_stream = self.streams.get(raw)
-        if cu_stream is None:
-            cu_stream = self.streams[raw] = self.driver.CUstream(raw)
-        word = self.words.get(address)
-        if word is None:
-            if len(self.words) > 4096:   # transient addresses: keep the table bounded
-                self.words.clear()
-            word = self.words[address] = self.driver.CUdeviceptr(address)
-        return cu_stream, word
-
-
-_memops = None
-
-
-def _stream_memops() -> _StreamMemOps:
-    global _memops
-    if _memops is None:
-        _memops = _StreamMemOps()
-    return _memops
-
-
-def stream_wait_value(stream, address: int, target: int):
-    """cuStreamWaitValue32 on the word at `address` (local or peer-mapped): the stream's front end polls
-    it, no SM is spent. GEQ compares cyclically, (int32)(*addr - value) >= 0, so epochs may wrap."""
-    ops = _stream_memops()
-    (err,) = ops.driver.cuStreamWaitValue32(*ops.handles(stream, address), target & 0xFFFFFFFF, ops.geq)
-    if err != ops.success:
-        raise RuntimeError(f"overlap_tp: cuStreamWaitValue32 failed: {err}")
-
-
-def stream_write_value(stream, address: int, value: int):
-    """cuStreamWriteValue32 of `value` to the word at `address` (local or peer-mapped), after all prior
-    work of the stream. The default flags put a system-scope memory fence before the write, so whoever
-    observes the value also observes everything the stream wrote before it."""
-    ops = _stream_memops()
-    (err,) = ops.driver.cuStreamWriteValue32(*ops.handles(stream, address), value & 0xFFFFFFFF, ops.fenced)
-    if err != ops.success:
-        raise RuntimeError(f"overlap_tp: cuStreamWriteValue32 failed: {err}")
-
-
-def _host_wait(counters, index, target):
-    """CPU tensors (the Triton interpreter runs kernels synchronously): the tiles must all be there."""
-    got = int(counters[index]) & 0xFFFFFFFF
-    if got != target & 0xFFFFFFFF:
-        raise RuntimeError(f"overlap_tp: group {index} signaled {got} of {target & 0xFFFFFFFF} tiles")
+def capturing(device: torch.device) -> bool:
+    """Whether the caller's stream on `device` is being captured into a CUDA graph."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class CommEngine:
-    """One per device: the comm stream, the counter wait and the watchdog."""
+    """One per device: the comm stream (high priority) and the synchronisation every overlapped op uses.
+
+    Every op forks the comm stream from the caller's stream (fork), enqueues its transfers there and joins it
+    back (join), so under stream capture the comm stream's work lands in the same graph. A GEMM's group
+    counters are waited on and then reset to zero (wait_counter): every call counts from zero to a fixed
+    target, so a captured graph replays correctly and no host state has to match the device's
+    (overlap_tp/ops/sync.py, docs/ARCHITECTURE.md)."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.stream = None if device.type != "cuda" else torch.cuda.Stream(
-            device=device, priority=torch.cuda.Stream.priority_range()[1])
+        self.stream = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=device, priority=torch.cuda.Stream.priority_range()[1])
+            self.raw = self.stream.cuda_stream
+            # fork and join events for eager calls and for calls under capture (an event waited on inside a
+            # capture must have been recorded inside it)
+            self._events = {False: (memops.Event(), memops.Event()), True: (memops.Event(), memops.Event())}
 
-    def wait_counter(self, counters: torch.Tensor, index: int, target: int):
-        """Make the comm stream wait until counters[index] reaches target (cyclically)."""
+    def capturing(self) -> bool:
+        """Whether the caller's stream is being captured into a CUDA graph."""
+        return self.stream is not None and torch.cuda.is_current_stream_capturing()
+
+    def current(self) -> int:
+        """The caller's current stream on this device, as a raw handle."""
+        return torch._C._cuda_getCurrentRawStream(self.device.index)
+
+    def fork(self, current: int, capturing: bool):
+        """The comm stream waits for everything the caller enqueued so far (inputs and buffers ready)."""
+        memops.stream_waits_for(self.raw, current, self._events[capturing][0])
+
+    def join(self, current: int, capturing: bool):
+        """The caller's stream waits for everything enqueued on the comm stream so far."""
+        memops.stream_waits_for(current, self.raw, self._events[capturing][1])
+
+    def wait_counter(self, counters: torch.Tensor, index: int, target: int, capturing: bool):
+        """On the comm stream: wait until counters[index] == target (the GEMM stored that group's tiles), then
+        reset it to 0. Eager calls wait with a stream wait-value (no SM): the GEMM was launched before this wait
+        was enqueued, so nothing queued behind the wait can hold the GEMM back. A captured graph does not keep
+        that launch order (its scheduler sees no dependency between the GEMM and the wait, and with one
+        hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1, a wait at the head would block the GEMM's launch: a
+        deadlock), so under capture a one-thread kernel spins instead: it holds a thread slot of one SM
+        while it waits, and a kernel never blocks the launch of another stream's kernel."""
         if self.stream is None:
-            _host_wait(counters, index, target)
+            got = int(counters[index])
+            if got != target:
+                raise RuntimeError(f"overlap_tp: group {index} signaled {got} of {target} tiles")
+            counters[index] = 0
+        elif capturing:
+            with torch.cuda.stream(self.stream):
+                wait_and_reset_kernel[(1,)](counters[index:index + 1], target, num_warps=1)
         else:
-            stream_wait_value(self.stream, counters.data_ptr() + 4 * index, target)
+            address = counters.data_ptr() + 4 * index
+            memops.wait_value(self.raw, address, target)
+            memops.write_value(self.raw, address, 0)
 
-    def raise_flag(self, flags: torch.Tensor, index: int, value: int):
-        """flags[index] = value once everything the comm stream issued so far has completed."""
+    def prepare_counter_waits(self, targets):
+        """Compile the capture-time wait kernel for these targets now, eagerly (Triton compiles per
+        specialization of the target; a compile inside a capture could load a module mid-capture)."""
         if self.stream is None:
-            flags[index] = value
-        else:
-            stream_write_value(self.stream, flags.data_ptr() + 4 * index, value)
+            return
+        scratch = torch.empty(1, dtype=torch.int32, device=self.device)
+        for target in sorted(set(targets)):
+            scratch.fill_(target)
+            wait_and_reset_kernel[(1,)](scratch, target, num_warps=1)   # passes at once, resets scratch
+        torch.cuda.synchronize(self.device)
 
-    def watch(self, event, describe, counters=None, targets=None):
-        """Have the watchdog check that `event` (the end of an op, recorded on its stream) completes in time."""
-        _watchdog().watch(event, describe, counters, targets)
+    def raise_flag(self, flags: torch.Tensor, index: int):
+        """flags[index] = 1 once everything the comm stream issued so far has completed."""
+        if self.stream is None:
+            flags[index] = 1
+        else:
+            memops.write_value(self.raw, flags.data_ptr() + 4 * index, 1)
+
+    def lower_flags(self, flags: torch.Tensor, stream: int):
+        """flags = 0 on `stream` (the consumer's, after the kernel that waited on them)."""
+        if self.stream is None:
+            flags.zero_()
+        else:
+            for index in range(flags.numel()):
+                memops.write_value(stream, flags.data_ptr() + 4 * index, 0)
 
 
 _engines = {}
@@ -238,76 +247,3 @@ def comm_engine(device: torch.device) -> CommEngine:
     if key not in _engines:
         _engines[key] = CommEngine(device)
     return _engines[key]
-
-
-# ---------------------------------------------------------------------------------------------------
-# Watchdog
-# ---------------------------------------------------------------------------------------------------
-
-class Watchdog:
-    """A daemon thread that checks, oldest first, that every watched comm-stream event completes within
-    OVERLAP_TP_WATCHDOG_S seconds (default 300, 0 disables). On a timeout it prints which op and
-    group counters are stuck and ends the process, as NCCL's own watchdog does: a hung GPU stream
-    cannot be unwound from Python, and a silent hang wastes a whole allocation."""
-
-    def __init__(self, timeout_s: float):
-        self.timeout_s = timeout_s
-        self.pending = deque()
-        self.lock = threading.Lock()
-        self.thread = None
-
-    def watch(self, event, describe, counters, targets):
-        if self.timeout_s <= 0:
-            return
-        with self.lock:
-            self.pending.append((time.monotonic() + self.timeout_s, event, describe, counters, targets))
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="overlap_tp-watchdog", daemon=True)
-                self.thread.start()
-
-    def _run(self):
-        while True:
-            time.sleep(min(0.5, self.timeout_s / 4))
-            with self.lock:
-                while self.pending and self.pending[0][1].query():
-                    self.pending.popleft()
-                expired = self.pending[0] if self.pending and time.monotonic() > self.pending[0][0] else None
-            if expired is not None:
-                self._fail(*expired[1:])
-
-    def _fail(self, event, describe, counters, targets):
-        state = ""
-        if counters is not None:
-            state = f"; counters {self._read(counters)} vs targets {[t & 0xFFFFFFFF for t in targets]}"
-        sys.stderr.write(f"overlap_tp watchdog: {describe} did not complete within {self.timeout_s:g} s "
-                         f"(set {WATCHDOG_ENV} to change){state}. A rank stopped issuing collectives, a peer "
-                         "died, or a signal was lost. Ending the process instead of hanging.\n")
-        sys.stderr.flush()
-        os._exit(70)
-
-    @staticmethod
-    def _read(counters):
-        """Read the counters on a fresh stream (the comm stream may be stuck); give up after 2 s."""
-        with torch.cuda.device(counters.device):
-            stream = torch.cuda.Stream()
-            host = torch.empty(counters.shape, dtype=counters.dtype, pin_memory=True)
-            with torch.cuda.stream(stream):
-                host.copy_(counters, non_blocking=True)
-                done = torch.cuda.Event()
-                done.record(stream)
-            deadline = time.monotonic() + 2.0
-            while not done.query():
-                if time.monotonic() > deadline:
-                    return "unreadable"
-                time.sleep(0.01)
-            return [v & 0xFFFFFFFF for v in host.tolist()]
-
-
-_watchdog_instance = None
-
-
-def _watchdog() -> Watchdog:
-    global _watchdog_instance
-    if _watchdog_instance is None:
-        _watchdog_instance = Watchdog(float(os.environ.get(WATCHDOG_ENV, DEFAULT_WATCHDOG_S)))
-    return _watchdog_instance

@@ -16,7 +16,7 @@ unpermute). Both are differentiable in their input and w; xr carries no gradient
 Methods (OverlapConfig.method):
   off        torch.distributed's all_to_all_single with split sizes from counts, and one cuBLAS matmul
              per (source rank, expert) segment (Megatron's path; the reference under gloo).
-  decompose  the plan's parts (overlap_tp/ops/moe_plan.py) with cuBLAS: gemm_a2a computes group g and sends
+  decompose  the plan's parts (overlap_tp/ops/moe_tile_plan.py) with cuBLAS: gemm_a2a computes group g and sends
              it on the comm stream while group g+1 is computed; a2a_gemm computes the local rows, then
              each chunk as soon as the comm stream received it.
   signal     one persistent Triton GEMM (kernels/signaled_gemm.py) over every local expert (tiles name
@@ -35,17 +35,18 @@ rank); `schedule` does not apply. The backward runs the mirrored op with each ex
 transposed as a view (`transposed`: the kernel reads it in place, no copy) and the grouped wgrad with
 cuBLAS, accumulated per (source, expert) segment in place.
 """
-from dataclasses import dataclass
-from typing import Dict, List, Optional
+from collections import OrderedDict
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from overlap_tp.kernels.signaled_gemm import SignaledGemm, _zero_offset, tma_unsupported_reason, weight_layout
 from overlap_tp.ops import comm
+from overlap_tp.ops.common import check_not_capturing, gemm_programs, warn_once
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
-from overlap_tp.kernels.signaled_gemm import signaled_gemm, tma_unsupported_reason, weight_layout
-from overlap_tp.ops.moe_plan import Layout, combine_plan, dispatch_plan, layout, parts_per_peer
-from overlap_tp.ops.gemm_rs import _warn_once, gemm_programs
+from overlap_tp.ops.moe_tile_plan import Layout, combine_plan, dispatch_plan, layout, parts_per_peer
+from overlap_tp.ops.watchdog import Watched
 
 # offsets between the staging matrix and z are used as 16-element aligned by the kernel (16-byte stores)
 OFFSET_ALIGNMENT = 16
@@ -97,7 +98,7 @@ def check_inputs(op: str, a, w, counts, rows: int, rows_name: str, out_name: str
 def resolve_method(op: str, config: OverlapConfig, a, w) -> str:
     """The method that runs, checked to be runnable."""
     if config.method == "auto":
-        _warn_once(f"overlap_tp {op}: method='auto' runs 'off' (the tuner does not cover the expert ops yet)")
+        warn_once(f"overlap_tp {op}: method='auto' runs 'off' (the tuner does not cover the expert ops yet)")
         return "off"
     if config.method == "signal":
         if config.transport != "nccl":
@@ -160,55 +161,58 @@ def all_to_all_rows(inp, rows: int, out_splits, in_splits, group):
     return out
 
 
-def _exchange(coll, exchange, send_buf, recv_buf):
+def _exchange(coll, exchange, send_buf, recv_buf, stream):
     coll.exchange([(peer, send_buf[lo:hi]) for peer, lo, hi in exchange.sends],
-                  [(peer, recv_buf[lo:hi]) for peer, lo, hi in exchange.recvs])
+                  [(peer, recv_buf[lo:hi]) for peer, lo, hi in exchange.recvs], stream=stream)
 
 
-def _to_device(table, device):
-    """A host table on `device` (pinned, non-blocking, ordered on the current stream)."""
-    return table if device.type != "cuda" else table.pin_memory().to(device, non_blocking=True)
+class _ExpertState:
+    """A signaled expert op's tile plan on the device, for one routing (counts): its table, the
+    synchronisation words (dispatch: chunk ready flags, raised to 1 and lowered after the GEMM; combine:
+    group counters, waited on and reset to 0, as the dense ops do), the kernel launcher and the watchdog's
+    record. Built once per routing; calls with the same counts (static routing: capacity factor with padding)
+    reuse it, which is what lets them be captured in a CUDA graph."""
+
+    def __init__(self, kind, plan, device, config, group, counts, describe, offsets=None):
+        check_not_capturing(device, f"{kind} with new routing counts")
+        comm.agree(group, dict(op=kind, counts=counts.tolist(), config=config), describe)
+        self.plan = plan
+        self.tiles = plan.tiles.to(device)
+        programs = gemm_programs(device, config)
+        if kind == "a2a_gemm":
+            self.words = torch.zeros(max(1, len(plan.exchanges)), dtype=torch.int32, device=device)
+            self.gemm = SignaledGemm(self.tiles, programs, config, flags=self.words if plan.exchanges else None,
+                                     wait_target=1)
+        else:
+            self.words = torch.zeros(max(1, len(plan.group_tiles)), dtype=torch.int32, device=device)
+            self.gemm = SignaledGemm(self.tiles, programs, config, counters=self.words,
+                                     dst_offsets=None if offsets is None else offsets.to(device))
+        if device.type == "cuda":
+            _zero_offset(device)
+            if kind == "gemm_a2a":
+                comm.comm_engine(device).prepare_counter_waits(plan.group_tiles)
+        self.watched = Watched(describe, (("flags" if kind == "a2a_gemm" else "counters", self.words),)) \
+            if device.type == "cuda" else None
 
 
-@dataclass
-class _Counters:
-    """gemm_a2a's group counters on one device, never reset. Plans change every call, so the host keeps
-    each counter's running total (mod 2**32) as the next call's base instead of calls * group_tiles."""
-    words: torch.Tensor
-    totals: List[int]
-
-    def advance(self, group_tiles):
-        self.totals = [(t + n) & 0xFFFFFFFF for t, n in zip(self.totals, group_tiles)]
-        return list(self.totals)
+MAX_ROUTINGS = 16
+_states = OrderedDict()
 
 
-@dataclass
-class _Flags:
-    """a2a_gemm's ready flags on one device, never reset: each call raises them to its epoch."""
-    words: torch.Tensor
-    calls: int = 0
-
-    def next_epoch(self) -> int:
-        self.calls += 1
-        return (self.calls + 2 ** 31) % 2 ** 32 - 2 ** 31   # the call count as an int32, wrapping
-
-
-_counters: Dict[tuple, _Counters] = {}
-_flags: Dict[tuple, _Flags] = {}
-
-
-def _counters_for(device, size) -> _Counters:
-    key = (str(device), size)
-    if key not in _counters:
-        _counters[key] = _Counters(torch.zeros(size, dtype=torch.int32, device=device), [0] * size)
-    return _counters[key]
-
-
-def _flags_for(device, size) -> _Flags:
-    key = (str(device), size)
-    if key not in _flags:
-        _flags[key] = _Flags(torch.zeros(size, dtype=torch.int32, device=device))
-    return _flags[key]
+def _state(kind, plan_fn, counts, rank, n, config, parts, group, device, describe, offsets=None) -> _ExpertState:
+    """The _ExpertState of this routing, built at its first call (the least recently used dropped past
+    MAX_ROUTINGS: dynamic routing builds one per step)."""
+    key = (kind, group, counts.numpy().tobytes(), tuple(counts.shape), n, config, parts, device,
+           None if offsets is None else tuple(offsets.tolist()))
+    state = _states.get(key)
+    if state is None:
+        plan = plan_fn(counts, rank, n, config.block_m, config.block_n, parts)
+        state = _states[key] = _ExpertState(kind, plan, device, config, group, counts, describe, offsets)
+        if len(_states) > MAX_ROUTINGS:
+            _states.popitem(last=False)
+    else:
+        _states.move_to_end(key)
+    return state
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -218,61 +222,51 @@ def _flags_for(device, size) -> _Flags:
 def _dispatch_decomposed(x, w, xr, y, plan, coll):
     """The local rows' matmuls at once; chunk c's exchange on the comm stream, then its matmuls."""
     engine = comm.comm_engine(x.device)
-    current = torch.cuda.current_stream(x.device) if x.is_cuda else None
-    if current is not None:
-        engine.stream.wait_stream(current)
+    capturing = comm.capturing(x.device)
     lo, hi, dst = plan.local
     xr[dst:dst + hi - lo].copy_(x[lo:hi])
     expert_mm(xr, w, plan.gemm_groups[0], (y,))
     for exchange, pieces in zip(plan.exchanges, plan.gemm_groups[1:]):
-        if current is None:
-            _exchange(coll, exchange, x, xr)
+        if engine.stream is None:
+            _exchange(coll, exchange, x, xr, None)
         else:
-            with torch.cuda.stream(engine.stream):
-                _exchange(coll, exchange, x, xr)
-                arrived = torch.cuda.Event()
-                arrived.record(engine.stream)
-            current.wait_event(arrived)
+            engine.fork(engine.current(), capturing)
+            _exchange(coll, exchange, x, xr, engine.raw)
+            engine.join(engine.current(), capturing)
         expert_mm(xr, w, pieces, (y,))
-    if current is not None:
-        current.wait_stream(engine.stream)
 
 
-def _dispatch_signaled(x, w, xr, y, plan, coll, config, describe):
+def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll):
     """The persistent GEMM over the dispatch plan: local rows at once, each chunk behind its ready flag,
-    which the comm stream raises after the chunk's exchange."""
-    engine = comm.comm_engine(x.device)
-    tiles = _to_device(plan.tiles, x.device)
-    flags = _flags_for(x.device, len(plan.exchanges)) if plan.exchanges else None
-    epoch = flags.next_epoch() if flags is not None else 0
+    which the comm stream raises after the chunk's exchange; the caller's stream lowers the flags after it."""
+    engine, plan = comm.comm_engine(x.device), state.plan
     lo, hi, dst = plan.local
 
-    def transfers():
+    def transfers(stream):
         for c, exchange in enumerate(plan.exchanges):
-            _exchange(coll, exchange, x, xr)
-            engine.raise_flag(flags.words, c, epoch)
+            _exchange(coll, exchange, x, xr, stream)
+            engine.raise_flag(state.words, c)
 
     def gemm():
         if plan.num_tiles:
-            signaled_gemm(xr, w, y, tiles, None, gemm_programs(x.device, config), config,
-                          flags=None if flags is None else flags.words, wait_target=epoch)
+            state.gemm(xr, w, y)
 
     if engine.stream is None:   # CPU: the transfers complete before the (interpreted) kernel starts
         xr[dst:dst + hi - lo].copy_(x[lo:hi])
-        transfers()
+        transfers(None)
         gemm()
+        engine.lower_flags(state.words, None)
         return
-    current = torch.cuda.current_stream(x.device)
-    engine.stream.wait_stream(current)
-    with torch.cuda.stream(engine.stream):   # enqueued first: the transfers never queue behind the GEMM
-        transfers()
+    capturing = comm.capturing(x.device)
+    current = engine.current()
+    engine.fork(current, capturing)
+    transfers(engine.raw)   # enqueued first: the transfers never queue behind the GEMM
     xr[dst:dst + hi - lo].copy_(x[lo:hi])
     gemm()
-    done = torch.cuda.Event()
-    done.record(current)
-    current.wait_stream(engine.stream)
-    if flags is not None:
-        engine.watch(done, describe, flags.words, [epoch] * flags.words.numel())
+    engine.lower_flags(state.words, current)
+    engine.join(current, capturing)
+    if not capturing:
+        state.watched.record(current)
 
 
 def dispatch_gemm(x, counts, w, group, config):
@@ -289,16 +283,16 @@ def dispatch_gemm(x, counts, w, group, config):
         expert_mm(xr, w, lay.segments, (y,))
         return y, xr
     parts = parts_per_peer(counts, config.groups, hidden * x.element_size())
-    plan = dispatch_plan(counts, rank, n, config.block_m, config.block_n, parts)
     xr = torch.empty(lay.rows, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
     coll = comm.collectives(group, x.device, config.comm_sms)
     if method == "decompose":
-        _dispatch_decomposed(x, w, xr, y, plan, coll)
+        _dispatch_decomposed(x, w, xr, y, dispatch_plan(counts, rank, n, config.block_m, config.block_n, parts), coll)
     else:
-        _dispatch_signaled(x, w, xr, y, plan, coll, config,
-                           f"a2a_gemm(T={lay.tokens}, R={lay.rows}, N={n}, H={hidden}, ep={ep}, L={lay.experts}, "
-                           f"parts={parts})")
+        describe = (f"a2a_gemm(T={lay.tokens}, R={lay.rows}, N={n}, H={hidden}, ep={ep}, L={lay.experts}, "
+                    f"parts={parts})")
+        state = _state("a2a_gemm", dispatch_plan, counts, rank, n, config, parts, group, x.device, describe)
+        _dispatch_signaled(x, w, xr, y, state, coll)
     return y, xr
 
 
@@ -310,56 +304,45 @@ def _combine_decomposed(h, w, staging, z, plan, coll):
     """Group g's matmuls, then its exchange on the comm stream while group g+1 is computed; the local
     rows' matmuls last, straight into z."""
     engine = comm.comm_engine(h.device)
-    current = torch.cuda.current_stream(h.device) if h.is_cuda else None
+    capturing = comm.capturing(h.device)
     for pieces, exchange in zip(plan.gemm_groups, plan.exchanges):
         expert_mm(h, w, pieces, (staging, z))
-        if current is None:
-            _exchange(coll, exchange, staging, z)
+        if engine.stream is None:
+            _exchange(coll, exchange, staging, z, None)
             continue
-        engine.stream.wait_stream(current)
-        with torch.cuda.stream(engine.stream):
-            _exchange(coll, exchange, staging, z)
+        engine.fork(engine.current(), capturing)
+        _exchange(coll, exchange, staging, z, engine.raw)
     expert_mm(h, w, plan.gemm_groups[-1], (staging, z))
-    if current is not None:
-        current.wait_stream(engine.stream)
+    if engine.stream is not None:
+        engine.join(engine.current(), capturing)
 
 
-def _combine_signaled(h, w, staging, z, plan, coll, config, describe):
+def _combine_signaled(h, w, staging, z, state: _ExpertState, coll):
     """The persistent GEMM over the combine plan; each group's exchange on the comm stream behind the
     group's counter. Remote rows go to `staging` (DST_BUF 0), local rows straight into z (DST_BUF 1)."""
-    engine = comm.comm_engine(h.device)
-    tiles = _to_device(plan.tiles, h.device)
-    offset = (z.data_ptr() - staging.data_ptr()) // z.element_size() if z.numel() else 0
-    if offset % OFFSET_ALIGNMENT:
-        raise RuntimeError(f"overlap_tp gemm_a2a: z is {offset} elements from the staging matrix, not a multiple "
-                           f"of {OFFSET_ALIGNMENT}")
-    offsets = _to_device(torch.tensor([0, offset], dtype=torch.int64), h.device)
-    counters = _counters_for(h.device, len(plan.group_tiles))
-    targets = counters.advance(plan.group_tiles)
+    engine, plan = comm.comm_engine(h.device), state.plan
 
     def gemm():
         if plan.num_tiles:
-            signaled_gemm(h, w, staging, tiles, counters.words, gemm_programs(h.device, config), config,
-                          dst_offsets=offsets)
+            state.gemm(h, w, staging)
 
-    def transfers():
+    def transfers(stream, capturing):
         for g, exchange in enumerate(plan.exchanges):
-            engine.wait_counter(counters.words, g, targets[g])
-            _exchange(coll, exchange, staging, z)
+            engine.wait_counter(state.words, g, plan.group_tiles[g], capturing)
+            _exchange(coll, exchange, staging, z, stream)
 
     if engine.stream is None:   # CPU: the interpreter finishes the kernel before the exchanges start
         gemm()
-        transfers()
+        transfers(None, False)
         return
-    current = torch.cuda.current_stream(h.device)
-    engine.stream.wait_stream(current)   # before the GEMM launch: inputs and buffers ready, no more
+    capturing = comm.capturing(h.device)
+    current = engine.current()
+    engine.fork(current, capturing)   # before the GEMM launch: inputs and buffers ready, no more
     gemm()
-    with torch.cuda.stream(engine.stream):
-        transfers()
-        done = torch.cuda.Event()
-        done.record(engine.stream)
-    current.wait_stream(engine.stream)
-    engine.watch(done, describe, counters.words, targets)
+    transfers(engine.raw, capturing)
+    if not capturing:
+        state.watched.record(engine.raw)
+    engine.join(current, capturing)
 
 
 def gemm_combine(h, counts, w, group, config):
@@ -376,16 +359,23 @@ def gemm_combine(h, counts, w, group, config):
         return all_to_all_rows(out, lay.tokens, lay.x_splits, lay.xr_splits, group)
     parts = parts_per_peer(counts, config.groups, n * h.element_size())
     plan = combine_plan(counts, rank, n, config.block_m, config.block_n, parts)
-    # at least one row: the kernel addresses z as an offset from the staging matrix
-    staging = torch.empty(max(1, plan.staging_rows), n, dtype=h.dtype, device=h.device)
-    z = torch.empty(lay.tokens, n, dtype=h.dtype, device=h.device)
+    # The staging rows and z in one buffer, z a fixed number of elements (a multiple of 16: 16-byte stores)
+    # after the staging matrix, where the kernel addresses it: the offset belongs to the plan, not the call.
+    # At least one staging row: the kernel's base pointer.
+    staging_rows = max(1, plan.staging_rows)
+    while (staging_rows * n) % OFFSET_ALIGNMENT:
+        staging_rows += 1
+    buf = torch.empty(staging_rows + lay.tokens, n, dtype=h.dtype, device=h.device)
+    staging, z = buf[:staging_rows], buf[staging_rows:]
     coll = comm.collectives(group, h.device, config.comm_sms)
     if method == "decompose":
         _combine_decomposed(h, w, staging, z, plan, coll)
     else:
-        _combine_signaled(h, w, staging, z, plan, coll, config,
-                          f"gemm_a2a(T={lay.tokens}, R={lay.rows}, H={n}, F={h.shape[1]}, ep={ep}, "
-                          f"L={lay.experts}, parts={parts})")
+        describe = (f"gemm_a2a(T={lay.tokens}, R={lay.rows}, H={n}, F={h.shape[1]}, ep={ep}, L={lay.experts}, "
+                    f"parts={parts})")
+        offsets = torch.tensor([0, staging_rows * n], dtype=torch.int64)
+        state = _state("gemm_a2a", combine_plan, counts, rank, n, config, parts, group, h.device, describe, offsets)
+        _combine_signaled(h, w, staging, z, state, coll)
     return z
 
 

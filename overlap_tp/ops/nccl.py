@@ -97,27 +97,27 @@ class Communicator:
             _check(lib.ncclCommInitRankConfig(ctypes.byref(self.comm), dist.get_world_size(group), uid,
                                               dist.get_rank(group), ctypes.byref(config)), "ncclCommInitRankConfig")
 
-    def _stream(self):
-        """The current stream's raw handle, without building a torch.cuda.Stream (a signaled call issues
-        one collective per group: docs/perf/host_cost.md)."""
-        return torch._C._cuda_getCurrentRawStream(self.device_index)
+    def _stream(self, stream):
+        """`stream` (a raw handle), or the current stream's, without building a torch.cuda.Stream (a signaled
+        call issues one collective per group: docs/perf/host_cost.md)."""
+        return torch._C._cuda_getCurrentRawStream(self.device_index) if stream is None else stream
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor):
-        """On the current stream: out = this rank's block of the sum over ranks of inp."""
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, stream=None):
+        """On `stream` (default: the current one): out = this rank's block of the sum over ranks of inp."""
         _check(library().ncclReduceScatter(inp.data_ptr(), out.data_ptr(), out.numel(), NCCL_DTYPES[out.dtype],
-                                           NCCL_SUM, self.comm, self._stream()), "ncclReduceScatter")
+                                           NCCL_SUM, self.comm, self._stream(stream)), "ncclReduceScatter")
 
-    def all_reduce(self, x: torch.Tensor):
-        """On the current stream: x = sum over ranks of x, in place."""
+    def all_reduce(self, x: torch.Tensor, stream=None):
+        """On `stream` (default: the current one): x = sum over ranks of x, in place."""
         _check(library().ncclAllReduce(x.data_ptr(), x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], NCCL_SUM,
-                                       self.comm, self._stream()), "ncclAllReduce")
+                                       self.comm, self._stream(stream)), "ncclAllReduce")
 
-    def all_gather_rows(self, gathered: torch.Tensor, src: torch.Tensor, lo: int, hi: int):
-        """On the current stream: rows [lo, hi) of every rank's shard into the same rows of that rank's
-        region of `gathered` [t * rows, K], in place (one broadcast per root in one NCCL group call), so
-        the rows land in the standard order with no staging copy. This rank's own rows are expected to
-        be in `gathered` already (in-place broadcast); `src` is checked to be this rank's shard shape."""
-        lib, stream = library(), self._stream()
+    def all_gather_rows(self, gathered: torch.Tensor, src: torch.Tensor, lo: int, hi: int, stream=None):
+        """On `stream` (default: the current one): rows [lo, hi) of every rank's shard into the same rows of
+        that rank's region of `gathered` [t * rows, K], in place (one broadcast per root in one NCCL group
+        call), so the rows land in the standard order with no staging copy. This rank's own rows are expected
+        to be in `gathered` already (in-place broadcast); `src` is checked to be this rank's shard shape."""
+        lib, stream = library(), self._stream(stream)
         regions = gathered.chunk(self.world)
         assert src.shape == regions[self.rank].shape, (src.shape, regions[self.rank].shape)
         _check(lib.ncclGroupStart(), "ncclGroupStart")
@@ -127,11 +127,11 @@ class Communicator:
                                      self.comm, stream), "ncclBroadcast")
         _check(lib.ncclGroupEnd(), "ncclGroupEnd")
 
-    def exchange(self, sends, recvs):
-        """On the current stream: send every (peer, tensor) of `sends` and receive every (peer, tensor) of
-        `recvs` in place, in one NCCL group call (the MoE all-to-all of one group of rows; peers are
-        ranks of the group, tensors contiguous)."""
-        lib, stream = library(), self._stream()
+    def exchange(self, sends, recvs, stream=None):
+        """On `stream` (default: the current one): send every (peer, tensor) of `sends` and receive every
+        (peer, tensor) of `recvs` in place, in one NCCL group call (the MoE all-to-all of one group of rows;
+        peers are ranks of the group, tensors contiguous)."""
+        lib, stream = library(), self._stream(stream)
         _check(lib.ncclGroupStart(), "ncclGroupStart")
         for peer, x in sends:
             _check(lib.ncclSend(x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], peer, self.comm, stream), "ncclSend")

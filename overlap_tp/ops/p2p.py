@@ -1,149 +1,130 @@
 """Peer-to-peer transports through PyTorch symmetric memory (peer-mapped over NVLink), no collective.
 
-GEMM+ReduceScatter (`gemm_rs_p2p`): the GEMM epilogue stores each region's tiles straight into the
-owning rank's receive buffer, then a barrier, then every rank sums the t partial slots it received.
+GEMM+ReduceScatter (`P2PReduceScatter`): the GEMM epilogue stores each region's tiles straight into the
+owning rank's receive buffer, then every rank sums the t partial slots it received.
 
-AllGather+GEMM (`ShardPull`): every rank copies its shard into a symmetric buffer and tells its peers
-so by writing the call's epoch into their `ready` words (cuStreamWriteValue32 on peer-mapped memory);
-each rank then pulls the peers' rows chunk by chunk with copy-engine copies. No SM is spent on the
-transfer; waits and signals are stream memory operations.
+AllGather+GEMM (`ShardPull`): every rank copies its shard into a symmetric buffer and tells its peers; each
+rank then pulls the peers' rows chunk by chunk with copy-engine copies. No SM is spent on the transfer;
+waits and signals are stream memory operations.
 
 What it removes against per-group NCCL reduce-scatters (shared/DEVICE.md, contention section): the
 collective's CTAs (no SM is taken from the GEMM), the partial's round trip through local HBM before
 NCCL reads it back, and NCCL's own copy. What it adds: remote stores in the epilogue and one sum pass
-over the received slots (read t x M/t x N, write M/t x N), which the fused RMSNorm can absorb later.
+over the received slots (read t x M/t x N, write M/t x N).
 
-Buffers are double-buffered so one barrier per call suffices: a rank starts writing buffer b of call
-i only after the barrier of call i-1, which every peer reaches only after summing buffer b of call
-i-2 (stream order on each rank).
+Both use one buffer and one-shot signals (overlap_tp/ops/sync.py: raised by the producer, reset by the
+waiter), so every call, eager or a replay of a captured graph, runs the same protocol; each protocol's order
+argument is written next to it. Buffers belong to their plan and live as long as it does.
 """
-from dataclasses import dataclass
-from typing import List, Optional, Tuple
-
 import torch
 
-from overlap_tp.ops import comm
-from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.plan import TilePlan, p2p_plan
+from overlap_tp.kernels.signaled_gemm import SignaledGemm, _zero_offset
+from overlap_tp.ops import memops
+from overlap_tp.ops.sync import PeerSignals
+from overlap_tp.ops.tile_plan import p2p_plan
 
 # Offsets between buffers are used as 16-element-aligned by the kernel (16-byte stores).
 OFFSET_ALIGNMENT = 16
 
 
-@dataclass
-class P2PState:
-    plan: TilePlan
-    tiles: torch.Tensor
-    counters: torch.Tensor            # raised by the kernel; nothing waits on a part of a p2p GEMM
-    buffers: List[Tuple[torch.Tensor, object, torch.Tensor]]   # (receive buffer, handle, offsets)
-    calls: int = 0
+class P2PReduceScatter:
+    """reduce_scatter(a @ w.T) [+ bias] for one (group, M, N, dtype) through epilogue stores into the owners'
+    receive buffers [t, M/t, N] (slot s of rank k: rank s's partial of region k).
 
+    Per call, on the caller's stream:
+        wait SUMMED from every peer (it has summed our previous partials out of its buffer), reset
+        GEMM: region k's tiles into rank k's buffer, slot `rank`
+        signal ARRIVED to every peer (our stores are complete: the write is fenced behind the kernel)
+        wait ARRIVED from every peer, reset; sum the t slots; signal SUMMED to every peer
+    Order argument for the resets: a peer raises our SUMMED word for call i+1 only after its sum of call i+1,
+    which waits for our ARRIVED of call i+1, which we raise after our reset of SUMMED in call i+1; a peer
+    raises our ARRIVED word for call i+1 only after it waited for our SUMMED of call i, raised after our
+    reset of ARRIVED in call i. SUMMED starts raised: there is no previous call to wait for."""
 
-_states = {}
+    SUMMED, ARRIVED = 0, 1
 
-
-def _receive_buffer(group, rank, t, m_local, n, dtype, device):
-    """A symmetric [t * M/t, N] buffer and, per rank k, the element offset of rank k's copy from ours."""
-    from torch.distributed import _symmetric_memory as symm_mem
-    buf = symm_mem.empty(t * m_local, n, dtype=dtype, device=device)
-    handle = symm_mem.rendezvous(buf, group)
-    within = buf.data_ptr() - handle.buffer_ptrs[rank]        # the same on every rank
-    byte_offsets = [handle.buffer_ptrs[k] + within - buf.data_ptr() for k in range(t)]
-    if any(off % (OFFSET_ALIGNMENT * buf.element_size()) for off in byte_offsets):
-        raise RuntimeError(f"overlap_tp: symmetric buffers are not {OFFSET_ALIGNMENT}-element aligned: {byte_offsets}")
-    offsets = torch.tensor([off // buf.element_size() for off in byte_offsets], dtype=torch.int64, device=device)
-    return buf, handle, offsets
-
-
-def p2p_state(group, rank, t, m, n, config, dtype, device) -> P2PState:
-    key = (id(group), m, n, config.block_m, config.block_n, dtype, device.index)
-    if key not in _states:
-        plan = p2p_plan(m, n, t, rank, config.block_m, config.block_n)
-        buffers = [_receive_buffer(group, rank, t, m // t, n, dtype, device) for _ in range(2)]
-        _states[key] = P2PState(plan, plan.tiles.to(device), torch.zeros(1, dtype=torch.int32, device=device),
-                                buffers)
-    return _states[key]
-
-
-def gemm_rs_p2p(a, w, bias, group, rank, t, config, programs):
-    """reduce_scatter(a @ w.T) [+ bias] through epilogue stores into the owners' buffers."""
-    m, n = a.shape[0], w.shape[0]
-    m_local = m // t
-    state = p2p_state(group, rank, t, m, n, config, a.dtype, a.device)
-    buf, handle, offsets = state.buffers[state.calls % 2]
-    state.calls += 1
-    signaled_gemm(a, w, buf, state.tiles, state.counters, programs, config, bias,
-                  (rank * m_local, (rank + 1) * m_local), dst_offsets=offsets)
-    handle.barrier(channel=0)
-    done = torch.cuda.Event()
-    done.record()
-    comm.comm_engine(a.device).watch(done, f"gemm_rs(M={m}, N={n}, K={a.shape[1]}, t={t}, p2p) barrier")
-    # bf16 sum over the slots accumulates in fp32 and rounds once: at t = 2, NCCL's bf16 a + b exactly.
-    return buf.view(t, m_local, n).sum(0)
-
-
-@dataclass
-class ShardPull:
-    """AllGather by copy-engine pulls, for one (group, shard shape): double-buffered symmetric copies of
-    this rank's shard and a symmetric int32 `ready[t]` word per source rank.
-
-    Why double buffering with one epoch per call is safe: a rank overwrites shard buffer b in call i
-    only after its comm stream saw every peer's epoch i-1, which a peer writes only after its pulls of
-    call i-2 (from buffer b) completed (stream order on that peer)."""
-    rank: int
-    world: int
-    shards: List[Tuple[torch.Tensor, object]]   # (symmetric [M/t, K] buffer, handle) x 2
-    peer_shards: List[List[Optional[torch.Tensor]]]   # per buffer: every rank's copy mapped here (None: ours)
-    ready: torch.Tensor                          # symmetric int32 [t]: ready[p] = epoch of p's shard
-    peer_ready: List[int]                        # address of ready[rank] on each rank
-    calls: int = 0
-
-    def start(self, engine, a_shard):
-        """On the comm stream: publish a_shard to the peers and wait until theirs are published.
-        Returns the peers' shard buffers for this call, as tensors on this device (None for this rank)."""
-        b = self.calls % 2
-        self.calls += 1
-        self.shards[b][0].copy_(a_shard)
-        for p in range(self.world):
-            if p != self.rank:
-                comm.stream_write_value(engine.stream, self.peer_ready[p], self.calls)
-        for p in range(self.world):
-            if p != self.rank:
-                comm.stream_wait_value(engine.stream, self.ready.data_ptr() + 4 * p, self.calls)
-        return self.peer_shards[b]
-
-    @staticmethod
-    def pull(gathered, peer_shards, lo, hi):
-        """On the current (comm) stream: rows [lo, hi) of every peer's shard into its region of `gathered`."""
-        regions = gathered.chunk(len(peer_shards))
-        for region, shard in zip(regions, peer_shards):
-            if shard is not None:
-                region[lo:hi].copy_(shard[lo:hi])
-
-
-_pulls = {}
-
-
-def shard_pull(group, rank, t, m_local, k, dtype, device) -> ShardPull:
-    """The ShardPull of this group and shard shape, created collectively on first use."""
-    key = (id(group), m_local, k, dtype, device.index)
-    if key not in _pulls:
+    def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched):
         from torch.distributed import _symmetric_memory as symm_mem
-        shards, peer_shards = [], []
-        for _ in range(2):
-            buf = symm_mem.empty(m_local, k, dtype=dtype, device=device)
-            handle = symm_mem.rendezvous(buf, group)
-            offset = (buf.data_ptr() - handle.buffer_ptrs[rank]) // buf.element_size()
-            shards.append((buf, handle))
-            peer_shards.append([None if p == rank else handle.get_buffer(p, tuple(buf.shape), buf.dtype, offset)
-                                for p in range(t)])
-        ready = symm_mem.empty(t, dtype=torch.int32, device=device)
-        ready.zero_()
-        handle = symm_mem.rendezvous(ready, group)
-        within = ready.data_ptr() - handle.buffer_ptrs[rank]
-        peer_ready = [handle.buffer_ptrs[p] + within + 4 * rank for p in range(t)]
-        torch.cuda.synchronize(device)
-        handle.barrier(channel=0)   # every rank's ready words are zero before anyone writes a peer's
-        torch.cuda.synchronize(device)
-        _pulls[key] = ShardPull(rank, t, shards, peer_shards, ready, peer_ready)
-    return _pulls[key]
+        self.t, self.m_local, self.n, self.watched = t, m // t, n, watched
+        plan = p2p_plan(m, n, t, rank, config.block_m, config.block_n)
+        self.tiles = plan.tiles.to(device)
+        self.buf = symm_mem.empty(t * self.m_local, n, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(self.buf, group)
+        within = self.buf.data_ptr() - handle.buffer_ptrs[rank]        # the same on every rank
+        byte_offsets = [handle.buffer_ptrs[k] + within - self.buf.data_ptr() for k in range(t)]
+        if any(off % (OFFSET_ALIGNMENT * self.buf.element_size()) for off in byte_offsets):
+            raise RuntimeError(f"overlap_tp: symmetric buffers are not {OFFSET_ALIGNMENT}-element aligned: "
+                               f"{byte_offsets}")
+        self.handle = handle
+        offsets = torch.tensor([off // self.buf.element_size() for off in byte_offsets], dtype=torch.int64,
+                               device=device)
+        _zero_offset(device)
+        self.gemm = SignaledGemm(self.tiles, programs, config, bias_rows=(rank * self.m_local, (rank + 1) * self.m_local),
+                                 dst_offsets=offsets)
+        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0))
+        self.device_index = device.index
+
+    def __call__(self, a, w, bias):
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        # bf16 sum over the slots accumulates in fp32 and rounds once: at t = 2, NCCL's bf16 a + b exactly.
+        out = self.protocol(stream, lambda: self.gemm(a, w, self.buf, bias),
+                            lambda: self.buf.view(self.t, self.m_local, self.n).sum(0))
+        if not torch.cuda.is_current_stream_capturing():
+            self.watched.record(stream)
+        return out
+
+    def protocol(self, stream, store, reduce):
+        """One call's steps on `stream` (store: the GEMM into the owners' buffers; reduce: the sum of ours)."""
+        self.signals.wait(stream, self.SUMMED)
+        store()
+        self.signals.signal(stream, self.ARRIVED)
+        self.signals.wait(stream, self.ARRIVED)
+        out = reduce()
+        self.signals.signal(stream, self.SUMMED)
+        return out
+
+
+class ShardPull:
+    """AllGather by copy-engine pulls for one (group, shard shape): a symmetric copy of this rank's shard.
+
+    Per call, on the comm stream:
+        start:  wait PULLED from every peer (it finished pulling our previous shard), reset; copy our shard into
+                the symmetric buffer; signal READY to every peer; wait READY from every peer, reset
+        pull:   rows [lo, hi) of every peer's shard into its region of `gathered` (chunk by chunk)
+        finish: signal PULLED to every peer (our pulls of its shard are complete)
+    Order argument for the resets: a peer raises our READY word for call i+1 only after it waited for our
+    PULLED of call i, raised after our reset of READY in call i; a peer raises our PULLED word for call i
+    only after pulling our shard of call i, which waits for our READY of call i, raised after our reset of
+    PULLED in call i. PULLED starts raised: nobody reads the buffer before the first call."""
+
+    PULLED, READY = 0, 1
+
+    def __init__(self, group, rank, t, m_local, k, dtype, device):
+        from torch.distributed import _symmetric_memory as symm_mem
+        self.rank, self.world = rank, t
+        self.shard = symm_mem.empty(m_local, k, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(self.shard, group)
+        offset = (self.shard.data_ptr() - handle.buffer_ptrs[rank]) // self.shard.element_size()
+        self.peer_shards = [None if p == rank else handle.get_buffer(p, tuple(self.shard.shape), dtype, offset)
+                            for p in range(t)]
+        self.handle = handle
+        self.row_bytes = k * self.shard.element_size()
+        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0))
+
+    def start(self, stream: int, a_shard: torch.Tensor):
+        self.signals.wait(stream, self.PULLED)
+        memops.copy(stream, self.shard.data_ptr(), a_shard.data_ptr(), a_shard.numel() * a_shard.element_size())
+        self.signals.signal(stream, self.READY)
+        self.signals.wait(stream, self.READY)
+
+    def pull(self, stream: int, gathered: torch.Tensor, lo: int, hi: int):
+        """Rows [lo, hi) of every peer's shard into its region of `gathered` [t * rows, K] (contiguous)."""
+        region_rows = gathered.shape[0] // self.world
+        base = gathered.data_ptr()
+        for p, shard in enumerate(self.peer_shards):
+            if shard is not None:
+                memops.copy(stream, base + (p * region_rows + lo) * self.row_bytes,
+                            shard.data_ptr() + lo * self.row_bytes, (hi - lo) * self.row_bytes)
+
+    def finish(self, stream: int):
+        self.signals.signal(stream, self.PULLED)

@@ -4,22 +4,26 @@
 
 Decision for one (device, op, dtype, t, M, N, K):
   1. this process's memo (no communication after the first call of a shape);
-  2. the disk cache (cache.py): every rank reads it, rank 0's entry is broadcast, so ranks that see
-     different files (per-node home directories) still agree;
+  2. the disk cache (cache.py), where one was named (cache=, $OVERLAP_TP_TUNE_CACHE; training runs:
+     --overlap-tp-tune-cache or Megatron's --save folder): every rank reads it, rank 0's entry is
+     broadcast, so ranks that see different files (per-node folders) still agree;
   3. else, on CUDA: measure once collectively (measure.curves; every number is the slowest rank's, via
      an all-reduce MAX), predict every candidate (predict.py), time the `verify` best predicted ones end
      to end, and pick the fastest measured time; overlap must beat `off` by `margin` (relative) or the
      decision is `off`. Every rank computes the decision from the same all-reduced numbers, and rank
      0's result is broadcast anyway (a config that differed across ranks would hang the collectives).
-     Rank 0 writes the cache.
+     Rank 0 writes the cache (if one was named: no file is written anywhere else).
   On CPU tensors (gloo) the answer is OverlapConfig(method='off') with no measurement: the Triton
   interpreter's timings mean nothing.
 """
+import warnings
+
 import torch
 import torch.distributed as dist
 
 from overlap_tp.ops.config import OverlapConfig, set_auto_resolver
-from overlap_tp.tune.cache import TuneCache, cache_key, config_from_dict, config_to_dict, software_stamp
+from overlap_tp.tune.cache import (ENV_VAR, TuneCache, cache_key, config_from_dict, config_to_dict, default_path,
+                                   software_stamp)
 from overlap_tp.tune.candidates import Shape, candidates, label, op_name
 from overlap_tp.tune.predict import DEFAULT_PROGRESS, Measurements, rank
 
@@ -28,6 +32,7 @@ __all__ = ["choose", "choose_shape", "decide", "resolve_auto", "shape_of", "Tune
 DEFAULT_MARGIN = 0.02
 DEFAULT_VERIFY = 2
 _memo = {}
+_warned_no_cache = []
 
 
 def shape_of(op: str, a: torch.Tensor, w: torch.Tensor, t: int) -> Shape:
@@ -89,8 +94,20 @@ def _broadcast(obj, group):
     return box[0]
 
 
-def _open_cache(cache, device_name):
+def _cache_location(cache):
+    """What `cache` names: False (no disk), a TuneCache, or a path (None: $OVERLAP_TP_TUNE_CACHE, else no disk)."""
+    if cache is None:
+        return default_path() or False
+    return cache
+
+
+def _open_cache(cache, device_name, rank):
     if cache is False:
+        if rank == 0 and not _warned_no_cache:
+            _warned_no_cache.append(True)
+            warnings.warn(f"overlap_tp tuner: no cache file named (cache=, {ENV_VAR}, --overlap-tp-tune-cache "
+                          "or Megatron's --save), so this process's decisions are not kept on disk and the "
+                          "next run measures its shapes again")
         return None
     if isinstance(cache, TuneCache):
         return cache
@@ -116,20 +133,22 @@ def choose_shape(shape: Shape, group, device: torch.device, *, cache=None, base:
     """The OverlapConfig to run the op of `shape` with, on `group` (a process group of shape.t ranks).
 
     Collective over `group` on a cache miss (every rank must call it for the same shape, as for the
-    op itself). cache: None = default path ($OVERLAP_TP_TUNE_CACHE or ~/.cache/overlap_tp/tune.json), a
-    path, a TuneCache, or False (no disk). base: block sizes / stages every candidate keeps. measure: an
-    object with curves(shape, group, device, base) and end_to_end(shape, configs, group, device)
-    (default: overlap_tp.tune.measure; tests pass a fake to run the decision path on CPU).
+    op itself). cache: None = $OVERLAP_TP_TUNE_CACHE if set, else no disk (warned once: the decisions
+    live in this process only); a path, a TuneCache, or False (no disk). base: block sizes / stages
+    every candidate keeps. measure: an object with curves(shape, group, device, base) and
+    end_to_end(shape, configs, group, device) (default: overlap_tp.tune.measure; tests pass a fake to
+    run the decision path on CPU).
     """
     if device.type != "cuda" and measure is None:
         return OverlapConfig(method="off", **_fixed(base))
     t = shape.t
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    cache = _cache_location(cache)
     memo_key = (device_name, shape, tuple(dist.get_process_group_ranks(group)), base, margin, verify_count,
                 progress, str(cache) if not isinstance(cache, TuneCache) else cache.path)
     if memo_key in _memo:
         return _memo[memo_key]
-    store = _open_cache(cache, device_name)
+    store = _open_cache(cache, device_name, dist.get_rank(group))
     key = cache_key(device_name, shape.op, shape.dtype, t, shape.m, shape.n, shape.k)
     cached = store.get(key) if store is not None else None
     cached = _broadcast(cached["config"] if cached else None, group)

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.tune import choose, decide
-from overlap_tp.tune.cache import TuneCache, cache_key, software_stamp
+from overlap_tp.tune.cache import ENV_VAR, TuneCache, cache_key, default_path, location_problem, software_stamp
 from overlap_tp.tune.candidates import Shape, candidates, label
 from overlap_tp.tune.predict import PROGRESS, predict, rank
 
@@ -37,12 +37,20 @@ def parse_args(argv):
     p.add_argument("--mnk", action="append", default=[], help="M,N,K of the rank's GEMM (repeatable)")
     p.add_argument("--exhaustive", action="store_true")
     p.add_argument("--validate", metavar="OUT_DIR")
-    p.add_argument("--cache", help="cache file (default $OVERLAP_TP_TUNE_CACHE or ~/.cache/overlap_tp/tune.json)")
+    p.add_argument("--cache", help="cache file the decisions go to (default $OVERLAP_TP_TUNE_CACHE; without "
+                                   "either, the default mode only prints them and --exhaustive refuses to run)")
     p.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement")
     p.add_argument("--points", type=int, default=30,
                    help="end-to-end measured candidates per shape (--validate, --exhaustive); 0 = all")
     p.add_argument("--top", type=int, default=8, help="--validate: how many of the predictor's best to measure")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    cache = args.cache or default_path()
+    if args.exhaustive and not args.validate and not cache:   # --validate wins over --exhaustive in main()
+        p.error(f"--exhaustive records its result in the tune cache: give --cache PATH or set {ENV_VAR}")
+    problem = cache and location_problem(cache)
+    if problem:
+        p.error(f"tune cache: {problem}")
+    return args
 
 
 def shapes_from_args(args, t):

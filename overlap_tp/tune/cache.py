@@ -16,14 +16,19 @@ File format (FORMAT_VERSION 1):
 An entry whose stamp differs from this process's (another device, another overlap_tp / torch / triton /
 NCCL version, another format) is not used: `get` returns None and the entry is listed in `ignored`
 (and warned about once), so an upgrade re-tunes instead of trusting numbers from other software.
-Writes merge with what is on disk (so two jobs sharing the file do not drop each other's entries)
-and go through a temporary file in the same folder plus os.replace (atomic on POSIX): a reader sees
-the old file or the new one, never a torn one. A missing or unreadable file is an empty cache.
+Writes hold an exclusive lock (fcntl.flock on the sidecar file `<path>.lock`, never deleted: removing
+a lock file while another process waits on it would let two writers in) around the read-merge-write,
+so two jobs sharing the file do not drop each other's entries, and go through a temporary file in
+the same folder plus os.replace (atomic on POSIX): a reader, which takes no lock, sees the old file
+or the new one, never a torn one. A missing or unreadable file is an empty cache.
 
-Path: an explicit path, else $OVERLAP_TP_TUNE_CACHE, else ~/.cache/overlap_tp/tune.json.
+Path: an explicit path, else $OVERLAP_TP_TUNE_CACHE; there is no default under the home directory
+(docs/tuner.md: a file nobody asked for, shared by every job of the user). Training runs get one
+under Megatron's --save folder (overlap_tp.megatron.arguments.tune_cache_path).
 """
 import dataclasses
 import datetime
+import fcntl
 import json
 import os
 import tempfile
@@ -36,8 +41,28 @@ FORMAT_VERSION = 1
 ENV_VAR = "OVERLAP_TP_TUNE_CACHE"
 
 
-def default_path() -> str:
-    return os.environ.get(ENV_VAR) or os.path.join(os.path.expanduser("~"), ".cache", "overlap_tp", "tune.json")
+def default_path() -> Optional[str]:
+    """$OVERLAP_TP_TUNE_CACHE, or None: without an explicit location the tuner keeps its decisions in
+    the process only."""
+    return os.environ.get(ENV_VAR) or None
+
+
+def location_problem(path: str) -> Optional[str]:
+    """Why the tune cache cannot live at `path` (None if it can): a folder, an unwritable file, or a
+    nearest existing ancestor folder that this process cannot create the file in. Creates nothing."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path):
+        return f"{path} is a folder; give a file path (e.g. {os.path.join(path, 'tune.json')})"
+    if os.path.exists(path):
+        return None if os.access(path, os.W_OK) else f"{path} is not writable"
+    folder = os.path.dirname(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"{folder} is a file, so {path} cannot be created"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{folder} is not writable, so {path} cannot be created"
+    return None
 
 
 def _package_version() -> Optional[str]:
@@ -89,7 +114,10 @@ class TuneCache:
     """The decisions file. `stamp`: this process's software_stamp (device name included)."""
 
     def __init__(self, path: Optional[str] = None, stamp: Optional[dict] = None):
-        self.path = os.path.abspath(os.path.expanduser(path or default_path()))
+        path = path or default_path()
+        if not path:
+            raise ValueError(f"overlap_tp tune cache: no path; pass one or set {ENV_VAR}")
+        self.path = os.path.abspath(os.path.expanduser(path))
         self.stamp = stamp
         self.ignored: List[Tuple[str, str]] = []    # (key, why) of entries found but not used
         self._warned = set()
@@ -146,21 +174,24 @@ class TuneCache:
             return None
 
     def put(self, key: str, config: OverlapConfig, **fields):
-        """Record `config` for `key` (with this stamp and the given extra fields); atomic, merging."""
+        """Record `config` for `key` (with this stamp and the given extra fields): under the file's lock,
+        merged with what is on disk then, replaced atomically."""
         entry = {"stamp": self.stamp, "config": config_to_dict(config),
                  "created": datetime.datetime.now().isoformat(timespec="seconds"), **fields}
-        entries = self._load()
-        entries[key] = entry
         folder = os.path.dirname(self.path)
         os.makedirs(folder, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tune.", suffix=".json.tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"format": FORMAT_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        with open(self.path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes, also on an exception
+            entries = self._load()             # read under the lock: another writer's entries are kept
+            entries[key] = entry
+            fd, tmp = tempfile.mkstemp(prefix=".tune.", suffix=".json.tmp", dir=folder)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"format": FORMAT_VERSION, "entries": entries}, f, indent=1, sort_keys=True)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, self.path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise

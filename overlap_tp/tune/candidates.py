@@ -10,7 +10,7 @@ Per op:
       a chunk's flag on every SM would starve NCCL) or p2p (copy engine, comm_sms 0) x chunk partitions.
 
 Partitions (FlashOverlap Alg. 1, adapted). Group sizes are in schedule units, as OverlapConfig.groups
-and overlap_tp.ops.plan.split_units take them: row_slice = row-slices of block_m rows (of every rank's
+and overlap_tp.ops.tile_plan.split_units take them: row_slice = row-slices of block_m rows (of every rank's
 region for rs), tile_exact = tile positions, ag = row-slices of the local rows (chunk c = the same
 rows of every peer). A wave is the tiles one grid of (SMs - comm_sms) programs computes at once; in
 units that is  w = wave_tiles / unit_tiles  (rs row_slice: unit_tiles = t * ceil(N / block_n)).

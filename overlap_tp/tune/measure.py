@@ -21,7 +21,8 @@ import torch.distributed as dist
 from overlap_tp.ops import comm
 from overlap_tp.ops.ag_gemm import ag_gemm
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.gemm_rs import gemm_ar, gemm_rs
+from overlap_tp.ops.gemm_ar import gemm_ar
+from overlap_tp.ops.gemm_rs import gemm_rs
 from overlap_tp.tune.candidates import COMM_SMS, DECOMPOSE_CHUNKS, DECOMPOSE_COMM_SMS, Shape, label, layout
 from overlap_tp.tune.predict import Measurements
 from overlap_tp.tune.timing import timed
@@ -81,12 +82,13 @@ def end_to_end(shape: Shape, configs: Iterable[OverlapConfig], group, device, *,
 def _gemm_alone(shape: Shape, schedule: str, base: OverlapConfig, comm_sms: Sequence[int], a, w, reps, group):
     """{comm_sms: ms} of the signaled GEMM with (SMs - comm_sms) programs, no communication."""
     from overlap_tp.kernels.signaled_gemm import signaled_gemm
-    from overlap_tp.ops.gemm_rs import gemm_programs, plan_state
+    from overlap_tp.ops.common import gemm_programs
+    from overlap_tp.ops.reduction import device_plan
     world = shape.t if shape.op == "rs" else 1
     out = {}
     for cs in comm_sms:
         cfg = dataclasses.replace(base, method="signal", schedule=schedule, comm_sms=cs, groups=1)
-        state = plan_state(schedule, a.shape[0], shape.n, world, cfg, a.element_size(), a.device)
+        state = device_plan(schedule, a.shape[0], shape.n, world, cfg, a.element_size(), a.device)
         staging = torch.empty(state.plan.staging_shape, device=a.device, dtype=a.dtype)
         counters = torch.zeros_like(state.counters)
         programs = gemm_programs(a.device, cfg)
@@ -162,9 +164,9 @@ def curves(shape: Shape, group, device, base: OverlapConfig = OverlapConfig(), *
     for schedule in schedules:
         meas.gemm[schedule] = _gemm_alone(shape, schedule, base, comm_sms, full, w, reps, group)
     if "tile_exact" in schedules:   # the reorder gemm_rs / gemm_ar run after the collectives
-        from overlap_tp.ops.gemm_rs import plan_state
+        from overlap_tp.ops.reduction import device_plan
         world = shape.t if shape.op == "rs" else 1
-        state = plan_state("tile_exact", shape.m, shape.n, world, dataclasses.replace(base, groups=1),
+        state = device_plan("tile_exact", shape.m, shape.n, world, dataclasses.replace(base, groups=1),
                            shape.elem_bytes, device)
         buf = torch.randn(state.plan.out_shape, device=device, dtype=a.dtype)
         meas.post["tile_exact"] = _timed(lambda: state.tile_order.undo(buf), [()], reps, group)

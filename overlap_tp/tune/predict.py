@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.plan import split_units
+from overlap_tp.ops.tile_plan import split_units
 from overlap_tp.tune.candidates import Layout, Shape, label, layout, wave_tiles
 
 PROGRESS = ("wave", "linear")

@@ -16,8 +16,8 @@ from distributed import run_distributed
 from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, ag_gemm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.gemm_rs import gemm_programs
-from overlap_tp.ops.plan import ag_plan
+from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.tile_plan import ag_plan
 
 pytestmark = pytest.mark.gpu
 

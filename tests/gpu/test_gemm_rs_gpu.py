@@ -21,7 +21,8 @@ from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, gemm_ar, gemm_rs
 from overlap_tp.ops import comm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.gemm_rs import gemm_programs, plan_state
+from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.reduction import device_plan
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +39,7 @@ def sequential_signaled(a, w, group, config, op):
     t = dist.get_world_size(group)
     m, n = a.shape[0], w.shape[0]
     world = t if op == "rs" else 1
-    state = plan_state(config.schedule, m, n, world, config, a.element_size(), a.device)
+    state = device_plan(config.schedule, m, n, world, config, a.element_size(), a.device)
     plan = state.plan
     staging = torch.empty(plan.staging_shape, dtype=a.dtype, device=a.device)
     counters = torch.zeros_like(state.counters)
@@ -142,11 +143,11 @@ def test_watchdog_turns_a_lost_signal_into_an_error(tmp_path):
     script = textwrap.dedent("""
         import torch
         from overlap_tp.ops.comm import comm_engine
+        from overlap_tp.ops.watchdog import Watched
         engine = comm_engine(torch.device("cuda", 0))
         counters = torch.zeros(2, dtype=torch.int32, device="cuda")
-        engine.wait_counter(counters, 1, 5)           # nothing will ever raise counter 1
-        done = torch.cuda.Event(); done.record(engine.stream)
-        engine.watch(done, "test op", counters, [0, 5])
+        engine.wait_counter(counters, 1, 5, False)    # nothing will ever raise counter 1
+        Watched("test op", (("counters", counters),)).record(engine.raw)
         torch.cuda.synchronize()
         print("NOT REACHED")
     """)

@@ -38,7 +38,6 @@ tests/test_layer_bench.py runs the same check at tiny size in CI.
 """
 import argparse
 import os
-import sys
 import tempfile
 import warnings
 

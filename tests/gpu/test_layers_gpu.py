@@ -27,7 +27,6 @@ CPU (gloo, tiny shapes, methods off / decompose / signal in Triton's interpreter
 """
 import argparse
 import os
-import sys
 import warnings
 
 import pytest

@@ -3,20 +3,47 @@ import torch
 
 from overlap_tp import OverlapConfig
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.plan import make_plan, p2p_plan
+from overlap_tp.ops.tile_plan import make_plan, p2p_plan
 
 CONFIG = OverlapConfig(block_m=16, block_n=32, block_k=16)
 
 
-def test_counters_count_each_groups_tiles():
-    a = torch.randn(96, 32).to(torch.bfloat16)
-    w = torch.randn(80, 32).to(torch.bfloat16)
+def _staged_as_rows(staging, plan):
+    """The row_slice staging matrix read back in C's row order: group g's collective moves staging rows
+    [src_lo, src_hi) = t blocks of (dst_hi - dst_lo) rows, block k holding rows [dst_lo, dst_hi) of region k
+    (what reduce_scatter delivers to rank k)."""
+    t, m_local = plan.world, plan.m // plan.world
+    out = torch.full((plan.m, plan.n), float("nan"), dtype=staging.dtype)
+    for c in plan.collectives:
+        rows = c.dst_hi - c.dst_lo
+        for k in range(t):
+            out[k * m_local + c.dst_lo:k * m_local + c.dst_hi] = staging[c.src_lo + k * rows:c.src_lo + (k + 1) * rows]
+    return out
+
+
+def test_counters_count_each_groups_tiles_and_the_tiles_hold_the_product():
+    """Each group's counter reaches its tile count (and counts on, call after call), and what the
+    kernel stored is A @ W.T: every staging element written (NaN-poisoned before), each region's rows
+    where its collective reads them, within bf16 rounding of an fp64 product; a second call stores the
+    same bits."""
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(96, 32, generator=gen).to(torch.bfloat16)
+    w = torch.randn(80, 32, generator=gen).to(torch.bfloat16)
+    ref = a.double() @ w.double().t()
     plan = make_plan("row_slice", 96, 80, 2, 16, 32, groups=3)
-    staging = torch.full(plan.staging_shape, float("nan"), dtype=torch.bfloat16)
     counters = torch.zeros(plan.num_groups, dtype=torch.int32)
+    outputs = []
     for calls in (1, 2):
+        staging = torch.full(plan.staging_shape, float("nan"), dtype=torch.bfloat16)
         signaled_gemm(a, w, staging, plan.tiles, counters, 3, CONFIG)
         assert counters.tolist() == [calls * g for g in plan.group_tiles]
+        assert not staging.isnan().any(), "a staging element was never written"
+        got = _staged_as_rows(staging, plan)
+        # bf16 output: each element within a few bf16 ulps of the fp64 product (K = 32, fp32 accumulation)
+        assert torch.allclose(got.double(), ref, rtol=2 ** -7, atol=2 ** -7 * float(ref.abs().max())), \
+            float((got.double() - ref).abs().max())
+        outputs.append(staging)
+    assert torch.equal(outputs[0], outputs[1])
 
 
 def test_p2p_stores_reach_every_owner():
@@ -49,7 +76,7 @@ def test_transposed_weight_is_read_in_place():
     single weights at shapes with N and K tails, and stacked expert weights [L, K, N] read as [L, N, K]."""
     import pytest
     from overlap_tp.kernels.signaled_gemm import weight_layout
-    from overlap_tp.ops.plan import EXPERT
+    from overlap_tp.ops.tile_plan import EXPERT
     gen = torch.Generator().manual_seed(7)
     for m, n, k in ((64, 96, 48), (40, 72, 32), (96, 40, 64)):
         a = torch.randn(m, k, generator=gen).to(torch.bfloat16)

@@ -12,7 +12,9 @@ from overlap_tp.megatron_patches import apply as patch
 
 @pytest.fixture(autouse=True)
 def clean_state(monkeypatch):
-    monkeypatch.delenv(TUNE_CACHE_ENV, raising=False)
+    # setenv first so that monkeypatch restores the variable's absence after apply() exported it
+    monkeypatch.setenv(TUNE_CACHE_ENV, "")
+    monkeypatch.delenv(TUNE_CACHE_ENV)
     patch.reset()
     try:
         from overlap_tp.megatron import layers
@@ -75,6 +77,20 @@ def test_tune_cache_is_exported(monkeypatch):
     patch.apply(fake_args(overlap_tp="auto", overlap_tp_tune_cache="/tmp/cache.json"), log=quiet)
     import os
     assert os.environ[TUNE_CACHE_ENV] == "/tmp/cache.json"
+
+
+def test_tune_cache_goes_where_the_user_says_else_under_save(monkeypatch):
+    import os
+    patch.apply(fake_args(overlap_tp="auto"), log=quiet)
+    assert TUNE_CACHE_ENV not in os.environ                      # no flag, variable or --save: no file
+    report = patch.apply(fake_args(overlap_tp="auto", save="/runs/a/ckpt"), log=quiet)
+    assert os.environ[TUNE_CACHE_ENV] == "/runs/a/ckpt/overlap_tp_tune.json"
+    assert f"{TUNE_CACHE_ENV}=/runs/a/ckpt/overlap_tp_tune.json" in report.changed
+    monkeypatch.setenv(TUNE_CACHE_ENV, "/mine/tune.json")        # the user's variable beats --save
+    patch.apply(fake_args(overlap_tp="auto", save="/runs/a/ckpt"), log=quiet)
+    assert os.environ[TUNE_CACHE_ENV] == "/mine/tune.json"
+    patch.apply(fake_args(overlap_tp="auto", save="/runs/a/ckpt", overlap_tp_tune_cache="/flag.json"), log=quiet)
+    assert os.environ[TUNE_CACHE_ENV] == "/flag.json"             # and the flag beats both
 
 
 def test_a_foreign_spec_is_never_overwritten():

@@ -1,15 +1,19 @@
 """overlap_tp's Megatron flags: parsing (plain argparse and, where importable, Megatron's own parser)
 and the combination checks of validate_overlap_args."""
 import argparse
+import os
 import sys
 from types import SimpleNamespace
 
 import pytest
 
 from overlap_tp import OverlapConfig
-from overlap_tp.megatron.arguments import (OverlapArgumentError, add_overlap_args, build_parser, layer_configs,
-                                  moe_overlap_config_kwargs, overlap_config_kwargs, validate_overlap_args)
+from overlap_tp.megatron.arguments import (PEAK_TFLOPS_ENV, TUNE_CACHE_ENV, OverlapArgumentError,
+                                           add_overlap_args, build_parser, layer_configs, moe_overlap_config_kwargs,
+                                           overlap_config_kwargs, tune_cache_path, validate_overlap_args,
+                                           validate_overlap_env)
 from overlap_tp.megatron_patches.apply import SPEC
+from overlap_tp.ops.watchdog import WATCHDOG_ENV
 
 
 def megatron_like(**overrides):
@@ -191,3 +195,80 @@ def test_inside_megatrons_parser(monkeypatch):
     args = arguments.parse_args(extra_args_provider=add_overlap_args)
     assert args.overlap_tp == "decompose" and args.overlap_tp_comm_sms == 8 and args.sequence_parallel
     assert args.num_layers == 2
+
+
+def test_env_names_are_the_readers_names():
+    from overlap_tp.training import throughput
+    from overlap_tp.tune import cache
+    assert (PEAK_TFLOPS_ENV, TUNE_CACHE_ENV) == (throughput.PEAK_ENV, cache.ENV_VAR)
+
+
+@pytest.mark.parametrize("name,value,match", [
+    (PEAK_TFLOPS_ENV, "0", "OVERLAP_TP_PEAK_TFLOPS='0': expected a positive number"),
+    (PEAK_TFLOPS_ENV, "-5", "expected a positive number"),
+    (PEAK_TFLOPS_ENV, "inf", "expected a positive number"),
+    (PEAK_TFLOPS_ENV, "fast", "OVERLAP_TP_PEAK_TFLOPS='fast': expected a positive number"),
+    (WATCHDOG_ENV, "-1", "OVERLAP_TP_WATCHDOG_S='-1': expected a number of seconds >= 0"),
+    (WATCHDOG_ENV, "nan", "expected a number of seconds >= 0"),
+    (WATCHDOG_ENV, "5s", "expected a number of seconds >= 0"),
+    (WATCHDOG_ENV, "", "expected a number of seconds >= 0"),   # the watchdog's reader refuses it too
+])
+def test_bad_env_overrides_stop_the_run_at_start(monkeypatch, name, value, match):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(OverlapArgumentError, match=match):
+        validate_overlap_args(megatron_like(), warn=None)
+    with pytest.raises(OverlapArgumentError, match=match):   # with overlap off too: the variables are read anyway
+        validate_overlap_args(megatron_like(overlap_tp="off"), warn=None)
+
+
+def test_good_env_overrides_pass(monkeypatch, tmp_path):
+    for name, value in ((PEAK_TFLOPS_ENV, "756.5"), (WATCHDOG_ENV, "0"), (TUNE_CACHE_ENV, str(tmp_path / "a/b.json"))):
+        monkeypatch.setenv(name, value)
+    validate_overlap_args(megatron_like(), warn=None)
+    monkeypatch.setenv(PEAK_TFLOPS_ENV, "")    # empty = unset, as the MFU reads it
+    monkeypatch.delenv(WATCHDOG_ENV)
+    validate_overlap_env(megatron_like())
+
+
+def test_tune_cache_location_is_checked_at_start(monkeypatch, tmp_path):
+    monkeypatch.delenv(TUNE_CACHE_ENV, raising=False)
+    blocker = tmp_path / "a_file"      # a file where a folder should be: cannot be created, even as root
+    blocker.write_text("")
+    monkeypatch.setenv(TUNE_CACHE_ENV, str(blocker / "sub" / "t.json"))
+    with pytest.raises(OverlapArgumentError, match=f"{TUNE_CACHE_ENV}: .*a_file is a file, so .* cannot be created"):
+        validate_overlap_env(megatron_like())
+    monkeypatch.delenv(TUNE_CACHE_ENV)
+    with pytest.raises(OverlapArgumentError, match="--overlap-tp-tune-cache: .*cannot be created"):
+        validate_overlap_env(megatron_like(overlap_tp_tune_cache=str(blocker / "t.json")))
+    # the --save default is checked only when the tuner runs (--overlap-tp auto)
+    validate_overlap_env(megatron_like(save=str(blocker / "ckpt")))
+    with pytest.raises(OverlapArgumentError, match="the tune cache in --save: .*cannot be created"):
+        validate_overlap_env(megatron_like(overlap_tp="auto", save=str(blocker / "ckpt")))
+    monkeypatch.setenv(TUNE_CACHE_ENV, str(tmp_path))
+    with pytest.raises(OverlapArgumentError, match="is a folder"):
+        validate_overlap_env(megatron_like())
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):   # root may write anyway
+            monkeypatch.setenv(TUNE_CACHE_ENV, str(locked / "sub" / "t.json"))
+            with pytest.raises(OverlapArgumentError, match="locked is not writable"):
+                validate_overlap_env(megatron_like())
+    finally:
+        locked.chmod(0o700)
+    monkeypatch.setenv(TUNE_CACHE_ENV, str(tmp_path / "new" / "deeper" / "t.json"))
+    validate_overlap_env(megatron_like())
+    assert not (tmp_path / "new").exists()    # checking creates nothing
+
+
+def test_tune_cache_path_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv(TUNE_CACHE_ENV, raising=False)
+    args = megatron_like(save=str(tmp_path / "ckpt"))
+    assert tune_cache_path(args) == str(tmp_path / "ckpt" / "overlap_tp_tune.json")
+    monkeypatch.setenv(TUNE_CACHE_ENV, "/e.json")
+    assert tune_cache_path(args) == "/e.json"
+    args.overlap_tp_tune_cache = "/f.json"
+    assert tune_cache_path(args) == "/f.json"
+    monkeypatch.delenv(TUNE_CACHE_ENV)
+    assert tune_cache_path(megatron_like()) is None

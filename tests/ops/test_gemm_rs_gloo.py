@@ -49,6 +49,8 @@ def _check_ops(rank, world):
     a, w, _ = dense_problem(64, 64, 32, seed=1, bias=False)
     shard = slice(rank * 32 // world, (rank + 1) * 32 // world)
     first = gemm_rs(a[:, shard].contiguous(), w[:, shard].contiguous(), config=CONFIGS[2])
+    rows = slice(rank * 64 // world, (rank + 1) * 64 // world)
+    assert rel_error(first, (a.double() @ w.double().t())[rows]) < 1e-2
     for _ in range(3):
         assert torch.equal(gemm_rs(a[:, shard].contiguous(), w[:, shard].contiguous(), config=CONFIGS[2]), first)
 
@@ -80,10 +82,20 @@ def _check_bad_input(rank, world):
         (lambda: gemm_ar(a, w, config=OverlapConfig(method="signal", transport="p2p")), "gemm_rs only"),
     ]
     assert_each_raises(cases)
-    # method='auto' runs the named 'off' path, with a warning saying why, and gives the off result
+    # method='auto' (the default config) runs the named 'off' path on CPU, with a warning saying why. Its
+    # result is checked against the dense product of the whole problem, computed here in fp64: comparing
+    # with config=off would compare that path with itself.
+    m, n, k_local = 64, 48, 32
+    a_full, w_full, _ = dense_problem(m, n, k_local * world, seed=11, bias=False)
+    shard, rows = slice(rank * k_local, (rank + 1) * k_local), slice(rank * m // world, (rank + 1) * m // world)
+    dense = a_full.double() @ w_full.double().t()
+    a_k, w_k = a_full[:, shard].contiguous(), w_full[:, shard].contiguous()
     with pytest.warns(UserWarning, match="method='auto' runs 'off'"):
-        got = gemm_rs(a, w)
-    assert torch.equal(got, gemm_rs(a, w, config=OverlapConfig(method="off")))
+        got = gemm_rs(a_k, w_k)
+    assert got.shape == (m // world, n) and rel_error(got, dense[rows]) < 1e-2
+    with pytest.warns(UserWarning, match="method='auto' runs 'off'"):
+        got = gemm_ar(a_k, w_k)
+    assert got.shape == (m, n) and rel_error(got, dense) < 1e-2
 
 
 def test_bad_input_is_named():

@@ -23,7 +23,7 @@ def recipe_argv(name, *extra, **env):
     """The Megatron command line a recipe would launch (DRY_RUN=1 prints it)."""
     environ = {k: v for k, v in os.environ.items()
                if k not in ("OVERLAP", "TRANSPORT", "COMM_SMS", "TP", "EP", "NUM_LAYERS", "WANDB_PROJECT",
-                            "RDZV_ENDPOINT")}
+                            "RDZV_ENDPOINT", "GRAPHS")}
     environ.update(DRY_RUN="1", **env)
     out = subprocess.run(["bash", os.path.join(ROOT, "recipes", f"{name}.sh"), *extra], env=environ,
                          capture_output=True, text=True, check=True).stdout
@@ -92,6 +92,21 @@ def test_mixtral_shapes_and_moe_layout():
     baseline = recipe_argv("mixtral-proxy", "--overlap-moe", "signal", OVERLAP="off")
     args, _ = build_parser().parse_known_args(baseline)
     assert (args.overlap_tp, args.overlap_moe) == ("off", "signal")   # the MoE overlap alone: flags after win
+
+
+def test_graph_mode_is_the_same_for_both_sides():
+    """GRAPHS picks Megatron's --cuda-graph-impl for on and off alike; each recipe's default is the mode measured
+    fastest for it (smoke: full_iteration, the others: local)."""
+    for overlap in ("off", "signal"):
+        argv = recipe_argv("smoke", OVERLAP=overlap)
+        assert flag(argv, "--cuda-graph-impl") == "full_iteration" and "--no-check-for-nan-in-loss-and-grad" in argv
+        assert flag(recipe_argv("llama3-8b", OVERLAP=overlap), "--cuda-graph-impl") == "local"
+    assert flag(recipe_argv("smoke", GRAPHS="local"), "--cuda-graph-impl") == "local"
+    assert "--cuda-graph-impl" not in recipe_argv("smoke", GRAPHS="none")
+    bad = subprocess.run(["bash", os.path.join(ROOT, "recipes", "smoke.sh")], env={**os.environ, "DRY_RUN": "1",
+                                                                                    "GRAPHS": "always"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "GRAPHS=always" in bad.stderr
 
 
 def test_knobs_and_extra_flags_pass_through():

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.plan import make_plan
+from overlap_tp.ops.tile_plan import make_plan
 from overlap_tp.tune import choose, clear_memo, decide, refit
 from overlap_tp.tune.cache import TuneCache, cache_key, config_to_dict, default_path
 from overlap_tp.tune.candidates import (MAX_PARTITIONS, Shape, candidates, config_from_label, label, layout,
@@ -341,7 +341,7 @@ def test_cache_roundtrip_and_invalidation(tmp_path):
     TuneCache(path, STAMP).put(cache_key("H200", "ar", "bfloat16", 2, 8192, 4096, 2048), OverlapConfig(method="off"))
     assert TuneCache(path, STAMP).get_config(key) == cfg
     assert len(TuneCache(path, STAMP).entries()) == 2            # writes merge
-    assert os.listdir(tmp_path / "sub") == ["tune.json"]        # no temp file left behind
+    assert sorted(os.listdir(tmp_path / "sub")) == ["tune.json", "tune.json.lock"]   # no temp file left behind
     # another version: ignored and reported
     newer = TuneCache(path, dict(STAMP, torch="2.12"))
     with pytest.warns(UserWarning, match="torch"):
@@ -362,9 +362,59 @@ def test_cache_roundtrip_and_invalidation(tmp_path):
 def test_cache_default_path(monkeypatch, tmp_path):
     monkeypatch.setenv("OVERLAP_TP_TUNE_CACHE", str(tmp_path / "x.json"))
     assert default_path() == str(tmp_path / "x.json")
+    assert TuneCache(None, STAMP).path == str(tmp_path / "x.json")
     monkeypatch.delenv("OVERLAP_TP_TUNE_CACHE")
-    assert default_path().endswith(os.path.join(".cache", "overlap_tp", "tune.json"))
+    assert default_path() is None                     # no file under the home directory nobody asked for
+    with pytest.raises(ValueError, match="no path; pass one or set OVERLAP_TP_TUNE_CACHE"):
+        TuneCache(None, STAMP)
     assert config_to_dict(OverlapConfig(groups=(1, 2)))["groups"] == [1, 2]
+
+
+WRITER = """
+import os, sys, time
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.tune.cache import TuneCache
+path, name, count, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+open(go + "." + name, "w").close()        # ready
+while not os.path.exists(go):             # start together: the imports take seconds, the writes do not
+    time.sleep(0.001)
+for i in range(count):
+    TuneCache(path, None).put(f"{name}|{i}", OverlapConfig(method="off"))
+"""
+
+
+def test_concurrent_writers_keep_every_entry(tmp_path):
+    """Two processes put different entries into one file at the same time: every entry survives (the
+    read-merge-write runs under the file lock; without it, one writer's replace drops the other's
+    entries written since its read)."""
+    import subprocess
+    import sys
+    import time
+    path, go, count = str(tmp_path / "tune.json"), str(tmp_path / "go"), 60
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, path, name, str(count), go]) for name in ("a", "b")]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(f"{go}.{name}") for name in ("a", "b")):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a writer did not start"
+            time.sleep(0.01)
+        open(go, "w").close()
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    keys = set(TuneCache(path, None).entries())
+    assert keys == {f"{name}|{i}" for name in ("a", "b") for i in range(count)}, len(keys)
+
+
+def test_location_problems(tmp_path):
+    from overlap_tp.tune.cache import location_problem
+    assert location_problem(str(tmp_path / "new" / "t.json")) is None and not (tmp_path / "new").exists()
+    assert "is a folder" in location_problem(str(tmp_path))
+    (tmp_path / "f").write_text("")
+    assert "is a file, so" in location_problem(str(tmp_path / "f" / "t.json"))
+    assert location_problem(str(tmp_path / "f")) is None    # an existing writable file is fine
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -427,6 +477,41 @@ def test_choose_agrees_across_ranks(tmp_path):
     entries = json.load(open(path))["entries"]
     assert list(entries) == [cache_key("cpu", "rs", "bfloat16", 2, 1024, 512, 128)]
     assert entries[next(iter(entries))]["how"] == "predicted+verified"
+
+
+def _choose_without_a_cache(rank, world):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = choose("rs", torch.randn(1024, 128, dtype=torch.bfloat16), torch.randn(512, 128, dtype=torch.bfloat16),
+                        dist.group.WORLD, measure=FakeMeasure(rank))
+    assert config.method == "signal"
+    said = [str(w.message) for w in caught if "no cache file named" in str(w.message)]
+    assert len(said) == (1 if rank == 0 else 0), said
+
+
+def test_choose_writes_no_file_unless_told(tmp_path, monkeypatch):
+    """No cache=, no $OVERLAP_TP_TUNE_CACHE: the decision is made (and agreed) but nothing is written,
+    in particular not under the home directory; rank 0 says so once."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("OVERLAP_TP_TUNE_CACHE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    run_distributed(2, _choose_without_a_cache)
+    assert os.listdir(tmp_path) == []
+
+
+def test_cli_needs_a_cache_to_record_into(monkeypatch, tmp_path, capsys):
+    from overlap_tp.tune.__main__ import parse_args
+    monkeypatch.delenv("OVERLAP_TP_TUNE_CACHE", raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(["--op", "rs", "--mnk", "64,64,64", "--exhaustive"])
+    assert "give --cache PATH or set OVERLAP_TP_TUNE_CACHE" in capsys.readouterr().err
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SystemExit):
+        parse_args(["--op", "rs", "--mnk", "64,64,64", "--cache", str(tmp_path / "f" / "t.json")])
+    assert "tune cache:" in capsys.readouterr().err
+    assert parse_args(["--op", "rs", "--mnk", "64,64,64", "--exhaustive", "--cache", str(tmp_path / "t.json")])
+    assert parse_args(["--op", "rs", "--mnk", "64,64,64"]).cache is None   # prints decisions, records nothing
 
 
 def test_cli_shapes_are_the_table_layer_at_the_runs_tp():

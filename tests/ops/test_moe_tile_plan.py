@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from overlap_tp.ops.moe_plan import OUTPUT, STAGING, combine_plan, dispatch_plan, layout, part_bounds, parts_per_peer, raster_index
-from overlap_tp.ops.plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, SRC_ROW, SRC_ROW_END,
+from overlap_tp.ops.moe_tile_plan import OUTPUT, STAGING, combine_plan, dispatch_plan, layout, part_bounds, parts_per_peer, raster_index
+from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, SRC_ROW, SRC_ROW_END,
                              TARGET_GROUP_BYTES, EXPERT, WAIT, raster)
 
 N, BLOCK_N = 20, 8   # 3 N-tiles, the last one partial

@@ -36,7 +36,7 @@ from typing import List, Tuple
 
 import torch
 
-from overlap_tp.ops.plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M, SRC_ROW,
+from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M, SRC_ROW,
                              SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, EXPERT, WAIT)
 
 # gemm_a2a's destination buffers (the tiles' DST_BUF): the staging matrix and the output z

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from overlap_tp.ops.plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, NO_WAIT, SRC_ROW, SRC_ROW_END, WAIT, ag_plan,
+from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, NO_WAIT, SRC_ROW, SRC_ROW_END, WAIT, ag_plan,
                              make_plan, p2p_plan, raster, split_units)
 
 

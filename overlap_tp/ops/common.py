@@ -1,0 +1,193 @@
+"""What every op plan shares: the two-phase contract, checks, the persistent GEMM's grid, Pending, and the
+functional API's plan cache.
+
+An op plan (GemmRS, GemmAR, AgGemm; the expert ops' DispatchGemm, GemmCombine) is built once per (group,
+shape, dtype, device, config): the group and this rank's place in it, a cross-rank agreement check, the config
+resolved (`auto` asks the tuner, once), tile plans and their device tables, synchronisation words, buffers,
+communicators and the kernel launcher. Calling it checks cheap invariants and launches; nothing on that path
+builds, allocates beyond the outputs or synchronizes with the host, so a call can be captured in a CUDA graph.
+Building one needs the host (collectives, allocations, copies): under capture it is an error, so build plans
+(or run one eager step) before capturing.
+"""
+import dataclasses
+import functools
+import warnings
+from collections import OrderedDict
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from overlap_tp.kernels.signaled_gemm import check_operands, tma_unsupported_reason, weight_layout
+from overlap_tp.ops import comm
+from overlap_tp.ops.config import OverlapConfig, resolve_auto
+from overlap_tp.ops.watchdog import Watched
+
+DEFAULT_CONFIG = OverlapConfig()
+_warned = set()
+
+
+def warn_once(message: str):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def device_properties(device: torch.device):
+    """torch.cuda.get_device_properties, asked once per device."""
+    return torch.cuda.get_device_properties(device)
+
+
+def gemm_programs(device: torch.device, config: OverlapConfig) -> int:
+    """Persistent-GEMM grid: every SM but those left to the collective (at least one program)."""
+    if device.type != "cuda":
+        return 4
+    return max(1, device_properties(device).multi_processor_count - config.comm_sms)
+
+
+def chunk_bounds(rows: int, chunks: int):
+    chunks = max(1, min(chunks, rows))
+    base, extra = divmod(rows, chunks)
+    bounds, lo = [], 0
+    for i in range(chunks):
+        hi = lo + base + (i < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+class Pending:
+    """An op issued with async_op=True whose communication may still be running. wait() makes the
+    caller's current stream wait for it and returns the output. Until then it holds every buffer the
+    transfer reads or writes, so the caching allocator cannot hand one to the work queued in between."""
+
+    def __init__(self, finish: Callable[[], torch.Tensor], *buffers):
+        self._finish, self._buffers = finish, buffers
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is None:
+            raise RuntimeError("overlap_tp: Pending.wait() called twice")
+        out = self._finish()
+        self._finish = self._buffers = None
+        return out
+
+
+def check_not_capturing(device: torch.device, what: str):
+    if comm.capturing(device):
+        raise RuntimeError(f"overlap_tp {what}: the op's plan would be built during CUDA graph capture, which "
+                           f"cannot run its set-up (collectives, allocations, host copies). Build it before the "
+                           f"capture: run the op (or one training step) eagerly first, or construct the plan")
+
+
+class OpPlan:
+    """The dense ops' common part. `m` is the rows of `a` as calls pass it (ag_gemm: this rank's shard), `n`
+    and `k` the weight's [N, K] (w as calls pass it: nn.Linear layout or the transposed view of a row-major
+    [K, N]). Subclasses set `op`, `rows_split` (the output's rows are split over the group) and `_build`."""
+
+    op = ""
+    rows_split = False
+
+    def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
+                 config: Optional[OverlapConfig] = None):
+        device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+        if device.type == "meta":
+            raise ValueError(f"overlap_tp {self.op}: meta tensors have no data to compute on; build the op for a "
+                             f"CUDA device (or CPU under gloo)")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(f"overlap_tp {self.op}: dtype {dtype}: the ops run bf16 or fp16 GEMMs")
+        for name, value in (("M", m), ("N", n), ("K", k)):
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"overlap_tp {self.op}: {name}={value!r}: expected an int >= 0")
+        check_not_capturing(device, self.op)
+        self.group = comm.resolve_group(group)
+        self.t, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.m, self.n, self.k, self.dtype, self.device = m, n, k, dtype, device
+        config = config or DEFAULT_CONFIG
+        if not isinstance(config, OverlapConfig):
+            raise TypeError(f"overlap_tp {self.op}: config must be an OverlapConfig, got {type(config).__name__}")
+        if self.rows_split and m % self.t:
+            raise ValueError(f"{self.op}: M={m} is not divisible by the group size t={self.t}")
+        comm.agree(self.group, dict(op=self.op, m=m, n=n, k=k, dtype=dtype, config=config), self.describe(config))
+        self.config = self._resolve(config)
+        self.method = self.config.method
+        self.watched = Watched(self.describe(self.config)) if device.type == "cuda" else None
+
+    def describe(self, config=None) -> str:
+        config = config or self.config
+        how = config.method + (f"/{config.transport}" if config.method == "signal" else "")
+        return f"{self.op}(M={self.m}, N={self.n}, K={self.k}, t={self.t}, {how})"
+
+    def _resolve(self, config: OverlapConfig) -> OverlapConfig:
+        """config.method resolved ('auto' through the tuner; 'off' where the result is empty or on CPU tensors
+        for 'auto') and checked to be runnable."""
+        if self.m == 0 or self.n == 0 or self.k == 0:
+            if config.method != "off":
+                warn_once(f"overlap_tp {self.op}: an empty operand (M={self.m}, N={self.n}, K={self.k}) runs "
+                          f"method 'off' (nothing to overlap)")
+            return dataclasses.replace(config, method="off")
+        if config.method == "auto":
+            if self.device.type != "cuda":
+                warn_once(f"overlap_tp {self.op}: method='auto' runs 'off' on CPU tensors (the tuner measures on "
+                          f"GPUs only)")
+                return dataclasses.replace(config, method="off")
+            m = self.m * self.t if self.op == "ag_gemm" else self.m
+            config = resolve_auto(self.op, m, self.n, self.k, self.dtype, self.device, self.group, config)
+        if config.method == "signal":
+            reason = self._signal_unsupported_reason(config)
+            if reason is not None:
+                raise ValueError(f"{self.op}: method='signal' cannot run: {reason}")
+        return config
+
+    def _signal_unsupported_reason(self, config: OverlapConfig) -> Optional[str]:
+        if self.k % 8:
+            return f"K={self.k} is not a multiple of 8 (TMA needs 16-byte row strides)"
+        if self.device.type == "cuda" and device_properties(self.device).major < 9:
+            return (f"the signaled GEMM needs TMA (compute capability >= 9.0), "
+                    f"{torch.cuda.get_device_name(self.device)} lacks it")
+        return None
+
+    def check_call(self, a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]):
+        """The call's operands are those the plan was built for (cheap: shapes, dtypes, device, layout)."""
+        if (a.shape != (self.m, self.k) or w.shape != (self.n, self.k) or a.dtype != self.dtype
+                or w.dtype != self.dtype or a.device != self.device or w.device != self.device
+                or not a.is_contiguous() or (bias is not None and bias.shape != (self.n,))):
+            check_operands(a, w, bias)   # a general rule broken: its own message
+            raise ValueError(f"{self.describe()}: called with a{tuple(a.shape)} {a.dtype} and w{tuple(w.shape)} "
+                             f"{w.dtype} on {a.device}; the plan was built for a[{self.m}, {self.k}], "
+                             f"w[{self.n}, {self.k}] {self.dtype} on {self.device}")
+        if self.method == "signal" and a.is_cuda:
+            reason = tma_unsupported_reason(a, w)
+            if reason is None and weight_layout(w) is None:
+                reason = "w must be row-major [N, K] or the transposed view of a row-major [K, N]"
+            if reason is not None:
+                raise ValueError(f"{self.describe()}: {reason}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The functional API's plans
+# ---------------------------------------------------------------------------------------------------
+
+MAX_CACHED_PLANS = 256
+_plans = OrderedDict()
+
+
+def cached_plan(cls, group, m, n, k, dtype, device, config):
+    """The plan of `cls` for these arguments, built at the first call (least recently used ones dropped past
+    MAX_CACHED_PLANS, so shapes that change every step do not hold buffers forever)."""
+    key = (cls, group, m, n, k, dtype, device, config)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = cls(group, m, n, k, dtype, device, config)
+        if len(_plans) > MAX_CACHED_PLANS:
+            _plans.popitem(last=False)
+    else:
+        _plans.move_to_end(key)
+    return plan
+
+
+def clear_plans():
+    """Forget the functional API's plans (tests; after destroying a process group)."""
+    _plans.clear()

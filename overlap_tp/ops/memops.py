@@ -1,0 +1,93 @@
+"""CUDA stream memory operations and events through the driver library (libcuda), called with ctypes.
+
+The comm stream waits on a tile counter or a peer's ready word without spending an SM (cuStreamWaitValue32:
+the stream's front end polls the word) and raises ready words (cuStreamWriteValue32). Both, and the events
+that fork the comm stream from the caller's stream and join it back, are captured into CUDA graphs as
+memory-operation and event nodes. ctypes on the driver costs about a microsecond per call, where the Python
+wrappers (cuda-bindings objects, torch.cuda.Event, `with torch.cuda.stream`) cost 4-11 us on the H200 hosts
+(docs/perf/host_cost.md). Streams are raw handles (`torch.cuda.Stream.cuda_stream`,
+`torch._C._cuda_getCurrentRawStream`), words are device addresses (local, or a peer's mapped through
+symmetric memory).
+"""
+import ctypes
+
+CU_STREAM_WAIT_VALUE_GEQ = 0x0
+CU_STREAM_WAIT_VALUE_EQ = 0x1
+# The default write flag puts a memory fence before the write (__threadfence_system semantics, scoped to the
+# stream): whoever observes the value also observes everything the stream wrote before it.
+CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
+CU_EVENT_DISABLE_TIMING = 0x2
+
+_lib = None
+
+
+def _driver():
+    """libcuda with the prototypes used here; the stream memory operations by their _v2 names (the
+    versions available on every platform without the NVreg_EnableStreamMemOPs module option)."""
+    global _lib
+    if _lib is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        ptr, u32, uint = ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint
+        for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
+            getattr(lib, name).argtypes = [ptr, ctypes.c_uint64, u32, uint]
+            getattr(lib, name).restype = ctypes.c_int
+        lib.cuEventCreate.argtypes = [ctypes.POINTER(ptr), uint]
+        lib.cuEventRecord.argtypes = [ptr, ptr]
+        lib.cuStreamWaitEvent.argtypes = [ptr, ptr, uint]
+        lib.cuEventQuery.argtypes = [ptr]
+        lib.cuMemcpyAsync.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ptr]
+        lib.cuThreadExchangeStreamCaptureMode.argtypes = [ctypes.POINTER(ctypes.c_int)]
+        lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        _lib = lib
+    return _lib
+
+
+def _check(result: int, what: str):
+    if result != 0:
+        text = ctypes.c_char_p()
+        _driver().cuGetErrorString(result, ctypes.byref(text))
+        raise RuntimeError(f"overlap_tp: {what} failed: {text.value.decode() if text.value else result}")
+
+
+def wait_value(stream: int, address: int, value: int, equal: bool = False):
+    """The stream waits until the word at `address` is >= value (cyclically: (int32)(*addr - value) >= 0),
+    or == value with `equal`."""
+    _check(_driver().cuStreamWaitValue32_v2(stream, address, value & 0xFFFFFFFF,
+                                            CU_STREAM_WAIT_VALUE_EQ if equal else CU_STREAM_WAIT_VALUE_GEQ),
+           "cuStreamWaitValue32")
+
+
+def write_value(stream: int, address: int, value: int):
+    """The stream writes `value` to the word at `address` after all its prior work, fenced."""
+    _check(_driver().cuStreamWriteValue32_v2(stream, address, value & 0xFFFFFFFF, CU_STREAM_WRITE_VALUE_DEFAULT),
+           "cuStreamWriteValue32")
+
+
+class Event:
+    """A driver event without timing, reused for every fork or join (an event's record and wait take effect
+    in stream order at enqueue time, so reuse needs no synchronisation)."""
+
+    def __init__(self):
+        handle = ctypes.c_void_p()
+        _check(_driver().cuEventCreate(ctypes.byref(handle), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        self.handle = handle.value
+
+    def record(self, stream: int):
+        _check(_driver().cuEventRecord(self.handle, stream), "cuEventRecord")
+
+    def wait(self, stream: int):
+        """`stream` waits for the work recorded before the last record()."""
+        _check(_driver().cuStreamWaitEvent(stream, self.handle, 0), "cuStreamWaitEvent")
+
+
+def copy(stream: int, dst: int, src: int, nbytes: int):
+    """An asynchronous copy of `nbytes` between device addresses (a peer's, mapped through symmetric memory,
+    too: the copy engines move it, no SM)."""
+    if nbytes:
+        _check(_driver().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+
+
+def stream_waits_for(waiter: int, producer: int, event: Event):
+    """`waiter` waits for everything enqueued on `producer` so far (a fork or a join, also under capture)."""
+    event.record(producer)
+    event.wait(waiter)

@@ -1,0 +1,54 @@
+"""Replay-safe synchronisation between ranks: one-shot signals that the waiter consumes.
+
+Every word goes 0 -> 1 (raised by the producer) -> 0 (reset by the consumer right after its wait), so each
+call of an op starts from the same state and waits for the same fixed values. That is what a CUDA graph
+needs: a captured wait-value replays with the value it was captured with, so targets that grew with a
+host-side call count (the earlier design) would be satisfied by a stale count on the second replay. The
+reset is safe because of the order argument written next to each protocol (overlap_tp/ops/p2p.py): a
+producer raises a word again only after something that the consumer does after its reset.
+
+The words live in symmetric memory: rank r's word (slot, p) is raised by peer p, written over NVLink with a
+stream write-value (no SM), and waited on and reset by r with stream memory operations on its own stream.
+"""
+from typing import Sequence
+
+import torch
+
+from overlap_tp.ops import memops
+
+
+class PeerSignals:
+    """int32 words [slots, t] in symmetric memory: word (slot, p) of rank r is "p signalled r in `slot`".
+
+    signal(stream, slot): on `stream`, after its prior work, raise (slot, rank) in every peer's memory.
+    wait(stream, slot):   on `stream`, wait until every peer raised (slot, p) here, then reset them to 0.
+    `initial[slot]` (0 or 1) is every word's starting value (1: the first wait passes, as if a previous call
+    had signalled). Built collectively by the group's ranks; the build synchronizes (never under capture)."""
+
+    def __init__(self, group, rank: int, t: int, device: torch.device, initial: Sequence[int]):
+        from torch.distributed import _symmetric_memory as symm_mem
+        self.rank, self.t, self.slots = rank, t, len(initial)
+        self.words = symm_mem.empty(self.slots, t, dtype=torch.int32, device=device)
+        for slot, value in enumerate(initial):
+            self.words[slot].fill_(value)
+        handle = symm_mem.rendezvous(self.words, group)
+        within = self.words.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
+        self.peers = [p for p in range(t) if p != rank]
+        # address of word (slot, rank) in peer p's memory, and of word (slot, p) in ours
+        self.remote = {p: handle.buffer_ptrs[p] + within + 4 * rank for p in self.peers}
+        self.local = {p: self.words.data_ptr() + 4 * p for p in self.peers}
+        self.handle = handle
+        torch.cuda.synchronize(device)
+        handle.barrier(channel=0)   # every rank's words hold their initial values before anyone signals
+        torch.cuda.synchronize(device)
+
+    def signal(self, stream: int, slot: int):
+        row = 4 * self.t * slot
+        for p in self.peers:
+            memops.write_value(stream, self.remote[p] + row, 1)
+
+    def wait(self, stream: int, slot: int):
+        row = 4 * self.t * slot
+        for p in self.peers:
+            memops.wait_value(stream, self.local[p] + row, 1)
+            memops.write_value(stream, self.local[p] + row, 0)

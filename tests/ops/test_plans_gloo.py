@@ -1,0 +1,89 @@
+"""The two-phase ops (plans) under gloo: a plan built once and called equals the functional API; the ranks'
+agreement is checked when a plan is built (a mismatch is a clear error on every rank, not a hang or a wrong
+result); degenerate inputs (M = 0, meta tensors) get a result or a clear error; the functional API's plan
+cache is bounded."""
+import pytest
+import torch
+
+from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
+from overlap_tp.ops import common
+from overlap_tp.ops.ag_gemm import AgGemm
+from overlap_tp.ops.gemm_ar import GemmAR
+from overlap_tp.ops.gemm_rs import GemmRS
+from distributed import run_distributed
+from problems import SMALL_TILES, dense_problem
+
+SIGNAL = OverlapConfig(method="signal", groups=2, **SMALL_TILES)
+OFF = OverlapConfig(method="off")
+
+
+def _check_plans_equal_functional(rank, world):
+    a, w, b = dense_problem(64, 48, 32, seed=5, bias=True)
+    shard = slice(rank * 32 // world, (rank + 1) * 32 // world)
+    a_k, w_k = a[:, shard].contiguous(), w[:, shard].contiguous()
+    a_rows = a[rank * 64 // world:(rank + 1) * 64 // world].contiguous()
+    for config in (SIGNAL, OFF, OverlapConfig(method="decompose", chunks=2)):
+        rs = GemmRS(None, 64, 48, 16, torch.bfloat16, "cpu", config)
+        ar = GemmAR(None, 64, 48, 16, torch.bfloat16, "cpu", config)
+        ag = AgGemm(None, 64 // world, 48, 32, torch.bfloat16, "cpu", config)
+        for _ in range(2):   # a plan is reusable: the second call equals the first
+            assert torch.equal(rs(a_k, w_k, b), gemm_rs(a_k, w_k, bias=b, config=config))
+            assert torch.equal(ar(a_k, w_k, b), gemm_ar(a_k, w_k, bias=b, config=config))
+            assert torch.equal(ag(a_rows, w, b), ag_gemm(a_rows, w, bias=b, config=config))
+        with pytest.raises(ValueError, match="the plan was built for"):
+            rs(a_k[:32].contiguous(), w_k)
+
+
+def test_a_plan_equals_the_functional_api():
+    run_distributed(2, _check_plans_equal_functional)
+
+
+def _check_disagreement(rank, world):
+    a, w, _ = dense_problem(64, 48, 32, seed=1, bias=False)
+    m = 64 if rank == 0 else 32                   # rank 1 passes other rows
+    with pytest.raises(ValueError, match=r"disagree on m \(rank 0: m=64; rank 1: m=32\)"):
+        gemm_rs(a[:m, :16].contiguous(), w[:, :16].contiguous(), config=SIGNAL)
+    rows = 32 if rank == 0 else 16                # ag_gemm with 32 rows on rank 0, 16 on rank 1
+    with pytest.raises(ValueError, match="disagree on m"):
+        ag_gemm(a[:rows].contiguous(), w, config=SIGNAL)
+    config = SIGNAL if rank == 0 else OFF         # configs differ
+    with pytest.raises(ValueError, match="disagree on config"):
+        gemm_ar(a[:, :16].contiguous(), w[:, :16].contiguous(), config=config)
+
+
+def test_ranks_that_disagree_get_a_clear_error_on_every_rank():
+    run_distributed(2, _check_disagreement)
+
+
+def _check_degenerate(rank, world):
+    a, w, _ = dense_problem(64, 48, 32, seed=2, bias=False)
+    empty = a[:0].contiguous()
+    for run in (gemm_rs, gemm_ar):
+        with pytest.warns(UserWarning, match="empty operand"):
+            got = run(empty, w, config=SIGNAL)
+        assert got.shape[0] == 0 and got.shape[1] == 48
+        assert torch.equal(got, run(empty, w, config=OFF))
+    got = ag_gemm(empty, w, config=SIGNAL)
+    assert got.shape == (0, 48)
+    meta_a, meta_w = torch.empty(64, 32, device="meta", dtype=torch.bfloat16), torch.empty(48, 32, device="meta",
+                                                                                               dtype=torch.bfloat16)
+    for run in (gemm_rs, gemm_ar, ag_gemm):
+        with pytest.raises(ValueError, match="meta tensors"):
+            run(meta_a, meta_w, config=SIGNAL)
+
+
+def test_degenerate_inputs_give_a_result_or_a_clear_error():
+    run_distributed(2, _check_degenerate)
+
+
+def _check_cache_bound(rank, world, limit):
+    common.MAX_CACHED_PLANS = limit
+    common.clear_plans()
+    a, w, _ = dense_problem(64, 48, 16, seed=3, bias=False)
+    for rows in range(2, 2 * (limit + 3), 2):    # shapes that change every call
+        gemm_rs(a[:rows].contiguous(), w, config=OFF)
+    assert len(common._plans) == limit
+
+
+def test_the_plan_cache_is_bounded():
+    run_distributed(2, _check_cache_bound, 4)

@@ -1,0 +1,318 @@
+"""The synchronisation state machines, run on the CPU through a fake device.
+
+The real op code records its stream operations (waits, writes, copies, collectives, kernel launches) into a
+fake: that recording is what a CUDA graph captures, and replaying it is what a graph replay does. A small
+simulator then runs the recorded programs of the GEMM, the comm stream and (for p2p) every rank, in random
+interleavings that respect stream order and wait conditions, many times over, and checks the invariants:
+- the counter protocol (SignaledReduction): a group's collective never starts before every tile of that
+  group *in the same replay* is stored; counters are back at zero after each call; two plans interleaved
+  keep their own counters; a capture that is recorded but never run (a failed capture) leaves the next
+  eager call correct;
+- the peer protocols (P2PReduceScatter, ShardPull): no rank overwrites a buffer a peer has not consumed yet,
+  and no rank consumes a buffer before every peer's data of the same call is in it.
+A mutation check proves the simulator can fail: the counter wait without its reset passes stale targets.
+"""
+import random
+
+import pytest
+import torch
+
+from overlap_tp.ops import comm, p2p, sync
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.p2p import P2PReduceScatter, ShardPull
+from overlap_tp.ops.reduction import SignaledReduction
+from overlap_tp.ops.tile_plan import GROUP, make_plan
+
+
+class Recorder:
+    """Stands in for overlap_tp.ops.memops: appends each stream operation to its stream's program."""
+
+    def __init__(self):
+        self.programs = {}
+
+    def emit(self, stream, op):
+        self.programs.setdefault(stream, []).append(op)
+
+    def wait_value(self, stream, address, value, equal=False):
+        self.emit(stream, ("wait", address, value))
+
+    def write_value(self, stream, address, value):
+        self.emit(stream, ("write", address, value))
+
+    def copy(self, stream, dst, src, nbytes):
+        self.emit(stream, ("copy", dst, src))
+
+    def stream_waits_for(self, waiter, producer, event):
+        self.emit(waiter, ("after", producer))
+
+    def take(self):
+        programs, self.programs = self.programs, {}
+        return programs
+
+
+class Memory:
+    """Words by address: the CPU tensors' own elements (int32)."""
+
+    def __init__(self, *tensors):
+        self.words = {}
+        for tensor in tensors:
+            for i in range(tensor.numel()):
+                self.words[tensor.data_ptr() + 4 * i] = (tensor.view(-1), i)
+
+    def __getitem__(self, address):
+        tensor, i = self.words[address]
+        return int(tensor[i])
+
+    def __setitem__(self, address, value):
+        tensor, i = self.words[address]
+        tensor[i] = value
+
+
+def run(programs, memory, act, rng, max_steps=100000):
+    """Run every stream's program to its end in a random interleaving: a wait runs once its word is >= its
+    value (cyclic compare, as cuStreamWaitValue32 GEQ), a write sets the word, anything else calls act(op).
+    Raises on a deadlock (no stream can move)."""
+    position = {stream: 0 for stream in programs}
+    for _ in range(max_steps):
+        runnable = []
+        for stream, program in programs.items():
+            if position[stream] == len(program):
+                continue
+            op = program[position[stream]]
+            if op[0] == "wait" and ((memory[op[1]] - op[2]) & 0xFFFFFFFF) >= 0x80000000:
+                continue
+            runnable.append(stream)
+        if not runnable:
+            if all(position[s] == len(p) for s, p in programs.items()):
+                return
+            raise AssertionError(f"deadlock: {[(s, programs[s][position[s]]) for s in programs if position[s] < len(programs[s])]}")
+        stream = rng.choice(runnable)
+        op = programs[stream][position[stream]]
+        position[stream] += 1
+        if op[0] == "write":
+            memory[op[1]] = op[2]
+        elif op[0] not in ("wait", "after"):
+            act(stream, op)
+    raise AssertionError("too many steps")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The counter protocol of the signaled GEMM + per-group collectives
+# ---------------------------------------------------------------------------------------------------
+
+class FakeEngine(comm.CommEngine):
+    """The real CommEngine's eager code path (stream memory operations) on named fake streams."""
+
+    def __init__(self, recorder):
+        self.device, self.stream, self.raw = torch.device("cpu"), "comm", "comm"
+        self._events = {False: (None, None), True: (None, None)}
+        self.recorder = recorder
+
+    def capturing(self):
+        return False
+
+    def current(self):
+        return "main"
+
+
+class FakeCollectives:
+    def __init__(self, recorder, plan_id):
+        self.recorder, self.plan_id = recorder, plan_id
+
+    def reduce_scatter(self, dst, src, stream=None):
+        self.recorder.emit(stream, ("collective", self.plan_id, dst.data_ptr()))
+
+
+class NoWatch:
+    def record(self, stream):
+        pass
+
+
+def _reduction(recorder, plan_id, groups):
+    plan = make_plan("row_slice", 512, 256, 2, 32, 64, groups)
+    reduction = SignaledReduction(plan, torch.device("cpu"), OverlapConfig(method="signal"), 4, (0, 0),
+                                  FakeCollectives(recorder, plan_id), "reduce_scatter", engine=FakeEngine(recorder))
+    reduction.gemm = lambda a, w, staging, bias: recorder.emit("main", ("gemm", plan_id))
+    return reduction
+
+
+def _record_call(recorder, reduction):
+    """One call's programs, as a capture would record them: {stream: ops}."""
+    plan = reduction.plan
+    received = torch.empty(plan.out_shape)
+    staging = torch.empty(plan.staging_shape)
+    reduction.run(None, None, None, received, staging, NoWatch())()
+    programs = recorder.take()
+    # which group each collective belongs to, by its output rows
+    dst_group = {received[c.dst_lo:c.dst_hi].data_ptr(): g for g, c in enumerate(plan.collectives)}
+    return programs, dst_group
+
+
+def _replay(reductions, recorded, rng, order):
+    """Replay the recorded calls in `order` (plan indices); each call: the GEMM's per-tile increments on the
+    main stream in a random interleaving with its comm program. Checks every collective's group is complete."""
+    for index in order:
+        reduction, (programs, dst_group) = reductions[index], recorded[index]
+        plan = reduction.plan
+        groups = plan.tiles[:, GROUP].tolist()
+        done = [0] * plan.num_groups
+        memory = Memory(reduction.counters)
+        tiles = [("tile", g) for g in groups]
+        rng.shuffle(tiles)   # a persistent GEMM finishes tiles in any order
+
+        def act(stream, op):
+            if op[0] == "gemm":
+                return
+            if op[0] == "tile":
+                done[op[1]] += 1
+                reduction.counters[op[1]] += 1
+            elif op[0] == "collective":
+                g = dst_group[op[2]]
+                assert done[g] == plan.group_tiles[g], f"group {g} collective after {done[g]} of {plan.group_tiles[g]} tiles"
+
+        streams = {"main": programs["main"] + tiles, "comm": programs["comm"]}
+        run(streams, memory, act, rng)
+        assert reduction.counters.tolist() == [0] * plan.num_groups   # every call ends where it started
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    fake = Recorder()
+    monkeypatch.setattr(comm, "memops", fake)
+    monkeypatch.setattr(sync, "memops", fake)
+    monkeypatch.setattr(p2p, "memops", fake)
+    return fake
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_replays_of_one_plan_never_pass_a_stale_target(recorder, seed):
+    reduction = _reduction(recorder, 0, groups=3)
+    recorded = _record_call(recorder, reduction)
+    _replay([reduction], [recorded], random.Random(seed), [0] * 50)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_two_plans_interleaved_keep_their_own_counters(recorder, seed):
+    reductions = [_reduction(recorder, 0, groups=2), _reduction(recorder, 1, groups=4)]
+    recorded = [_record_call(recorder, r) for r in reductions]
+    rng = random.Random(seed)
+    _replay(reductions, recorded, rng, [rng.randrange(2) for _ in range(60)])
+
+
+def test_a_capture_that_never_runs_leaves_eager_calls_correct(recorder):
+    reduction = _reduction(recorder, 0, groups=3)
+    _record_call(recorder, reduction)                  # captured, then the capture failed: never executed
+    recorded = _record_call(recorder, reduction)       # the next (eager) call
+    _replay([reduction], [recorded], random.Random(0), [0] * 5)
+
+
+def test_the_simulator_catches_a_wait_without_reset(recorder, monkeypatch):
+    """Mutation: the counter is waited on but not reset (targets that do not restart per call). The second
+    replay's waits then pass on the first replay's counts, before its own tiles: the check must fire."""
+    def wait_without_reset(self, counters, index, target, capturing):
+        recorder.wait_value(self.raw, counters.data_ptr() + 4 * index, target)
+    monkeypatch.setattr(FakeEngine, "wait_counter", wait_without_reset)
+    reduction = _reduction(recorder, 0, groups=3)
+    recorded = _record_call(recorder, reduction)
+    with pytest.raises(AssertionError, match="collective after|counters|assert"):
+        _replay([reduction], [recorded], random.Random(1), [0] * 20)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The peer protocols (two ranks)
+# ---------------------------------------------------------------------------------------------------
+
+def _peer_signals(t, initial):
+    """PeerSignals of t ranks over plain CPU words: ranks' words[slot, p], addresses wired like the
+    symmetric-memory rendezvous would."""
+    signals = []
+    for rank in range(t):
+        s = sync.PeerSignals.__new__(sync.PeerSignals)
+        s.rank, s.t, s.slots = rank, t, len(initial)
+        s.words = torch.tensor([[v] * t for v in initial], dtype=torch.int32)
+        s.peers = [p for p in range(t) if p != rank]
+        signals.append(s)
+    for s in signals:
+        s.remote = {p: signals[p].words.data_ptr() + 4 * s.rank for p in s.peers}
+        s.local = {p: s.words.data_ptr() + 4 * p for p in s.peers}
+    return signals
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (2, 2), (3, 3)])
+def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
+    signals = _peer_signals(t, (1, 0))
+    ranks = []
+    for rank in range(t):
+        op = P2PReduceScatter.__new__(P2PReduceScatter)
+        op.signals = signals[rank]
+        ranks.append(op)
+    calls = 30
+    programs = {}
+    for rank, op in enumerate(ranks):
+        for call in range(calls):   # recorded once per call: the same ops a graph replays every time
+            op.protocol(rank, lambda r=rank, c=call: recorder.emit(r, ("store", r, c)),
+                        lambda r=rank, c=call: recorder.emit(r, ("sum", r, c)))
+        programs[rank] = recorder.take()[rank]
+    slots = [[-1] * t for _ in range(t)]   # slots[owner][source]: the call whose partial is there
+    summed = [-1] * t
+
+    def act(stream, op):
+        kind, rank, call = op
+        if kind == "store":
+            for owner in range(t):
+                assert summed[owner] == call - 1 or owner == rank, \
+                    f"rank {rank} call {call} overwrote rank {owner}'s buffer before its sum of call {call - 1}"
+                slots[owner][rank] = call
+        else:
+            assert slots[rank] == [call] * t, f"rank {rank} summed call {call} from {slots[rank]}"
+            summed[rank] = call
+
+    run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed))
+    assert summed == [calls - 1] * t
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (3, 2)])
+def test_shard_pull_never_overwrites_a_shard_being_pulled(recorder, t, seed):
+    signals = _peer_signals(t, (1, 0))
+    shards = [torch.zeros(4, dtype=torch.int32) for _ in range(t)]   # shards[r][0]: the call published
+    gathered = [torch.zeros(t, 4, dtype=torch.int32) for _ in range(t)]
+    calls = 30
+    programs = {}
+    for rank in range(t):
+        pull = ShardPull.__new__(ShardPull)
+        pull.rank, pull.world, pull.signals, pull.shard = rank, t, signals[rank], shards[rank]
+        pull.peer_shards = [None if p == rank else shards[p] for p in range(t)]
+        pull.row_bytes = 4 * 4
+        for call in range(calls):
+            source = torch.full((1, 4), call, dtype=torch.int32)
+            recorder.emit(rank, ("publish", rank, call))
+            pull.start(rank, source)
+            pull.pull(rank, gathered[rank], 0, 1)
+            recorder.emit(rank, ("check", rank, call))
+            pull.finish(rank)
+        programs[rank] = recorder.take()[rank]
+    published = [-1] * t
+    pulled = [[-1] * t for _ in range(t)]   # pulled[r][p]: the call of p's shard that r holds
+    by_address = {}
+    for r in range(t):
+        for p in range(t):
+            by_address[gathered[r].data_ptr() + p * gathered[r].shape[1] * 4] = (r, p)
+    shard_owner = {shards[p].data_ptr(): p for p in range(t)}
+
+    def act(stream, op):
+        if op[0] == "publish":
+            return
+        if op[0] == "copy" and op[1] in shard_owner:   # our shard into the symmetric buffer
+            owner = shard_owner[op[1]]
+            for r in range(t):
+                assert r == owner or pulled[r][owner] == published[owner], \
+                    f"rank {owner} overwrote its shard before rank {r} pulled call {published[owner]}"
+            published[owner] += 1
+        elif op[0] == "copy":                            # a pull of peer p's shard by rank r
+            r, p = by_address[op[1]]
+            pulled[r][p] = published[p]
+        elif op[0] == "check":
+            _, rank, call = op
+            assert all(pulled[rank][p] == call for p in range(t) if p != rank), (rank, call, pulled[rank])
+
+    run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed))
