@@ -30,11 +30,14 @@ setup(
     },
     install_requires=["torch>=2.6", "triton>=3.4", "numpy"],
     extras_require={
-        # The Triton CPU interpreter (used by the CPU tests) breaks on numpy >= 2.3, which refuses
-        # to turn its one-element scalar arrays into Python ints.
+        # Triton 3.6's CPU interpreter (the CPU tests; 3.6 is what the GPU machines run) breaks on
+        # numpy >= 2.3, which refuses to turn its one-element scalar arrays into Python ints. Triton 3.9's
+        # passes the tests with numpy 2.4, but triton>=3.4 admits 3.6, so the cap stays.
         # matplotlib: the training report (overlap_tp.training.report) and its test.
         "dev": ["pytest>=7", "numpy<2.3", "matplotlib"],
-        "megatron": ["megatron-core>=0.16"],
+        # megatron.training (the launchers, the recipes) ships with megatron-core >= 0.19, which needs
+        # Python >= 3.12; on older Pythons pip finds no such release and says so.
+        "megatron": ["megatron-core>=0.19"],
         # wandb-workspaces: the W&B dashboard (python -m overlap_tp.training.wandb_dashboard).
         "wandb": ["wandb", "wandb-workspaces"],
         "report": ["matplotlib"],
@@ -42,6 +45,7 @@ setup(
     entry_points={
         "console_scripts": [
             "overlap-tp-pretrain = overlap_tp.launch.pretrain:main",
+            "overlap-tp-run = overlap_tp.launch.run:main",
             "overlap-tp-report = overlap_tp.training.report:main",
         ],
     },

@@ -156,15 +156,17 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
             d_res = next_d_res.to(tl.float32)
 
         # Prefetch the next row: past the program's last row the loads are masked off (no traffic) and
-        # the row index is clamped so that even the tile-order lookup stays in bounds.
-        has_next = i + 1 < num_rows
+        # the row index is clamped so that even the tile-order lookup stays in bounds. The mask is a column
+        # bound (N, or 0 past the last row) rather than `mask & (i + 1 < num_rows)`: Triton 3.9's interpreter
+        # (the CPU tests; 3.6 does not) turns that & of a tensor and a scalar int1 into int32, which tl.load refuses.
+        next_mask = cols < tl.where(i + 1 < num_rows, N, 0)
         next_row = tl.minimum(row + 1, M - 1)
-        next_s = tl.load(s_ptr + next_row * N + cols, mask=mask & has_next, other=0.0)
+        next_s = tl.load(s_ptr + next_row * N + cols, mask=next_mask, other=0.0)
         next_rstd = tl.load(rstd_ptr + next_row)
         if HAS_D_RESIDUAL_OUT:
-            next_d_res = tl.load(d_residual_out_ptr + next_row * N + cols, mask=mask & has_next, other=0.0)
+            next_d_res = tl.load(d_residual_out_ptr + next_row * N + cols, mask=next_mask, other=0.0)
         next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, next_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
-                                            DY_ORDERED), mask=mask & has_next, other=0.0)
+                                            DY_ORDERED), mask=next_mask, other=0.0)
 
         dx_hat = dy * g
         ds = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat) / N))

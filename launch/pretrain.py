@@ -9,20 +9,20 @@ megatron-core wheel). Data: Megatron's mock GPT dataset unless `--data-path` (or
 paths) are given. Throughput, MFU and overlap scalars go to stdout, TensorBoard and W&B through
 `overlap_tp.training.throughput`.
 
-Needs `megatron.training`: megatron-core >= 0.17 on Python >= 3.12, or a Megatron-LM checkout on
-PYTHONPATH. Written against megatron-core 0.19 (`pretrain(cfg_container, ...)`); older
+Needs `megatron.training`: megatron-core >= 0.19 on Python >= 3.12, or a Megatron-LM checkout on
+PYTHONPATH. For Megatron-LM's own scripts (pretrain_gpt.py ...) use `overlap-tp-run` (launch/run.py). Written against megatron-core 0.19 (`pretrain(cfg_container, ...)`); older
 `pretrain(...)` signatures get a model provider instead of the model config.
 """
 import dataclasses
 import inspect
+import os
 import sys
 from functools import partial
 
 HOW_TO_GET_MEGATRON = (
-    "megatron.training is not importable here ({error}). It ships with megatron-core >= 0.17, which "
-    "needs Python >= 3.12: `pip install \"megatron-core>=0.19\"` (or `pip install -e \".[megatron]\"` "
-    "on Python 3.12). Or put a Megatron-LM checkout on PYTHONPATH: "
-    "`PYTHONPATH=/path/to/Megatron-LM overlap-tp-pretrain ...`. "
+    "megatron.training is not importable here ({error}). It ships with megatron-core >= 0.19, which "
+    "needs Python >= 3.12: `pip install -e \".[megatron]\"`. Or put a Megatron-LM checkout on "
+    "PYTHONPATH: `PYTHONPATH=/path/to/Megatron-LM overlap-tp-pretrain ...`. "
     "`python -m overlap_tp.launch.env_check` prints the versions found.")
 
 
@@ -32,6 +32,26 @@ def require_megatron_training():
         import megatron.training.training  # noqa: F401
     except ImportError as error:  # also megatron-core >= 0.17 on Python < 3.12 (typing.override)
         raise SystemExit("overlap-tp-pretrain: " + HOW_TO_GET_MEGATRON.format(error=error))
+
+
+def preflight(local_ranks):
+    """What a training launch needs, before torchrun starts anything: megatron.training and one CUDA GPU
+    per local rank. Prints one line and returns 1 where something is missing, else 0 (recipes/common.sh)."""
+    try:
+        require_megatron_training()
+        require_gpus(local_ranks)
+    except SystemExit as error:
+        print(error, file=sys.stderr)
+        return 1
+    return 0
+
+
+def require_gpus(local_ranks):
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < local_ranks:
+        raise SystemExit(f"overlap-tp-pretrain: {local_ranks} rank(s) per node need as many CUDA GPUs; "
+                         f"{count} visible here")
 
 
 # ---- data --------------------------------------------------------------------------------------
@@ -153,8 +173,9 @@ def _has_data_source(args):
 
 
 def extra_args_provider(parser):
+    from overlap_tp.launch.run import repair_help_strings
     from overlap_tp.megatron.arguments import add_overlap_args
-    return add_overlap_args(parser)
+    return repair_help_strings(add_overlap_args(parser))
 
 
 def use_prebuilt_dataset_helpers():
@@ -187,6 +208,8 @@ def main(argv=None):
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
     require_megatron_training()
+    if not any(flag in sys.argv[1:] for flag in ("-h", "--help")):
+        require_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     use_prebuilt_dataset_helpers()
 
     from megatron.core.enums import ModelType

@@ -2,14 +2,13 @@
 
 What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--overlap-tp-layers` is given):
 
-- `args.spec` becomes `["overlap_tp.megatron_patches.apply", "overlap_layer_spec"]`. Megatron's
-  GPT builders read `--spec` (megatron-core >= 0.19: `gpt_config_from_args` turns it into
-  `GPTModelConfig.transformer_layer_spec`, and `GPTModelBuilder` calls a callable spec with the model
-  config and `vp_stage`), so the model is built with `overlap_layer_spec`, which asks
+- `args.spec` becomes `["overlap_tp.megatron_patches.spec", "flags"]` (SPEC). Megatron's GPT builders
+  read `--spec`: megatron-core >= 0.19's `gpt_config_from_args` puts it into
+  `GPTModelConfig.transformer_layer_spec` and `GPTModelBuilder` calls it with the model config and
+  `vp_stage`; Megatron-LM's `gpt_builders.py` passes it to GPTModel as a block spec. `spec.flags` is
+  both (megatron_patches/spec.py), so either way the model is built with `overlap_layer_spec`, which asks
   `overlap_tp.megatron.layer_spec.get_gpt_layer_overlap_spec` for the TransformerLayer spec. No Megatron
-  function is patched. (A builder that uses `--spec` as a ModuleSpec directly, i.e. Megatron-LM's
-  `gpt_builders.py` before 0.19, needs `overlap_layer_spec(config)` called first;
-  `overlap_tp.launch.pretrain` does that on those versions.)
+  function is patched.
 - the process-wide OverlapConfig per op kind the layers use: `overlap_tp.megatron.layers.set_default_overlap_config`
   with `overlap_tp.megatron.arguments.layer_configs(args)` (gemm_ar keeps transport nccl, p2p being gemm_rs/ag_gemm
   only; `--overlap-tp-transport auto` puts ag_gemm on p2p), also readable as `get_overlap_config(op)`.
@@ -32,7 +31,20 @@ import os
 from overlap_tp.megatron.arguments import TUNE_CACHE_ENV, layer_configs, moe_overlap_config_kwargs, tune_cache_path
 from overlap_tp.ops.config import OverlapConfig
 
-SPEC = ("overlap_tp.megatron_patches.apply", "overlap_layer_spec")
+# What apply() puts into --spec: overlap_tp.megatron_patches.spec's `flags`, a block spec that Megatron's
+# builders take as a ModuleSpec (Megatron-LM's gpt_builders.py) or call with the model config and vp_stage
+# (megatron-core >= 0.19's GPTModelBuilder); either way it builds overlap_layer_spec.
+SPEC = ("overlap_tp.megatron_patches.spec", "flags")
+SPEC_MODULE = SPEC[0]
+SPEC_ATTRIBUTES = ("flags", "signal", "decompose", "auto", "off")   # megatron_patches.spec's block specs
+
+
+def is_overlap_spec(spec):
+    """Whether `--spec` names one of overlap_tp's specs (apply's, or one chosen directly), or the callable
+    `overlap_layer_spec` of this module."""
+    spec = list(spec or [])
+    return spec == [__name__, "overlap_layer_spec"] or (
+        len(spec) == 2 and spec[0] == SPEC_MODULE and spec[1] in SPEC_ATTRIBUTES)
 
 _STATE = {"configs": None, "moe_config": None}
 
@@ -113,7 +125,7 @@ def apply(args, *, log=None):
     _set_layer_defaults(configs, moe_config)
 
     spec = getattr(args, "spec", None)
-    if not spec or list(spec) != list(SPEC):
+    if not is_overlap_spec(spec):
         if spec:
             raise ValueError(f"--spec {' '.join(spec)} is set; overlap_tp would replace it (run "
                              "validate_overlap_args first: it explains the choice)")
@@ -143,19 +155,23 @@ def overlap_layer_spec(config, vp_stage=None):
     """The decoder block spec with overlap_tp's layers, for a GPTModelConfig (0.19+) or a
     TransformerConfig: every layer is `get_gpt_layer_overlap_spec` with the TransformerConfig's values
     for the keywords it names (num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
-    qk_l2_norm, normalization; config and vp_stage if it takes them), and the block's final norm is
-    OverlapRMSNorm. A block spec rather than a layer spec: given a layer spec, Megatron picks the final
-    norm itself, and without TE or Apex that is WrappedTorchNorm, which refuses sequence parallel."""
+    qk_l2_norm, normalization, transformer_impl; config and vp_stage if it takes them), and the block's final
+    norm is OverlapRMSNorm (TENorm with transformer_impl "transformer_engine" where TE imports). A block spec
+    rather than a layer spec: given a layer spec, Megatron picks the final norm itself, and without TE or
+    Apex that is WrappedTorchNorm, which refuses sequence parallel."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    from overlap_tp.megatron.layer_spec import te_norm_module
     from overlap_tp.megatron.norm import OverlapRMSNorm
     transformer = getattr(config, "transformer", config)
     if "vp_stage" in inspect.signature(get_num_layers_to_build).parameters:
         layers = get_num_layers_to_build(transformer, vp_stage=vp_stage)
     else:
         layers = get_num_layers_to_build(transformer)
+    # the final norm carries no TP communication: Transformer Engine's with --transformer-impl transformer_engine
+    final_norm = te_norm_module(getattr(transformer, "transformer_impl", None)) or OverlapRMSNorm
     return TransformerBlockSubmodules(layer_specs=[overlap_transformer_layer_spec(config, vp_stage)] * layers,
-                                      layer_norm=OverlapRMSNorm)
+                                      layer_norm=final_norm)
 
 
 def overlap_transformer_layer_spec(config, vp_stage=None):
@@ -171,6 +187,7 @@ def overlap_transformer_layer_spec(config, vp_stage=None):
         "multi_latent_attention": getattr(transformer, "multi_latent_attention", False),
         "qk_l2_norm": getattr(transformer, "qk_l2_norm", False),
         "normalization": getattr(transformer, "normalization", None),
+        "transformer_impl": getattr(transformer, "transformer_impl", None),
         "config": transformer,
         "vp_stage": vp_stage,
     }

@@ -77,6 +77,8 @@ run_recipe() {
     printf '%q ' "${cmd[@]}"; echo
     return 0
   fi
+  # megatron.training and a GPU per rank, checked before torchrun starts anything (one line, exit 1)
+  "$PYTHON" -c "import sys; from overlap_tp.launch.pretrain import preflight; sys.exit(preflight($NPROC))" || return 1
   mkdir -p "$out_dir"
   echo "[recipe] $RECIPE, --overlap-tp $OVERLAP, graphs ${GRAPHS:-local}, log: $out_dir/train.log" >&2
   set -o pipefail

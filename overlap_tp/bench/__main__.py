@@ -1,5 +1,6 @@
 """`python -m overlap_tp.bench SUBCOMMAND ...`: one entry point for every benchmark."""
 import importlib
+import os
 import sys
 
 SUBCOMMANDS = {
@@ -12,11 +13,39 @@ SUBCOMMANDS = {
 }
 
 
+DISTRIBUTED = ("ops", "layer", "moe", "moe_layer")   # one rank per GPU under torchrun, 2 or more ranks
+
+
+def requirement_problem(subcommand, argv, environ=os.environ, cuda_devices=None):
+    """What this machine or launch lacks for `subcommand` (one line), or None. `cuda_devices`: the visible
+    GPU count (default: torch's)."""
+    if subcommand not in DISTRIBUTED or "--device" in argv and "cpu" in argv:
+        return None   # norm and gemm check for their one GPU themselves; layer --device cpu needs none
+    usage = f"torchrun --nproc-per-node 2 -m overlap_tp.bench {subcommand} ..."
+    if "RANK" not in environ:
+        return f"bench {subcommand} runs one rank per GPU under torchrun: {usage}"
+    world = int(environ.get("WORLD_SIZE", "1"))
+    if world < 2:
+        return f"bench {subcommand} needs a group of 2 or more ranks (WORLD_SIZE is {world}): {usage}"
+    if cuda_devices is None:
+        import torch
+        cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(environ.get("LOCAL_WORLD_SIZE", world))
+    if cuda_devices < local:
+        return f"bench {subcommand}: {local} ranks on this node but {cuda_devices} visible CUDA GPU(s)"
+    return None
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in SUBCOMMANDS:
         print(f"usage: python -m overlap_tp.bench {{{','.join(SUBCOMMANDS)}}} [--help]", file=sys.stderr)
         return 2
+    if not any(flag in argv for flag in ("-h", "--help")):
+        problem = requirement_problem(argv[0], argv[1:])
+        if problem:
+            print(problem, file=sys.stderr)
+            return 2
     return importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
 
 

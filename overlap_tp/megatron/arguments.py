@@ -92,9 +92,10 @@ def add_overlap_args(parser):
     group.add_argument(
         "--no-overlap-tp-stats", dest="overlap_tp_stats", action="store_false",
         help="Do not sample overlap statistics. By default the step logged every --log-interval times "
-             "each overlapped GEMM+collective call against its sequential cost on the same shape "
-             "(measured once per shape, outside the logged step time) and logs overlap efficiency and "
-             "exposed communication, in total and per op kind.")
+             "each overlapped GEMM+collective call on the GPU against its GEMM alone and its collective "
+             "alone on the same shapes (measured once per shape, outside the logged step time) and logs "
+             "exposed communication (ms per step beyond the GEMMs, >= 0) and communication hidden (0-1), "
+             "in total and per op kind; left out, with the reason, for CUDA-graph replays and host-bound steps.")
     group.add_argument(
         "--overlap-moe", choices=list(_ordered(METHODS)), default="off",
         help="How MoE layers run their token all-to-all and expert GEMMs. off: Megatron's own MoE "
@@ -257,9 +258,10 @@ def validate_overlap_args(args, *, warn=_warn):
              "choice, off where overlap does not pay) or --overlap-tp off.")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         note(f"{flag} with --transformer-impl transformer_engine: overlap_tp's layer spec takes "
-             "precedence over it for every transformer layer. qkv/proj/fc1/fc2 become overlap_tp "
-             "modules and the norms separate OverlapRMSNorm modules (TE's fused LayerNorm+Linear is "
-             "not used); core attention is TE's where Transformer Engine imports, else PyTorch SDPA. "
+             "precedence over it where TP communication happens. qkv/proj/fc1/fc2 become overlap_tp "
+             "modules and the norms in front of them separate OverlapRMSNorm modules (TE's fused "
+             "LayerNorm+Linear is not used); core attention, the q/k layernorms and the final norm are "
+             "TE's where Transformer Engine imports, else PyTorch SDPA and OverlapRMSNorm. "
              "Pass --transformer-impl local to silence this.")
     return given
 
@@ -302,8 +304,8 @@ def _validate_moe(args, moe, comm_sms):
 
 
 def _is_our_spec(spec):
-    from overlap_tp.megatron_patches.apply import SPEC
-    return list(spec) == list(SPEC)
+    from overlap_tp.megatron_patches.apply import is_overlap_spec
+    return is_overlap_spec(spec)
 
 
 def overlap_config_kwargs(args):
@@ -342,3 +344,7 @@ def moe_overlap_config_kwargs(args):
 def build_parser():
     """A stand-alone parser with only overlap_tp's flags (tests, `--help`)."""
     return add_overlap_args(argparse.ArgumentParser(prog="overlap_tp", allow_abbrev=False))
+
+
+if __name__ == "__main__":   # `python -m overlap_tp.megatron.arguments --help`: the flags, no Megatron needed
+    build_parser().parse_args()

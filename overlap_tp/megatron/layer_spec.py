@@ -6,6 +6,8 @@
         linear_qkv, linear_fc1                 -> OverlapColumnParallelLinear
         linear_proj, linear_fc2                -> OverlapRowParallelLinear
         input_layernorm, pre_mlp_layernorm     -> OverlapRMSNorm (separate norm slots, SP-capable)
+        q/k layernorm                          -> TENorm with transformer_impl="transformer_engine" where
+                                                  Transformer Engine imports, else OverlapQKRMSNorm
         core_attention                         -> TEDotProductAttention if Transformer Engine is
                                                   importable, else overlap_tp.megatron.attention.SDPAttention
         mlp with num_experts                   -> OverlapMoELayer (get_moe_overlap_module_spec)
@@ -95,13 +97,31 @@ def get_moe_overlap_module_spec() -> ModuleSpec:
                                                shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=shared)))
 
 
+def te_norm_module(transformer_impl: Optional[str]) -> Optional[type]:
+    """Transformer Engine's norm (TENorm) for the norms that carry no TP communication (q/k layernorm, the
+    block's final norm) when `transformer_impl` is "transformer_engine" and TE imports; else None."""
+    if transformer_impl != "transformer_engine":
+        return None
+    try:
+        import transformer_engine  # noqa: F401  pylint: disable=unused-import
+        from megatron.core.extensions.transformer_engine import TENorm
+    except ImportError:
+        return None
+    return TENorm
+
+
 def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_gemm: Optional[bool] = False,
                                qk_layernorm: Optional[bool] = False, multi_latent_attention: Optional[bool] = False,
                                fp8: Optional[str] = None, moe_use_legacy_grouped_gemm: Optional[bool] = False,
                                normalization: Optional[str] = None, qk_l2_norm: Optional[bool] = False,
-                               **unused_kwargs) -> ModuleSpec:
+                               transformer_impl: Optional[str] = None, **unused_kwargs) -> ModuleSpec:
     """A TransformerLayer spec (the arguments of get_gpt_layer_local_spec) on overlap_tp's layers; with
-    num_experts the MLP is OverlapMoELayer (moe_grouped_gemm and moe_use_legacy_grouped_gemm change nothing)."""
+    num_experts the MLP is OverlapMoELayer (moe_grouped_gemm and moe_use_legacy_grouped_gemm change nothing).
+
+    transformer_impl="transformer_engine" with Transformer Engine importable: the q/k layernorms are TENorm.
+    The input and pre-MLP norms stay OverlapRMSNorm whatever the impl: they are fused with the residual add
+    (OverlapTransformerLayer), and TE's LayerNorm+Linear fusion would take the norm into qkv / fc1, whose
+    AllGather+GEMM is overlap_tp's. Core attention: TEDotProductAttention where TE imports, else SDPA."""
     if multi_latent_attention:
         raise NotImplementedError("overlap_tp: multi-latent attention is not supported by the overlap spec")
     if fp8 is not None:
@@ -111,8 +131,9 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
                                   f"only (OverlapRMSNorm)")
     backend = OverlapSpecProvider()
     layer_norm = backend.layer_norm(rms_norm=True, for_qk=False)
-    qk_norm = L2Norm if qk_l2_norm else (backend.layer_norm(rms_norm=True, for_qk=True) if qk_layernorm
-                                         else IdentityOp)
+    qk_norm = L2Norm if qk_l2_norm else (
+        (te_norm_module(transformer_impl) or backend.layer_norm(rms_norm=True, for_qk=True)) if qk_layernorm
+        else IdentityOp)
     return ModuleSpec(
         module=OverlapTransformerLayer,
         submodules=TransformerLayerSubmodules(

@@ -2,9 +2,9 @@
 
 Reads Megatron's training log lines (`iteration N/M | ... elapsed time per iteration (ms): ... |
 throughput per GPU (TFLOP/s/GPU): ... | lm loss: ... |`), the `[overlap_tp]` lines of
-`overlap_tp.training.throughput` (tokens/s/GPU, MFU, overlap efficiency) and Megatron's argument dump (seq_length,
-world_size, overlap_tp, ...). Writes DIR/report.png (matplotlib; panels: throughput, tokens/s/GPU,
-MFU, step time, overlap efficiency when present, loss) and DIR/report.html (the figure plus a table of
+`overlap_tp.training.throughput` (tokens/s/GPU, MFU, exposed communication, communication hidden) and
+Megatron's argument dump (seq_length, world_size, overlap_tp, ...). Writes DIR/report.png (matplotlib;
+panels: throughput, tokens/s/GPU, MFU, step time, the overlap figures when present, loss) and DIR/report.html (the figure plus a table of
 steady-state medians, each run against the first one, the baseline). Label runs with LOG=LABEL.
 """
 import argparse
@@ -28,8 +28,10 @@ _OURS = re.compile(r"\[overlap_tp\] iteration\s+(\d+)")
 _OUR_FIELDS = {
     "tokens_per_sec_per_gpu": re.compile(r"tokens/s/GPU:\s*([0-9.eE+-]+)"),
     "mfu": re.compile(r"MFU:\s*([0-9.eE+-]+)%"),
-    "overlap_efficiency": re.compile(r"overlap efficiency:\s*(-?[0-9.eE+-]+)"),
-    "exposed_comm_ms": re.compile(r"exposed comm \(ms\):\s*([0-9.eE+-]+)"),
+    # the figures of overlap_tp.training.throughput ("Overlap statistics"); logs written before they were
+    # defined as they are now carry "overlap efficiency", which is not read
+    "exposed_comm_ms": re.compile(r"exposed comm \(ms/step\):\s*([0-9.eE+-]+)"),
+    "comm_hidden": re.compile(r"comm hidden:\s*([0-9.eE+-]+)"),
 }
 _ARG = re.compile(r"^\s*([a-z_][a-z0-9_]*) \.{3,} (.+?)\s*$")
 
@@ -38,7 +40,8 @@ PANELS = (  # key, title, unit
     ("tokens_per_sec_per_gpu", "Tokens", "tokens/s/GPU"),
     ("mfu", "MFU", "% of peak"),
     ("step_time_ms", "Step time", "ms"),
-    ("overlap_efficiency", "Overlap efficiency", "share of ideal saving"),
+    ("exposed_comm_ms", "Exposed communication", "ms per step beyond the GEMMs (>= 0)"),
+    ("comm_hidden", "Communication hidden", "share of comm-alone time, 0-1"),
     ("loss", "Loss", "lm loss"),
 )
 

@@ -1,28 +1,31 @@
-"""Overlap statistics in training: time the overlapped ops of one sampled iteration per log interval and
-compare each with its sequential cost on the same shape.
+"""Overlap statistics in training: time the overlapped ops of the step whose end is logged and set each
+call against its GEMM alone and its collective alone on the same shapes (the figures:
+overlap_tp.training.throughput, "Overlap statistics").
 
     SAMPLER.install()         (once: the Megatron layers' op observer, overlap_tp.megatron.layers.set_op_observer)
     SAMPLER.armed = True      (the train_step hook, for the iteration whose end is logged)
     the layers' gemm_rs / gemm_ar / ag_gemm calls -> a start and an end stamp around each synchronous call
-    SAMPLER.collect(stats)    (the training_log hook, on every rank) -> stats.record(kind, overlapped,
-                              sequential, gemm, comm) per sampled call
+    SAMPLER.collect(stats)    (the training_log hook, on every rank) -> stats.record(kind, op, gemm, comm,
+                              gpu_waited) per sampled call
 
-The sequential cost of an (op, shape) is measured once, by `collect`, the first time the shape is seen:
-the bare GEMM (cuBLAS), the bare collective (torch.distributed) and the two back to back (the op with
-method='off', Megatron's sequence), median of `REFERENCE_REPS`, on fresh random operands. It runs
-collectives, so every rank of the op's group must measure the same shapes in the same order: the
-sampled iteration calls the same ops in the same order on every rank of a TP group, and `collect`
-measures new shapes in first-call order. The ThroughputLogger takes its interval stamp after `collect`,
-so the measurement stays out of the logged step time.
+The references of an (op, shape) are measured once, by `collect`, the first time the shape is seen: the
+bare GEMM (cuBLAS) and the bare collective (torch.distributed, Megatron's path), median of
+`REFERENCE_REPS`, on fresh random operands. They run collectives, so every rank of the op's group must
+measure the same shapes in the same order: the sampled iteration calls the same ops in the same order on
+every rank of a TP group, and `collect` measures new shapes in first-call order. The ThroughputLogger
+takes its interval stamp after `collect`, so the measurement stays out of the logged step time.
 
 What is not sampled: calls with async_op=True (the column-parallel backward's dgrad reduction, whose end
-is joined behind the wgrad GEMM, so the call has no time of its own) and the MoE expert ops (their
-all-to-all shapes differ between ranks, so a per-shape reference would not be measured in step).
-Off (`--overlap-tp off` with overlap_tp's layers) is sampled like the rest: its overlapped time is the
-sequential one, and its exposed communication is the baseline's.
+is joined behind the wgrad GEMM, so the call has no time of its own), the MoE expert ops (their
+all-to-all shapes differ between ranks, so a per-shape reference would not be measured in step), and
+anything a CUDA graph replays (the layers' Python does not run; the step's figures are then left out).
+Off (`--overlap-tp off` with overlap_tp's layers) is sampled like the rest: GEMM then collective, so its
+exposed communication is about its collectives' time and nothing is hidden.
 
-On the GPU the stamps are CUDA events on the caller's stream (a call's time is its span on the stream,
-launch gaps included); on CPU tensors (gloo tests) they are host clocks around the call.
+On the GPU the stamps are CUDA events on the caller's stream (a call's time is its span on the stream);
+right after the host has issued a call, the start event is queried: if the GPU is already past it, the
+GPU may have waited for the host inside the call (`gpu_waited`; a step where most calls did is
+host-bound and its figures are left out). On CPU tensors (gloo tests) the stamps are host clocks.
 """
 import statistics
 import time
@@ -33,14 +36,9 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.ops import comm
-from overlap_tp.ops.ag_gemm import ag_gemm
-from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.gemm_ar import gemm_ar
-from overlap_tp.ops.gemm_rs import gemm_rs
 
 REFERENCE_REPS = 3
 SAMPLED_OPS = ("gemm_rs", "gemm_ar", "ag_gemm")   # the kinds the layers' observer sees
-_FUNCTIONAL_OPS = {"gemm_rs": gemm_rs, "gemm_ar": gemm_ar, "ag_gemm": ag_gemm}   # what references run
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class OpShape:
 
 @dataclass
 class Reference:
-    sequential_ms: float
+    """The GEMM alone and the collective alone on one call's shapes (ms, medians)."""
     gemm_ms: float
     comm_ms: float
 
@@ -86,8 +84,9 @@ def _median_ms(fn, device, reps=REFERENCE_REPS) -> float:
     return statistics.median(times)
 
 
-def measure_reference(shape: OpShape, op: Callable) -> Reference:
-    """GEMM alone, collective alone and `op(..., method='off')` on random operands of `shape`."""
+def measure_reference(shape: OpShape) -> Reference:
+    """The GEMM alone (cuBLAS) and the collective alone (Megatron's, torch.distributed) on random operands
+    of `shape`."""
     t = dist.get_world_size(shape.group)
     device, dtype = shape.device, shape.dtype
     a = torch.randn(shape.a_shape, dtype=dtype, device=device)
@@ -109,56 +108,77 @@ def measure_reference(shape: OpShape, op: Callable) -> Reference:
             coll.all_gather_rows(gemm_in, a, 0, shape.a_shape[0])
     else:
         raise ValueError(f"overlap_tp sampling: op kind {shape.kind!r} is not one of {SAMPLED_OPS}")
-    off = OverlapConfig(method="off")
-    return Reference(sequential_ms=_median_ms(lambda: op(a, w, shape.group, config=off), device),
-                     gemm_ms=_median_ms(lambda: torch.matmul(gemm_in, w.t()), device),
+    return Reference(gemm_ms=_median_ms(lambda: torch.matmul(gemm_in, w.t()), device),
                      comm_ms=_median_ms(collective, device))
 
 
 @dataclass
 class Sample:
-    """One stamped call: its shape, the op (undecorated) and its start and end stamps."""
+    """One stamped call: its shape, its start and end stamps, and whether the GPU had reached its start by
+    the time the host had issued it (CUDA only)."""
     shape: OpShape
-    op: Callable
     start: Any
     end: Any
+    gpu_waited: bool = False
 
 
 class OpSampler:
     """Stamps the overlapped ops while `armed`; `collect` turns the stamps into OverlapStats records."""
 
-    def __init__(self, measure: Callable[[OpShape, Callable], Reference] = measure_reference):
-        self.armed = False
+    def __init__(self, measure: Callable[[OpShape], Reference] = measure_reference):
+        self._armed = False
+        self.was_armed = False   # armed at some point since the last collect: a step was sampled
         self.measure = measure
         self.samples = []
         self.references = {}
 
+    @property
+    def armed(self):
+        return self._armed
+
+    @armed.setter
+    def armed(self, value):
+        self._armed = bool(value)
+        self.was_armed = self.was_armed or self._armed
+
     def install(self):
-        """Observe the Megatron layers' synchronous op calls (idempotent)."""
-        from overlap_tp.megatron.layers import set_op_observer
+        """Observe the Megatron layers' synchronous op calls (idempotent). Without megatron-core there are no
+        layers to observe: returns False."""
+        try:
+            from overlap_tp.megatron.layers import set_op_observer
+        except ImportError:
+            return False
         set_op_observer(self.observe)
+        return True
 
     def observe(self, kind, call, a, w, group):
         """The layers' op observer: call() as is while disarmed, stamped around while armed."""
-        if not self.armed:
+        if not self.armed or (a.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # a call captured into a CUDA graph runs later, at replay: there is nothing to time now (and
+            # querying an event inside a capture is an error)
             return call()
         group = comm.resolve_group(group)
         start = _stamp(a.device)
         out = call()
+        end = _stamp(a.device)
+        # The host has issued the whole call. If the GPU is already past its start, it may have idled waiting
+        # for the launches inside the call, so the call's time includes host time (a host-bound step).
+        gpu_waited = not isinstance(start, float) and start.query()
         self.samples.append(Sample(OpShape(kind, tuple(a.shape), tuple(w.shape), a.dtype, a.device, group),
-                                   _FUNCTIONAL_OPS[kind], start, _stamp(a.device)))
+                                   start, end, gpu_waited))
         return out
 
     def collect(self, stats) -> int:
         """Record every stamped call into `stats` (measuring references of new shapes); returns how many."""
         samples, self.samples = self.samples, []
+        self.was_armed = self._armed
         for sample in samples:
             if sample.shape not in self.references:
-                self.references[sample.shape] = self.measure(sample.shape, sample.op)
+                self.references[sample.shape] = self.measure(sample.shape)
         for sample in samples:
             ref = self.references[sample.shape]
-            stats.record(sample.shape.kind, _elapsed_ms(sample.start, sample.end), ref.sequential_ms,
-                         ref.gemm_ms, ref.comm_ms)
+            stats.record(sample.shape.kind, _elapsed_ms(sample.start, sample.end), ref.gemm_ms, ref.comm_ms,
+                         gpu_waited=sample.gpu_waited)
         return len(samples)
 
 

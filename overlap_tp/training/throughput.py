@@ -15,11 +15,25 @@ MFU = achieved TFLOP/s/GPU / peak. `PEAK_BF16_DENSE_TFLOPS` = 989: NVIDIA's H100
 datasheets give 1,979 TFLOP/s BF16 Tensor Core *with 2:4 sparsity*, i.e. 989 dense. Override with
 `peak_tflops=`, `--overlap-tp-peak-tflops` or the environment variable OVERLAP_TP_PEAK_TFLOPS.
 
-Overlap statistics compare the time of an overlapped op with its measured sequential cost (GEMM then
-collective): `exposed_comm_ms` (time beyond the bare GEMM), `overlap_efficiency` (share of the ideal
-saving realized) and `OverlapStats`, an accumulator fed with `record(...)`; in training,
-overlap_tp.training.sampling stamps the dense ops of one iteration per log interval and feeds it. The scalars are
-written as totals and per op kind (overlap_tp/<kind>/overlap_efficiency, .../exposed_comm_ms).
+Overlap statistics (`OverlapStats`, fed by overlap_tp.training.sampling with the synchronous overlapped op
+calls of the step whose end is logged, on the logging rank). For each call c: op(c) its time on the GPU
+(CUDA events around the call, on its stream), gemm(c) the GEMM alone and comm(c) the collective alone on
+the same shapes (cuBLAS / torch.distributed, measured once per shape outside the step time). Then
+
+    exposed_comm_ms = sum_c max(0, op(c) - gemm(c))        ms per logged step, >= 0: the time the overlapped
+                                                           calls took beyond their GEMMs, i.e. the
+                                                           communication (and what it costs the GEMM)
+                                                           left on the critical path
+    comm_hidden     = 1 - min(1, exposed / sum_c comm(c))  in [0, 1]: the share of the collectives'
+                                                           own time that did not show up; GEMM then
+                                                           collective (--overlap-tp off) ~ 0, full overlap 1
+
+written in total and per op kind (overlap_tp/<kind>/exposed_comm_ms, .../comm_hidden), with op_ms,
+gemm_ms and comm_ms (the sums) for context. They are left out, with the reason in the `[overlap_tp]`
+line (`overlap stats: left out (...)`), where they would mean nothing: no op call ran eagerly in the
+step (Megatron's own layers, or CUDA graphs replaying the layers, whose Python does not run), or the
+step was host-bound (in most sampled calls the GPU had already reached the call's start before the host
+had finished issuing it, so the call's time includes the host's launch time, not only GPU work).
 
 `install_training_log_hook()` wraps Megatron's `training_log` so that every `--log-interval` it
 prints one `[overlap_tp]` line on the last rank and writes the same scalars through Megatron's
@@ -113,39 +127,49 @@ def mfu(tflops, peak=None):
 
 # ---- overlap statistics ------------------------------------------------------------------------
 
-def exposed_comm_ms(overlapped_ms, gemm_ms):
-    """Time the overlapped op spends beyond its bare GEMM: the communication left on the critical path."""
-    return max(0.0, overlapped_ms - gemm_ms)
+HOST_BOUND_SHARE = 0.5   # more sampled calls than this with the GPU waiting on the host: stats left out
 
 
-def overlap_efficiency(overlapped_ms, sequential_ms, gemm_ms, comm_ms):
-    """Share of the ideal saving realized: (seq - overlapped) / (seq - max(gemm, comm)).
+def exposed_comm_ms(op_ms, gemm_ms):
+    """Time an overlapped call took beyond its GEMM alone on the same shapes (ms, never negative)."""
+    return max(0.0, op_ms - gemm_ms)
 
-    1.0: perfect overlap (the op takes as long as its longer part); 0.0: no gain over GEMM then
-    collective; negative: slower than sequential. None when nothing can be saved.
-    """
-    ideal_saving = sequential_ms - max(gemm_ms, comm_ms)
-    if ideal_saving <= 0:
+
+def comm_hidden(exposed_ms, comm_ms):
+    """Share of the collectives' own time that did not show up, in [0, 1]; None without communication."""
+    if comm_ms <= 0:
         return None
-    return (sequential_ms - overlapped_ms) / ideal_saving
+    return 1.0 - min(1.0, exposed_ms / comm_ms)
 
 
 class OverlapStats:
-    """Accumulates per-op measurements between two log intervals.
+    """The sampled op calls of one logged step.
 
-    record(name, overlapped_ms, sequential_ms, gemm_ms, comm_ms): one measurement of an overlapped op
-    (its time in training) and its sequential cost (GEMM then collective, measured on the same shape).
-    summary(): totals over everything recorded: overlapped_ms, sequential_ms, exposed_comm_ms,
-    overlap_efficiency and speedup (sequential / overlapped); {} when nothing was recorded.
+    record(kind, op_ms, gemm_ms, comm_ms, gpu_waited=False): one call: its GPU time, its GEMM and its
+    collective alone on the same shapes; gpu_waited: the GPU had reached the call before the host finished
+    issuing it. leave_out(reason): the step's figures mean nothing (the reason is logged).
+    summary(): {"left_out": reason}, or the totals (calls, op_ms, gemm_ms, comm_ms, exposed_comm_ms,
+    comm_hidden) with "by_kind"; {} when nothing was recorded or left out.
     """
 
     def __init__(self):
         self.records = []
+        self.reason = None
 
-    def record(self, name, overlapped_ms, sequential_ms, gemm_ms, comm_ms):
-        self.records.append((name, float(overlapped_ms), float(sequential_ms), float(gemm_ms), float(comm_ms)))
+    def record(self, kind, op_ms, gemm_ms, comm_ms, gpu_waited=False):
+        self.records.append((kind, float(op_ms), float(gemm_ms), float(comm_ms), bool(gpu_waited)))
+
+    def leave_out(self, reason):
+        self.reason = reason
 
     def summary(self):
+        if self.reason is None and self.records:
+            waited = sum(r[4] for r in self.records)
+            if waited > HOST_BOUND_SHARE * len(self.records):
+                self.reason = (f"host-bound: the GPU waited for the host in {waited} of {len(self.records)} "
+                               "sampled calls, whose times then include launch time")
+        if self.reason is not None:
+            return {"left_out": self.reason}
         if not self.records:
             return {}
         out = _totals(self.records)
@@ -155,17 +179,14 @@ class OverlapStats:
 
     def reset(self):
         self.records.clear()
+        self.reason = None
 
 
 def _totals(records):
-    overlapped = sum(r[1] for r in records)
-    sequential = sum(r[2] for r in records)
-    ideal = sum(max(r[3], r[4]) for r in records)
-    return {"calls": len(records), "overlapped_ms": overlapped, "sequential_ms": sequential,
-            "exposed_comm_ms": sum(exposed_comm_ms(r[1], r[3]) for r in records),
-            "comm_ms": sum(r[4] for r in records), "gemm_ms": sum(r[3] for r in records),
-            "speedup": sequential / overlapped if overlapped > 0 else None,
-            "overlap_efficiency": (sequential - overlapped) / (sequential - ideal) if sequential - ideal > 0 else None}
+    exposed = sum(exposed_comm_ms(r[1], r[2]) for r in records)
+    comm = sum(r[3] for r in records)
+    return {"calls": len(records), "op_ms": sum(r[1] for r in records), "gemm_ms": sum(r[2] for r in records),
+            "comm_ms": comm, "exposed_comm_ms": exposed, "comm_hidden": comm_hidden(exposed, comm)}
 
 
 OVERLAP_STATS = OverlapStats()
@@ -173,7 +194,7 @@ OVERLAP_STATS = OverlapStats()
 
 # ---- per-interval scalars and the Megatron hook ------------------------------------------------
 
-OVERLAP_KEYS = ("overlap_efficiency", "exposed_comm_ms", "speedup")
+OVERLAP_KEYS = ("exposed_comm_ms", "comm_hidden", "op_ms", "gemm_ms", "comm_ms")
 
 
 def interval_scalars(*, step_time_s, global_batch_size, seq_length, world_size, flops_per_iteration,
@@ -196,18 +217,20 @@ def interval_scalars(*, step_time_s, global_batch_size, seq_length, world_size, 
     return {SCALAR_PREFIX + k: v for k, v in scalars.items()}
 
 
-def format_line(iteration, scalars):
-    """The stdout line `overlap_tp.training.report` parses."""
+def format_line(iteration, scalars, left_out=None):
+    """The stdout line `overlap_tp.training.report` parses; `left_out`: why the overlap figures are missing."""
     s = {k[len(SCALAR_PREFIX):]: v for k, v in scalars.items()}
     parts = [f"[overlap_tp] iteration {iteration:8d}",
              f"step time (ms): {s['step_time_ms']:.1f}",
              f"tokens/s/GPU: {s['tokens_per_sec_per_gpu']:.1f}",
              f"TFLOP/s/GPU: {s['tflops_per_gpu']:.1f}",
              f"MFU: {100 * s['mfu']:.2f}%"]
-    if "overlap_efficiency" in s:
-        parts.append(f"overlap efficiency: {s['overlap_efficiency']:.3f}")
     if "exposed_comm_ms" in s:
-        parts.append(f"exposed comm (ms): {s['exposed_comm_ms']:.3f}")
+        parts.append(f"exposed comm (ms/step): {s['exposed_comm_ms']:.3f}")
+    if "comm_hidden" in s:
+        parts.append(f"comm hidden: {s['comm_hidden']:.3f}")
+    if left_out:
+        parts.append(f"overlap stats: left out ({left_out})")
     return " | ".join(parts) + " |"
 
 
@@ -249,28 +272,42 @@ class ThroughputLogger:
             return None
         after = now
         if self.sampler is not None:   # on every rank: it may run collectives
-            self.sampler.collect(self.stats)
+            stepped = self.sampler.was_armed
+            if self.sampler.collect(self.stats) == 0 and stepped:
+                self.stats.leave_out(no_samples_reason(self.args))
             after = self.clock()
         if self.last is None or iteration <= self.last[0]:
             self.last = (iteration, after)
-            if self.stats:
+            if self.stats is not None:
                 self.stats.reset()
             return None
         step_time = (now - self.last[1]) / (iteration - self.last[0])
         self.last = (iteration, after)
         if self.flops is None:
             self.flops = megatron_flops(self.args)
+        overlap = self.stats.summary() if self.stats is not None else None
         scalars = interval_scalars(
             step_time_s=step_time, global_batch_size=self.args.global_batch_size,
             seq_length=self.args.seq_length, world_size=getattr(self.args, "world_size", 1),
-            flops_per_iteration=self.flops, peak=self.peak, overlap=self.stats.summary() if self.stats else None)
-        if self.stats:
+            flops_per_iteration=self.flops, peak=self.peak, overlap=overlap)
+        if self.stats is not None:
             self.stats.reset()
         self.history.append((iteration, scalars))
         if is_last_rank:
-            self.printer(format_line(iteration, scalars))
+            self.printer(format_line(iteration, scalars, left_out=(overlap or {}).get("left_out")))
             write_scalars(scalars, iteration, tensorboard_writer, wandb_writer)
         return scalars
+
+
+def no_samples_reason(args):
+    """Why a sampled step saw no overlapped op call (the layers' Python did not run them)."""
+    impl = getattr(args, "cuda_graph_impl", None)
+    if impl not in (None, "none") or getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False):
+        flag = f"--cuda-graph-impl {impl}" if impl not in (None, "none") else "CUDA graphs"
+        return f"{flag}: graph replays run the layers without their Python, so no op call can be timed"
+    if getattr(args, "overlap_tp", "off") == "off" and not getattr(args, "overlap_tp_layers", False):
+        return "Megatron's own layers (--overlap-tp off): no overlap_tp op to time"
+    return "no overlapped op call ran in the sampled step"
 
 
 def stats_enabled(args) -> bool:

@@ -1,9 +1,9 @@
 """`python -m overlap_tp.training.wandb_dashboard --project P [--entity E] [--workspace] [--dry-run]`
 
 Creates a W&B report (or, with --workspace, a saved workspace view) with the panels of
-`overlap_tp.training.report`: throughput (TFLOP/s/GPU), tokens/s/GPU, MFU, step time, overlap efficiency,
-exposed communication and loss, every run of the project side by side (baseline vs overlap). The
-metrics are the ones `overlap_tp.training.throughput` and Megatron write (`overlap_tp/...`, `lm loss`).
+`overlap_tp.training.report`: throughput (TFLOP/s/GPU), tokens/s/GPU, MFU, step time, exposed
+communication, communication hidden (overall and per op) and loss, every run of the project side by
+side (baseline vs overlap). The metrics are the ones `overlap_tp.training.throughput` and Megatron write (`overlap_tp/...`, `lm loss`).
 
 Needs `pip install wandb wandb-workspaces` and a W&B login (`wandb login` or WANDB_API_KEY). Offline
 runs (WANDB_MODE=offline, what the recipes default to) must be uploaded first: `wandb sync
@@ -23,10 +23,12 @@ PANELS = (
     ("Tokens", [SCALAR_PREFIX + "tokens_per_sec_per_gpu"], "tokens/s/GPU"),
     ("MFU", [SCALAR_PREFIX + "mfu"], "fraction of peak"),
     ("Step time", [SCALAR_PREFIX + "step_time_ms"], "ms"),
-    ("Overlap efficiency", [SCALAR_PREFIX + "overlap_efficiency"], "share of ideal saving"),
-    ("Exposed communication", [SCALAR_PREFIX + "exposed_comm_ms"], "ms in the sampled step"),
-    ("Overlap efficiency by op", [f"{SCALAR_PREFIX}{kind}/overlap_efficiency" for kind in SAMPLED_OPS],
-     "share of ideal saving"),
+    ("Exposed communication", [SCALAR_PREFIX + "exposed_comm_ms"], "ms per step beyond the GEMMs (>= 0)"),
+    ("Communication hidden", [SCALAR_PREFIX + "comm_hidden"], "share of comm-alone time, 0-1"),
+    ("Communication hidden by op", [f"{SCALAR_PREFIX}{kind}/comm_hidden" for kind in SAMPLED_OPS],
+     "share of comm-alone time, 0-1"),
+    ("Exposed communication by op", [f"{SCALAR_PREFIX}{kind}/exposed_comm_ms" for kind in SAMPLED_OPS],
+     "ms per step beyond the GEMMs (>= 0)"),
     ("Loss", ["lm loss"], "lm loss"),
 )
 

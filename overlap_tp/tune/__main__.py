@@ -174,6 +174,12 @@ def main(argv=None):
     if "RANK" not in os.environ:
         print("run under torchrun: torchrun --nproc-per-node 2 -m overlap_tp.tune ...")
         return 2
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:   # the plans time collectives over the group
+        print("overlap_tp.tune needs a group of 2 or more ranks: torchrun --nproc-per-node 2 -m overlap_tp.tune ...")
+        return 2
+    if not torch.cuda.is_available():   # before set_device, which fails deep in torch on CPU-only builds
+        print("overlap_tp.tune needs CUDA GPUs (torch.cuda.is_available() is False)")
+        return 2
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)

@@ -109,11 +109,12 @@ def test_overlap_tp_layers_with_off_uses_our_spec_with_method_off():
 def test_the_report_is_logged():
     lines = []
     patch.apply(fake_args(), log=lines.append)
-    assert len(lines) == 1 and "--spec overlap_tp.megatron_patches.apply overlap_layer_spec" in lines[0]
+    assert len(lines) == 1 and "--spec overlap_tp.megatron_patches.spec flags" in lines[0]
 
 
 def test_layers_receive_the_config():
-    layers = pytest.importorskip("overlap_tp.megatron.layers", reason="overlap_tp.megatron.layers needs megatron-core")
+    pytest.importorskip("megatron.core", reason="overlap_tp.megatron.layers needs megatron-core")
+    from overlap_tp.megatron import layers
     patch.apply(fake_args(overlap_tp_transport="p2p"), log=quiet)
     assert layers.get_default_overlap_config("gemm_rs").transport == "p2p"
     assert layers.get_default_overlap_config("ag_gemm").transport == "p2p"
@@ -128,7 +129,8 @@ def test_layers_receive_the_config():
 def test_spec_callable_builds_our_block_spec(monkeypatch):
     """--spec resolves to a decoder block spec: our layer in every slot and OverlapRMSNorm as the final
     norm (given a layer spec, Megatron would pick WrappedTorchNorm, which refuses SP, without TE/Apex)."""
-    layer_spec = pytest.importorskip("overlap_tp.megatron.layer_spec", reason="the layer spec needs megatron-core")
+    pytest.importorskip("megatron.core", reason="the layer spec needs megatron-core")
+    from overlap_tp.megatron import layer_spec
     from megatron.core.transformer import transformer_block
     from overlap_tp.megatron.transformer_layer import OverlapTransformerLayer
 
@@ -147,14 +149,15 @@ def test_spec_callable_builds_our_block_spec(monkeypatch):
         assert spec.module is OverlapTransformerLayer
         qkv = spec.submodules.self_attention.submodules.linear_qkv
         assert qkv.__module__ == "overlap_tp.megatron.layers"
-    # Megatron's import_module(--spec) resolves to this very function
+    # Megatron's import_module(--spec) resolves to a block spec that is also callable (tests/megatron/test_spec.py)
     module = __import__(patch.SPEC[0], fromlist=[patch.SPEC[1]])
-    assert getattr(module, patch.SPEC[1]) is patch.overlap_layer_spec
+    assert isinstance(getattr(module, patch.SPEC[1]), transformer_block.TransformerBlockSubmodules)
     assert layer_spec.get_gpt_layer_overlap_spec is not None
 
 
 def test_overlap_moe_alone_switches_the_spec_and_the_moe_config():
-    moe_layer = pytest.importorskip("overlap_tp.megatron.moe_layer", reason="overlap_tp.megatron.moe_layer needs megatron-core")
+    pytest.importorskip("megatron.core", reason="overlap_tp.megatron.moe_layer needs megatron-core")
+    from overlap_tp.megatron import moe_layer
     args = fake_args(overlap_tp="off", overlap_moe="signal", tensor_model_parallel_size=1, sequence_parallel=False,
                      num_experts=8)
     report = patch.apply(args, log=quiet)
@@ -169,7 +172,7 @@ def test_overlap_moe_alone_switches_the_spec_and_the_moe_config():
 @pytest.mark.parametrize("overlap_tp, overlap_moe", [("signal", "off"), ("off", "signal"), ("signal", "decompose")])
 def test_moe_models_get_our_moe_layer_only_with_overlap_moe(monkeypatch, overlap_tp, overlap_moe):
     """--overlap-moe off keeps the MoE module Megatron's own spec builds in the MLP slot."""
-    pytest.importorskip("overlap_tp.megatron.layer_spec", reason="the layer spec needs megatron-core")
+    pytest.importorskip("megatron.core", reason="the layer spec needs megatron-core")
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.experts import SequentialMLP

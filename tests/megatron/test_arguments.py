@@ -187,7 +187,7 @@ def test_warnings_go_to_the_given_callback():
 def test_inside_megatrons_parser(monkeypatch):
     arguments = pytest.importorskip(
         "megatron.training.arguments",
-        reason="megatron.training is not importable (megatron-core >= 0.17 on Python >= 3.12 ships it)")
+        reason="megatron.training is not importable (megatron-core >= 0.19 on Python >= 3.12 ships it)")
     monkeypatch.setattr(sys, "argv", ["pretrain", "--num-layers", "2", "--hidden-size", "64",
                                       "--num-attention-heads", "4", "--overlap-tp", "decompose",
                                       "--overlap-tp-comm-sms", "8", "--sequence-parallel",

@@ -122,7 +122,7 @@ def test_knobs_and_extra_flags_pass_through():
 def test_recipe_flags_in_megatrons_parser(monkeypatch):
     arguments = pytest.importorskip(
         "megatron.training.arguments",
-        reason="megatron.training is not importable (megatron-core >= 0.17 on Python >= 3.12 ships it)")
+        reason="megatron.training is not importable (megatron-core >= 0.19 on Python >= 3.12 ships it)")
     from overlap_tp.megatron.arguments import add_overlap_args
     for name in RECIPES:
         monkeypatch.setattr(sys, "argv", ["pretrain"] + recipe_argv(name))
@@ -139,5 +139,17 @@ def test_launcher_without_megatron_training_says_how_to_get_it():
     result = subprocess.run([sys.executable, "-m", "overlap_tp.launch.pretrain", "--num-layers", "2"],
                             capture_output=True, text=True)
     assert result.returncode != 0
-    assert "megatron-core >= 0.17" in result.stderr and "Python >= 3.12" in result.stderr
+    assert "megatron-core >= 0.19" in result.stderr and "Python >= 3.12" in result.stderr
     assert "Megatron-LM checkout on PYTHONPATH" in result.stderr
+
+
+def test_preflight_is_one_line_without_gpus(monkeypatch, capsys):
+    """recipes/common.sh calls preflight before torchrun: no deep Megatron traceback on a CPU machine."""
+    import torch
+
+    from overlap_tp.launch import pretrain
+    monkeypatch.setattr(pretrain, "require_megatron_training", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert pretrain.preflight(2) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "2 rank(s) per node need as many CUDA GPUs; 0 visible here" in err

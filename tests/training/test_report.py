@@ -20,9 +20,9 @@ def test_parse_megatron_and_overlap_lines():
     point = run.points[10]
     assert point["step_time_ms"] == 93.5 and point["tflops_per_gpu"] == 45.3
     assert point["tokens_per_sec_per_gpu"] == 87615.0
-    assert point["mfu"] == 4.58 and point["overlap_efficiency"] == 0.62
+    assert point["mfu"] == 4.58 and point["comm_hidden"] == 0.62 and point["exposed_comm_ms"] == 1.33
     assert point["loss"] == pytest.approx(8.897222)
-    assert not report.load(OFF).has("overlap_efficiency")
+    assert not report.load(OFF).has("comm_hidden")
 
 
 def test_derived_values_without_overlap_tp_lines():
@@ -49,7 +49,7 @@ def test_renders_png_and_html(tmp_path, capsys):
     png = tmp_path / "report.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     page = (tmp_path / "report.html").read_text()
-    for text in ("smoke-off", "overlap (signal)", "data:image/png;base64,", "Overlap efficiency", "speedup"):
+    for text in ("smoke-off", "overlap (signal)", "data:image/png;base64,", "Communication hidden", "speedup"):
         assert text in page
     assert "speedup=1.1" in capsys.readouterr().out
 

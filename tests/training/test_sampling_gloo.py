@@ -23,9 +23,9 @@ def _check_sampling(rank, world):
 
     measured = []
 
-    def measure(shape, op):
+    def measure(shape):
         measured.append(shape.kind)
-        return measure_reference(shape, op)
+        return measure_reference(shape)
 
     SAMPLER.measure, SAMPLER.samples, SAMPLER.references = measure, [], {}
     stats = OverlapStats()
@@ -48,8 +48,9 @@ def _check_sampling(rank, world):
     assert set(summary["by_kind"]) == {"gemm_rs", "gemm_ar", "ag_gemm"}
     for kind, totals in summary["by_kind"].items():
         assert totals["calls"] == 2, kind
-        assert totals["overlapped_ms"] > 0 and totals["sequential_ms"] > 0 and totals["gemm_ms"] > 0, kind
-        assert totals["comm_ms"] > 0, kind
+        assert totals["op_ms"] > 0 and totals["gemm_ms"] > 0 and totals["comm_ms"] > 0, kind
+        assert totals["exposed_comm_ms"] >= 0 and 0 <= totals["comm_hidden"] <= 1, kind
+    assert all(not record[4] for record in stats.records)   # host clocks: no GPU to wait
     assert SAMPLER.collect(stats) == 0   # the stamps were consumed
 
 
@@ -59,13 +60,24 @@ def test_armed_calls_are_recorded_against_a_reference_per_shape(world):
 
 
 def test_collect_records_each_sample_with_its_shapes_reference():
-    sampler = OpSampler(measure=lambda shape, op: Reference(sequential_ms=2.0, gemm_ms=0.5, comm_ms=0.25))
+    measured = []
+    sampler = OpSampler(measure=lambda shape: measured.append(shape) or Reference(gemm_ms=0.5, comm_ms=0.25))
     shape = OpShape("gemm_rs", (8, 4), (4, 4), torch.bfloat16, torch.device("cpu"), None)
-    sampler.samples = [Sample(shape, None, 0.0, 0.001), Sample(shape, None, 1.0, 1.003)]
+    sampler.samples = [Sample(shape, 0.0, 0.001), Sample(shape, 1.0, 1.003, gpu_waited=True)]
     stats = OverlapStats()
     assert sampler.collect(stats) == 2
+    assert measured == [shape]   # once per shape
     assert [(r[0], round(r[1], 6), r[2:]) for r in stats.records] == [
-        ("gemm_rs", 1.0, (2.0, 0.5, 0.25)), ("gemm_rs", 3.0, (2.0, 0.5, 0.25))]
+        ("gemm_rs", 1.0, (0.5, 0.25, False)), ("gemm_rs", 3.0, (0.5, 0.25, True))]
+
+
+def test_was_armed_tells_a_sampled_step_from_an_unsampled_one():
+    sampler = OpSampler(measure=None)
+    assert not sampler.was_armed
+    sampler.armed = True
+    sampler.armed = False
+    assert sampler.was_armed and sampler.collect(OverlapStats()) == 0
+    assert not sampler.was_armed   # cleared by collect
 
 
 def test_sample_iteration_is_the_logged_step():

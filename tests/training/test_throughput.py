@@ -65,43 +65,84 @@ def test_peak_override(monkeypatch):
     assert tp.peak_tflops(700) == 700.0
 
 
-def test_overlap_efficiency_and_exposed_comm():
-    # GEMM 0.8 ms, collective 0.3 ms, sequential 1.1 ms, overlapped 0.9 ms: 0.2 of an ideal 0.3 saved
-    assert tp.overlap_efficiency(0.9, 1.1, 0.8, 0.3) == pytest.approx(2 / 3)
+def test_exposed_comm_and_comm_hidden_definitions():
+    # a call of 0.9 ms whose GEMM alone takes 0.8 ms: 0.1 ms exposed; a call faster than its GEMM alone
+    # (measurement noise) exposes nothing rather than a negative time
     assert tp.exposed_comm_ms(0.9, 0.8) == pytest.approx(0.1)
     assert tp.exposed_comm_ms(0.7, 0.8) == 0.0
-    assert tp.overlap_efficiency(0.8, 1.1, 0.8, 0.3) == pytest.approx(1.0)
-    assert tp.overlap_efficiency(1.2, 1.1, 0.8, 0.3) < 0
-    assert tp.overlap_efficiency(1.0, 0.8, 0.8, 0.0) is None
+    # of a 0.3 ms collective, 0.1 ms showed: two thirds hidden; GEMM then collective: nothing hidden; more
+    # exposed than the collective alone (the GEMM slowed down by the overlap): 0, never negative
+    assert tp.comm_hidden(0.1, 0.3) == pytest.approx(2 / 3)
+    assert tp.comm_hidden(0.3, 0.3) == 0.0
+    assert tp.comm_hidden(0.5, 0.3) == 0.0
+    assert tp.comm_hidden(0.0, 0.3) == 1.0
+    assert tp.comm_hidden(0.0, 0.0) is None
+
+
+@pytest.mark.parametrize("op_ms, gemm_ms, comm_ms", [
+    (0.1, 5.0, 0.3), (9.0, 0.1, 0.3), (1.0, 1.0, 1e-9), (0.0, 0.0, 0.0), (2.0, 1.0, 50.0)])
+def test_figures_stay_in_range_by_construction(op_ms, gemm_ms, comm_ms):
+    stats = tp.OverlapStats()
+    stats.record("gemm_rs", op_ms, gemm_ms, comm_ms)
+    s = stats.summary()
+    assert s["exposed_comm_ms"] >= 0
+    assert s["comm_hidden"] is None if comm_ms == 0 else 0.0 <= s["comm_hidden"] <= 1.0
 
 
 def test_overlap_stats_totals():
     stats = tp.OverlapStats()
     assert stats.summary() == {}
-    stats.record("fc2", 0.9, 1.1, 0.8, 0.3)
-    stats.record("proj", 0.5, 0.6, 0.4, 0.2)
+    stats.record("fc2", 0.9, 0.8, 0.3)
+    stats.record("proj", 0.5, 0.4, 0.2)
     s = stats.summary()
-    # sequential 1.7, overlapped 1.4, ideal max(...) sum 1.2 -> efficiency 0.3 / 0.5
-    assert s["overlap_efficiency"] == pytest.approx(0.6)
-    assert s["exposed_comm_ms"] == pytest.approx(0.2)
-    assert s["speedup"] == pytest.approx(1.7 / 1.4)
+    assert s["exposed_comm_ms"] == pytest.approx(0.2)               # 0.1 + 0.1
+    assert s["comm_hidden"] == pytest.approx(1 - 0.2 / 0.5)        # of 0.5 ms of collectives, 0.2 showed
+    assert (s["op_ms"], s["gemm_ms"], s["comm_ms"], s["calls"]) == (pytest.approx(1.4), pytest.approx(1.2),
+                                                                   pytest.approx(0.5), 2)
 
 
 def test_overlap_stats_per_kind_and_scalars():
     stats = tp.OverlapStats()
-    stats.record("gemm_rs", 0.9, 1.1, 0.8, 0.3)
-    stats.record("ag_gemm", 0.5, 0.6, 0.4, 0.2)
-    stats.record("gemm_rs", 0.9, 1.1, 0.8, 0.3)
+    stats.record("gemm_rs", 0.9, 0.8, 0.3)
+    stats.record("ag_gemm", 0.5, 0.4, 0.2)
+    stats.record("gemm_rs", 0.9, 0.8, 0.3)
     s = stats.summary()
     assert list(s["by_kind"]) == ["gemm_rs", "ag_gemm"]
     assert s["by_kind"]["gemm_rs"]["calls"] == 2
-    assert s["by_kind"]["gemm_rs"]["overlap_efficiency"] == pytest.approx(2 / 3)   # 0.4 of an ideal 0.6
+    assert s["by_kind"]["gemm_rs"]["comm_hidden"] == pytest.approx(2 / 3)
     assert s["by_kind"]["ag_gemm"]["exposed_comm_ms"] == pytest.approx(0.1)
     scalars = tp.interval_scalars(step_time_s=1.0, global_batch_size=1, seq_length=1, world_size=1,
                                   flops_per_iteration=1e12, overlap=s)
-    assert scalars["overlap_tp/gemm_rs/overlap_efficiency"] == pytest.approx(2 / 3)
+    assert scalars["overlap_tp/gemm_rs/comm_hidden"] == pytest.approx(2 / 3)
     assert scalars["overlap_tp/ag_gemm/exposed_comm_ms"] == pytest.approx(0.1)
     assert scalars["overlap_tp/exposed_comm_ms"] == pytest.approx(0.3)   # 0.1 + 0.1 + 0.1
+    assert scalars["overlap_tp/comm_hidden"] == pytest.approx(1 - 0.3 / 0.8)
+
+
+def test_host_bound_steps_are_left_out_with_the_reason():
+    stats = tp.OverlapStats()
+    stats.record("gemm_rs", 0.9, 0.8, 0.3, gpu_waited=True)
+    stats.record("ag_gemm", 0.5, 0.4, 0.2, gpu_waited=False)
+    assert "exposed_comm_ms" in stats.summary()          # 1 of 2: not most of the calls
+    stats.record("gemm_rs", 0.9, 0.8, 0.3, gpu_waited=True)
+    summary = stats.summary()
+    assert summary == {"left_out": summary["left_out"]} and "host-bound" in summary["left_out"]
+    assert "2 of 3" in summary["left_out"]
+    scalars = tp.interval_scalars(step_time_s=1.0, global_batch_size=1, seq_length=1, world_size=1,
+                                  flops_per_iteration=1e12, overlap=summary)
+    assert not any("comm" in key for key in scalars)
+    line = tp.format_line(10, scalars, left_out=summary["left_out"])
+    assert "overlap stats: left out (host-bound" in line and "exposed comm" not in line
+    stats.reset()
+    assert stats.summary() == {}
+
+
+def test_no_samples_reasons():
+    graphs = SimpleNamespace(cuda_graph_impl="local", overlap_tp="signal")
+    assert "--cuda-graph-impl local" in tp.no_samples_reason(graphs)
+    assert "Megatron's own layers" in tp.no_samples_reason(SimpleNamespace(overlap_tp="off"))
+    assert tp.no_samples_reason(SimpleNamespace(overlap_tp="signal", cuda_graph_impl="none")) == (
+        "no overlapped op call ran in the sampled step")
 
 
 class FakeWriter:
@@ -124,20 +165,22 @@ def test_logger_intervals_writers_and_report_round_trip():
     results = {}
     for iteration in range(0, 11):  # the first call (iteration 0) only takes the starting stamp
         if iteration == 8:
-            stats.record("fc2", 0.9, 1.1, 0.8, 0.3)
+            stats.record("fc2", 0.9, 0.8, 0.3)
         results[iteration] = logger.on_log(iteration, tb, wb)
     assert [i for i, r in results.items() if r] == [5, 10]
     scalars = results[10]
     assert scalars["overlap_tp/step_time_ms"] == pytest.approx(500.0)
     assert scalars["overlap_tp/tokens_per_sec_per_gpu"] == pytest.approx(8 * 8192 / (0.5 * 2))
     assert scalars["overlap_tp/tflops_per_gpu"] == pytest.approx(3_373_164_235_063_296 / (0.5e12 * 2))
-    assert scalars["overlap_tp/overlap_efficiency"] == pytest.approx(2 / 3)
-    assert "overlap_tp/overlap_efficiency" not in results[5]
+    assert scalars["overlap_tp/comm_hidden"] == pytest.approx(2 / 3)
+    assert scalars["overlap_tp/exposed_comm_ms"] == pytest.approx(0.1)
+    assert "overlap_tp/comm_hidden" not in results[5]
     assert {k for k, _, step in tb.scalars if step == 10} == set(scalars)
     assert wb.logged[-1] == (scalars, 10)
     run = parse_log(lines)
     assert run.points[10]["tokens_per_sec_per_gpu"] == pytest.approx(65536.0)
-    assert run.points[10]["overlap_efficiency"] == pytest.approx(0.667)
+    assert run.points[10]["comm_hidden"] == pytest.approx(0.667)
+    assert run.points[10]["exposed_comm_ms"] == pytest.approx(0.1)
 
 
 def test_hook_wraps_training_log_once():
@@ -160,15 +203,18 @@ def test_hook_wraps_training_log_once():
 
 
 class FakeSampler:
-    """Feeds one fixed record each time it is collected."""
+    """Feeds one fixed record each time it is collected (none with records=0), as after an armed step."""
 
-    def __init__(self):
+    def __init__(self, records=1):
         self.collected = 0
+        self.records = records
+        self.was_armed = True
 
     def collect(self, stats):
         self.collected += 1
-        stats.record("gemm_rs", 0.9, 1.1, 0.8, 0.3)
-        return 1
+        for _ in range(self.records):
+            stats.record("gemm_rs", 0.9, 0.8, 0.3)
+        return self.records
 
 
 def test_logger_collects_samples_and_stamps_after_them():
@@ -181,8 +227,20 @@ def test_logger_collects_samples_and_stamps_after_them():
     scalars = logger.on_log(2)
     # the interval runs from the stamp taken after collect (0.25) to this call's start (1.5)
     assert scalars["overlap_tp/step_time_ms"] == pytest.approx((1.5 - 0.25) / 2 * 1e3)
-    assert scalars["overlap_tp/gemm_rs/overlap_efficiency"] == pytest.approx(2 / 3)
+    assert scalars["overlap_tp/gemm_rs/comm_hidden"] == pytest.approx(2 / 3)
     assert logger.last == (2, 2.0) and sampler.collected == 2
+
+
+def test_a_sampled_step_without_op_calls_says_why():
+    """CUDA graphs replay the layers without their Python: the line says so instead of printing figures."""
+    lines = []
+    times = iter([0.0, 0.0, 1.0, 1.0])
+    logger = tp.ThroughputLogger(llama3_8b_args(log_interval=1, cuda_graph_impl="local"), clock=lambda: next(times),
+                                 stats=tp.OverlapStats(), sampler=FakeSampler(records=0), printer=lines.append)
+    logger.on_log(0)
+    scalars = logger.on_log(1)
+    assert not any("comm" in key for key in scalars)
+    assert "overlap stats: left out (--cuda-graph-impl local: graph replays" in lines[-1]
 
 
 def test_hook_arms_the_sampler_for_the_logged_step():
@@ -213,7 +271,7 @@ def test_hook_arms_the_sampler_for_the_logged_step():
 def test_matches_megatrons_own_count():
     training = pytest.importorskip(
         "megatron.training.training",
-        reason="megatron.training is not importable (megatron-core >= 0.17 on Python >= 3.12 ships it)")
+        reason="megatron.training is not importable (megatron-core >= 0.19 on Python >= 3.12 ships it)")
     from megatron.training import arguments
     recipe = ["--num-layers", "32", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
               "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",

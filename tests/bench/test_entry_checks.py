@@ -1,0 +1,38 @@
+"""The benchmark and tuner entry points stop with one line where the launch or the machine cannot run them,
+instead of a traceback from deep inside torch (torch.cuda.set_device on a CPU-only build)."""
+import pytest
+
+from overlap_tp.bench import __main__ as bench
+
+
+def test_distributed_benchmarks_need_torchrun_a_group_and_gpus():
+    assert "under torchrun" in bench.requirement_problem("ops", [], environ={}, cuda_devices=8)
+    one = {"RANK": "0", "WORLD_SIZE": "1"}
+    assert "2 or more ranks (WORLD_SIZE is 1)" in bench.requirement_problem("layer", [], environ=one, cuda_devices=8)
+    two = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    assert "2 ranks on this node but 0 visible CUDA GPU(s)" in bench.requirement_problem(
+        "moe", [], environ=two, cuda_devices=0)
+    assert bench.requirement_problem("ops", [], environ=two, cuda_devices=2) is None
+    assert bench.requirement_problem("layer", ["--device", "cpu"], environ={}, cuda_devices=0) is None
+    assert bench.requirement_problem("norm", [], environ={}, cuda_devices=0) is None   # checks its GPU itself
+
+
+def test_main_prints_the_line_and_returns_2(monkeypatch, capsys):
+    monkeypatch.delenv("RANK", raising=False)
+    assert bench.main(["ops", "--sweep"]) == 2
+    assert "torchrun --nproc-per-node 2 -m overlap_tp.bench ops" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"RANK": "0", "WORLD_SIZE": "1"}, "2 or more ranks"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "needs CUDA GPUs"),
+])
+def test_tune_checks_before_touching_cuda(monkeypatch, capsys, environ, message):
+    import torch
+
+    from overlap_tp.tune import __main__ as tune
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert tune.main([]) == 2
+    assert message in capsys.readouterr().out
