@@ -10,13 +10,15 @@ always finish; the collective kernels queue behind waits that the GEMM is guaran
 every rank issues the same collectives in the same order. The watchdog (overlap_tp/ops/watchdog.py) turns
 any violation of that argument (a bug, a dead peer) into a clear error instead of a silent hang.
 """
+import datetime
+import pickle
 import sys
 
 import torch
 import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import wait_and_reset_kernel
-from overlap_tp.ops import memops
+from overlap_tp.ops import memops, watchdog
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -130,15 +132,34 @@ def collectives(group, device: torch.device, max_ctas: int):
     return _communicators[key]
 
 
+_agreements = {}   # group -> how many agreements it has run (every rank builds its plans in the same order)
+
+
 def agree(group, fields: dict, what: str):
     """Check that every rank of `group` passes the same `fields` (shapes, dtype, config: what the ranks'
     collectives must match on); else a ValueError on every rank naming each rank's values, instead of a hang
-    or a silent wrong result. One all-gather of small objects: called once per plan, not per call."""
-    world = dist.get_world_size(group)
+    or a silent wrong result. Called once per plan, not per call.
+
+    Exchanged through the process group's key-value store (the default store, keys unique per group and
+    agreement), waiting at most OVERLAP_TP_WATCHDOG_S: a rank that never reaches the op (it called another
+    one, stopped or died) is a RuntimeError naming it, not a hang."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     if world == 1:
         return
-    everyone = [None] * world
-    dist.all_gather_object(everyone, fields, group=group)
+    store = dist.distributed_c10d._get_default_store()
+    count = _agreements[group] = _agreements.get(group, 0) + 1
+    prefix = f"overlap_tp/agree/{group.group_name}/{count}/"
+    keys = [prefix + str(r) for r in range(world)]
+    store.set(keys[rank], pickle.dumps(fields))
+    timeout_s = watchdog.timeout_from_env() or 10 ** 7   # 0 disables the watchdog: wait (almost) forever
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as error:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise RuntimeError(f"overlap_tp {what}: rank(s) {missing} of the group did not reach this op within "
+                           f"{timeout_s:g} s ({watchdog.WATCHDOG_ENV}): a rank called another op, stopped or "
+                           f"died") from error
+    everyone = [pickle.loads(store.get(key)) for key in keys]
     differ = sorted({name for entry in everyone for name in fields if entry.get(name) != fields[name]})
     if differ:
         per_rank = "; ".join(f"rank {r}: " + ", ".join(f"{name}={entry.get(name)!r}" for name in differ)

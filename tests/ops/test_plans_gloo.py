@@ -87,3 +87,23 @@ def _check_cache_bound(rank, world, limit):
 
 def test_the_plan_cache_is_bounded():
     run_distributed(2, _check_cache_bound, 4)
+
+
+def _check_absent_peer(rank, world):
+    """One rank never calls the op: the other's plan build ends within OVERLAP_TP_WATCHDOG_S with an error
+    naming the missing rank, instead of hanging."""
+    import os
+    import time
+    os.environ["OVERLAP_TP_WATCHDOG_S"] = "2"
+    a, w, _ = dense_problem(64, 48, 16, seed=4, bias=False)
+    if rank == 0:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] of the group did not reach this op within 2 s"):
+            gemm_rs(a, w, config=SIGNAL)
+        assert time.monotonic() - start < 30
+    else:
+        time.sleep(5)   # alive (the store stays up) but never calling the op
+
+
+def test_a_peer_that_never_calls_is_a_clear_error_not_a_hang():
+    run_distributed(2, _check_absent_peer)
