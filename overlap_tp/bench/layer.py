@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.tune import report
-from overlap_tp.tune.timing import queued_ms, slowest_median, timed_samples
+from overlap_tp.tune.timing import CapturedCalls, queued_ms, slowest_median, timed_samples
 from overlap_tp.ops.config import OverlapConfig
 
 MODELS = {
@@ -110,6 +110,9 @@ def parse_args(argv):
                    help="CPU plumbing run: --device cpu --models tiny --seq 32 --reps 4 --rounds 2 --warmup 1 --input-sets 2")
     p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="layer", help="report file name (without extension)")
+    p.add_argument("--graphs", action="store_true",
+                   help="time every configuration (Megatron's layer and the counterfactual too) as replays of a "
+                        "CUDA graph holding --input-sets forward+backward steps, captured once per configuration")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after timing each configuration, profile --profile-steps steps (torch.profiler, CPU + "
                         "CUDA) and write DIR/<model>_<config>_rank<r>.json.gz (Chrome trace)")
@@ -118,6 +121,8 @@ def parse_args(argv):
     if args.tiny:
         args.device, args.models, args.seq, args.reps, args.rounds, args.warmup, args.input_sets = (
             "cpu", "tiny", 32, 4, 2, 1, 2)
+    if args.graphs and args.device != "cuda":
+        p.error("--graphs needs --device cuda (CUDA graphs)")
     if args.fusions is None:
         args.fusions = "on" if args.device == "cuda" else "off"
     if args.configs is None:
@@ -319,8 +324,10 @@ def write_report(args, rows, command, group):
     settings = dict(_versions(), seq=args.seq, micro_batch=args.micro_batch, tp=dist.get_world_size(group),
                     reps=args.reps, rounds=args.rounds, warmup=args.warmup, input_sets=args.input_sets,
                     check_tol=args.check_tol,
-                    device=args.device, megatron_fusions=args.fusions)
-    notes = ("Times in ms: one TransformerLayer forward + backward, median of reps (spread over interleaved "
+                    device=args.device, megatron_fusions=args.fusions, graphs=args.graphs)
+    timing = ("each configuration's --input-sets steps captured once in a CUDA graph, the replays timed"
+              if args.graphs else "eager, back-to-back steps")
+    notes = (f"Times in ms ({timing}): one TransformerLayer forward + backward, median of reps (spread over interleaved "
              "rounds: every round times every configuration in turn), slowest rank; t/megatron per round: the "
              "ratio's range over the rounds. "
              "t/megatron and t/nocomm: this configuration's time over Megatron's layer and over the "
@@ -449,7 +456,25 @@ def bench_model(model, args, group, device, rows, command):
             return
     del reference, weights
 
-    # 2. Interleaved rounds: every configuration's reps are spread over args.rounds rounds.
+    # 2. Interleaved rounds: every configuration's reps are spread over args.rounds rounds. With --graphs each
+    # configuration is captured once (its communication context applies at capture; replays run no Python).
+    captured = {}
+    if args.graphs:
+        for name in list(ready):
+            ok = True
+            try:
+                with _communication(table[name][2]):
+                    captured[name] = CapturedCalls(ready[name], sets, warmup=args.warmup)
+            except Exception as error:
+                traceback.print_exc()
+                model_rows[name]["error"] = f"capture: {type(error).__name__}: {error}"[:300]
+                ok = False
+            if not _all_ok(ok, group, device):
+                model_rows[name].setdefault("error", "capture failed on another rank")
+                del ready[name]
+                captured.pop(name, None)
+        if "megatron" not in ready:
+            return
     per_round = max(1, -(-args.reps // args.rounds))
     samples = {name: [] for name in ready}
     round_ms = {name: [] for name in ready}
@@ -457,8 +482,11 @@ def bench_model(model, args, group, device, rows, command):
         for name in list(ready):
             ok = True
             try:
-                with _communication(table[name][2]):
-                    got = timed_samples(ready[name], sets, per_round, group, warmup=args.warmup, device=device)
+                if args.graphs:
+                    got = captured[name].samples(per_round, group)
+                else:
+                    with _communication(table[name][2]):
+                        got = timed_samples(ready[name], sets, per_round, group, warmup=args.warmup, device=device)
             except Exception as error:
                 traceback.print_exc()
                 model_rows[name]["error"] = f"{type(error).__name__}: {error}"[:300]
@@ -466,11 +494,15 @@ def bench_model(model, args, group, device, rows, command):
             if not _all_ok(ok, group, device):
                 model_rows[name].setdefault("error", "failed on another rank")
                 del ready[name], samples[name], round_ms[name]
+                captured.pop(name, None)
                 continue
             samples[name] += got
             round_ms[name].append(slowest_median(got, group, device))
         if "megatron" not in ready:
             break
+
+    del captured   # the graphs' memory pools, before the eager measurements below
+    _free(device)
 
     # 3. Per configuration: the times and ratios, the queued GPU-only time, the profile.
     flops = layer_flops(model, args.seq, args.micro_batch, t)

@@ -109,32 +109,46 @@ def sleep_cycles_per_ms(reps=5):
     return cycles / statistics.median(times)
 
 
+class CapturedCalls:
+    """fn(*set) for every input set, captured once in one CUDA graph after `warmup` eager calls on a side
+    stream (plans built, kernels compiled, as torch.cuda.graph asks); samples() times replays. The graph
+    keeps the calls' outputs and its memory pool alive until the object is dropped."""
+
+    def __init__(self, fn, sets, warmup=3):
+        if not torch.cuda.is_available():
+            raise RuntimeError("timing CUDA graph replays needs a CUDA device")
+        self.calls = len(sets)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(warmup):
+                fn(*sets[i % len(sets)])
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = [fn(*args) for args in sets]
+        self.graph.replay()
+        torch.cuda.synchronize()
+
+    def samples(self, reps, group):
+        """This rank's time (ms) per call of `reps` calls (reps / calls replays, each timed with CUDA events),
+        after a barrier."""
+        dist.barrier(group)
+        replays = max(1, reps // self.calls)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+        for i in range(replays):
+            starts[i].record()
+            self.graph.replay()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) / self.calls for s, e in zip(starts, ends)]
+
+
 def graph_timed(fn, sets, reps, group, warmup=3):
-    """Median time (ms) of one fn(*set) call replayed from a CUDA graph, the slowest rank's. The graph holds
-    one call per input set (so replays rotate the inputs without copies); it is captured after `warmup`
-    eager calls on a side stream (plans built, kernels compiled, as torch.cuda.graph asks) and replayed
-    reps // len(sets) times, each replay timed with CUDA events."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(warmup):
-            fn(*sets[i % len(sets)])
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = [fn(*args) for args in sets]   # kept alive with the graph: its memory pool holds them
-    graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier(group)
-    replays = max(1, reps // len(sets))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    for i in range(replays):
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    samples = [s.elapsed_time(e) / len(sets) for s, e in zip(starts, ends)]
-    del graph, outputs
+    """Median time (ms) of one fn(*set) call replayed from a CUDA graph (CapturedCalls), the slowest rank's."""
+    captured = CapturedCalls(fn, sets, warmup)
+    samples = captured.samples(reps, group)
+    del captured
     return slowest_median(samples, group)

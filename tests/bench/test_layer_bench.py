@@ -230,3 +230,11 @@ def test_gpt_parity_checks_on_cpu():
     the dist_checkpointing cross-load both ways."""
     import test_gpt_parity_gpu
     test_gpt_parity_gpu.run_on_cpu(test_gpt_parity_gpu.CI_SIZES)
+
+
+def test_graphs_needs_cuda(capsys):
+    from overlap_tp.bench.layer import parse_args
+    assert parse_args(["--graphs"]).graphs
+    with pytest.raises(SystemExit):
+        parse_args(["--graphs", "--tiny"])
+    assert "--graphs needs --device cuda" in capsys.readouterr().err
