@@ -459,20 +459,39 @@ def bench_model(model, args, group, device, rows, command):
     # 2. Interleaved rounds: every configuration's reps are spread over args.rounds rounds. With --graphs each
     # configuration is captured once (its communication context applies at capture; replays run no Python).
     captured = {}
+
+    def attempt(name, what, fn):
+        """fn() for configuration `name`; on a failure on any rank the configuration is dropped (named in its
+        row) and None returned, on every rank alike."""
+        result, ok = None, True
+        try:
+            result = fn()
+        except Exception as error:   # one configuration's failure must not lose the others' results
+            traceback.print_exc()
+            model_rows[name]["error"] = f"{what}{type(error).__name__}: {error}"[:300]
+            ok = False
+        if not _all_ok(ok, group, device):
+            model_rows[name].setdefault("error", f"{what}failed on another rank")
+            del ready[name]
+            captured.pop(name, None)
+            return None
+        return result
+
+    def capture(name):
+        with _communication(table[name][2]):
+            return CapturedCalls(ready[name], sets, warmup=args.warmup)
+
+    def timed_round(name):
+        if args.graphs:
+            return captured[name].samples(per_round, group)
+        with _communication(table[name][2]):
+            return timed_samples(ready[name], sets, per_round, group, warmup=args.warmup, device=device)
+
     if args.graphs:
         for name in list(ready):
-            ok = True
-            try:
-                with _communication(table[name][2]):
-                    captured[name] = CapturedCalls(ready[name], sets, warmup=args.warmup)
-            except Exception as error:
-                traceback.print_exc()
-                model_rows[name]["error"] = f"capture: {type(error).__name__}: {error}"[:300]
-                ok = False
-            if not _all_ok(ok, group, device):
-                model_rows[name].setdefault("error", "capture failed on another rank")
-                del ready[name]
-                captured.pop(name, None)
+            got = attempt(name, "capture: ", functools.partial(capture, name))
+            if got is not None:
+                captured[name] = got
         if "megatron" not in ready:
             return
     per_round = max(1, -(-args.reps // args.rounds))
@@ -480,28 +499,16 @@ def bench_model(model, args, group, device, rows, command):
     round_ms = {name: [] for name in ready}
     for _ in range(args.rounds):
         for name in list(ready):
-            ok = True
-            try:
-                if args.graphs:
-                    got = captured[name].samples(per_round, group)
-                else:
-                    with _communication(table[name][2]):
-                        got = timed_samples(ready[name], sets, per_round, group, warmup=args.warmup, device=device)
-            except Exception as error:
-                traceback.print_exc()
-                model_rows[name]["error"] = f"{type(error).__name__}: {error}"[:300]
-                ok = False
-            if not _all_ok(ok, group, device):
-                model_rows[name].setdefault("error", "failed on another rank")
-                del ready[name], samples[name], round_ms[name]
-                captured.pop(name, None)
+            got = attempt(name, "", functools.partial(timed_round, name))
+            if got is None:
+                del samples[name], round_ms[name]
                 continue
             samples[name] += got
             round_ms[name].append(slowest_median(got, group, device))
         if "megatron" not in ready:
             break
 
-    del captured   # the graphs' memory pools, before the eager measurements below
+    captured.clear()   # the graphs' memory pools, before the eager measurements below
     _free(device)
 
     # 3. Per configuration: the times and ratios, the queued GPU-only time, the profile.
@@ -537,7 +544,8 @@ def bench_model(model, args, group, device, rows, command):
         elif row.get("gpu_ms") and model_rows["megatron"].get("gpu_ms") and "gpu_note" not in model_rows["megatron"]:
             row["gpu_vs_megatron"] = row["gpu_ms"] / model_rows["megatron"]["gpu_ms"]
         report_row(row)
-    del ready, sets
+    ready.clear()
+    sets.clear()
     _free(device)
 
 
