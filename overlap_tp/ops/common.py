@@ -83,7 +83,9 @@ def check_not_capturing(device: torch.device, what: str):
 class OpPlan:
     """The dense ops' common part. `m` is the rows of `a` as calls pass it (ag_gemm: this rank's shard), `n`
     and `k` the weight's [N, K] (w as calls pass it: nn.Linear layout or the transposed view of a row-major
-    [K, N]). Subclasses set `op`, `rows_split` (the output's rows are split over the group) and `_build`."""
+    [K, N]). Subclasses set `op` and `rows_split` (the output's rows are split over the group), build their
+    method's state after this __init__ (which checks the arguments, agrees with the other ranks and resolves
+    the config) and launch in __call__."""
 
     op = ""
     rows_split = False
