@@ -32,6 +32,7 @@ from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, chec
 from overlap_tp.ops import comm
 from overlap_tp.ops.common import OpPlan, cached_plan, chunk_bounds, gemm_programs
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.p2p import ShardPull
 from overlap_tp.ops.tile_plan import ag_plan
 
 READY = 1   # the value a chunk's flag is raised to; the GEMM's tiles wait for it
@@ -66,7 +67,6 @@ class AgGemm(OpPlan):
             if device.type == "cuda":
                 default_offsets(device)
             if config.transport == "p2p":
-                from overlap_tp.ops.p2p import ShardPull
                 self.pull = ShardPull(self.group, self.rank, t, m, k, dtype, device)
             else:
                 self.coll = comm.collectives(self.group, device, config.comm_sms)

@@ -28,6 +28,7 @@ from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
 from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, gemm_programs
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.p2p import P2PReduceScatter
 from overlap_tp.ops.reduction import SignaledReduction, after_work, decomposed, joined, plus_bias
 from overlap_tp.ops.tile_plan import make_plan
 
@@ -46,7 +47,6 @@ class GemmRS(OpPlan):
         if self.method == "signal" and config.transport == "p2p":
             if device.type != "cuda" or dist.get_backend(self.group) != "nccl":
                 raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors and an NCCL group (symmetric memory)")
-            from overlap_tp.ops.p2p import P2PReduceScatter
             self.p2p = P2PReduceScatter(self.group, self.rank, t, m, n, dtype, device, config,
                                         gemm_programs(device, config), self.watched)
         elif self.method == "signal":
