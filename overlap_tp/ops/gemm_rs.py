@@ -71,8 +71,9 @@ class GemmRS(OpPlan):
         self.check_call(a, w, bias)
         n, m_local = self.n, self.m_local
         if self.method == "signal" and self.config.transport == "p2p":
-            out = self.p2p(a, w, bias)
-            pending = Pending(lambda: out)   # complete: its sum runs on the current stream
+            # the sum (after the wait for every peer's stores) runs on the stream current at wait(): with
+            # async_op, work queued before wait() hides the wait for the slowest peer
+            pending = Pending(self.p2p(a, w, bias))
         elif self.method == "signal":
             signaled = self.signaled
             order = signaled.order

@@ -19,6 +19,7 @@ argument is written next to it. Buffers belong to their plan and live as long as
 import torch
 
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
+from overlap_tp.kernels.sum_slots import SumSlots
 from overlap_tp.ops import memops
 from overlap_tp.ops.sync import PeerSignals
 from overlap_tp.ops.tile_plan import p2p_plan
@@ -31,11 +32,12 @@ class P2PReduceScatter:
     """reduce_scatter(a @ w.T) [+ bias] for one (group, M, N, dtype) through epilogue stores into the owners'
     receive buffers [t, M/t, N] (slot s of rank k: rank s's partial of region k).
 
-    Per call, on the caller's stream:
-        wait SUMMED from every peer (it has summed our previous partials out of its buffer), reset
-        GEMM: region k's tiles into rank k's buffer, slot `rank`
-        signal ARRIVED to every peer (our stores are complete: the write is fenced behind the kernel)
-        wait ARRIVED from every peer, reset; sum the t slots; signal SUMMED to every peer
+    Per call, on the caller's stream, in two halves (the second may be queued after other work, which then
+    hides the wait for the slowest peer's GEMM):
+        store half:  wait SUMMED from every peer (it has summed our previous partials out of its buffer),
+                     reset; GEMM: region k's tiles into rank k's buffer, slot `rank`; signal ARRIVED to every
+                     peer (our stores are complete: the write is fenced behind the kernel)
+        reduce half: wait ARRIVED from every peer, reset; sum the t slots; signal SUMMED to every peer
     Order argument for the resets: a peer raises our SUMMED word for call i+1 only after its sum of call i+1,
     which waits for our ARRIVED of call i+1, which we raise after our reset of SUMMED in call i+1; a peer
     raises our ARRIVED word for call i+1 only after it waited for our SUMMED of call i, raised after our
@@ -62,27 +64,51 @@ class P2PReduceScatter:
         self.gemm = SignaledGemm(self.tiles, programs, config, bias_rows=(rank * self.m_local, (rank + 1) * self.m_local),
                                  dst_offsets=offsets)
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0))
+        self.sum = SumSlots(t, self.m_local * n)
         self.device_index = device.index
+        self.outstanding = None   # "eager" / "capture": a call whose second half (_reduce) has not run yet
         watched.words = (("peer signals [SUMMED, ARRIVED] x rank", self.signals.words),)
 
     def __call__(self, a, w, bias):
+        """Issue the call's first half on the caller's stream and return the second half, `reduce()`, to be
+        called once on the stream that will read the output: at once, or after work queued to hide the wait
+        for the peers (the column-parallel backward's wgrad GEMM, through gemm_rs(async_op=True)). Until
+        `reduce` ran, the plan refuses another call: that call's wait for SUMMED would queue ahead of the sum
+        it waits for, on every rank (a deadlock on the GPU)."""
+        capturing = torch.cuda.is_current_stream_capturing()
+        if self.outstanding == "capture" and not capturing:
+            # issued into a capture that ended without its second half: the capture failed, and nothing of it
+            # ran on the GPU, so the words are as the last completed call left them
+            self.outstanding = None
+        if self.outstanding is not None:
+            raise RuntimeError("overlap_tp gemm_rs (p2p): the plan was called again before the previous call's "
+                               "result was waited for (Pending.wait()); wait for it first")
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        # bf16 sum over the slots accumulates in fp32 and rounds once: at t = 2, NCCL's bf16 a + b exactly.
-        out = self.protocol(stream, lambda: self.gemm(a, w, self.buf, bias),
-                            lambda: self.buf.view(self.t, self.m_local, self.n).sum(0))
+        self.store_half(stream, lambda: self.gemm(a, w, self.buf, bias))
+        self.outstanding = "capture" if capturing else "eager"
+        return self._reduce
+
+    def _reduce(self):
+        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
+        out = torch.empty(self.m_local, self.n, dtype=self.buf.dtype, device=self.buf.device)
+        # fp32 sum of the slots rounded once: at t = 2, NCCL's bf16 a + b exactly (kernels/sum_slots.py)
+        self.reduce_half(stream, lambda: self.sum(self.buf.view(self.t, self.m_local * self.n), out))
+        self.outstanding = None
         if not torch.cuda.is_current_stream_capturing():
             self.watched.record(stream)
         return out
 
-    def protocol(self, stream, store, reduce):
-        """One call's steps on `stream` (store: the GEMM into the owners' buffers; reduce: the sum of ours)."""
+    def store_half(self, stream, store):
+        """wait SUMMED from every peer, reset; store (the GEMM into the owners' buffers); signal ARRIVED."""
         self.signals.wait(stream, self.SUMMED)
         store()
         self.signals.signal(stream, self.ARRIVED)
+
+    def reduce_half(self, stream, reduce):
+        """wait ARRIVED from every peer, reset; reduce (the sum of our slots); signal SUMMED."""
         self.signals.wait(stream, self.ARRIVED)
-        out = reduce()
+        reduce()
         self.signals.signal(stream, self.SUMMED)
-        return out
 
 
 class ShardPull:

@@ -129,6 +129,16 @@ def _check_bias_and_back_to_back(rank, world):
         torch.cuda.synchronize()
         assert all(torch.equal(o, p2p[0]) for o in p2p), "p2p results changed across back-to-back calls"
         assert rel_error(p2p[0], ref.float()) < 1e-2
+        # async_op: the sum waits for the peers in Pending.wait(), behind the work queued in between (rank 1
+        # held back on the GPU, so rank 0's wait is real); a second call before the wait is refused
+        p2p_config = OverlapConfig(method="signal", transport="p2p")
+        pending = gemm_rs(a, w, group, bias=bias, config=p2p_config, async_op=True)
+        if rank == 1:
+            torch.cuda._sleep(50_000_000)
+        between = a[:, :256] @ w[:256, :256]
+        with pytest.raises(RuntimeError, match="before the previous call's result was waited for"):
+            gemm_rs(a, w, group, bias=bias, config=p2p_config)
+        assert torch.equal(pending.wait(), p2p[0]) and torch.isfinite(between).all()
         ar = [gemm_ar(a, w, group, config=config) for _ in range(50)]
         torch.cuda.synchronize()
         assert all(torch.equal(o, ar[0]) for o in ar)

@@ -250,8 +250,8 @@ def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
     programs = {}
     for rank, op in enumerate(ranks):
         for call in range(calls):   # recorded once per call: the same ops a graph replays every time
-            op.protocol(rank, lambda r=rank, c=call: recorder.emit(r, ("store", r, c)),
-                        lambda r=rank, c=call: recorder.emit(r, ("sum", r, c)))
+            op.store_half(rank, lambda r=rank, c=call: recorder.emit(r, ("store", r, c)))
+            op.reduce_half(rank, lambda r=rank, c=call: recorder.emit(r, ("sum", r, c)))
         programs[rank] = recorder.take()[rank]
     slots = [[-1] * t for _ in range(t)]   # slots[owner][source]: the call whose partial is there
     summed = [-1] * t
