@@ -39,6 +39,7 @@ from overlap_tp.kernels.tile_order import TileOrder
 TARGET_GROUP_BYTES = 16 << 20
 MAX_AUTO_GROUPS = 8
 RASTER_GROUP_M = 8
+P2P_ROW_MAJOR_MAX_N_TILES = 16   # p2p_plan's tile order: row-major up to this many N-tiles, rastered above
 
 
 @dataclass(frozen=True)
@@ -170,10 +171,16 @@ def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) 
     region k straight into rank k's receive buffer [t, M/t, N] at slot `rank` (over NVLink for k !=
     rank); after a barrier every rank sums its t slots. It is the one-group row-slice plan (every wave
     writes all regions, spreading the NVLink traffic over the whole GEMM) with its destinations moved:
-    there, region k's rows sit at staging rows k*M/t + local row. Row-major (no raster): each tile row's
-    stores go to one owner at a time, which measured faster than the rastered order's interleaving
-    (docs/perf/README.md, earlier records: gemm_rs_p2p_order)."""
-    plan = row_slice_plan(m, n, world, block_m, block_n, groups=1, raster_group_m=1)
+    there, region k's rows sit at staging rows k*M/t + local row.
+
+    Tile order: row-major while N has at most P2P_ROW_MAJOR_MAX_N_TILES tiles (a wave of ~132 programs
+    then spans ~8 tile rows, the reuse of a raster of 8, and each tile row's stores go to one owner at a
+    time, which measured faster than the rastered order's interleaving on the 8B shapes: earlier records,
+    gemm_rs_p2p_order). Wider N is rastered in groups of 8 tile rows: row-major, a wave there spans only
+    132 / n_tiles rows and streams all of W from HBM (70B fc2: 235 MB per wave of ~125 us)."""
+    n_tiles = _cdiv(n, block_n)
+    raster_group_m = 1 if n_tiles <= P2P_ROW_MAJOR_MAX_N_TILES else RASTER_GROUP_M
+    plan = row_slice_plan(m, n, world, block_m, block_n, groups=1, raster_group_m=raster_group_m)
     m_local = m // world
     tiles = plan.tiles.clone()
     tiles[:, DST_BUF] = tiles[:, DST_ROW] // m_local

@@ -106,7 +106,8 @@ def test_plan_errors():
         make_plan("tile_exact", 2 * 24, 32, 2, 16, 16)
 
 
-@pytest.mark.parametrize("m,n,t,bm,bn", [(96, 80, 2, 16, 32), (4 * 33, 17, 4, 16, 16), (8 * 40, 100, 8, 16, 32)])
+@pytest.mark.parametrize("m,n,t,bm,bn", [(96, 80, 2, 16, 32), (4 * 33, 17, 4, 16, 16), (8 * 40, 100, 8, 16, 32),
+                                         (2 * 16 * 19, 16 * 40 + 8, 2, 16, 16)])   # > 16 N-tiles: rastered order
 def test_p2p_plan_delivers_every_partial_to_its_owner(m, n, t, bm, bn):
     """Every rank stores region k of its partial into rank k's receive buffer, slot = its own rank:
     after all ranks ran, buffer k slot r holds rank r's rows of region k, each element written once."""
@@ -127,6 +128,15 @@ def test_p2p_plan_delivers_every_partial_to_its_owner(m, n, t, bm, bn):
         for r in range(t):
             expected = torch.arange(m * n, dtype=torch.int64).view(m, n)[k * m_local:(k + 1) * m_local] + r * m * n
             assert torch.equal(received[k, r * m_local:(r + 1) * m_local], expected)
+
+
+def test_p2p_plan_order_is_row_major_up_to_16_n_tiles_then_rastered():
+    def tile_rows_of_first(plan, count):
+        return [tile[SRC_ROW] for tile in plan.tiles[:count].tolist()]
+    narrow = p2p_plan(2 * 16 * 20, 16 * 16, 2, 0, 16, 16)
+    assert tile_rows_of_first(narrow, 16) == [0] * 16                        # one tile row after the other
+    wide = p2p_plan(2 * 16 * 20, 16 * 17, 2, 0, 16, 16)
+    assert len(set(tile_rows_of_first(wide, 8))) == 8                        # 8 tile rows share each N-tile
 
 
 @pytest.mark.parametrize("m,n,t,bm,bn,groups", CASES)
