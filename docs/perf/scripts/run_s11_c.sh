@@ -4,7 +4,7 @@
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
 W=/tmp/w11c; rm -rf $W; mkdir -p $W
-pack() { cd $W && find . -name '*.pt' -o -name 'ckpt_*' -prune -exec rm -rf {} + 2>/dev/null; tar czf $OUT/s11_c.tgz --exclude='ckpt_*' --exclude='tensorboard' . ; }
+pack() { cd $W && tar czf $OUT/s11_c.tgz . ; }
 trap pack EXIT
 step() {   # step NAME SECONDS CMD...
   local name=$1 limit=$2; shift 2
