@@ -300,13 +300,3 @@ class SignaledGemm:
             return
         kernel.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(self.device_index), kernel.function,
                    kernel.packed_metadata, None, None, None, *args)
-
-
-@triton.jit
-def wait_and_reset_kernel(counter_ptr, target):
-    """One thread spins until counter == target (acquire: what the GEMM stored before its release atomics is
-    visible after), then writes 0 back: the next call of the plan counts from zero again. The comm stream
-    runs it under CUDA graphs instead of a stream wait-value (see overlap_tp/ops/comm.py)."""
-    while load_acquire(counter_ptr) != target:
-        pass
-    tl.store(counter_ptr, 0)

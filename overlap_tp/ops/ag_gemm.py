@@ -67,7 +67,7 @@ class AgGemm(OpPlan):
             if device.type == "cuda":
                 default_offsets(device)
             if config.transport == "p2p":
-                self.pull = ShardPull(self.group, self.rank, t, m, k, dtype, device)
+                self.pull = ShardPull(self.group, self.rank, t, m, k, dtype, device, self.describe())
             else:
                 self.coll = comm.collectives(self.group, device, config.comm_sms)
         elif self.method == "decompose":

@@ -1,8 +1,8 @@
 """Communication engine: process groups, collectives, the comm stream and its synchronisation.
 
 The comm stream is a high-priority CUDA stream per device. For every group of tiles it (1) waits on
-the group's counter (a stream wait-value in eager mode, no SM; a one-thread kernel under graph capture),
-resets it, then (2) issues the group's collective on an NCCL communicator whose CTAs are capped at the
+the group's counter (a stream wait-value in eager mode, no SM; a one-thread kernel with the watchdog's
+deadline under graph capture), resets it, then (2) issues the group's collective on an NCCL communicator whose CTAs are capped at the
 SMs the GEMM left free.
 
 Why this cannot deadlock: the GEMM never waits on communication (GEMM+RS / GEMM+AR), so its CTAs
@@ -17,7 +17,6 @@ import sys
 import torch
 import torch.distributed as dist
 
-from overlap_tp.kernels.signaled_gemm import wait_and_reset_kernel
 from overlap_tp.ops import memops, watchdog
 
 
@@ -212,22 +211,25 @@ class CommEngine:
         """The caller's stream waits for everything enqueued on the comm stream so far."""
         memops.stream_waits_for(current, self.raw, self._events[capturing][1])
 
-    def wait_counter(self, counters: torch.Tensor, index: int, target: int, capturing: bool):
+    def wait_counter(self, counters: torch.Tensor, index: int, target: int, capturing: bool, describe: str = ""):
         """On the comm stream: wait until counters[index] == target (the GEMM stored that group's tiles), then
         reset it to 0. Eager calls wait with a stream wait-value (no SM): the GEMM was launched before this wait
         was enqueued, so nothing queued behind the wait can hold the GEMM back. A captured graph does not keep
         that launch order (its scheduler sees no dependency between the GEMM and the wait, and with one
         hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1, a wait at the head would block the GEMM's launch: a
         deadlock), so under capture a one-thread kernel spins instead: it holds a thread slot of one SM
-        while it waits, and a kernel never blocks the launch of another stream's kernel."""
+        while it waits, and a kernel never blocks the launch of another stream's kernel. That kernel gives up
+        after the watchdog's timeout and ends the process naming `describe` (the plan) and the counter
+        (overlap_tp/ops/watchdog.py): an eager wait is watched through the plan's event instead."""
         if self.stream is None:
             got = int(counters[index])
             if got != target:
                 raise RuntimeError(f"overlap_tp: group {index} signaled {got} of {target} tiles")
             counters[index] = 0
         elif capturing:
-            with torch.cuda.stream(self.stream):
-                wait_and_reset_kernel[(1,)](counters[index:index + 1], target, num_warps=1)
+            watchdog.graph_wait(self.raw, self.device, counters.data_ptr() + 4 * index, target,
+                                describe or "an overlap_tp op",
+                                f"tile counter {index} to reach {target} (its GEMM's tiles of group {index})")
         else:
             address = counters.data_ptr() + 4 * index
             memops.wait_value(self.raw, address, target)
@@ -247,8 +249,9 @@ class CommEngine:
         capturing = self.capturing()
         self.fork(self.current(), capturing)   # before the GEMM launch: inputs and buffers ready, no more
         gemm()
+        describe = "" if watched is None else watched.describe
         for g, tiles in enumerate(group_tiles):
-            self.wait_counter(counters, g, tiles, capturing)
+            self.wait_counter(counters, g, tiles, capturing, describe)
             collective(g, self.raw)
         if not capturing and watched is not None:
             watched.record(self.raw)
@@ -276,16 +279,11 @@ class CommEngine:
         if not capturing and watched is not None:
             watched.record(current)
 
-    def prepare_counter_waits(self, targets):
-        """Compile the capture-time wait kernel for these targets now, eagerly (Triton compiles per
-        specialization of the target; a compile inside a capture could load a module mid-capture)."""
-        if self.stream is None:
-            return
-        scratch = torch.empty(1, dtype=torch.int32, device=self.device)
-        for target in sorted(set(targets)):
-            scratch.fill_(target)
-            wait_and_reset_kernel[(1,)](scratch, target, num_warps=1)   # passes at once, resets scratch
-        torch.cuda.synchronize(self.device)
+    def prepare_graph_waits(self):
+        """Compile the capture-time wait kernel now, eagerly (a compile inside a capture could load a module
+        mid-capture), and open the watchdog's mailbox it reports into."""
+        if self.stream is not None:
+            watchdog.prepare_graph_waits(self.device)
 
     def raise_flag(self, flags: torch.Tensor, index: int):
         """flags[index] = 1 once everything the comm stream issued so far has completed."""

@@ -190,7 +190,7 @@ class _ExpertState:
         if device.type == "cuda":
             default_offsets(device)
             if kind == "gemm_a2a":
-                comm.comm_engine(device).prepare_counter_waits(plan.group_tiles)
+                comm.comm_engine(device).prepare_graph_waits()
         self.watched = Watched(describe, (("flags" if kind == "a2a_gemm" else "counters", self.words),)) \
             if device.type == "cuda" else None
 

@@ -63,7 +63,8 @@ class P2PReduceScatter:
         default_offsets(device)
         self.gemm = SignaledGemm(self.tiles, programs, config, bias_rows=(rank * self.m_local, (rank + 1) * self.m_local),
                                  dst_offsets=offsets)
-        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0))
+        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=watched.describe,
+                                   names=("SUMMED", "ARRIVED"))
         self.sum = SumSlots(t, self.m_local * n)
         self.device_index = device.index
         self.outstanding = None   # "eager" / "capture": a call whose second half (_reduce) has not run yet
@@ -126,7 +127,7 @@ class ShardPull:
 
     PULLED, READY = 0, 1
 
-    def __init__(self, group, rank, t, m_local, k, dtype, device):
+    def __init__(self, group, rank, t, m_local, k, dtype, device, describe):
         from torch.distributed import _symmetric_memory as symm_mem
         self.rank, self.world = rank, t
         self.shard = symm_mem.empty(m_local, k, dtype=dtype, device=device)
@@ -136,7 +137,8 @@ class ShardPull:
                             for p in range(t)]
         self.handle = handle
         self.row_bytes = k * self.shard.element_size()
-        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0))
+        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
+                                   names=("PULLED", "READY"))
 
     def start(self, stream: int, a_shard: torch.Tensor):
         self.signals.wait(stream, self.PULLED)

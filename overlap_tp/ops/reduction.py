@@ -53,7 +53,7 @@ class SignaledReduction:
         self.collective = collective   # "reduce_scatter" | "all_reduce" (in place: source rows = output rows)
         if device.type == "cuda":
             default_offsets(device)       # the kernel's default offset table, made now rather than under capture
-            self.engine.prepare_counter_waits(plan.group_tiles)
+            self.engine.prepare_graph_waits()
 
     def run(self, a, w, bias, received, staging, watched) -> Callable[[], None]:
         """The GEMM into `staging` and every group's collective into `received`; returns the join (the caller's

@@ -8,13 +8,18 @@ reset is safe because of the order argument written next to each protocol (overl
 producer raises a word again only after something that the consumer does after its reset.
 
 The words live in symmetric memory: rank r's word (slot, p) is raised by peer p, written over NVLink with a
-stream write-value (no SM), and waited on and reset by r with stream memory operations on its own stream.
+stream write-value (no SM), and waited on and reset by r with stream memory operations on its own stream;
+under graph capture the wait is a one-thread kernel per word instead, which gives up after the watchdog's
+timeout (overlap_tp/ops/watchdog.py): a replayed graph whose peer never arrives then ends the process with a
+message naming the plan, the peer and the signal, where the stream wait-value would wait forever (eager
+waits are covered by the plan's watched event).
 """
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
-from overlap_tp.ops import memops
+from overlap_tp.ops import memops, watchdog
 
 
 class PeerSignals:
@@ -23,11 +28,13 @@ class PeerSignals:
     signal(stream, slot): on `stream`, after its prior work, raise (slot, rank) in every peer's memory.
     wait(stream, slot):   on `stream`, wait until every peer raised (slot, p) here, then reset them to 0.
     `initial[slot]` (0 or 1) is every word's starting value (1: the first wait passes, as if a previous call
-    had signalled). Built collectively by the group's ranks; the build synchronizes (never under capture)."""
+    had signalled). `describe` (the plan) and `names` (one per slot) name a wait that timed out in a graph
+    replay. Built collectively by the group's ranks; the build synchronizes (never under capture)."""
 
-    def __init__(self, group, rank: int, t: int, device: torch.device, initial: Sequence[int]):
+    def __init__(self, group, rank: int, t: int, device: torch.device, initial: Sequence[int], describe: str,
+                 names: Sequence[str]):
         from torch.distributed import _symmetric_memory as symm_mem
-        self.rank, self.t, self.slots = rank, t, len(initial)
+        self.rank, self.t, self.slots, self.device, self.describe = rank, t, len(initial), device, describe
         self.words = symm_mem.empty(self.slots, t, dtype=torch.int32, device=device)
         for slot, value in enumerate(initial):
             self.words[slot].fill_(value)
@@ -38,6 +45,10 @@ class PeerSignals:
         self.remote = {p: handle.buffer_ptrs[p] + within + 4 * rank for p in self.peers}
         self.local = {p: self.words.data_ptr() + 4 * p for p in self.peers}
         self.handle = handle
+        self.what = {(slot, p): f"rank {dist.get_global_rank(group, p)}'s {name} signal (peer {p} of group "
+                                f"{group.group_name}, word [{slot}, {p}])"
+                     for slot, name in enumerate(names) for p in self.peers}
+        watchdog.prepare_graph_waits(device)
         torch.cuda.synchronize(device)
         handle.barrier(channel=0)   # every rank's words hold their initial values before anyone signals
         torch.cuda.synchronize(device)
@@ -49,6 +60,10 @@ class PeerSignals:
 
     def wait(self, stream: int, slot: int):
         row = 4 * self.t * slot
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            for p in self.peers:
+                watchdog.graph_wait(stream, self.device, self.local[p] + row, 1, self.describe, self.what[slot, p])
+            return
         for p in self.peers:
             memops.wait_value(stream, self.local[p] + row, 1)
             memops.write_value(stream, self.local[p] + row, 0)

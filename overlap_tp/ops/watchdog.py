@@ -1,7 +1,7 @@
 """The watchdog: a stuck overlapped op becomes a clear error instead of a silent hang.
 
-Every op plan owns one event. An eager call records it where the op's work ends; a daemon thread polls
-every plan's event and fails when one has stayed incomplete for OVERLAP_TP_WATCHDOG_S seconds (default
+Eager calls. Every op plan owns one event. An eager call records it where the op's work ends; a daemon thread
+polls every plan's event and fails when one has stayed incomplete for OVERLAP_TP_WATCHDOG_S seconds (default
 300, 0 disables): it prints the op, its group, its plan and the words it waits on (read on a fresh stream),
 and ends the process, as NCCL's own watchdog does (a hung GPU stream cannot be unwound from Python, and a
 silent hang wastes a whole allocation). "Stayed incomplete" is judged across polls of the same plan, so a
@@ -9,10 +9,20 @@ plan called continuously is only reported when the GPU has not reached its lates
 timeout. The thread switches its own stream-capture mode to relaxed, so its queries never invalidate a
 capture running on another thread (as PyTorch's NCCL watchdog does).
 
-Under CUDA graphs the calls are not recorded (an event recorded inside a capture cannot be queried from
-outside it): a replayed graph whose peer never arrives hangs in the stream wait or the NCCL kernel, where
-PyTorch's NCCL watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING) or the job's own timeout has to catch it. Run one
-eager step first (Megatron does, before it captures) and the same plans are watched there.
+CUDA graphs. An event recorded inside a capture cannot be queried from outside it, so a replayed graph is
+watched from the device: under capture every wait on a device word (the comm stream's tile counters,
+CommEngine.wait_counter; the p2p transports' peer signals, PeerSignals.wait) is a one-thread kernel with a
+deadline (kernels/deadline_wait.py) that spins at most OVERLAP_TP_WATCHDOG_S (as read when the process's
+watchdog starts), then writes a record into the mailbox, one int64 of pinned host memory: the code of the
+wait, registered here with its plan's description and what it waited for when the call is captured, and the
+value it saw. The same thread polls the mailbox (a plain read of host memory, no CUDA call), prints the
+plan, the wait and the value, and ends the process (exit 70); the kernel traps a moment later, so a process
+whose thread cannot report still fails instead of hanging. The AllGather+GEMM's tiles, which spin inside the
+GEMM on ready flags, need no deadline of their own: their flags are raised by this rank's comm stream after
+its transfers, and the only waits on that stream that depend on a peer are the peer-signal waits above.
+Not bounded under graphs: the NCCL kernels of the methods that call NCCL (a peer that never replays leaves
+this rank's collective waiting inside NCCL); PyTorch's NCCL watchdog does not see the raw communicators
+either, so there the job's own timeout ends the run. The p2p transports have no NCCL call on the path.
 """
 import ctypes
 import os
@@ -22,12 +32,14 @@ import time
 
 import torch
 
+from overlap_tp.kernels.deadline_wait import DeadlineWait
 from overlap_tp.ops import memops
 
 WATCHDOG_ENV = "OVERLAP_TP_WATCHDOG_S"
 DEFAULT_WATCHDOG_S = 300.0
 CU_STREAM_CAPTURE_MODE_RELAXED = 2
 CUDA_ERROR_NOT_READY = 600
+EXIT_CODE = 70
 
 
 class Watched:
@@ -54,26 +66,48 @@ class Watchdog:
         self.watched = []
         self.lock = threading.Lock()
         self.thread = None
+        self.mailbox = None
+        self._box = None   # the mailbox as a numpy array: what the thread reads
 
     def add(self, item: Watched):
         if self.timeout_s <= 0:
             return
         with self.lock:
             self.watched.append(item)
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="overlap_tp-watchdog", daemon=True)
-                self.thread.start()
+            self._start()
+
+    def open_mailbox(self, mailbox: torch.Tensor = None) -> torch.Tensor:
+        """The mailbox the capture-time waits report into: one int64 of pinned host memory, created at the
+        first call (eagerly, when a plan is built: no allocation may happen inside a capture), and watched from
+        then on. `mailbox` stands in for it where there is no GPU (tests)."""
+        with self.lock:
+            if self.mailbox is None:
+                self.mailbox = torch.zeros(1, dtype=torch.int64, pin_memory=True) if mailbox is None else mailbox
+                self._box = self.mailbox.numpy()
+                if self.timeout_s > 0:
+                    self._start()
+        return self.mailbox
+
+    def _start(self):
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="overlap_tp-watchdog", daemon=True)
+            self.thread.start()
 
     def _run(self):
-        lib = memops._driver()
-        mode = ctypes.c_int(CU_STREAM_CAPTURE_MODE_RELAXED)
-        lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
+        lib = None
         period = min(0.5, self.timeout_s / 4)
         while True:
             time.sleep(period)
+            if self._box is not None and self._box[0] != 0:
+                self._fail_graph_wait(int(self._box[0]))
             now = time.monotonic()
             with self.lock:
                 items = list(self.watched)
+            if items and lib is None:
+                # before this thread's first CUDA call: relaxed capture mode
+                lib = memops._driver()
+                mode = ctypes.c_int(CU_STREAM_CAPTURE_MODE_RELAXED)
+                lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
             for item in items:
                 if lib.cuEventQuery(item.event.handle) != CUDA_ERROR_NOT_READY:
                     item.stuck_since = None
@@ -84,11 +118,18 @@ class Watchdog:
 
     def _fail(self, item: Watched):
         state = "".join(f"; {name} {_read(words)}" for name, words in item.words)
-        sys.stderr.write(f"overlap_tp watchdog: {item.describe} did not complete within {self.timeout_s:g} s "
-                         f"(set {WATCHDOG_ENV} to change){state}. A rank stopped issuing collectives, a peer "
-                         "died, or a signal was lost. Ending the process instead of hanging.\n")
-        sys.stderr.flush()
-        os._exit(70)
+        _end(f"overlap_tp watchdog: {item.describe} did not complete within {self.timeout_s:g} s "
+             f"(set {WATCHDOG_ENV} to change){state}. A rank stopped issuing collectives, a peer "
+             "died, or a signal was lost. Ending the process instead of hanging.")
+
+    def _fail_graph_wait(self, record: int):
+        _end(graph_wait_message(record))
+
+
+def _end(message: str):
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os._exit(EXIT_CODE)
 
 
 def _read(words: torch.Tensor):
@@ -130,3 +171,56 @@ def watchdog() -> Watchdog:
     if _instance is None:
         _instance = Watchdog(timeout_from_env())
     return _instance
+
+
+# ---------------------------------------------------------------------------------------------------
+# Waits inside CUDA graphs
+# ---------------------------------------------------------------------------------------------------
+
+_waits = []    # code - 1 -> (the plan's description, what the wait waits for, its timeout in seconds)
+_codes = {}
+_waiters = {}  # device index -> DeadlineWait
+
+
+def wait_code(describe: str, what: str, timeout_s: float) -> int:
+    """The code (>= 1) a capture-time wait writes into the mailbox when it times out: registered the first
+    time the wait is captured, so the watchdog can name the plan and the wait from the code alone."""
+    key = (describe, what, timeout_s)
+    if key not in _codes:
+        _waits.append(key)
+        _codes[key] = len(_waits)
+    return _codes[key]
+
+
+def decode(record: int):
+    """A mailbox record as (code, the value the wait saw): the kernel writes (code << 32) | uint32(seen)."""
+    record &= 0xFFFFFFFFFFFFFFFF
+    seen = record & 0xFFFFFFFF
+    return record >> 32, seen - (1 << 32) if seen >= 1 << 31 else seen
+
+
+def graph_wait_message(record: int) -> str:
+    code, seen = decode(record)
+    if not 1 <= code <= len(_waits):
+        return (f"overlap_tp watchdog: a wait in a CUDA graph replay timed out (unregistered code {code}, saw "
+                f"{seen}). Ending the process instead of hanging.")
+    describe, what, timeout_s = _waits[code - 1]
+    return (f"overlap_tp watchdog: {describe} waited {timeout_s:g} s for {what} in a CUDA graph replay and saw "
+            f"{seen} (set {WATCHDOG_ENV} to change). A peer never arrived (it stopped replaying, stopped or died) "
+            f"or a signal was lost. Ending the process instead of hanging.")
+
+
+def prepare_graph_waits(device: torch.device):
+    """Eagerly, when a plan that waits under capture is built: the mailbox and the compiled wait kernel."""
+    waiter = _waiters.get(device.index)
+    if waiter is None:
+        waiter = _waiters[device.index] = DeadlineWait(device)
+    waiter.prepare(watchdog().open_mailbox())
+
+
+def graph_wait(stream: int, device: torch.device, word: int, target: int, describe: str, what: str):
+    """Under capture, on `stream`: wait until the int32 at device address `word` == target, then reset it to 0,
+    within the watchdog's timeout (a timed-out wait ends the process with `describe` and `what`)."""
+    dog = watchdog()
+    _waiters[device.index](stream, word, target, dog.timeout_s, dog.mailbox,
+                           wait_code(describe, what, dog.timeout_s))

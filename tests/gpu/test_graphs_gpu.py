@@ -5,8 +5,17 @@ static input buffers is captured with torch.cuda.graph; 200 replays follow, each
 copied into the static buffers, and every replay's output must equal, bit for bit, the eager call of the
 same plan on the same inputs (the same kernels, plans and collectives). Then the same with one rank held
 0.5 s on the GPU before its replay (a late peer must not break the protocol or hang). A capture of a shape
-whose plan was never built is a clear error, and the op still runs eagerly after it.
+whose plan was never built is a clear error, and the op still runs eagerly after it. A replayed wait that can
+never be satisfied (a lost counter signal; a peer that never replays) ends its process within
+OVERLAP_TP_WATCHDOG_S with exit code 70 and a message naming the op and the wait.
 """
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -138,3 +147,97 @@ def _check_expert_replays(rank, world):
 
 def test_expert_ops_with_static_routing_replay_bitwise_equal():
     run_distributed(gpu_world(), _check_expert_replays, backend="nccl")
+
+
+def test_a_replayed_wait_that_never_passes_ends_the_process():
+    """A captured counter wait whose counter nothing raises: the deadline kernel reports it to the watchdog,
+    which ends the process naming the plan and the counter."""
+    script = textwrap.dedent("""
+        import torch
+        from overlap_tp.ops.comm import comm_engine
+        engine = comm_engine(torch.device("cuda", 0))
+        engine.prepare_graph_waits()
+        counters = torch.zeros(2, dtype=torch.int32, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            current = engine.current()
+            engine.fork(current, True)
+            engine.wait_counter(counters, 1, 5, True, "test op")    # nothing will ever raise counter 1
+            engine.join(current, True)
+        graph.replay()
+        torch.cuda.synchronize()
+        print("NOT REACHED")
+    """)
+    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="2")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 70, result.stderr[-2000:]
+    assert ("overlap_tp watchdog: test op waited 2 s for tile counter 1 to reach 5 (its GEMM's tiles of group 1) "
+            "in a CUDA graph replay and saw 0") in result.stderr, result.stderr[-2000:]
+    assert "NOT REACHED" not in result.stdout
+    assert time.monotonic() - started < 60
+
+
+_PEER_NEVER_REPLAYS = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    import torch.distributed as dist
+    from overlap_tp import OverlapConfig, gemm_rs
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    config = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    torch.manual_seed(rank)
+    a = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) / 64
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):        # eager: builds the plan, compiles the kernels
+        for _ in range(3):
+            gemm_rs(a, w, config=config)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm_rs(a, w, config=config)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:                        # alive, but never replays: rank 0's wait for its signal never passes
+        time.sleep(120)
+        os._exit(0)
+    print(f"REPLAY AT {time.time()}", flush=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    print("NOT REACHED", flush=True)
+    os._exit(0)
+""")
+
+
+def test_a_peer_that_never_replays_ends_the_waiting_rank():
+    """gemm_rs over the p2p transport captured on two ranks; only rank 0 replays. Its wait for rank 1's signal
+    must end the process within OVERLAP_TP_WATCHDOG_S (5 s) plus the kernel's report, exit code 70, with a
+    message naming the op, the transport and the signal, instead of hanging forever."""
+    gpu_world()   # skips below 2 GPUs
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="5", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, "-c", _PEER_NEVER_REPLAYS], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        out, err = ranks[0].communicate(timeout=240)
+        ended = time.time()
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+    assert "REPLAY AT" in out, err[-3000:]
+    replayed = float(out.split("REPLAY AT ")[1].split()[0])
+    assert ranks[0].returncode == 70, err[-3000:]
+    assert "overlap_tp watchdog: gemm_rs(M=4096, N=4096, K=2048, t=2, signal/p2p) waited 5 s for rank 1's" in err, \
+        err[-3000:]
+    assert "in a CUDA graph replay" in err
+    assert "NOT REACHED" not in out
+    assert ended - replayed < 20, ended - replayed

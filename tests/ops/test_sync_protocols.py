@@ -124,6 +124,8 @@ class FakeCollectives:
 
 
 class NoWatch:
+    describe = "a recorded plan"
+
     def record(self, stream):
         pass
 
@@ -209,7 +211,7 @@ def test_a_capture_that_never_runs_leaves_eager_calls_correct(recorder):
 def test_the_simulator_catches_a_wait_without_reset(recorder, monkeypatch):
     """Mutation: the counter is waited on but not reset (targets that do not restart per call). The second
     replay's waits then pass on the first replay's counts, before its own tiles: the check must fire."""
-    def wait_without_reset(self, counters, index, target, capturing):
+    def wait_without_reset(self, counters, index, target, capturing, describe=""):
         recorder.wait_value(self.raw, counters.data_ptr() + 4 * index, target)
     monkeypatch.setattr(FakeEngine, "wait_counter", wait_without_reset)
     reduction = _reduction(recorder, 0, groups=3)
@@ -228,7 +230,7 @@ def _peer_signals(t, initial):
     signals = []
     for rank in range(t):
         s = sync.PeerSignals.__new__(sync.PeerSignals)
-        s.rank, s.t, s.slots = rank, t, len(initial)
+        s.rank, s.t, s.slots, s.device = rank, t, len(initial), torch.device("cpu")   # eager waits: memops
         s.words = torch.tensor([[v] * t for v in initial], dtype=torch.int32)
         s.peers = [p for p in range(t) if p != rank]
         signals.append(s)

@@ -16,7 +16,7 @@ import os
 import re
 
 COMM = re.compile(r"nccl|Memcpy PtoP|Memcpy DtoD \(Device -> Device\)|Memcpy Peer", re.I)
-SPIN = re.compile(r"wait_and_reset|_spin", re.I)   # a one-thread wait kernel: neither compute nor transfer
+SPIN = re.compile(r"wait_and_reset|deadline_wait|_spin", re.I)   # a one-thread wait kernel: neither compute nor transfer
 
 
 def union(intervals):

@@ -1,0 +1,69 @@
+"""The watchdog's host side for waits inside CUDA graphs (the device side, a wait kernel with a deadline, is
+tested in tests/gpu): mailbox records, the table of registered waits, and the thread that turns a record
+into a message and exit code 70."""
+import os
+import subprocess
+import sys
+import textwrap
+
+from overlap_tp.ops import watchdog
+
+
+def _record(code, seen):
+    """What kernels/deadline_wait.py writes: (code << 32) | uint32(seen), as an int64."""
+    value = (code << 32) | (seen & 0xFFFFFFFF)
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def test_records_decode_to_the_code_and_the_value_seen():
+    assert watchdog.decode(_record(5, 0)) == (5, 0)
+    assert watchdog.decode(_record(12, 1)) == (12, 1)
+    assert watchdog.decode(_record(3, -1)) == (3, -1)
+    assert watchdog.decode(_record(2 ** 31 - 1, 2 ** 31 - 1)) == (2 ** 31 - 1, 2 ** 31 - 1)
+
+
+def test_a_wait_is_registered_once_and_named_by_its_code():
+    code = watchdog.wait_code("gemm_rs(M=8, N=8, K=8, t=2, signal/p2p)", "rank 1's ARRIVED signal", 5.0)
+    assert code >= 1
+    assert watchdog.wait_code("gemm_rs(M=8, N=8, K=8, t=2, signal/p2p)", "rank 1's ARRIVED signal", 5.0) == code
+    other = watchdog.wait_code("gemm_rs(M=8, N=8, K=8, t=2, signal/p2p)", "rank 1's SUMMED signal", 5.0)
+    assert other != code
+    message = watchdog.graph_wait_message(_record(code, 0))
+    assert message.startswith("overlap_tp watchdog: gemm_rs(M=8, N=8, K=8, t=2, signal/p2p) waited 5 s for "
+                              "rank 1's ARRIVED signal in a CUDA graph replay and saw 0")
+    assert watchdog.WATCHDOG_ENV in message
+
+
+def test_an_unknown_code_is_still_reported():
+    message = watchdog.graph_wait_message(_record(10 ** 6, 7))
+    assert "unregistered code 1000000" in message and "saw 7" in message
+
+
+def test_the_thread_reports_a_mailbox_record_and_ends_the_process():
+    """A record written into the mailbox (here by hand, into a plain CPU tensor standing in for the pinned
+    one) ends the process with exit code 70 and the registered wait's message, within a poll or two."""
+    script = textwrap.dedent("""
+        import time
+        import torch
+        from overlap_tp.ops import watchdog
+        dog = watchdog.watchdog()
+        box = dog.open_mailbox(torch.zeros(1, dtype=torch.int64))
+        code = watchdog.wait_code("ag_gemm(M=4, N=4, K=4, t=2, signal/p2p)", "rank 0's READY signal", 1.0)
+        time.sleep(0.5)
+        box[0] = (code << 32) | 3
+        time.sleep(20)
+        print("NOT REACHED")
+    """)
+    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="1")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 70, result.stderr[-2000:]
+    assert ("overlap_tp watchdog: ag_gemm(M=4, N=4, K=4, t=2, signal/p2p) waited 1 s for rank 0's READY signal "
+            "in a CUDA graph replay and saw 3") in result.stderr
+    assert "NOT REACHED" not in result.stdout
+
+
+def test_no_thread_watches_the_mailbox_when_the_watchdog_is_off():
+    dog = watchdog.Watchdog(0.0)
+    import torch
+    dog.open_mailbox(torch.zeros(1, dtype=torch.int64))
+    assert dog.thread is None
