@@ -137,8 +137,9 @@ class ShardPull:
                             for p in range(t)]
         self.handle = handle
         self.row_bytes = k * self.shard.element_size()
+        # stream wait-values under capture too: the AllGather+GEMM's tiles wait behind these (PeerSignals says why)
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
-                                   names=("PULLED", "READY"))
+                                   names=("PULLED", "READY"), graph_deadline=False)
 
     def start(self, stream: int, a_shard: torch.Tensor):
         self.signals.wait(stream, self.PULLED)

@@ -29,12 +29,17 @@ class PeerSignals:
     wait(stream, slot):   on `stream`, wait until every peer raised (slot, p) here, then reset them to 0.
     `initial[slot]` (0 or 1) is every word's starting value (1: the first wait passes, as if a previous call
     had signalled). `describe` (the plan) and `names` (one per slot) name a wait that timed out in a graph
-    replay. Built collectively by the group's ranks; the build synchronizes (never under capture)."""
+    replay. `graph_deadline=False` keeps the stream wait-value under capture too (no SM, no deadline): for
+    waits that may run while a GEMM which depends on them holds every SM (ShardPull: the AllGather+GEMM's
+    tiles spin on flags raised behind these waits; a one-warp kernel would need a free slot next to the
+    persistent GEMM's CTAs, which their registers need not leave). Built collectively by the group's
+    ranks; the build synchronizes (never under capture)."""
 
     def __init__(self, group, rank: int, t: int, device: torch.device, initial: Sequence[int], describe: str,
-                 names: Sequence[str]):
+                 names: Sequence[str], graph_deadline: bool = True):
         from torch.distributed import _symmetric_memory as symm_mem
         self.rank, self.t, self.slots, self.device, self.describe = rank, t, len(initial), device, describe
+        self.graph_deadline = graph_deadline
         self.words = symm_mem.empty(self.slots, t, dtype=torch.int32, device=device)
         for slot, value in enumerate(initial):
             self.words[slot].fill_(value)
@@ -60,7 +65,7 @@ class PeerSignals:
 
     def wait(self, stream: int, slot: int):
         row = 4 * self.t * slot
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and self.graph_deadline:
             for p in self.peers:
                 watchdog.graph_wait(stream, self.device, self.local[p] + row, 1, self.describe, self.what[slot, p])
             return

@@ -11,18 +11,18 @@ capture running on another thread (as PyTorch's NCCL watchdog does).
 
 CUDA graphs. An event recorded inside a capture cannot be queried from outside it, so a replayed graph is
 watched from the device: under capture every wait on a device word (the comm stream's tile counters,
-CommEngine.wait_counter; the p2p transports' peer signals, PeerSignals.wait) is a one-thread kernel with a
-deadline (kernels/deadline_wait.py) that spins at most OVERLAP_TP_WATCHDOG_S (as read when the process's
+CommEngine.wait_counter; the p2p GEMM+ReduceScatter's peer signals, PeerSignals.wait) is a one-thread kernel
+with a deadline (kernels/deadline_wait.py) that spins at most OVERLAP_TP_WATCHDOG_S (as read when the process's
 watchdog starts), then writes a record into the mailbox, one int64 of pinned host memory: the code of the
 wait, registered here with its plan's description and what it waited for when the call is captured, and the
 value it saw. The same thread polls the mailbox (a plain read of host memory, no CUDA call), prints the
 plan, the wait and the value, and ends the process (exit 70); the kernel traps a moment later, so a process
-whose thread cannot report still fails instead of hanging. The AllGather+GEMM's tiles, which spin inside the
-GEMM on ready flags, need no deadline of their own: their flags are raised by this rank's comm stream after
-its transfers, and the only waits on that stream that depend on a peer are the peer-signal waits above.
+whose thread cannot report still fails instead of hanging.
 Not bounded under graphs: the NCCL kernels of the methods that call NCCL (a peer that never replays leaves
-this rank's collective waiting inside NCCL); PyTorch's NCCL watchdog does not see the raw communicators
-either, so there the job's own timeout ends the run. The p2p transports have no NCCL call on the path.
+this rank's collective waiting inside NCCL; PyTorch's NCCL watchdog does not see the raw communicators
+either), and the AllGather+GEMM's copy-engine handshake (ShardPull keeps stream wait-values under capture:
+the GEMM's tiles spin on flags raised behind those waits while it holds every SM, so a wait kernel might
+find no slot; PeerSignals says more). There the job's own timeout ends the run.
 """
 import ctypes
 import os
