@@ -20,9 +20,9 @@ process on the same inputs and the same weights:
   signal        the same, method signal with the default OverlapConfig (NCCL per-group collectives,
                 comm_sms 16; `--overlap-tp signal --overlap-tp-transport nccl`)
   decompose     the same, method decompose (chunks 4)
-  signal-agp2p  signal with ag_gemm on the copy-engine p2p transport (comm_sms 0), gemm_rs on NCCL (what
+  signal-agp2p  signal with ag_gemm on the copy-engine p2p transport (comm_sms 0), gemm_rs on NCCL
+  signal-p2p    signal with ag_gemm and gemm_rs both on the p2p transports (comm_sms 0; what
                 `--overlap-tp signal` runs: --overlap-tp-transport auto)
-  signal-p2p    signal with ag_gemm and gemm_rs both on the p2p transports (comm_sms 0)
   auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is

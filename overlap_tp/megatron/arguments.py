@@ -66,9 +66,10 @@ def add_overlap_args(parser):
         help="How data moves for --overlap-tp signal: nccl (one NCCL collective per group of tiles) "
              "or p2p (peer-to-peer through symmetric memory over NVLink, CUDA only: the GEMM epilogue "
              "stores into the owner's buffer for GEMM+ReduceScatter, copy-engine pulls for "
-             "AllGather+GEMM; GEMM+AllReduce keeps nccl). auto (default): AllGather+GEMM on p2p with its "
-             "GEMM on every SM, GEMM+ReduceScatter and GEMM+AllReduce on nccl, the combination that "
-             "measured fastest in the layer benchmark at TP 2 and 4 (docs/perf/README.md, earlier records: layer_t2_gpu).")
+             "AllGather+GEMM; GEMM+AllReduce keeps nccl). auto (default): AllGather+GEMM and "
+             "GEMM+ReduceScatter on p2p with their GEMMs on every SM, GEMM+AllReduce on nccl: no NCCL SM next "
+             "to a sequence-parallel GEMM, the combination that measured fastest at TP 2 under CUDA graphs "
+             "(docs/perf/s11/README.md).")
     group.add_argument(
         "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
         help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "
@@ -321,14 +322,16 @@ def overlap_config_kwargs(args):
 def layer_configs(args):
     """The dense layers' OverlapConfig per op kind ("ag_gemm", "gemm_rs", "gemm_ar") from the flags.
     gemm_ar always runs nccl (p2p is implemented for gemm_rs and ag_gemm). With --overlap-tp-transport
-    auto and --overlap-tp signal, ag_gemm pulls the peers' rows with the copy engines (p2p) and its GEMM
-    keeps every SM (comm_sms 0: nothing runs next to it), while gemm_rs runs nccl with --overlap-tp-comm-sms."""
+    auto and --overlap-tp signal, ag_gemm pulls the peers' rows with the copy engines and gemm_rs stores its
+    partials into the owners' buffers from the GEMM's epilogue (both p2p, their GEMMs on every SM: comm_sms 0,
+    nothing runs next to them), while gemm_ar runs nccl with --overlap-tp-comm-sms. On CPU tensors (gloo)
+    the p2p transports do not exist: use --overlap-tp-transport nccl there."""
     config = OverlapConfig(**overlap_config_kwargs(args))
     nccl = dataclasses.replace(config, transport="nccl")
-    ag = config
+    ag = rs = config
     if getattr(args, "overlap_tp_transport", "auto") == "auto" and config.method == "signal":
-        ag = dataclasses.replace(config, transport="p2p", comm_sms=0)
-    return {"ag_gemm": ag, "gemm_rs": config, "gemm_ar": nccl}
+        ag = rs = dataclasses.replace(config, transport="p2p", comm_sms=0)
+    return {"ag_gemm": ag, "gemm_rs": rs, "gemm_ar": nccl}
 
 
 def moe_overlap_config_kwargs(args):

@@ -55,12 +55,12 @@ def test_tp8_signal_gets_the_measured_warning():
 
 @pytest.mark.parametrize("argv, expected", [
     # (transport, comm_sms) of ag_gemm, gemm_rs, gemm_ar
-    (["--overlap-tp", "signal"], [("p2p", 0), ("nccl", 16), ("nccl", 16)]),
-    (["--overlap-tp", "signal", "--overlap-tp-comm-sms", "8"], [("p2p", 0), ("nccl", 8), ("nccl", 8)]),
+    (["--overlap-tp", "signal"], [("p2p", 0), ("p2p", 0), ("nccl", 16)]),
+    (["--overlap-tp", "signal", "--overlap-tp-comm-sms", "8"], [("p2p", 0), ("p2p", 0), ("nccl", 8)]),
     (["--overlap-tp", "signal", "--overlap-tp-transport", "nccl"], [("nccl", 16)] * 3),
     (["--overlap-tp", "signal", "--overlap-tp-transport", "p2p", "--overlap-tp-comm-sms", "0"],
      [("p2p", 0), ("p2p", 0), ("nccl", 0)]),
-    (["--overlap-tp", "decompose"], [("nccl", 16)] * 3),   # auto moves only the signaled ag_gemm
+    (["--overlap-tp", "decompose"], [("nccl", 16)] * 3),   # auto moves only the signaled ag_gemm and gemm_rs
     (["--overlap-tp", "auto"], [("nccl", 16)] * 3),        # the tuner picks transports itself
 ])
 def test_layer_configs_per_op_kind(argv, expected):
