@@ -122,7 +122,8 @@ def test_layers_receive_the_config():
     assert layers.get_default_overlap_config("gemm_rs").comm_sms == 8
     patch.apply(fake_args(overlap_tp_transport="auto"), log=quiet)   # the flag's default
     assert layers.get_default_overlap_config("ag_gemm") == OverlapConfig(method="signal", transport="p2p", comm_sms=0)
-    assert layers.get_default_overlap_config("gemm_rs") == OverlapConfig(method="signal", transport="nccl", comm_sms=8)
+    assert layers.get_default_overlap_config("gemm_rs") == OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    assert layers.get_default_overlap_config("gemm_ar") == OverlapConfig(method="signal", transport="nccl", comm_sms=8)
     assert patch.get_overlap_config("ag_gemm").transport == "p2p"
 
 
