@@ -248,7 +248,32 @@ def main(argv=None):
     else:
         kwargs["model_provider"] = model_provider
     training.pretrain(**kwargs)
+    release_full_iteration_graphs()
     return 0
+
+
+def release_full_iteration_graphs():
+    """Free Megatron's full-iteration CUDA graphs once training is done, before the interpreter exits.
+
+    They sit in a class attribute (FullCudaGraphWrapper.cuda_graph), so without this they are destroyed in
+    the interpreter's last teardown, next to the NCCL communicators they captured collectives of: on the H200
+    pair every smoke run under `--cuda-graph-impl full_iteration` logged its last iteration and then never
+    exited (overlap off and on alike; `--cuda-graph-impl local`, whose graphs live on the modules, exited;
+    docs/perf/s11/README.md). Megatron-Bridge frees its graphs before the process group for the same reason
+    (its _delete_cuda_graphs). The process group itself is left to Megatron, as its own pretrain_gpt.py does."""
+    try:
+        from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+    except ImportError:
+        return
+    if not any(graph is not None for graph in FullCudaGraphWrapper.cuda_graph.values()):
+        return
+    import gc
+    import torch
+    torch.cuda.synchronize()   # no replay may still run on the graphs being freed
+    for stage in FullCudaGraphWrapper.cuda_graph:
+        FullCudaGraphWrapper.cuda_graph[stage] = None
+        FullCudaGraphWrapper.result[stage] = None   # outputs in the graphs' memory pool
+    gc.collect()
 
 
 def _pretrain_legacy(training, ModelType, defaults):
@@ -266,6 +291,7 @@ def _pretrain_legacy(training, ModelType, defaults):
     install_training_log_hook()
     training.pretrain(train_valid_test_datasets_provider, provider, ModelType.encoder_or_decoder, forward_step,
                       extra_args_provider=extra_args_provider, args_defaults=defaults)
+    release_full_iteration_graphs()
     return 0
 
 

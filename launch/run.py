@@ -228,6 +228,9 @@ def run(script, argv, *, launch=None):
             raise
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+    if launch.parsed:   # the script trained: free what would hang the exit (launch/pretrain.py says why)
+        from overlap_tp.launch.pretrain import release_full_iteration_graphs
+        release_full_iteration_graphs()
     if not launch.parsed:
         raise LaunchError(f"{launch.name} ended without parsing Megatron's arguments "
                           "(megatron.training.arguments.parse_args was never called), so overlap_tp could not "

@@ -272,3 +272,26 @@ def test_help_strings_argparse_cannot_format_are_repaired(capsys):
     launcher.repair_help_strings(parser)
     text = parser.format_help()
     assert "1.10 = 10%)." in text and "default 3" in text
+
+
+def test_full_iteration_graphs_are_released_after_training(monkeypatch):
+    """Megatron's full-iteration graphs (a class attribute) are freed once training returns, so they are not
+    torn down next to the NCCL communicators at interpreter exit (where runs hung on the GPUs)."""
+    from overlap_tp.launch import pretrain
+
+    released = []
+
+    class Graph:
+        def __del__(self):
+            released.append(self)
+
+    wrapper = SimpleNamespace(cuda_graph={"training": Graph(), "validation": None},
+                              result={"training": object(), "validation": None})
+    module = SimpleNamespace(FullCudaGraphWrapper=wrapper)
+    monkeypatch.setitem(sys.modules, "megatron.core.full_cuda_graph", module)
+    monkeypatch.setattr("torch.cuda.synchronize", lambda *a, **k: None)
+    pretrain.release_full_iteration_graphs()
+    assert wrapper.cuda_graph == {"training": None, "validation": None}
+    assert wrapper.result == {"training": None, "validation": None}
+    assert len(released) == 1
+    pretrain.release_full_iteration_graphs()   # nothing captured: a no-op
