@@ -66,11 +66,14 @@ def agree(got, ref, what):
 
 
 def ours_variants(op, sweep):
-    """`ours` is the default signal config; --sweep adds the schedule x groups x comm_sms corners that
-    won in earlier runs (docs/perf/) and, for reduce-scatter, the epilogue peer-to-peer transport.
-    AllGather+GEMM: copy-engine pulls (p2p, no SM) and in-place NCCL broadcasts, by chunk count."""
+    """`ours` is what the Megatron layers run by default (`--overlap-tp signal`, transport auto): GEMM+RS and
+    AllGather+GEMM on the p2p transports with their GEMMs on every SM, GEMM+AllReduce on NCCL per-group
+    collectives. `nccl` (GEMM+RS: the signaled GEMM + per-group NCCL reduce-scatters, 16 SMs to NCCL) is always
+    timed next to it; --sweep adds the schedule x groups x comm_sms corners that won in earlier runs
+    (docs/perf/) and, for AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
+    p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     if op == "ag":
-        variants = {"ours": OverlapConfig(method="signal", transport="p2p", comm_sms=0)}
+        variants = {"ours": p2p}
         if sweep:
             for groups in (2, 4, 8):
                 variants[f"p2p/g{groups}"] = OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=groups)
@@ -78,14 +81,13 @@ def ours_variants(op, sweep):
                 variants[f"nccl/g{groups}/sm{comm_sms}"] = OverlapConfig(method="signal", groups=groups,
                                                                          comm_sms=comm_sms)
         return variants
-    variants = {"ours": OverlapConfig(method="signal")}
+    variants = {"ours": p2p, "nccl": OverlapConfig(method="signal")} if op == "rs" else \
+        {"ours": OverlapConfig(method="signal")}
     if sweep:
         for schedule, groups, comm_sms in (("row_slice", 2, 0), ("row_slice", 4, 0), ("row_slice", 2, 16),
                                            ("tile_exact", 8, 0)):
             variants[f"{schedule}/g{groups}/sm{comm_sms}"] = OverlapConfig(
                 method="signal", schedule=schedule, groups=groups, comm_sms=comm_sms)
-        if op == "rs":
-            variants["p2p"] = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     return variants
 
 
@@ -173,9 +175,9 @@ def bench_shape(op, name, m, k, n, args, group):
     if variants:
         row["best_variant"], row["best"] = min(variants.items(), key=lambda kv: kv[1])
         row["S_best"] = row["seq"] / row["best"]
-        if "p2p" in variants:
-            row["p2p"] = variants["p2p"]
-            row["S_p2p"] = row["seq"] / row["p2p"]
+        if "nccl" in variants:
+            row["nccl"] = variants["nccl"]
+            row["S_nccl"] = row["seq"] / row["nccl"]
 
     if args.auto:
         from overlap_tp.tune import choose, label
@@ -212,7 +214,7 @@ COLUMNS = [
     ("comm", "comm", "{:.3f}"), ("S_ideal", "S_ideal", "{:.2f}"), ("decomp", "decomp (best c)", "{:.3f}"),
     ("async_tp", "async-TP", "{:.3f}"), ("ours", "ours", "{:.3f}"), ("S", "S", "{:.2f}"),
     ("pct_ideal", "%ideal", "{:.0f}"), ("fo_bound", "FO bound", "{:.3f}"), ("best", "best variant", "{:.3f}"),
-    ("best_variant", "which", "{}"), ("p2p", "p2p", "{:.3f}"), ("S_p2p", "S p2p", "{:.2f}"),
+    ("best_variant", "which", "{}"), ("nccl", "nccl", "{:.3f}"), ("S_nccl", "S nccl", "{:.2f}"),
     ("sgemm_vs_cublas", "sgemm/cuBLAS", "{:.3f}"), ("auto", "auto", "{:.3f}"), ("auto_vs_seq", "seq/auto", "{:.2f}"),
     ("auto_pick", "auto pick", "{}"), ("host_plan_us", "host us (plan)", "{:.0f}"),
     ("host_api_us", "host us (gemm_rs/...)", "{:.0f}"), ("host_seq_us", "host us (seq)", "{:.0f}"),
