@@ -113,8 +113,12 @@ left_alive() {   # left_alive JOB: the job's processes still running (zombies ex
 check_fault() {   # check_fault JOB T_KILL T_END RC WHAT MESSAGE_REGEX LIMIT_S: prints the table row; 1 if it failed
   local job=$1 t_kill=$2 t_end=$3 rc=$4 what=$5 regex=$6 limit=$7 elapsed alive clear ok=PASS
   elapsed=$(python3 -c "print(f'{$t_end - $t_kill:.1f}')")
-  sleep 1
+  # stragglers get 10 s to go (a DataLoader worker notices its dead parent within 5 s); any left are named
+  local waited=0
   alive=$(left_alive "$job")
+  while [[ -n $alive ]] && (( waited < 10 )); do sleep 1; waited=$((waited + 1)); alive=$(left_alive "$job"); done
+  [[ -z $alive ]] || alive=$(for pid in $alive; do
+      printf '%s(%s) ' "$pid" "$({ tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null | cut -c1-80)"; done)
   clear=$(grep -E "$regex" "$OUT/$job.log" | head -3 | tr -s ' ' | cut -c1-160 | paste -sd ';' -)
   [[ $rc != 0 ]] || ok=FAIL
   [[ -n $clear ]] || ok=FAIL
