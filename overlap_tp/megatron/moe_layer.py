@@ -125,9 +125,11 @@ def check_moe_config(config, expert_tp_size: int = 1):
         refuse.append("delay_wgrad_compute: the expert wgrads run inside backward")
     if getattr(config, "transformer_impl", None) == "inference_optimized":
         refuse.append("transformer_impl='inference_optimized' (its inference dispatchers)")
-    if _captures_moe_in_cuda_graphs(config):
-        refuse.append("CUDA graphs over the MoE layer: the token counts reach the host every step "
-                      "(capture attention only, or cuda_graph_impl='none')")
+    if _captures_moe_in_cuda_graphs(config) and not config.moe_pad_expert_input_to_capacity:
+        refuse.append("CUDA graphs over a dropless MoE layer: its token counts reach the host every step, so "
+                      "the expert ops' sizes change between replays (capture with static sizes: "
+                      "--moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity; or capture attention "
+                      "only, or cuda_graph_impl='none')")
     if config.recompute_granularity == "selective" and "moe_act" in (config.recompute_modules or ()):
         refuse.append("recompute_modules 'moe_act' (use 'moe' to recompute the whole MoE layer)")
     if config.moe_apply_probs_on_input and config.moe_router_topk != 1:

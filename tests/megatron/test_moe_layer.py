@@ -350,3 +350,31 @@ def _check_checkpoints(rank, world, ps):
             assert loaded.keys() == wanted.keys()
             for name, weight in loaded.items():
                 assert torch.equal(weight, wanted[name]), f"gated={gated} into ours={into_ours}: {name}"
+
+
+def _graph_config(**overrides):
+    """The options check_moe_config reads, at values it accepts."""
+    from types import SimpleNamespace
+    values = dict(moe_token_dispatcher_type="alltoall", expert_tensor_parallel_size=1, add_bias_linear=False,
+                  fp8=None, fp4=None, moe_router_padding_for_quantization=False, moe_shared_expert_overlap=False,
+                  moe_latent_size=None, overlap_moe_expert_parallel_comm=False,
+                  overlap_dispatch_backward_with_experts_wgrad=False, delay_wgrad_compute=False,
+                  transformer_impl="local", cuda_graph_impl="none", cuda_graph_modules=None,
+                  moe_pad_expert_input_to_capacity=False, moe_expert_capacity_factor=None,
+                  recompute_granularity=None, recompute_modules=None, moe_apply_probs_on_input=False,
+                  moe_router_topk=2)
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+@pytest.mark.parametrize("impl, modules", [("local", None), ("full_iteration", None), ("local", ["moe"])])
+def test_cuda_graphs_over_the_moe_layer_need_static_token_counts(impl, modules):
+    """Dropless routing sends the counts to the host every step: refused under Megatron's graphs, naming the
+    flags that make the sizes static; with padding to capacity the layer is built (its counts are host
+    constants, so the expert ops' plans are reused by every replay)."""
+    from overlap_tp.megatron.moe_layer import check_moe_config
+    with pytest.raises(NotImplementedError, match="--moe-pad-expert-input-to-capacity"):
+        check_moe_config(_graph_config(cuda_graph_impl=impl, cuda_graph_modules=modules))
+    check_moe_config(_graph_config(cuda_graph_impl=impl, cuda_graph_modules=modules,
+                                   moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True))
+    check_moe_config(_graph_config(cuda_graph_impl="local", cuda_graph_modules=["attn"]))   # attention only
