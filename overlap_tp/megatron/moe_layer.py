@@ -125,7 +125,8 @@ def check_moe_config(config, expert_tp_size: int = 1):
         refuse.append("delay_wgrad_compute: the expert wgrads run inside backward")
     if getattr(config, "transformer_impl", None) == "inference_optimized":
         refuse.append("transformer_impl='inference_optimized' (its inference dispatchers)")
-    if _captures_moe_in_cuda_graphs(config) and not config.moe_pad_expert_input_to_capacity:
+    static_sizes = config.moe_expert_capacity_factor is not None and config.moe_pad_expert_input_to_capacity
+    if _captures_moe_in_cuda_graphs(config) and not static_sizes:   # Megatron's own rule for its MoE graphs
         refuse.append("CUDA graphs over a dropless MoE layer: its token counts reach the host every step, so "
                       "the expert ops' sizes change between replays (capture with static sizes: "
                       "--moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity; or capture attention "

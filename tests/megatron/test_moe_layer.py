@@ -377,4 +377,7 @@ def test_cuda_graphs_over_the_moe_layer_need_static_token_counts(impl, modules):
         check_moe_config(_graph_config(cuda_graph_impl=impl, cuda_graph_modules=modules))
     check_moe_config(_graph_config(cuda_graph_impl=impl, cuda_graph_modules=modules,
                                    moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True))
+    with pytest.raises(NotImplementedError, match="--moe-expert-capacity-factor"):   # padding without a capacity
+        check_moe_config(_graph_config(cuda_graph_impl=impl, cuda_graph_modules=modules,
+                                       moe_pad_expert_input_to_capacity=True))
     check_moe_config(_graph_config(cuda_graph_impl="local", cuda_graph_modules=["attn"]))   # attention only
