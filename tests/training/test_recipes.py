@@ -92,6 +92,9 @@ def test_mixtral_shapes_and_moe_layout():
     baseline = recipe_argv("mixtral-proxy", "--overlap-moe", "signal", OVERLAP="off")
     args, _ = build_parser().parse_known_args(baseline)
     assert (args.overlap_tp, args.overlap_moe) == ("off", "signal")   # the MoE overlap alone: flags after win
+    # dropless MoE: per-layer graphs capture attention only; other graph modes add no scope
+    assert flag(argv, "--cuda-graph-impl") == "local" and flag(argv, "--cuda-graph-modules") == "attn"
+    assert "--cuda-graph-modules" not in recipe_argv("mixtral-proxy", GRAPHS="none")
 
 
 def test_graph_mode_is_the_same_for_both_sides():
