@@ -77,11 +77,13 @@ def _dropout_keep(seed, row, p, TILE_N: tl.constexpr, N_TILES: tl.constexpr):
 @triton.jit
 def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed_ptr,
                     y_ptr, residual_out_ptr, rstd_ptr,
-                    row_lo, N, eps, weight_offset, dropout_p,
+                    row_lo, N, eps, weight_offset, dropout_p, slot_stride,
                     X_BLOCK_M: tl.constexpr, X_BLOCK_N: tl.constexpr, X_ORDERED: tl.constexpr,
-                    TILE_N: tl.constexpr, N_TILES: tl.constexpr,
+                    X_SLOTS: tl.constexpr, TILE_N: tl.constexpr, N_TILES: tl.constexpr,
                     HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """One program per row: s = residual + dropout(x + bias) (stored), y = s * rstd * g."""
+    """One program per row: s = residual + dropout(x + bias) (stored), y = s * rstd * g. With X_SLOTS = t > 0,
+    x is the sum of t slots slot_stride elements apart (a p2p reduce-scatter's received partials), added in
+    fp32 in slot order and rounded to x's dtype once: the bits kernels/sum_slots.py would have stored."""
     row = (row_lo + tl.program_id(0)).to(tl.int64)
     cols = tl.arange(0, N_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
     mask = cols < N
@@ -92,7 +94,13 @@ def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)
     x_offs = _offsets(x_order_ptr, row, N, X_BLOCK_M, X_BLOCK_N, TILE_N, N_TILES, X_ORDERED)
-    s = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    if X_SLOTS > 0:
+        s = tl.zeros((N_TILES, TILE_N), dtype=tl.float32)
+        for slot in tl.static_range(X_SLOTS):
+            s += tl.load(x_ptr + slot * slot_stride + x_offs, mask=mask, other=0.0).to(tl.float32)
+        s = s.to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        s = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         s += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
@@ -277,10 +285,12 @@ def empty_forward_outputs(x, residual, residual_dtype):
 
 
 def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=False, dropout_p=0.0, seed=None,
-                   x_order=None, row_lo=0, row_hi=None, num_warps=None):
+                   x_order=None, x_slots=None, row_lo=0, row_hi=None, num_warps=None):
     """Write rows [row_lo, row_hi) of `out` (a ForwardOutputs). No checks: call `check_forward` once.
 
     residual None = plain RMSNorm of x (no bias, dropout or order). dropout_p > 0 needs `seed`.
+    x_slots: a contiguous [t, ...] tensor, t stacked tensors of x's elements in x's order whose sum is x (x itself
+    is then not read; the standard layout only).
     Per-group use: launch on the stream where a group's rows became complete, with that group's rows.
     num_warps: per program (one row); None = `_block`'s rule (the benchmark sweeps it).
     """
@@ -291,11 +301,12 @@ def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=F
     tile_n, n_tiles, default_warps = _block(n, x_order)
     num_warps = num_warps or default_warps
     x_slot_of, x_block_m, x_block_n, x_ordered = _order_args(x_order)
+    slots = 0 if x_slots is None else x_slots.shape[0]
     _forward_kernel[(row_hi - row_lo,)](
-        x, x_slot_of, bias, residual, weight, seed if dropout_p > 0 else None,
+        x if x_slots is None else x_slots, x_slot_of, bias, residual, weight, seed if dropout_p > 0 else None,
         out.y, out.residual_out, out.rstd,
-        row_lo, n, eps, 1.0 if zero_centered_gamma else 0.0, dropout_p,
-        X_BLOCK_M=x_block_m, X_BLOCK_N=x_block_n, X_ORDERED=x_ordered, TILE_N=tile_n, N_TILES=n_tiles,
+        row_lo, n, eps, 1.0 if zero_centered_gamma else 0.0, dropout_p, x.numel(),
+        X_BLOCK_M=x_block_m, X_BLOCK_N=x_block_n, X_ORDERED=x_ordered, X_SLOTS=slots, TILE_N=tile_n, N_TILES=n_tiles,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0,
         num_warps=num_warps)
 
@@ -434,22 +445,43 @@ def check_forward(x, residual, weight, bias=None, *, eps=1e-5, dropout_p=0.0, re
 # Autograd
 # ----------------------------------------------------------------------------------------------
 
+def _check_slots(slots, x):
+    """slots: [t, ...] holding t copies of x's elements in x's order (any shape with x's element count)."""
+    if (slots.dim() < 2 or slots[0].numel() != x.numel() or slots.shape[-1] != x.shape[-1] or slots.dtype != x.dtype
+            or not slots.is_contiguous()):
+        raise ValueError(f"x_sum's slots {_describe(slots)} are not a contiguous stack of t tensors of x's elements "
+                         f"and dtype (x: {_describe(x)})")
+    return slots
+
+
 class FusedAddRMSNormFunction(torch.autograd.Function):
     """(y, residual_out) = RMSNorm(residual + dropout(x + bias)), see the module docstring.
 
     x_order: layout of x (and so of its gradient); grad_order: layout in which y's gradient will
-    arrive (the next layer's dgrad ReduceScatter); None = standard."""
+    arrive (the next layer's dgrad ReduceScatter); None = standard.
+    x_sum: x is not computed yet but is the sum of t slots (a peer-to-peer reduce-scatter's partials, not yet
+    summed: overlap_tp/ops/p2p.py, DeferredSum); x_sum.consume(fn) calls fn(slots [t, ...]) where the slots
+    are readable, and the kernel sums them itself: one pass over the activation less. x then only stands for
+    the input in autograd (its gradient is the reduce-scatter output's, as without x_sum)."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, zero_centered_gamma, dropout_p, residual_dtype,
-                x_order, grad_order):
+                x_order, grad_order, x_sum=None):
         rows, n = check_forward(x, residual, weight, bias, eps=eps, dropout_p=dropout_p,
                                 residual_dtype=residual_dtype, x_order=x_order)
         _check_order("grad_order", grad_order, rows, n, weight.device)
         seed = dropout_seed(x.device) if dropout_p > 0 else None
         out = empty_forward_outputs(x, residual, residual_dtype)
-        launch_forward(x, residual, weight, bias, out, eps=eps, zero_centered_gamma=zero_centered_gamma,
-                       dropout_p=dropout_p, seed=seed, x_order=x_order)
+
+        def launch(x_slots=None):
+            launch_forward(x, residual, weight, bias, out, eps=eps, zero_centered_gamma=zero_centered_gamma,
+                           dropout_p=dropout_p, seed=seed, x_order=x_order, x_slots=x_slots)
+        if x_sum is None:
+            launch()
+        else:   # x is not written yet: the kernel sums its slots where x_sum makes them readable
+            if x_order is not None:
+                raise ValueError("x_sum reads x in the standard layout; it takes no x_order")
+            x_sum.consume(lambda slots: launch(_check_slots(slots, x)))
         ctx.save_for_backward(out.residual_out, out.rstd, weight, seed)
         ctx.options = (zero_centered_gamma, dropout_p, x_order, grad_order)
         ctx.input_meta = (x.shape, x.dtype, residual.dtype, None if bias is None else bias.dtype)
@@ -471,7 +503,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
             weight, d_residual, dx, zero_centered_gamma=zero_centered_gamma, dropout_p=dropout_p, seed=seed,
             dy_order=grad_order, dx_order=x_order, bias_grad=bias_dtype is not None and ctx.needs_input_grad[3])
         return (d_residual if dx_is_d_residual else dx, d_residual, d_weight.to(weight.dtype),
-                None if d_bias is None else d_bias.to(bias_dtype), None, None, None, None, None, None)
+                None if d_bias is None else d_bias.to(bias_dtype), None, None, None, None, None, None, None)
 
 
 class RMSNormFunction(torch.autograd.Function):

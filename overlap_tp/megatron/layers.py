@@ -197,14 +197,18 @@ def _weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
 class _LinearArgs:
     """What a layer's autograd Function needs besides tensors."""
 
-    __slots__ = ("group", "sequence_parallel", "allreduce_dgrad", "gradient_accumulation_fusion", "layer_config")
+    __slots__ = ("group", "sequence_parallel", "allreduce_dgrad", "gradient_accumulation_fusion", "layer_config",
+                 "defer_sum", "deferred_sum")
 
-    def __init__(self, group, sequence_parallel, allreduce_dgrad, gradient_accumulation_fusion, layer_config):
+    def __init__(self, group, sequence_parallel, allreduce_dgrad, gradient_accumulation_fusion, layer_config,
+                 defer_sum=False):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.allreduce_dgrad = allreduce_dgrad
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.layer_config = layer_config
+        self.defer_sum = defer_sum      # row, SP: leave a p2p reduce-scatter's sum to the output's consumer
+        self.deferred_sum = None        # ... and here is what it left (ops.p2p.DeferredSum), for the module
 
     def config(self, op):
         return _resolve_config(self.layer_config, op)
@@ -281,7 +285,17 @@ class _RowParallelFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weight, bias, args: _LinearArgs):
         _save_common(ctx, weight, bias, args)
-        if args.sequence_parallel:
+        if args.sequence_parallel and args.defer_sum:
+            pending = gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs"), async_op=True)
+            if pending.deferred_sum is None:   # not the p2p transport: nothing to defer
+                out = pending.wait()
+            else:
+                # The consumer's kernel sums the received partials itself (OverlapTransformerLayer's fused
+                # bias-dropout-add + norm); until then `out` only stands for the output in autograd, unwritten.
+                args.deferred_sum = pending.deferred_sum
+                out = torch.empty(y.shape[0] // get_pg_size(args.group), weight.shape[0], dtype=y.dtype,
+                                  device=y.device)
+        elif args.sequence_parallel:
             out = _observed("gemm_rs", lambda: gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs")),
                             y, weight, args.group)
         else:
@@ -514,7 +528,15 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
     Sequence parallel: forward gemm_rs (GEMM + reduce-scatter to the sequence shards, bias added once);
     backward dgrad ag_gemm(dZ, W.T, return_gathered=True), the gathered dZ reused for wgrad.
     Without SP: forward gemm_ar; backward dgrad is the local GEMM.
+
+    defer_sum_next: set by the module that consumes this layer's next output (OverlapTransformerLayer, for
+    linear_proj under its fused bias-dropout-add + norm), cleared by the next forward. When that forward's
+    reduce-scatter runs on the p2p transport, its sum is left to the consumer's kernel: the output is then
+    unwritten and carries `overlap_tp_deferred_sum` (ops.p2p.DeferredSum), which the consumer must run.
     """
+
+    defer_sum_next = False
+    deferred_sum = None   # the last forward's DeferredSum (None: its output was written), for the consumer's check
 
     def __init__(self, input_size, output_size, *, config, init_method: Callable, bias: bool,
                  input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
@@ -554,8 +576,9 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
             input_ = _ScatterLastDim.apply(input_, self.tp_group)
         y2d = _flatten_input(input_, self.input_size_per_partition, type(self).__name__)
         bias = self.bias if not self.skip_bias_add else None
+        defer_sum, self.defer_sum_next = self.defer_sum_next, False
         args = _LinearArgs(self.tp_group, self.sequence_parallel, False, self.gradient_accumulation_fusion,
-                           self.overlap_config)
+                           self.overlap_config, defer_sum=defer_sum)
         t = get_pg_size(self.tp_group)
         if self.sequence_parallel and input_.shape[0] % t:
             raise ValueError(f"OverlapRowParallelLinear: sequence length {input_.shape[0]} is not divisible by the "
@@ -564,6 +587,9 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
         out2d = _RowParallelFn.apply(y2d, self.weight, bias, args)
         rows = input_.shape[0] // t if self.sequence_parallel else input_.shape[0]
         output = out2d.view(rows, *input_.shape[1:-1], self.output_size)
+        self.deferred_sum = args.deferred_sum
+        if args.deferred_sum is not None:   # unwritten until the consumer runs it: see defer_sum_next
+            output.overlap_tp_deferred_sum = args.deferred_sum
         return output, (self.bias if self.skip_bias_add else None)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):

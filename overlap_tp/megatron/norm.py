@@ -34,7 +34,8 @@ def rmsnorm(x, weight, *, eps=1e-5, zero_centered_gamma=False):
 
 
 def fused_add_rmsnorm(x, residual, weight, bias=None, *, eps=1e-5, zero_centered_gamma=False, dropout_p=0.0,
-                      training=True, fp32_residual=False, residual_post_norm=False, x_order=None, grad_order=None):
+                      training=True, fp32_residual=False, residual_post_norm=False, x_order=None, grad_order=None,
+                      x_sum=None):
     """Megatron's bias-dropout-add followed by the next RMSNorm:
 
         residual_out = residual + dropout(x + bias)        (dropout only when training)
@@ -48,11 +49,13 @@ def fused_add_rmsnorm(x, residual, weight, bias=None, *, eps=1e-5, zero_centered
     tile-exact buffer of the same element count. grad_order: the TileOrder in which the gradient of
     `normalized` will arrive (the next column-parallel layer's dgrad ReduceScatter), None = standard.
     Every output is in the standard layout; x's gradient is in x's layout.
+    x_sum: x is the not yet summed output of a peer-to-peer reduce-scatter (overlap_tp/ops/p2p.py, DeferredSum):
+    the kernel reads its slots and sums them itself (FusedAddRMSNormFunction says more).
     """
     residual_dtype = torch.float32 if fp32_residual else x.dtype
     normalized, residual_out = FusedAddRMSNormFunction.apply(
         x, residual, weight, bias, eps, zero_centered_gamma, dropout_p if training else 0.0, residual_dtype,
-        x_order, grad_order)
+        x_order, grad_order, x_sum)
     return normalized, normalized if residual_post_norm else residual_out
 
 

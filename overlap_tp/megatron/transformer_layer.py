@@ -7,7 +7,11 @@ the sequence shards under SP):
     normed = RMSNorm(hidden)                     pre_mlp_layernorm  reads hidden; writes normed
 
 `OverlapTransformerLayer` computes both in one kernel (overlap_tp.megatron.norm.fused_add_rmsnorm): one read of
-x and residual, one write of each output, and in backward one kernel instead of two. Everything else is
+x and residual, one write of each output, and in backward one kernel instead of two. When linear_proj's
+reduce-scatter runs on the p2p transport (overlap_tp/ops/p2p.py), x itself is never written: the kernel reads the
+t received partials and sums them (one pass over the activation and one launch less): the layer asks linear_proj
+to defer its sum (OverlapRowParallelLinear.defer_sum_next) for the span of its attention block, and the fused bda
+runs the deferred sum it finds on x. Everything else is
 Megatron's own code: the subclass only swaps `self_attn_bda` for a function that runs the fused kernel
 and hands its normalized output to `_forward_pre_mlp_layernorm`, which returns it instead of running the
 norm again. The handover is keyed on the tensor's identity, so a layer whose forward did not come through
@@ -23,6 +27,7 @@ from typing import Optional
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+from overlap_tp.megatron.layers import OverlapRowParallelLinear
 from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
 
 __all__ = ["OverlapTransformerLayer"]
@@ -38,6 +43,11 @@ class OverlapTransformerLayer(TransformerLayer):
         self._fused_handover = None   # (hidden, normed) from the fused bda, consumed by the pre-MLP norm
         reason = self._unfusable_reason()
         self.fused_attn_norm = reason is None
+        proj = getattr(self.self_attention, "linear_proj", None)
+        # linear_proj's p2p sum summed by the fused kernel (offloading would copy its unwritten output)
+        self.fused_proj_sum = (self.fused_attn_norm and isinstance(proj, OverlapRowParallelLinear)
+                               and proj.sequence_parallel and not getattr(self.self_attention, "offload_attn_proj",
+                                                                          False))
         if self.fused_attn_norm:
             self.self_attn_bda = self._fused_attn_bda
         elif reason not in _warned:
@@ -65,14 +75,34 @@ class OverlapTransformerLayer(TransformerLayer):
 
         def bias_dropout_add_norm(x_with_bias, residual, prob):
             x, bias = x_with_bias
+            x_sum = getattr(x, "overlap_tp_deferred_sum", None)   # linear_proj left its p2p sum to this kernel
+            if x_sum is not None:
+                del x.overlap_tp_deferred_sum
             # Megatron's TransformerLayer ignores apply_residual_connection_post_layernorm: so do we.
             normed, hidden = fused_add_rmsnorm(
                 x, residual, norm.weight, bias, eps=norm.eps, zero_centered_gamma=norm.zero_centered_gamma,
-                dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection)
+                dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum)
             self._fused_handover = (hidden, normed)
             return hidden
 
         return bias_dropout_add_norm
+
+    def _forward_attention(self, *args, **kwargs):
+        """Megatron's attention block (self-attention, then the bda), with linear_proj's p2p sum deferred to the
+        fused bda's kernel when the layer fuses them; an output left unsummed is an error, never a silent read."""
+        if not self.fused_proj_sum:
+            return super()._forward_attention(*args, **kwargs)
+        proj = self.self_attention.linear_proj
+        proj.defer_sum_next = True
+        try:
+            out = super()._forward_attention(*args, **kwargs)
+        finally:
+            proj.defer_sum_next = False
+        deferred, proj.deferred_sum = proj.deferred_sum, None
+        if deferred is not None and not deferred.done:
+            raise RuntimeError("OverlapTransformerLayer: linear_proj's output reached something other than the fused "
+                               "bias-dropout-add + norm while its p2p sum was left to that kernel")
+        return out
 
     def _forward_pre_mlp_layernorm(self, hidden_states):
         handover, self._fused_handover = self._fused_handover, None

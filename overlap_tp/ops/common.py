@@ -62,6 +62,8 @@ class Pending:
     caller's current stream wait for it and returns the output. Until then it holds every buffer the
     transfer reads or writes, so the caching allocator cannot hand one to the work queued in between."""
 
+    deferred_sum = None   # gemm_rs on the p2p transport: its DeferredSum (wait() runs it; a consumer may instead)
+
     def __init__(self, finish: Callable[[], torch.Tensor], *buffers):
         self._finish, self._buffers = finish, buffers
 

@@ -72,8 +72,11 @@ class GemmRS(OpPlan):
         n, m_local = self.n, self.m_local
         if self.method == "signal" and self.config.transport == "p2p":
             # the sum (after the wait for every peer's stores) runs on the stream current at wait(): with
-            # async_op, work queued before wait() hides the wait for the slowest peer
-            pending = Pending(self.p2p(a, w, bias))
+            # async_op, work queued before wait() hides the wait for the slowest peer. pending.deferred_sum lets
+            # the kernel that reads the output sum the slots itself instead (the fused add + RMSNorm).
+            deferred = self.p2p(a, w, bias)
+            pending = Pending(deferred)
+            pending.deferred_sum = deferred
         elif self.method == "signal":
             signaled = self.signaled
             order = signaled.order

@@ -71,11 +71,11 @@ class P2PReduceScatter:
         watched.words = (("peer signals [SUMMED, ARRIVED] x rank", self.signals.words),)
 
     def __call__(self, a, w, bias):
-        """Issue the call's first half on the caller's stream and return the second half, `reduce()`, to be
-        called once on the stream that will read the output: at once, or after work queued to hide the wait
-        for the peers (the column-parallel backward's wgrad GEMM, through gemm_rs(async_op=True)). Until
-        `reduce` ran, the plan refuses another call: that call's wait for SUMMED would queue ahead of the sum
-        it waits for, on every rank (a deadlock on the GPU)."""
+        """Issue the call's first half on the caller's stream and return the second half, a DeferredSum, to be
+        run once on the stream that will read the output: at once, or after work queued to hide the wait for
+        the peers (the column-parallel backward's wgrad GEMM, through gemm_rs(async_op=True)), or by the kernel
+        that reads the sum (the fused add + RMSNorm). Until it ran, the plan refuses another call: that call's
+        wait for SUMMED would queue ahead of the sum it waits for, on every rank (a deadlock on the GPU)."""
         capturing = torch.cuda.is_current_stream_capturing()
         if self.outstanding == "capture" and not capturing:
             # issued into a capture that ended without its second half: the capture failed, and nothing of it
@@ -87,17 +87,15 @@ class P2PReduceScatter:
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         self.store_half(stream, lambda: self.gemm(a, w, self.buf, bias))
         self.outstanding = "capture" if capturing else "eager"
-        return self._reduce
+        return DeferredSum(self)
 
-    def _reduce(self):
+    def finish(self, read_slots):
+        """The call's second half on the current stream, around read_slots(slots [t, M/t, N])."""
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        out = torch.empty(self.m_local, self.n, dtype=self.buf.dtype, device=self.buf.device)
-        # fp32 sum of the slots rounded once: at t = 2, NCCL's bf16 a + b exactly (kernels/sum_slots.py)
-        self.reduce_half(stream, lambda: self.sum(self.buf.view(self.t, self.m_local * self.n), out))
+        self.reduce_half(stream, lambda: read_slots(self.buf.view(self.t, self.m_local, self.n)))
         self.outstanding = None
         if not torch.cuda.is_current_stream_capturing():
             self.watched.record(stream)
-        return out
 
     def store_half(self, stream, store):
         """wait SUMMED from every peer, reset; store (the GEMM into the owners' buffers); signal ARRIVED."""
@@ -110,6 +108,37 @@ class P2PReduceScatter:
         self.signals.wait(stream, self.ARRIVED)
         reduce()
         self.signals.signal(stream, self.SUMMED)
+
+
+class DeferredSum:
+    """The second half of one P2PReduceScatter call: this rank's rows are the sum of the t partials in the
+    plan's receive buffer once every peer's ARRIVED signal is in. Run exactly once, on the stream that reads
+    the result: calling it sums them into a new [M/t, N] tensor (kernels/sum_slots.py: fp32, rounded once; at
+    t = 2 NCCL's bf16 a + b exactly); `consume(kernel)` instead runs kernel(slots [t, M/t, N]) between the
+    same wait and signal, for a kernel that reads the sum itself (the fused add + RMSNorm: one pass less)."""
+
+    def __init__(self, op: P2PReduceScatter):
+        self._op = op
+
+    @property
+    def done(self) -> bool:
+        """Whether it ran (summed or consumed)."""
+        return self._op is None
+
+    def _take(self) -> P2PReduceScatter:
+        if self._op is None:
+            raise RuntimeError("overlap_tp gemm_rs (p2p): the deferred sum was already run")
+        op, self._op = self._op, None
+        return op
+
+    def __call__(self) -> torch.Tensor:
+        op = self._take()
+        out = torch.empty(op.m_local, op.n, dtype=op.buf.dtype, device=op.buf.device)
+        op.finish(lambda slots: op.sum(slots.view(op.t, op.m_local * op.n), out))
+        return out
+
+    def consume(self, kernel):
+        self._take().finish(kernel)
 
 
 class ShardPull:

@@ -22,6 +22,9 @@ full weights and inputs (relative Frobenius error):
   missing fused_weight_gradient_mlp_cuda), so ours is compared with Megatron's plain bf16 weight grads
   of the same two micro-batches accumulated in fp32, and with the fp32 dense sum, under the same rule.
 
+And OverlapTransformerLayer on the p2p transports: linear_proj's sum done inside the fused bda + norm kernel is
+bit for bit the summed path (20 steps).
+
 CPU (gloo, tiny shapes, methods off / decompose / signal in Triton's interpreter):
 `python tests/gpu/test_layers_gpu.py --cpu`; tests/test_layer_bench.py runs a part of it in CI.
 """
@@ -278,6 +281,54 @@ def test_linears_match_megatron(shapes):
 
 def test_linears_match_megatron_p2p():
     run_distributed(_gpu_world(), check_layers, "cuda", GPU_SHAPES, methods("cuda", p2p=True), backend="nccl")
+
+
+def check_deferred_proj_sum(rank, world):
+    """OverlapTransformerLayer (SP, p2p transports) with linear_proj's reduce-scatter sum left to the fused
+    bias-dropout-add + norm kernel (the default) against the same layer summing first (fused_proj_sum off):
+    output, input grad and every parameter grad bit for bit, over 20 back-to-back steps with fresh inputs
+    (the p2p protocol's second half run by the norm's kernel every time)."""
+    _quiet()
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layers import set_overlap_config
+    ps = _setup(world, "cuda")
+    config = TransformerConfig(num_layers=1, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
+                               ffn_hidden_size=2816, params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
+                               tensor_model_parallel_size=world, sequence_parallel=True, hidden_dropout=0.0,
+                               attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
+                               init_method_std=0.02)
+    p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    layers = []
+    for fused in (True, False):
+        _seed(77, "cuda")
+        layer = build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=1).cuda()
+        set_overlap_config(layer, {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")})
+        assert layer.fused_proj_sum, "the deferred sum should be on by default here"
+        layer.fused_proj_sum = fused
+        layers.append(layer)
+    gen = torch.Generator(device="cuda").manual_seed(5 + rank)
+    seq = 4096 // world
+    for step in range(20):
+        x = torch.randn(seq, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        g = torch.randn(seq, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        results = []
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            out, _ = layer(xi, attention_mask=None)
+            out.backward(g)
+            results.append([out, xi.grad] + [p.grad for _, p in layer.named_parameters()])
+        assert torch.isfinite(results[0][0]).all()
+        for i, (a, b) in enumerate(zip(*results)):
+            assert torch.equal(a, b), f"step {step} rank {rank}: tensor {i} differs from the summed path"
+    torch.cuda.synchronize()
+    ps.destroy_model_parallel()
+
+
+def test_transformer_layer_p2p_sum_in_the_norm_kernel_is_bitwise_the_summed_path():
+    run_distributed(_gpu_world(), check_deferred_proj_sum, backend="nccl")
 
 
 def run_on_cpu(shapes=None, method_names=None, fusion=True):

@@ -330,3 +330,83 @@ def test_zero_rows_give_empty_outputs_and_zero_weight_grad():
     (y.sum() + carried.sum()).backward()
     assert x.grad.shape == residual.grad.shape == (0, 2, 64)
     assert torch.equal(weight.grad, torch.zeros(64))
+
+
+# ---------------------------------------------------------------------------------------------------
+# x as the unsummed slots of a p2p reduce-scatter (x_slots / x_sum)
+# ---------------------------------------------------------------------------------------------------
+
+class FakeDeferredSum:
+    """ops.p2p.DeferredSum's contract on plain tensors: consume(kernel) runs kernel(slots) once."""
+
+    def __init__(self, slots):
+        self.slots, self.calls = slots, 0
+
+    def consume(self, kernel):
+        self.calls += 1
+        kernel(self.slots)
+
+
+def _slots(t, shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn((t,) + shape, generator=gen) * 2).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, shape", [(2, (16, 2, 128)), (3, (11, 2, 96)), (1, (4, 1, 64))])
+def test_the_kernel_sums_slots_like_the_slot_sum_then_the_norm(dtype, t, shape):
+    """launch_forward(x_slots=...) gives the bits of kernels/sum_slots.py's sum followed by the norm on it (the
+    same rounding of the sum to x's dtype, in whatever mode the kernels run), with bias and dropout."""
+    from overlap_tp.kernels.sum_slots import SumSlots
+    slots = _slots(t, shape, dtype, seed=t * 7 + shape[0])
+    _, residual, weight, b = make_inputs(dtype, torch.float32, True, None, shape)
+    x = torch.empty(shape, dtype=dtype)
+    SumSlots(t, x.numel())(slots.view(t, -1), x)
+    options = dict(eps=1e-6, dropout_p=0.1, seed=dropout_seed("cpu"))
+    want = empty_forward_outputs(x, residual, torch.float32)
+    launch_forward(x, residual, weight, b, want, **options)
+    got = empty_forward_outputs(x, residual, torch.float32)
+    placeholder = torch.full(shape, float("nan"), dtype=dtype)   # never read
+    launch_forward(placeholder, residual, weight, b, got, x_slots=slots, **options)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_x_sum_runs_the_kernel_through_its_consumer_and_backpropagates_to_x():
+    shape, t = (8, 2, 64), 2
+    from overlap_tp.kernels.sum_slots import SumSlots
+    slots = _slots(t, shape, torch.bfloat16, seed=5)
+    x_summed = torch.empty(shape, dtype=torch.bfloat16)   # rounded as the fused kernel rounds it, in either mode
+    SumSlots(t, x_summed.numel())(slots.view(t, -1), x_summed)
+    _, residual, weight, b = make_inputs(torch.bfloat16, torch.bfloat16, True, None, shape)
+    gen = torch.Generator().manual_seed(9)
+    dy = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    d_res = torch.randn(shape, generator=gen).to(torch.bfloat16)
+
+    def run(x, x_sum):
+        leaves = [x.clone().requires_grad_(), residual.clone().requires_grad_(), weight.clone().requires_grad_(),
+                  b.clone().requires_grad_()]
+        y, carried = fused_add_rmsnorm(*leaves, x_sum=x_sum)
+        torch.autograd.backward([y, carried], [dy, d_res])
+        return (y, carried) + tuple(leaf.grad for leaf in leaves)
+
+    want = run(x_summed, None)
+    deferred = FakeDeferredSum(slots)
+    got = run(torch.full(shape, float("nan"), dtype=torch.bfloat16), deferred)
+    assert deferred.calls == 1
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_x_sum_refuses_bad_slots_and_an_x_order():
+    shape = (4, 1, 64)
+    x = torch.zeros(shape, dtype=torch.bfloat16)
+    _, residual, weight, _ = make_inputs(torch.bfloat16, torch.bfloat16, False, None, shape)
+    with pytest.raises(ValueError, match="not a contiguous stack"):
+        fused_add_rmsnorm(x, residual, weight, x_sum=FakeDeferredSum(torch.zeros(2, 3, 64, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="not a contiguous stack"):
+        fused_add_rmsnorm(x, residual, weight, x_sum=FakeDeferredSum(torch.zeros(2, 4, 64, dtype=torch.float16)))
+    with pytest.raises(ValueError, match="no x_order"):
+        order = random_order(4, 64, 2, 32)
+        fused_add_rmsnorm(x.view(4, 64), residual.view(4, 64), weight, x_order=order,
+                          x_sum=FakeDeferredSum(torch.zeros(2, 4, 64, dtype=torch.bfloat16)))

@@ -383,6 +383,81 @@ def test_transformer_layer_from_spec():
     run_distributed(2, _check_transformer_layer)
 
 
+class _FakeDeferredSum:
+    """The p2p transport's DeferredSum on the CPU: slots (out, 0), whose sum is the real reduce-scatter output."""
+
+    def __init__(self, out, consumed):
+        self.slots, self.out, self.done, self.consumed = torch.stack([out, torch.zeros_like(out)]), out, False, consumed
+
+    def consume(self, kernel):
+        assert not self.done
+        kernel(self.slots)
+        self.done = True
+        self.consumed.append(self.slots.shape)
+
+    def __call__(self):
+        assert not self.done
+        self.done = True
+        return self.out
+
+
+def _check_deferred_proj_sum(rank, world):
+    """linear_proj's reduce-scatter sum left to the fused bda + norm kernel (what the p2p transport does on GPUs,
+    faked here on gloo): the layer's output, input grad and every parameter grad are bit for bit those of the
+    summed path; an attention block whose bda is not the fused one gets an error, not the unwritten output."""
+    _quiet()
+    ps = _init_megatron(world)
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron import layers
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.ops.common import Pending
+    spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
+    g = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
+    real_gemm_rs, consumed = layers.gemm_rs, []
+
+    def deferring_gemm_rs(*args, async_op=False, **kwargs):
+        result = real_gemm_rs(*args, async_op=async_op, **kwargs)
+        if not async_op:
+            return result
+        deferred = _FakeDeferredSum(result.wait(), consumed)
+        pending = Pending(deferred)
+        pending.deferred_sum = deferred
+        return pending
+
+    def run(fake, bda=None):
+        torch.manual_seed(99)
+        layer = build_module(spec, config=_layer_config(world, True), layer_number=1)
+        layers.set_overlap_config(layer, OFF)
+        if bda is not None:
+            layer.self_attn_bda = bda
+        layers.gemm_rs = deferring_gemm_rs if fake else real_gemm_rs
+        try:
+            xi = x.clone().requires_grad_(True)
+            out, _ = layer(xi, attention_mask=None)
+            out.backward(g)
+        finally:
+            layers.gemm_rs = real_gemm_rs
+        return [out, xi.grad] + [p.grad for _, p in layer.named_parameters()]
+
+    want = run(False)
+    got = run(True)
+    assert consumed == [torch.Size([2, SEQ // world * BATCH, H])], consumed   # the forward's proj only
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+    def plain_bda(training, fused):
+        return lambda x_with_bias, residual, prob: x_with_bias[0] + residual
+    with pytest.raises(RuntimeError, match="reached something other than the fused"):
+        run(True, bda=plain_bda)
+    ps.destroy_model_parallel()
+
+
+def test_deferred_proj_sum_is_summed_by_the_fused_norm():
+    run_distributed(2, _check_deferred_proj_sum)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------------

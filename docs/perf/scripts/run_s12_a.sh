@@ -1,5 +1,6 @@
 # Next session, call 1 (nvidia-h200-x2), written at the end of session 11 for what it could not run:
-# - GPU tests pending a run: the MoE layer captured with static sizes, the graph tests (deadline waits);
+# - GPU tests pending a run: linear_proj's p2p sum inside the fused norm kernel (bitwise the summed path), the
+#   MoE layer captured with static sizes, the graph tests (deadline waits);
 # - the full-iteration exit fix (launch/pretrain.py frees Megatron's graphs): smoke off / signal must now exit
 #   by themselves (each run watched: 30 s after "after training is done" its workers get SIGABRT);
 # - GEMM+RS and AllGather+GEMM ops in ONE run under graphs with host time (issue 21's median %ideal from one
@@ -33,7 +34,9 @@ train() {   # train NAME SECONDS ENV... -- RECIPE ARGS: in the background, watch
   done
   wait $pid; echo "$name exit $? after $((SECONDS - t0)) s (training ended at +$(( ${done_at:-$SECONDS} - t0 )) s)"
 }
-step gpu_tests 200 python3 -m pytest -m gpu -x -q -rA $REPO/tests/gpu/test_moe_layer_gpu.py -k captured \
+step gpu_layer 150 python3 -m pytest -m gpu -x -q -rA $REPO/tests/gpu/test_layers_gpu.py $REPO/tests/gpu/test_gemm_rs_gpu.py \
+  $REPO/tests/gpu/test_moe_layer_gpu.py -k "p2p_sum or captured or bias or s8192" -p no:cacheprovider
+step gpu_norm_graphs 150 python3 -m pytest -m gpu -x -q -rA $REPO/tests/gpu/test_fused_add_rmsnorm_gpu.py \
   $REPO/tests/gpu/test_graphs_gpu.py -p no:cacheprovider
 train smoke-off 75 GRAPHS=full_iteration OVERLAP=off TRAIN_ITERS=40 -- $REPO/recipes/smoke.sh
 train smoke-signal 75 GRAPHS=full_iteration OVERLAP=signal TRAIN_ITERS=40 -- $REPO/recipes/smoke.sh
