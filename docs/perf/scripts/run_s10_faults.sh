@@ -16,7 +16,9 @@
 #      torchrun sees nothing): rank 0's overlap_tp watchdog must end it with its message within
 #      STALL_WATCHDOG_S (20) plus torchrun's shutdown.
 #
-# The recipe's own knobs pass through (e.g. GRAPHS=none for eager steps; its default is Megatron's local CUDA graphs).
+# The recipe's own knobs pass through (e.g. GRAPHS=none for eager steps; its default is Megatron's full-iteration
+# CUDA graphs). DETERMINISTIC=1 adds Megatron's --deterministic-mode: two uninterrupted runs of the default setup
+# already differ (session 11: 2 of 10 iterations identical), so a bitwise resume can only be shown with it.
 # Run from the repository root on the device: `COMMIT=<sha> bash docs/perf/scripts/run_s10_faults.sh`.
 # Writes under $OUT (at most 8 files): summary.md, reference.log, fault_<F>.log, resume_<F>.log (and stall.log).
 # Budget: about 3-4 minutes on 2 x H200 without STALL (each run ~30 s: start-up, Triton compiles, 30 steps).
@@ -86,7 +88,8 @@ train() {
   rm -rf "${WORK:?}/$job"; mkdir -p "$WORK/$job"
   S10_TAG=$job OUT_DIR=$WORK/$job OVERLAP=signal TRAIN_ITERS=$TRAIN_ITERS LOG_INTERVAL=1 WANDB_PROJECT= \
     OVERLAP_TP_WATCHDOG_S=$watchdog MASTER_PORT=$(( 29500 + RANDOM % 1000 )) \
-    timeout -s KILL "$RUN_TIMEOUT_S" bash "$REPO/recipes/smoke.sh" --no-overlap-tp-stats "$@" \
+    timeout -s KILL "$RUN_TIMEOUT_S" bash "$REPO/recipes/smoke.sh" --no-overlap-tp-stats \
+    ${DETERMINISTIC:+--deterministic-mode} "$@" \
     > "$WORK/$job/recipe.out" 2>&1 &
   JOB_PID=$!
 }
