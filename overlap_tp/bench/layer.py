@@ -115,7 +115,9 @@ def parse_args(argv):
                         "CUDA graph holding --input-sets forward+backward steps, captured once per configuration")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after timing each configuration, profile --profile-steps steps (torch.profiler, CPU + "
-                        "CUDA) and write DIR/<model>_<config>_rank<r>.json.gz (Chrome trace)")
+                        "CUDA) and write DIR/<model>_<config>_rank<r>.json.gz (Chrome trace); with --graphs, one "
+                        "replay of the timed graph (--input-sets steps) instead, so the trace is what was timed "
+                        "(no launch gaps): DIR/<model>_<config>_graph_rank<r>.json.gz")
     p.add_argument("--profile-steps", type=int, default=3)
     args = p.parse_args(argv)
     if args.tiny:
@@ -508,6 +510,14 @@ def bench_model(model, args, group, device, rows, command):
         if "megatron" not in ready:
             break
 
+    if args.graphs and args.profile:   # one replay of each timed graph: the GPU timeline that was timed
+        for name in list(captured):
+            path = os.path.join(args.profile, f"{model}_{name}_graph_rank{dist.get_rank(group)}.json.gz")
+            try:   # a failed profile costs its trace, never the configuration's timing
+                profile_steps(lambda *_, graph=captured[name].graph: graph.replay(), sets, 1, group, path)
+            except Exception as error:
+                traceback.print_exc()
+                model_rows[name]["profile_error"] = f"{type(error).__name__}: {error}"[:200]
     captured.clear()   # the graphs' memory pools, before the eager measurements below
     _free(device)
 
@@ -531,7 +541,7 @@ def bench_model(model, args, group, device, rows, command):
             with _communication(table[name][2]):
                 if device.type == "cuda":
                     row["host_ms"], row["gpu_ms"] = queued_ms(ready[name], sets, group)
-                if args.profile:
+                if args.profile and not args.graphs:
                     profile_steps(ready[name], sets, args.profile_steps, group,
                                   os.path.join(args.profile, f"{model}_{name}_rank{dist.get_rank(group)}.json.gz"))
         except Exception as error:

@@ -1,6 +1,7 @@
 """Summarise torch.profiler Chrome traces of layer steps (bench layer --profile): where the GPU's time goes.
 
-    python docs/perf/scripts/trace_summary.py --steps 2 DIR/*_rank0.json.gz
+    python docs/perf/scripts/trace_summary.py --steps 2 DIR/*_rank0.json.gz          # eager steps (--profile-steps 2)
+    python docs/perf/scripts/trace_summary.py --steps 3 DIR/*_graph_rank0.json.gz    # one graph replay (--input-sets 3)
 
 Per trace: the GPU span per step, and per step the time in which
   compute  a compute kernel runs (GEMMs, attention, norms, elementwise: every kernel but communication's),
@@ -83,7 +84,8 @@ def summarise(path, steps, top):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", nargs="+")
-    p.add_argument("--steps", type=int, default=3, help="steps in each trace (bench layer --profile-steps)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="steps in each trace (bench layer --profile-steps; with --graphs its --input-sets)")
     p.add_argument("--top", type=int, default=14)
     args = p.parse_args()
     for path in args.traces:
