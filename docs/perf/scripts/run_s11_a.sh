@@ -5,15 +5,7 @@
 # once the call's time runs short (priority order).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
-W=/tmp/w11a; rm -rf $W; mkdir -p $W/prof
-pack() { cd $W && rm -rf */tensorboard && tar czf $OUT/s11_a.tgz . ; }
-trap pack EXIT
-step() {   # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  if (( SECONDS + limit > 575 )); then echo "$name skipped (time)"; return; fi
-  timeout $limit "$@" > $W/$name.out 2>&1; echo "$name exit $? at ${SECONDS}s"
-  grep -E "Error|error:|Traceback" $W/$name.out | head -3
-}
+workdir s11_a && mkdir -p $W/prof
 step layer 330 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models l8b,l70b \
   --configs megatron,nocomm,off,signal,signal-agp2p,signal-p2p --reps 40 --rounds 5 --profile $W/prof --profile-steps 2 \
   --out $W --name layer_graphs

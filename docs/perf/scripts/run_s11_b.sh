@@ -3,15 +3,7 @@
 # (8B, 70B) with profiles, then bench ops --graphs for GEMM+RS. Steps skipped once time runs short.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
-W=/tmp/w11b; rm -rf $W; mkdir -p $W/prof
-pack() { cd $W && tar czf $OUT/s11_b.tgz . ; }
-trap pack EXIT
-step() {   # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  if (( SECONDS + limit > 580 )); then echo "$name skipped (time)"; return; fi
-  timeout $limit "$@" > $W/$name.out 2>&1; echo "$name exit $? at ${SECONDS}s"
-  grep -E "Error|error:|Traceback|passed|failed" $W/$name.out | head -5
-}
+workdir s11_b && mkdir -p $W/prof
 step gpu_tests 200 python3 -m pytest -m gpu -x -q -rA $REPO/tests/gpu/test_gemm_rs_gpu.py $REPO/tests/gpu/test_graphs_gpu.py -k "s8192 or odd or bias or graph or replay or capture" -p no:cacheprovider
 step layer 250 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models l8b,l70b \
   --configs megatron,nocomm,off,signal-agp2p,signal-p2p --reps 40 --rounds 5 --profile $W/prof --profile-steps 2 \

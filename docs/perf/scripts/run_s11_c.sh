@@ -3,15 +3,7 @@
 # and the MoE layer's 200 steps. Steps skipped once time runs short (priority order).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
-W=/tmp/w11c; rm -rf $W; mkdir -p $W
-pack() { cd $W && tar czf $OUT/s11_c.tgz . ; }
-trap pack EXIT
-step() {   # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  if (( SECONDS + limit > 585 )); then echo "$name skipped (time)"; return; fi
-  timeout $limit "$@" > $W/$name.out 2>&1; echo "$name exit $? at ${SECONDS}s"
-  grep -E "Error|error:|Traceback|passed|failed|soak:" $W/$name.out | head -5
-}
+workdir s11_c
 step ops_rs 90 torchrun --nproc-per-node 2 -m overlap_tp.bench ops --graphs --ops rs --seq 8192 --sweep --reps 30 \
   --out $W --name ops_rs_graphs
 step soak 150 python3 -m pytest -m gpu -x -q -rA -s $REPO/tests/gpu/test_soak_gpu.py -p no:cacheprovider

@@ -5,32 +5,7 @@
 # "after training is done" the workers get SIGABRT (PYTHONFAULTHANDLER=1 prints their Python stacks).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1
-W=/tmp/w11d; rm -rf $W; mkdir -p $W
-pack() { cd $W && rm -rf */tensorboard && tar czf $OUT/s11_d.tgz . ; }
-trap pack EXIT
-step() {   # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  if (( SECONDS + limit > 585 )); then echo "$name skipped (time)"; return; fi
-  timeout $limit "$@" > $W/$name.out 2>&1; echo "$name exit $? at ${SECONDS}s"
-  grep -E "Error|error:|Traceback|passed|failed" $W/$name.out | head -5
-}
-train() {   # train NAME SECONDS ENV... -- RECIPE ARGS: in the background, watched for a hang at exit
-  local name=$1 limit=$2; shift 2
-  if (( SECONDS + limit > 585 )); then echo "$name skipped (time)"; return; fi
-  local envs=(); while [[ $1 != -- ]]; do envs+=("$1"); shift; done; shift
-  local t0=$SECONDS
-  env "${envs[@]}" OUT_DIR=$W/$name setsid timeout -s KILL $limit bash "$@" > $W/$name.out 2>&1 &
-  local pid=$! done_at=
-  while kill -0 $pid 2>/dev/null; do
-    sleep 1
-    if [[ -z $done_at ]] && grep -q "after training is done" $W/$name/train.log 2>/dev/null; then done_at=$SECONDS; fi
-    if [[ -n $done_at ]] && (( SECONDS - done_at > 30 )); then
-      echo "$name: still alive 30 s after training ended: SIGABRT to its workers"
-      pkill -ABRT -f "overlap_tp.launch.pretrain.*$W/$name" ; sleep 4; pkill -KILL -f "$W/$name"; break
-    fi
-  done
-  wait $pid; echo "$name exit $? after $((SECONDS - t0)) s (training ended at +$(( ${done_at:-$SECONDS} - t0 )) s)"
-}
+workdir s11_d
 step gpu_graphs 150 python3 -m pytest -m gpu -x -q -rA $REPO/tests/gpu/test_graphs_gpu.py -p no:cacheprovider
 step gpu_rs 70 python3 -m pytest -m gpu -x -q -rA $REPO/tests/gpu/test_gemm_rs_gpu.py -k "bias or s8192" -p no:cacheprovider
 train smoke-off 75 GRAPHS=full_iteration OVERLAP=off TRAIN_ITERS=40 -- $REPO/recipes/smoke.sh

@@ -4,15 +4,7 @@
 # script under full-iteration graphs (the exit fix), both checkpoint formats.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
-W=/tmp/w12b; rm -rf $W; mkdir -p $W/prof
-pack() { cd $W && tar czf $OUT/s12_b.tgz . ; }
-trap pack EXIT
-step() {   # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  if (( SECONDS + limit > 585 )); then echo "$name skipped (time)"; return; fi
-  timeout $limit "$@" > $W/$name.out 2>&1; echo "$name exit $? at ${SECONDS}s"
-  grep -E "Error|error:|Traceback" $W/$name.out | head -3
-}
+workdir s12_b && mkdir -p $W/prof
 step layer 260 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models l8b,l70b \
   --configs megatron,nocomm,off,signal-agp2p,signal-p2p --reps 60 --rounds 12 --profile $W/prof --out $W --name layer_graphs
 python3 $REPO/docs/perf/scripts/trace_summary.py --steps 3 --top 24 $W/prof/*_graph_rank0.json.gz > $W/trace_summary.md 2>&1

@@ -4,15 +4,7 @@
 # `comm` column. 8192 tokens per rank, uniform and Zipf routing.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
-W=/tmp/w12m; rm -rf $W; mkdir -p $W
-pack() { cd $W && tar czf $OUT/s12_moe.tgz . ; }
-trap pack EXIT
-step() {   # step NAME SECONDS CMD...
-  local name=$1 limit=$2; shift 2
-  if (( SECONDS + limit > 585 )); then echo "$name skipped (time)"; return; fi
-  timeout $limit "$@" > $W/$name.out 2>&1; echo "$name exit $? at ${SECONDS}s"
-  grep -E "Error|error:|Traceback" $W/$name.out | head -3
-}
+workdir s12_moe
 step moe_nvlink 120 torchrun --nproc-per-node 2 -m overlap_tp.bench moe --tokens 8192 --sweep --out $W --name moe_nvlink
 step moe_proxy 150 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench moe --tokens 8192 --sweep \
   --out $W --name moe_proxy
