@@ -62,10 +62,10 @@ class Pending:
     caller's current stream wait for it and returns the output. Until then it holds every buffer the
     transfer reads or writes, so the caching allocator cannot hand one to the work queued in between."""
 
-    deferred_sum = None   # gemm_rs on the p2p transport: its DeferredSum (wait() runs it; a consumer may instead)
-
-    def __init__(self, finish: Callable[[], torch.Tensor], *buffers):
+    def __init__(self, finish: Callable[[], torch.Tensor], *buffers, deferred_sum=None):
         self._finish, self._buffers = finish, buffers
+        # gemm_rs on the p2p transport: its DeferredSum (wait() runs it; a consumer may run it instead)
+        self.deferred_sum = deferred_sum
 
     def wait(self) -> torch.Tensor:
         if self._finish is None:

@@ -75,8 +75,7 @@ class GemmRS(OpPlan):
             # async_op, work queued before wait() hides the wait for the slowest peer. pending.deferred_sum lets
             # the kernel that reads the output sum the slots itself instead (the fused add + RMSNorm).
             deferred = self.p2p(a, w, bias)
-            pending = Pending(deferred)
-            pending.deferred_sum = deferred
+            pending = Pending(deferred, deferred_sum=deferred)
         elif self.method == "signal":
             signaled = self.signaled
             order = signaled.order

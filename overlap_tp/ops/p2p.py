@@ -67,7 +67,7 @@ class P2PReduceScatter:
                                    names=("SUMMED", "ARRIVED"))
         self.sum = SumSlots(t, self.m_local * n)
         self.device_index = device.index
-        self.outstanding = None   # "eager" / "capture": a call whose second half (_reduce) has not run yet
+        self.outstanding = None   # "eager" / "capture": a call whose second half (its DeferredSum) has not run
         watched.words = (("peer signals [SUMMED, ARRIVED] x rank", self.signals.words),)
 
     def __call__(self, a, w, bias):

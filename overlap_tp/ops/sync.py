@@ -53,7 +53,8 @@ class PeerSignals:
         self.what = {(slot, p): f"rank {dist.get_global_rank(group, p)}'s {name} signal (peer {p} of group "
                                 f"{group.group_name}, word [{slot}, {p}])"
                      for slot, name in enumerate(names) for p in self.peers}
-        watchdog.prepare_graph_waits(device)
+        if graph_deadline:
+            watchdog.prepare_graph_waits(device)
         torch.cuda.synchronize(device)
         handle.barrier(channel=0)   # every rank's words hold their initial values before anyone signals
         torch.cuda.synchronize(device)

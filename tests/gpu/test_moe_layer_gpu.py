@@ -175,6 +175,7 @@ def _check_captured(rank, world):
     and plans, so normally bit for bit), with rank 1 held back on the GPU before some replays (a late peer)."""
     from overlap_tp.bench.moe_layer import build_layer, force_routing, moe_config, routing_offsets
     from overlap_tp.megatron.moe_layer import set_moe_overlap_config
+    from overlap_tp.tune.timing import CapturedCalls
     ps = _setup(world)
     tokens = 2048
     config = moe_config(world, hidden=1024, ffn=2048, moe_expert_capacity_factor=1.0,
@@ -192,18 +193,16 @@ def _check_captured(rank, world):
         eager.append((out, dx, {k: v.clone() for k, v in _grads(layer).items()}))
     static_x = sets[0][0].clone().requires_grad_(True)
     static_g = sets[0][1].clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm-up on a side stream, as torch.cuda.graph's documentation asks
-        for _ in range(2):
-            _step(layer, static_x, static_g)
-    torch.cuda.current_stream().wait_stream(side)
-    layer.zero_grad(set_to_none=True)
-    static_x.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out, _ = layer(static_x)
-        static_out.backward(static_g)
+
+    def step(x, g):   # grads set to None first: the captured backward allocates them, replays overwrite them
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        out, _ = layer(x)
+        out.backward(g)
+        return out
+
+    captured = CapturedCalls(step, [(static_x, static_g)], warmup=2)
+    static_out = captured.outputs[0]
     for replay in range(50):
         i = replay % len(sets)
         with torch.no_grad():
@@ -211,7 +210,7 @@ def _check_captured(rank, world):
             static_g.copy_(sets[i][1])
         if rank == 1 and replay % 10 == 3:
             torch.cuda._sleep(100_000_000)
-        graph.replay()
+        captured.graph.replay()
         out, dx, grads = eager[i]
         what = f"replay {replay} rank {rank}"
         _close(static_out, out, what + " output", 1e-2)

@@ -422,9 +422,7 @@ def _check_deferred_proj_sum(rank, world):
         if not async_op:
             return result
         deferred = _FakeDeferredSum(result.wait(), consumed)
-        pending = Pending(deferred)
-        pending.deferred_sum = deferred
-        return pending
+        return Pending(deferred, deferred_sum=deferred)
 
     def run(fake, bda=None):
         torch.manual_seed(99)
