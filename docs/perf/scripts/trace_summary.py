@@ -16,6 +16,13 @@ import json
 import os
 import re
 
+CLASSES = (   # kernel classes for the per-step totals, first match wins
+    ("attention", re.compile(r"sdpa|flash|fmha|cudnn", re.I)),
+    ("gemm", re.compile(r"nvjet|gemm|cutlass|sm90_xmma", re.I)),
+    ("nccl", re.compile(r"nccl", re.I)),
+    ("slot sum", re.compile(r"sum_slots|reduce_kernel", re.I)),
+    ("norm", re.compile(r"_forward_kernel|_backward_kernel|_sum_partials|rms", re.I)),
+)
 COMM = re.compile(r"nccl|Memcpy PtoP|Memcpy DtoD \(Device -> Device\)|Memcpy Peer", re.I)
 SPIN = re.compile(r"wait_and_reset|deadline_wait|_spin", re.I)   # a one-thread wait kernel: neither compute nor transfer
 
@@ -67,6 +74,11 @@ def summarise(path, steps, top):
     busy = union(span) / steps
     comp = union(compute) / steps
     exposed = subtract(comm, compute) / steps
+    by_class = collections.Counter()
+    for e in gpu:
+        kind = "copy" if e.get("cat") != "kernel" else next(
+            (label for label, pattern in CLASSES if pattern.search(e["name"])), "other kernels")
+        by_class[kind] += e["dur"] / steps
     by_name = collections.defaultdict(lambda: [0.0, 0])
     for e in gpu:
         entry = by_name[short(e["name"])]
@@ -75,6 +87,8 @@ def summarise(path, steps, top):
     lines = [f"## {os.path.basename(path)}",
              f"per step: span {wall / 1e3:.3f} ms, compute {comp / 1e3:.3f}, exposed comm {exposed / 1e3:.3f}, "
              f"other (spin waits, memsets) {(busy - comp - exposed) / 1e3:.3f}, idle {(wall - busy) / 1e3:.3f}",
+             "GPU time per step by class (ms, overlapping kernels both counted): "
+             + ", ".join(f"{kind} {t / 1e3:.3f}" for kind, t in sorted(by_class.items())),
              "", "| kernel | ms/step | calls/step |", "|---|---|---|"]
     for name, (dur, count) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"| {name} | {dur / 1e3:.3f} | {count / steps:g} |")
