@@ -132,3 +132,85 @@ def test_per_group_launches_on_a_side_stream_match_one_launch(hidden):
     torch.cuda.current_stream().wait_stream(side)
     for got, want in zip(grouped, full):
         assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------------
+# x as the unsummed slots of a p2p reduce-scatter: the compiled kernels, one GPU (the slots written here
+# stand in for the peers' stores; tests/gpu/test_layers_gpu.py runs the whole path at t = 2)
+# ---------------------------------------------------------------------------------------------------
+
+def stacked_slots(t, rows, hidden, dtype, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return (3 * torch.randn(t, rows, hidden, device="cuda", generator=gen)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("t, rows, hidden", [(2, 4096, 4096), (2, 4096, 8192), (4, 2048, 4096), (3, 37, 4104),
+                                             (2, 1, 8)])
+def test_sum_slots_compiled_is_bitwise_the_fp32_sum_rounded_once(dtype, t, rows, hidden):
+    """The compiled kernel rounds to nearest even, as torch's fp32 -> bf16 / fp16 cast: bit for bit the
+    reference (the interpreter truncates, so tests/kernels only checks within one ulp)."""
+    from overlap_tp.kernels.sum_slots import SumSlots, reference_sum_slots
+    slots = stacked_slots(t, rows, hidden, dtype, seed=t * rows + hidden)
+    out = poisoned(torch.empty(rows, hidden, dtype=dtype, device="cuda"))
+    op = SumSlots(t, rows * hidden)
+    for _ in range(2):   # the first call compiles through the JIT, the second launches the kept kernel
+        op(slots.view(t, -1), out)
+        assert torch.equal(out, reference_sum_slots(slots))
+        poisoned(out)
+
+
+@pytest.mark.parametrize("t, rows, hidden", [(2, 4096, 4096), (2, 4096, 8192), (4, 1024, 8192), (2, 37, 4096)])
+@pytest.mark.parametrize("residual_dtype, dropout_p", [(torch.bfloat16, 0.0), (torch.float32, 0.1)])
+def test_x_slots_forward_is_bitwise_the_slot_sum_then_the_kernel(t, rows, hidden, residual_dtype, dropout_p):
+    """launch_forward(x_slots=...) writes the bits of SumSlots followed by launch_forward on the sum (what
+    linear_proj's p2p sum in the fused bda must equal), at training sizes, with bias, dropout and both
+    residual dtypes."""
+    from overlap_tp.kernels.sum_slots import SumSlots
+    slots = stacked_slots(t, rows, hidden, torch.bfloat16, seed=rows + hidden + t)
+    _, residual, weight, bias, _ = inputs(rows, hidden, seed=hidden + t, residual_dtype=residual_dtype)
+    x = torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")
+    SumSlots(t, x.numel())(slots.view(t, -1), x)
+    options = dict(eps=1e-5, dropout_p=dropout_p, seed=dropout_seed("cuda"))
+    want = empty_forward_outputs(x, residual, residual_dtype)
+    launch_forward(x, residual, weight, bias, want, **options)
+    got = ForwardOutputs(*(poisoned(t_) for t_ in empty_forward_outputs(x, residual, residual_dtype)))
+    launch_forward(poisoned(torch.empty_like(x)), residual, weight, bias, got, x_slots=slots, **options)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+class SlotsDeferredSum:
+    """ops.p2p.DeferredSum's contract on one GPU: consume(kernel) runs kernel(slots) once."""
+
+    def __init__(self, slots):
+        self.slots, self.calls = slots, 0
+
+    def consume(self, kernel):
+        self.calls += 1
+        kernel(self.slots)
+
+
+@pytest.mark.parametrize("rows, hidden", [(4096, 4096), (2048, 8192)])
+def test_x_sum_through_autograd_is_bitwise_the_summed_input(rows, hidden):
+    """fused_add_rmsnorm(x_sum=...) forward and every gradient equal the path fed with the summed x."""
+    from overlap_tp.kernels.sum_slots import SumSlots
+    slots = stacked_slots(2, rows, hidden, torch.bfloat16, seed=rows)
+    _, residual, weight, bias, gen = inputs(rows, hidden, seed=hidden)
+    x_summed = torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")
+    SumSlots(2, x_summed.numel())(slots.view(2, -1), x_summed)
+    dy = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+    d_res = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+
+    def run(x, x_sum):
+        leaves = [t.clone().requires_grad_() for t in (x, residual, weight, bias)]
+        y, carried = fused_add_rmsnorm(*leaves, eps=1e-5, x_sum=x_sum)
+        torch.autograd.backward([y, carried], [dy, d_res])
+        return (y, carried) + tuple(leaf.grad for leaf in leaves)
+
+    want = run(x_summed, None)
+    deferred = SlotsDeferredSum(slots)
+    got = run(poisoned(torch.empty_like(x_summed)), deferred)
+    assert deferred.calls == 1
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -1,0 +1,85 @@
+# Host time per call of the op plans on ONE GPU (t = 1: the 2-GPU kinds were withheld in session 12), while
+# the GPU is held busy so the host never waits for it (tune.timing.queued_ms), and a cProfile of the calls.
+# At t = 1 a plan runs every piece of its t = 2 call except the per-peer driver calls (the p2p GEMM+RS: 6
+# stream memory operations per call at t = 2; the AllGather+GEMM's pulls: 3 + 1 copy per peer), whose cost
+# is measured here too (`memop us`), so the t = 2 host time is estimated as the t = 1 time + 6 memops.
+#   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile]
+import cProfile, io, os, pstats, statistics, sys, time
+import torch, torch.distributed as dist
+from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
+from overlap_tp.ops import memops
+from overlap_tp.ops.ag_gemm import AgGemm
+from overlap_tp.ops.gemm_ar import GemmAR
+from overlap_tp.ops.gemm_rs import GemmRS
+from overlap_tp.tune.timing import queued_ms
+
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+group, dev = dist.group.WORLD, torch.device("cuda", 0)
+P2P, NCCL, OFF = (OverlapConfig(method="signal", transport="p2p", comm_sms=0), OverlapConfig(method="signal"),
+                  OverlapConfig(method="off"))
+# (op, M, N, K): l8b.proj GEMM+RS, l8b.qkv AllGather+GEMM, l8b.proj GEMM+AllReduce at s 8192 (shards at TP 2)
+CASES = [("rs", 8192, 4096, 2048), ("ag", 8192, 3072, 4096), ("ar", 8192, 4096, 2048)]
+PLAN = {"rs": GemmRS, "ag": AgGemm, "ar": GemmAR}
+API = {"rs": gemm_rs, "ag": ag_gemm, "ar": gemm_ar}
+
+
+def host_us(fn, sets):
+    return 1e3 * queued_ms(fn, sets, group, rounds=20)[0]
+
+
+def memop_us(n=2000):
+    word = torch.ones(1, dtype=torch.int32, device=dev)
+    stream = torch.cuda.current_stream().cuda_stream
+    out = {}
+    for name, call in (("write_value", lambda: memops.write_value(stream, word.data_ptr(), 1)),
+                       ("wait_value", lambda: memops.wait_value(stream, word.data_ptr(), 1))):
+        times = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(2e8))
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            times.append((time.perf_counter() - t0) / n * 1e6)
+        out[name] = statistics.median(times)
+    torch.cuda.synchronize()
+    return out
+
+
+def profile(fn, sets, n=300):
+    for _ in range(3):
+        fn(*sets[0])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1e9))
+    pr = cProfile.Profile()
+    pr.enable()
+    for i in range(n):
+        fn(*sets[i % len(sets)])
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
+    return s.getvalue()
+
+
+print(f"memop us (one stream memory operation through ctypes): {memop_us()}", flush=True)
+for op, m, n, k in CASES:
+    rows = m if op != "ag" else m   # t = 1: the shard is every row
+    sets = [(torch.randn(rows, k, device=dev, dtype=torch.bfloat16),
+             torch.randn(n, k, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
+    ours = NCCL if op == "ar" else P2P
+    plan = PLAN[op](group, rows, n, k, torch.bfloat16, dev, ours)
+    want = API[op](*sets[0], group, config=OFF)
+    got = plan(*sets[0])
+    err = float((got.float() - want.float()).norm() / want.float().norm())
+    row = {"op": op, "M": m, "N": n, "K": k, "config": "p2p" if ours is P2P else "nccl", "rel_err": f"{err:.1e}",
+           "host_plan_us": host_us(lambda a, w: plan(a, w), sets),
+           "host_api_us": host_us(lambda a, w: API[op](a, w, group, config=ours), sets),
+           "host_off_us": host_us(lambda a, w: API[op](a, w, group, config=OFF), sets),
+           "host_matmul_us": host_us(lambda a, w: a @ w.t(), sets)}
+    print(" ".join(f"{key}={value:.1f}" if isinstance(value, float) else f"{key}={value}"
+                   for key, value in row.items()), flush=True)
+    if "--profile" in sys.argv:
+        print(profile(lambda a, w: plan(a, w), sets), flush=True)
+dist.destroy_process_group()
