@@ -4,7 +4,7 @@
 # stream memory operations per call at t = 2; the AllGather+GEMM's pulls: 3 + 1 copy per peer), whose cost
 # is measured here too (`memop us`), so the t = 2 host time is estimated as the t = 1 time + 6 memops.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile]
-import cProfile, io, os, pstats, statistics, sys, time
+import cProfile, io, pstats, statistics, sys, time
 import torch, torch.distributed as dist
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
 from overlap_tp.ops import memops
