@@ -206,8 +206,10 @@ class OverlapGroupedMLP(MegatronModule):
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """tokens [T, H] permuted by global expert, counts [ep, E] (host) -> expert outputs [T, H], same order."""
         config = self.overlap_config if self.overlap_config is not None else _default["config"]
-        fc1 = a2a_gemm(tokens, counts, self.weight1, self.ep_group, config=config)
-        return gemm_a2a(self.activation(fc1), counts, self.weight2, self.ep_group, config=config)
+        # counts come from token_counts' all-gather (or the capacity, the same everywhere): equal on every rank by
+        # construction, so the ops skip their per-routing cross-rank check (a round trip through the store)
+        fc1 = a2a_gemm(tokens, counts, self.weight1, self.ep_group, config=config, counts_agreed=True)
+        return gemm_a2a(self.activation(fc1), counts, self.weight2, self.ep_group, config=config, counts_agreed=True)
 
     def activation(self, fc1: torch.Tensor) -> torch.Tensor:
         """Megatron's expert activation: GLU (activation of the first half times the second half, with

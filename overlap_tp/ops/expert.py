@@ -5,7 +5,8 @@ fc2 GEMM overlapped with the all-to-all combine.
     gemm_a2a(h[R, F], counts[ep, E], w[L, H, F]) -> z[T, H]
 
 x is this rank's routed tokens sorted by global expert (Megatron's `permute` output); counts[s, e] (CPU
-int64, identical on every rank of the EP group) the rows rank s routes to global expert e, E = ep * L;
+int64, identical on every rank of the EP group: checked once per routing through the store unless the caller
+says counts_agreed=True) the rows rank s routes to global expert e, E = ep * L;
 rank r owns experts [r*L, (r+1)*L) and their weights w (nn.Linear layout per expert). xr is what
 Megatron's alltoall dispatcher's all_to_all returns (source rank major, local expert minor, before its
 sort_chunks_by_idxs): R = sum_s sum_l counts[s, r*L + l] rows, and y[j] = xr[j] @ w[l].T for the local
@@ -173,11 +174,10 @@ class _ExpertState:
     record. Built once per routing; calls with the same counts (static routing: capacity factor with padding)
     reuse it, which is what lets them be captured in a CUDA graph."""
 
-    def __init__(self, kind, plan, device, config, group, counts, describe, offsets=None):
+    def __init__(self, kind, plan, device, config, describe, offsets=None):
         check_not_capturing(device, f"{kind} with new routing counts")
-        comm.agree(group, dict(op=kind, counts=counts.tolist(), config=config), describe)
         self.plan = plan
-        self.tiles = plan.tiles.to(device)
+        self.tiles = host_table_to(plan.tiles, device)
         programs = gemm_programs(device, config)
         if kind == "a2a_gemm":
             self.words = torch.zeros(max(1, len(plan.exchanges)), dtype=torch.int32, device=device)
@@ -186,7 +186,7 @@ class _ExpertState:
         else:
             self.words = torch.zeros(max(1, len(plan.group_tiles)), dtype=torch.int32, device=device)
             self.gemm = SignaledGemm(self.tiles, programs, config, counters=self.words,
-                                     dst_offsets=None if offsets is None else offsets.to(device))
+                                     dst_offsets=None if offsets is None else host_table_to(offsets, device))
         if device.type == "cuda":
             default_offsets(device)
             if kind == "gemm_a2a":
@@ -195,8 +195,29 @@ class _ExpertState:
             if device.type == "cuda" else None
 
 
+def host_table_to(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built table on `device` without synchronizing: a copy from pageable memory waits for the
+    stream to drain (dynamic routing builds tables every step), one from pinned memory is queued. The
+    caching host allocator keeps the pinned block until the copy has run."""
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
+
+
 MAX_ROUTINGS = 16
 _states = OrderedDict()
+
+
+def _cached(cache: OrderedDict, key, build, limit: int):
+    """cache[key], built at its first use; the least recently used entry dropped past `limit`."""
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = build()
+        if len(cache) > limit:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(key)
+    return value
 
 
 def _state(kind, plan_fn, counts, rank, n, config, parts, group, device, describe, offsets=None) -> _ExpertState:
@@ -204,15 +225,33 @@ def _state(kind, plan_fn, counts, rank, n, config, parts, group, device, describ
     MAX_ROUTINGS: dynamic routing builds one per step)."""
     key = (kind, group, counts.numpy().tobytes(), tuple(counts.shape), n, config, parts, device,
            None if offsets is None else tuple(offsets.tolist()))
-    state = _states.get(key)
-    if state is None:
-        plan = plan_fn(counts, rank, n, config.block_m, config.block_n, parts)
-        state = _states[key] = _ExpertState(kind, plan, device, config, group, counts, describe, offsets)
-        if len(_states) > MAX_ROUTINGS:
-            _states.popitem(last=False)
-    else:
-        _states.move_to_end(key)
-    return state
+    return _cached(_states, key, lambda: _ExpertState(kind, plan_fn(counts, rank, n, config.block_m, config.block_n,
+                                                                    parts), device, config, describe, offsets),
+                   MAX_ROUTINGS)
+
+
+# what the ranks of a group agreed on (comm.agree): ops by (kind, shape, config), routings by counts. Every rank
+# makes the same calls in the same order, so the caches, and which agreements run, are the same on every rank.
+MAX_AGREED = 64
+_agreed_ops, _agreed_routings = OrderedDict(), OrderedDict()
+
+
+def agree_routing(group, op: str, counts: torch.Tensor, n: int, k: int, dtype, config: OverlapConfig,
+                  counts_agreed: bool):
+    """Every rank of the EP group calls `op` with the same output columns, inner size, dtype and config
+    (checked once per combination) and the same counts (once per distinct routing: one agreement serves a
+    step's forward and backward ops). Mismatched counts would make the exchanges' split sizes disagree: a hang
+    or rows silently misplaced, so a mismatch is a ValueError on every rank naming each rank's values.
+    counts_agreed=True skips the counts: the caller guarantees them equal (OverlapMoELayer all-gathers
+    them), which saves a round trip through the process group's store per step."""
+    if dist.get_world_size(group) == 1:
+        return
+    what = f"{op}(N={n}, K={k}, ep={counts.shape[0]})"
+    _cached(_agreed_ops, (group, op, n, k, dtype, config),
+            lambda: comm.agree(group, dict(op=op, n=n, k=k, dtype=dtype, config=config), what) or True, MAX_AGREED)
+    if not counts_agreed:
+        _cached(_agreed_routings, (group, tuple(counts.shape), counts.numpy().tobytes()),
+                lambda: comm.agree(group, dict(counts=counts.tolist()), what) or True, MAX_AGREED)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -255,7 +294,7 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll):
     engine.transfers_then_gemm(transfers, gemm, state.words, state.watched)
 
 
-def dispatch_gemm(x, counts, w, group, config):
+def dispatch_gemm(x, counts, w, group, config, counts_agreed=False):
     """a2a_gemm without autograd: (y [R, N], xr [R, H])."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     check_counts(counts, ep, "a2a_gemm")
@@ -263,6 +302,7 @@ def dispatch_gemm(x, counts, w, group, config):
     check_inputs("a2a_gemm", x, w, counts, lay.tokens, "sum of counts[rank]", "N")
     method = resolve_method("a2a_gemm", config, x, w)
     n, hidden = w.shape[1], x.shape[1]
+    agree_routing(group, "a2a_gemm", counts, n, hidden, x.dtype, config, counts_agreed)
     if method == "off":
         xr = all_to_all_rows(x, lay.rows, lay.xr_splits, lay.x_splits, group)
         y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
@@ -321,7 +361,7 @@ def _combine_signaled(h, w, staging, z, state: _ExpertState, coll):
     engine.gemm_then_collectives(gemm, state.words, waited, exchange, state.watched)()
 
 
-def gemm_combine(h, counts, w, group, config):
+def gemm_combine(h, counts, w, group, config, counts_agreed=False):
     """gemm_a2a without autograd: z [T, H]."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     check_counts(counts, ep, "gemm_a2a")
@@ -329,23 +369,24 @@ def gemm_combine(h, counts, w, group, config):
     check_inputs("gemm_a2a", h, w, counts, lay.rows, "sum over sources of counts[:, this rank's experts]", "H")
     method = resolve_method("gemm_a2a", config, h, w)
     n = w.shape[1]
+    agree_routing(group, "gemm_a2a", counts, n, h.shape[1], h.dtype, config, counts_agreed)
     if method == "off":
         out = torch.empty(lay.rows, n, dtype=h.dtype, device=h.device)
         expert_mm(h, w, lay.segments, (out,))
         return all_to_all_rows(out, lay.tokens, lay.x_splits, lay.xr_splits, group)
     parts = parts_per_peer(counts, config.groups, n * h.element_size())
-    plan = combine_plan(counts, rank, n, config.block_m, config.block_n, parts)
-    # The staging rows and z in one buffer, z a fixed number of elements (a multiple of 16: 16-byte stores)
-    # after the staging matrix, where the kernel addresses it: the offset belongs to the plan, not the call.
-    # At least one staging row: the kernel's base pointer.
-    staging_rows = max(1, plan.staging_rows)
+    # The staging rows (the remote blocks: combine_plan's staging_rows) and z in one buffer, z a fixed number of
+    # elements (a multiple of 16: 16-byte stores) after the staging matrix, where the kernel addresses it: the
+    # offset belongs to the plan, not the call. At least one staging row: the kernel's base pointer.
+    staging_rows = max(1, lay.rows - lay.xr_splits[rank])
     while (staging_rows * n) % OFFSET_ALIGNMENT:
         staging_rows += 1
     buf = torch.empty(staging_rows + lay.tokens, n, dtype=h.dtype, device=h.device)
     staging, z = buf[:staging_rows], buf[staging_rows:]
     coll = comm.collectives(group, h.device, config.comm_sms)
     if method == "decompose":
-        _combine_decomposed(h, w, staging, z, plan, coll)
+        _combine_decomposed(h, w, staging, z, combine_plan(counts, rank, n, config.block_m, config.block_n, parts),
+                            coll)
     else:
         describe = (f"gemm_a2a(T={lay.tokens}, R={lay.rows}, H={n}, F={h.shape[1]}, ep={ep}, L={lay.experts}, "
                     f"parts={parts})")
@@ -361,10 +402,10 @@ def gemm_combine(h, counts, w, group, config):
 
 class _A2AGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, counts, group, config):
-        y, xr = dispatch_gemm(x, counts, w, group, config)
+    def forward(ctx, x, w, counts, group, config, counts_agreed):
+        y, xr = dispatch_gemm(x, counts, w, group, config, counts_agreed)
         ctx.save_for_backward(xr, w)
-        ctx.counts, ctx.group, ctx.config = counts, group, config
+        ctx.counts, ctx.group, ctx.config, ctx.counts_agreed = counts, group, config, counts_agreed
         ctx.mark_non_differentiable(xr)
         return y, xr
 
@@ -375,18 +416,18 @@ class _A2AGemm(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = gemm_combine(dy, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config)
+            dx = gemm_combine(dy, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config, ctx.counts_agreed)
         if ctx.needs_input_grad[1]:
             dw = expert_wgrad(dy, xr, layout(ctx.counts, dist.get_rank(ctx.group)))
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 class _GemmA2A(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, counts, group, config):
+    def forward(ctx, h, w, counts, group, config, counts_agreed):
         ctx.save_for_backward(h, w)
-        ctx.counts, ctx.group, ctx.config = counts, group, config
-        return gemm_combine(h, counts, w, group, config)
+        ctx.counts, ctx.group, ctx.config, ctx.counts_agreed = counts, group, config, counts_agreed
+        return gemm_combine(h, counts, w, group, config, counts_agreed)
 
     @staticmethod
     def backward(ctx, dz):
@@ -396,22 +437,26 @@ class _GemmA2A(torch.autograd.Function):
         lay = layout(ctx.counts, dist.get_rank(ctx.group))
         dh = dw = None
         if ctx.needs_input_grad[0]:
-            dh, dzr = dispatch_gemm(dz, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config)
+            dh, dzr = dispatch_gemm(dz, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config,
+                                    ctx.counts_agreed)
         else:
             dzr = all_to_all_rows(dz, lay.rows, lay.xr_splits, lay.x_splits, ctx.group)
         if ctx.needs_input_grad[1]:
             dw = expert_wgrad(dzr, h, lay)
-        return dh, dw, None, None, None
+        return dh, dw, None, None, None, None
 
 
 def a2a_gemm(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None, *,
-             config: Optional[OverlapConfig] = None, return_received: bool = False):
-    """Dispatch x's rows to their experts' ranks and apply fc1: y[R, N] (xr[R, H] too with return_received)."""
-    y, xr = _A2AGemm.apply(x, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG)
+             config: Optional[OverlapConfig] = None, return_received: bool = False, counts_agreed: bool = False):
+    """Dispatch x's rows to their experts' ranks and apply fc1: y[R, N] (xr[R, H] too with return_received).
+    counts_agreed=True: the caller guarantees counts equal on every rank (all-gathered), so the once-per-routing
+    cross-rank check is skipped (agree_routing)."""
+    y, xr = _A2AGemm.apply(x, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG, counts_agreed)
     return (y, xr) if return_received else y
 
 
 def gemm_a2a(h: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None, *,
-             config: Optional[OverlapConfig] = None) -> torch.Tensor:
-    """Apply fc2 to the received rows and send each back to its token's rank: z[T, H] in x's row order."""
-    return _GemmA2A.apply(h, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG)
+             config: Optional[OverlapConfig] = None, counts_agreed: bool = False) -> torch.Tensor:
+    """Apply fc2 to the received rows and send each back to its token's rank: z[T, H] in x's row order.
+    counts_agreed: as for a2a_gemm."""
+    return _GemmA2A.apply(h, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG, counts_agreed)

@@ -1,7 +1,7 @@
 """The watchdog: a stuck overlapped op becomes a clear error instead of a silent hang.
 
 Eager calls. Every op plan owns one event. An eager call records it where the op's work ends; a daemon thread
-polls every plan's event and fails when one has stayed incomplete for OVERLAP_TP_WATCHDOG_S seconds (default
+polls the events of the plans with work in flight and fails when one has stayed incomplete for OVERLAP_TP_WATCHDOG_S seconds (default
 300, 0 disables): it prints the op, its group, its plan and the words it waits on (read on a fresh stream),
 and ends the process, as NCCL's own watchdog does (a hung GPU stream cannot be unwound from Python, and a
 silent hang wastes a whole allocation). "Stayed incomplete" is judged across polls of the same plan, so a
@@ -45,19 +45,16 @@ EXIT_CODE = 70
 class Watched:
     """What the watchdog knows of one plan: its event, how to describe it, and the device words it waits on."""
 
-    def __init__(self, describe, words=()):
+    def __init__(self, describe, words=(), event=None):
         self.describe = describe
         self.words = words
-        self.event = memops.Event()
-        self.recorded = False
+        self.event = memops.Event() if event is None else event
+        self.in_flight = False     # in the watchdog's list: recorded, and the GPU had not reached it at the last poll
         self.stuck_since = None
 
     def record(self, stream: int):
         """The op's work on `stream` ends here (eager calls only)."""
-        self.event.record(stream)
-        if not self.recorded:
-            self.recorded = True
-            watchdog().add(self)
+        watchdog().record(self, stream)
 
 
 class Watchdog:
@@ -69,12 +66,35 @@ class Watchdog:
         self.mailbox = None
         self._box = None   # the mailbox as a numpy array: what the thread reads
 
-    def add(self, item: Watched):
+    def record(self, item: Watched, stream: int):
+        """Record item's event on `stream` and watch it until the GPU has reached it. Only plans with work in
+        flight are in the list: one whose event completed is dropped at the next poll (and added again by its
+        next call), so plans that were built once and let go (the expert ops build one per routing) are neither
+        kept alive nor polled for ever. Under the lock, so a poll never drops an item between its new record and
+        the check whether it is listed."""
         if self.timeout_s <= 0:
             return
         with self.lock:
-            self.watched.append(item)
-            self._start()
+            item.event.record(stream)
+            if not item.in_flight:
+                item.in_flight = True
+                self.watched.append(item)
+                self._start()
+
+    def poll(self, reached, now: float):
+        """One pass over the listed items: reached(item) says whether the GPU completed its event. Completed
+        items leave the list; one incomplete for longer than the timeout ends the process."""
+        with self.lock:
+            listed, self.watched = self.watched, []
+            for item in listed:
+                if reached(item):
+                    item.stuck_since, item.in_flight = None, False
+                    continue
+                self.watched.append(item)
+                if item.stuck_since is None:
+                    item.stuck_since = now
+                elif now - item.stuck_since > self.timeout_s:
+                    self._fail(item)
 
     def open_mailbox(self, mailbox: torch.Tensor = None) -> torch.Tensor:
         """The mailbox the capture-time waits report into: one int64 of pinned host memory, created at the
@@ -100,21 +120,13 @@ class Watchdog:
             time.sleep(period)
             if self._box is not None and self._box[0] != 0:
                 self._fail_graph_wait(int(self._box[0]))
-            now = time.monotonic()
-            with self.lock:
-                items = list(self.watched)
-            if items and lib is None:
+            if self.watched and lib is None:
                 # before this thread's first CUDA call: relaxed capture mode
                 lib = memops._driver()
                 mode = ctypes.c_int(CU_STREAM_CAPTURE_MODE_RELAXED)
                 lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
-            for item in items:
-                if lib.cuEventQuery(item.event.handle) != CUDA_ERROR_NOT_READY:
-                    item.stuck_since = None
-                elif item.stuck_since is None:
-                    item.stuck_since = now
-                elif now - item.stuck_since > self.timeout_s:
-                    self._fail(item)
+            if lib is not None:
+                self.poll(lambda item: lib.cuEventQuery(item.event.handle) != CUDA_ERROR_NOT_READY, time.monotonic())
 
     def _fail(self, item: Watched):
         state = "".join(f"; {name} {_read(words)}" for name, words in item.words)

@@ -152,3 +152,44 @@ def _check_bad_input(rank, world):
 
 def test_bad_input_is_named():
     run_distributed(2, _check_bad_input)
+
+
+def _check_routing_agreement(rank, world):
+    from overlap_tp.ops import comm
+    from overlap_tp.ops.expert import _agreed_ops, _agreed_routings
+    _agreed_ops.clear()
+    _agreed_routings.clear()
+    group = comm.resolve_ep_group(None)
+    counts = torch.tensor([[3, 1, 2, 2], [1, 3, 2, 2]])
+    seen = counts.clone()
+    if rank == 1:
+        seen[0] = torch.tensor([1, 3, 2, 2])     # rank 1 thinks rank 0 routes otherwise: same totals everywhere
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(8, 32, generator=gen).to(torch.bfloat16)
+    w1 = torch.randn(2, 16, 32, generator=gen).to(torch.bfloat16)
+    w2 = torch.randn(2, 32, 16, generator=gen).to(torch.bfloat16)
+    for config in CONFIGS:
+        with pytest.raises(ValueError, match=r"disagree on counts \(rank 0: counts=\[\[3, 1, 2, 2\], \[1, 3, 2, 2\]\]; "
+                                             r"rank 1: counts=\[\[1, 3, 2, 2\], \[1, 3, 2, 2\]\]\)"):
+            a2a_gemm(x, seen, w1, config=config)
+
+    def step(counts, **kwargs):
+        """One forward + backward of both ops with these counts; returns how many agreements it ran."""
+        before = comm._agreements.get(group, 0)
+        xg, a, b = x.clone().requires_grad_(), w1.clone().requires_grad_(), w2.clone().requires_grad_()
+        y = a2a_gemm(xg, counts, a, config=CONFIGS[2], **kwargs)
+        z = gemm_a2a(y[:, :16].contiguous(), counts, b, config=CONFIGS[2], **kwargs)
+        z.sum().backward()
+        return comm._agreements.get(group, 0) - before
+
+    # a2a_gemm [N=16, K=32] was agreed above, and each backward runs the other op on the same sizes (gemm_a2a's
+    # dgrad is a2a_gemm with w2's transpose: [16, 32]): gemm_a2a [32, 16] once, then one agreement per routing
+    assert step(counts) == 1 + 1
+    assert step(counts) == 0                      # the same routing again: agreed already
+    other = torch.tensor([[2, 2, 2, 2], [2, 2, 3, 1]])
+    assert step(other) == 1                       # a new routing: one agreement for the step's four calls
+    assert step(torch.tensor([[4, 0, 2, 2], [2, 2, 1, 3]]), counts_agreed=True) == 0
+
+
+def test_ranks_that_disagree_on_counts_get_a_clear_error_and_a_routing_is_agreed_once():
+    run_distributed(2, _check_routing_agreement)

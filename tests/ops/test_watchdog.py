@@ -67,3 +67,51 @@ def test_no_thread_watches_the_mailbox_when_the_watchdog_is_off():
     import torch
     dog.open_mailbox(torch.zeros(1, dtype=torch.int64))
     assert dog.thread is None
+
+
+class FakeEvent:
+    """memops.Event's contract on the host: record(stream) counts; `done` is what the poll's query answers."""
+
+    def __init__(self):
+        self.records, self.done = 0, False
+
+    def record(self, stream):
+        self.records += 1
+        self.done = False
+
+
+def test_only_plans_with_work_in_flight_are_listed_and_a_stuck_one_ends_the_process(monkeypatch):
+    """Eager watching keeps a plan listed from its call until the GPU reached it: a plan built once and let go
+    (the expert ops build one per routing) leaves the list at the next poll instead of being kept alive and
+    polled for ever; its next call lists it again; one incomplete past the timeout is reported."""
+    dog = watchdog.Watchdog(5.0)
+    monkeypatch.setattr(dog, "_start", lambda: None)      # no thread: the test polls by hand
+    plans = [watchdog.Watched(f"plan {i}", event=FakeEvent()) for i in range(100)]
+    for plan in plans:
+        dog.record(plan, stream=0)
+        dog.record(plan, stream=0)                        # a second call while in flight: listed once
+    assert len(dog.watched) == 100 and all(plan.event.records == 2 for plan in plans)
+
+    def reached(item):
+        return item.event.done
+
+    for plan in plans[1:]:
+        plan.event.done = True
+    dog.poll(reached, now=0.0)
+    assert dog.watched == [plans[0]] and plans[0].stuck_since == 0.0
+    dog.record(plans[7], stream=0)                        # called again: listed again
+    assert dog.watched == [plans[0], plans[7]] and plans[7].in_flight
+    plans[7].event.done = True
+    dog.poll(reached, now=4.0)
+    assert dog.watched == [plans[0]]
+    failures = []
+    monkeypatch.setattr(dog, "_fail", failures.append)
+    dog.poll(reached, now=5.5)
+    assert failures == [plans[0]]
+
+
+def test_nothing_is_listed_when_the_watchdog_is_off():
+    dog = watchdog.Watchdog(0.0)
+    plan = watchdog.Watched("plan", event=FakeEvent())
+    dog.record(plan, stream=0)
+    assert dog.watched == [] and dog.thread is None

@@ -11,7 +11,7 @@ from overlap_tp.ops import memops
 from overlap_tp.ops.ag_gemm import AgGemm
 from overlap_tp.ops.gemm_ar import GemmAR
 from overlap_tp.ops.gemm_rs import GemmRS
-from overlap_tp.tune.timing import queued_ms
+from overlap_tp.tune.timing import queued_ms, sleep_cycles_per_ms
 
 torch.cuda.set_device(0)
 dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
@@ -25,29 +25,38 @@ API = {"rs": gemm_rs, "ag": ag_gemm, "ar": gemm_ar}
 
 
 def host_us(fn, sets):
+    """One call behind a sleep kernel (tune.timing.queued_ms: what `bench ops --host` reports): a cold call."""
     return 1e3 * queued_ms(fn, sets, group, rounds=20)[0]
 
 
-def memop_us(n=2000):
+def burst_us(fn, sets, burst=8, rounds=10):
+    """Per call of `burst` calls back to back behind a 40 ms sleep (warm: as a layer's calls follow each other;
+    few enough launches that the queue never fills)."""
+    cycles, times = sleep_cycles_per_ms(), []
+    for r in range(rounds):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(40 * cycles))
+        t0 = time.perf_counter()
+        for i in range(burst):
+            fn(*sets[i % len(sets)])
+        times.append((time.perf_counter() - t0) / burst * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def memop_us(n=200):
+    """One stream memory operation through ctypes, n back to back behind a sleep (few enough not to fill the
+    queue: session 12's first probe queued 2000 and measured the queue draining)."""
     word = torch.ones(1, dtype=torch.int32, device=dev)
     stream = torch.cuda.current_stream().cuda_stream
     out = {}
     for name, call in (("write_value", lambda: memops.write_value(stream, word.data_ptr(), 1)),
                        ("wait_value", lambda: memops.wait_value(stream, word.data_ptr(), 1))):
-        times = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            torch.cuda._sleep(int(2e8))
-            t0 = time.perf_counter()
-            for _ in range(n):
-                call()
-            times.append((time.perf_counter() - t0) / n * 1e6)
-        out[name] = statistics.median(times)
-    torch.cuda.synchronize()
+        out[name] = burst_us(lambda: call(), [()], burst=n, rounds=5)
     return out
 
 
-def profile(fn, sets, n=300):
+def profile(fn, sets, n=60):
     for _ in range(3):
         fn(*sets[0])
     torch.cuda.synchronize()
@@ -75,6 +84,10 @@ for op, m, n, k in CASES:
     err = float((got.float() - want.float()).norm() / want.float().norm())
     row = {"op": op, "M": m, "N": n, "K": k, "config": "p2p" if ours is P2P else "nccl", "rel_err": f"{err:.1e}",
            "host_plan_us": host_us(lambda a, w: plan(a, w), sets),
+           "burst_plan_us": burst_us(lambda a, w: plan(a, w), sets),
+           "burst_api_us": burst_us(lambda a, w: API[op](a, w, group, config=ours), sets),
+           "burst_off_us": burst_us(lambda a, w: API[op](a, w, group, config=OFF), sets),
+           "burst_matmul_us": burst_us(lambda a, w: a @ w.t(), sets),
            "host_api_us": host_us(lambda a, w: API[op](a, w, group, config=ours), sets),
            "host_off_us": host_us(lambda a, w: API[op](a, w, group, config=OFF), sets),
            "host_matmul_us": host_us(lambda a, w: a @ w.t(), sets)}

@@ -1,0 +1,78 @@
+"""a2a_gemm / gemm_a2a on ONE GPU (EP = 1, a one-rank NCCL group): the compiled grouped signaled GEMM over
+every local expert against `off` (per-expert cuBLAS), forward and backward, and a routing that changes every
+call queued without a host synchronisation (the plan's tables go to the GPU from pinned memory). The
+exchanges themselves need two GPUs: tests/gpu/test_moe_ops_gpu.py.
+Run: `pytest -m gpu tests/gpu/test_moe_ops_one_gpu.py`."""
+import pytest
+import torch
+
+from distributed import run_distributed
+from gpu_checks import poison_allocator, rel_error
+from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
+from overlap_tp.bench.moe import routing_counts
+
+pytestmark = pytest.mark.gpu
+
+SIGNAL, OFF = OverlapConfig(method="signal"), OverlapConfig(method="off")
+
+
+def fwd_bwd(op, inp, counts, w, grad, config):
+    inp, w = inp.detach().requires_grad_(), w.detach().requires_grad_()
+    out = op(inp, counts, w, config=config)
+    return (out.detach(),) + torch.autograd.grad(out, (inp, w), grad)
+
+
+def _check_against_off(rank, world, tokens, hidden, ffn, experts, routing):
+    poison_allocator()
+    counts = routing_counts(tokens, experts, 1, routing)
+    rows = int(counts.sum())
+    gen = torch.Generator(device="cuda").manual_seed(tokens + experts)
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+    w1 = (torch.randn(experts, 2 * ffn, hidden, device="cuda", generator=gen) / hidden ** 0.5).bfloat16()
+    h = torch.randn(rows, ffn, device="cuda", generator=gen).bfloat16()
+    w2 = (torch.randn(experts, hidden, ffn, device="cuda", generator=gen) / ffn ** 0.5).bfloat16()
+    for op, inp, w, n in ((a2a_gemm, x, w1, 2 * ffn), (gemm_a2a, h, w2, hidden)):
+        grad = torch.randn(rows, n, device="cuda", generator=gen).bfloat16()
+        want = fwd_bwd(op, inp, counts, w, grad, OFF)
+        got = fwd_bwd(op, inp, counts, w, grad, SIGNAL)
+        for name, g, r in zip(("out", "input grad", "weight grad"), got, want):
+            assert not g.isnan().any(), (op.__name__, name)
+            assert rel_error(g, r.float()) < 1e-2, (op.__name__, name, rel_error(g, r.float()))
+
+
+@pytest.mark.parametrize("tokens, hidden, ffn, experts, routing", [
+    (8192, 4096, 14336, 4, "uniform"),     # the per-rank GEMMs of Mixtral-like experts at EP 2 (4 of 8 local)
+    (8192, 4096, 14336, 4, "zipf"),
+    (3000, 1024, 1000, 12, "zipf"),        # N, F not multiples of the tile; experts with few or no rows
+])
+def test_grouped_signaled_gemm_matches_per_expert_cublas(tokens, hidden, ffn, experts, routing):
+    run_distributed(1, _check_against_off, tokens, hidden, ffn, experts, routing, backend="nccl")
+
+
+def _check_no_sync(rank, world):
+    hidden, ffn, experts = 1024, 1024, 4
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w1 = (torch.randn(experts, 2 * ffn, hidden, device="cuda", generator=gen) / 32).bfloat16().requires_grad_()
+    w2 = (torch.randn(experts, hidden, ffn, device="cuda", generator=gen) / 32).bfloat16().requires_grad_()
+    routings = [routing_counts(2048, experts, 1, "zipf", seed=s) for s in range(6)]
+
+    def step(counts):
+        x = torch.randn(int(counts.sum()), hidden, device="cuda", generator=gen).bfloat16().requires_grad_()
+        y = a2a_gemm(x, counts, w1, config=SIGNAL)
+        z = gemm_a2a(y[:, :ffn].contiguous(), counts, w2, config=SIGNAL)
+        z.float().square().mean().backward()
+        return z
+
+    step(routings[0])   # the first call builds what every later one reuses (communicator, compiled kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for counts in routings[1:]:     # a new routing every step: new plans, built and queued without a sync
+            step(counts)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
+def test_a_new_routing_every_step_never_synchronizes_the_host():
+    run_distributed(1, _check_no_sync, backend="nccl")
