@@ -1,4 +1,4 @@
-# Session 12, call 2 (nvidia-h200, ONE GPU). Carry .whl and .old (git archive of 6fa6a59, the code before the
+# Session 12, call 2 (nvidia-h200, ONE GPU). Carry .whl and .old (git archive of 1e5cf38, the code before the
 # expert ops' pinned tables): the MoE step's host time with a new routing before / after; the expert ops' new
 # one-GPU tests; the grouped GEMM alone (per-expert cuBLAS, torch._grouped_mm, signaled); host time per op
 # call at t = 1, warm (bursts) and cold (bench ops' single call).
