@@ -18,11 +18,13 @@ wait, registered here with its plan's description and what it waited for when th
 value it saw. The same thread polls the mailbox (a plain read of host memory, no CUDA call), prints the
 plan, the wait and the value, and ends the process (exit 70); the kernel traps a moment later, so a process
 whose thread cannot report still fails instead of hanging.
-Not bounded under graphs: the NCCL kernels of the methods that call NCCL (a peer that never replays leaves
-this rank's collective waiting inside NCCL; PyTorch's NCCL watchdog does not see the raw communicators
-either), and the AllGather+GEMM's copy-engine handshake (ShardPull keeps stream wait-values under capture:
-the GEMM's tiles spin on flags raised behind those waits while it holds every SM, so a wait kernel might
-find no slot; PeerSignals says more). There the job's own timeout ends the run.
+What the deadline kernels cannot bound: the NCCL kernels of the methods that call NCCL (a peer that never
+replays leaves this rank's collective waiting inside NCCL; PyTorch's NCCL watchdog does not see the raw
+communicators either), and the AllGather+GEMM's copy-engine handshake (ShardPull keeps stream wait-values
+under capture: the GEMM's tiles spin on flags raised behind those waits while it holds every SM, so a wait
+kernel might find no slot; PeerSignals says more). For those, every graph replay is watched whole
+(watch_graph_replays): an event behind the replay, judged like an eager call's, so a replay that never
+completes ends the process with a message naming the graph after OVERLAP_TP_WATCHDOG_S.
 """
 import ctypes
 import os
@@ -51,6 +53,8 @@ class Watched:
         self.event = memops.Event() if event is None else event
         self.in_flight = False     # in the watchdog's list: recorded, and the GPU had not reached it at the last poll
         self.stuck_since = None
+        if event is None:
+            watch_graph_replays()  # a process with overlapped ops watches its graph replays too
 
     def record(self, stream: int):
         """The op's work on `stream` ends here (eager calls only)."""
@@ -236,3 +240,35 @@ def graph_wait(stream: int, device: torch.device, word: int, target: int, descri
     dog = watchdog()
     _waiters[device.index](stream, word, target, dog.timeout_s, dog.mailbox,
                            wait_code(describe, what, dog.timeout_s))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole graph replays
+# ---------------------------------------------------------------------------------------------------
+
+_unwatched_replay = None   # torch.cuda.CUDAGraph.replay before watch_graph_replays wrapped it
+
+
+def watch_graph_replays():
+    """Watch every torch.cuda.CUDAGraph replay as an eager call is watched: an event recorded behind the replay
+    on its stream, reported when it stays incomplete for the watchdog's timeout. This bounds what the waits
+    with a deadline cannot: NCCL kernels in a graph (a peer that never replays leaves a collective waiting
+    inside NCCL) and the AllGather+GEMM's copy-engine handshake (stream wait-values), in Megatron's per-layer
+    and full-iteration graphs alike (both replay torch.cuda.CUDAGraph objects). Called when the first plan is
+    built (Watched); idempotent; nothing is wrapped while the watchdog is off. Costs one event record per
+    replay."""
+    global _unwatched_replay
+    if _unwatched_replay is not None or watchdog().timeout_s <= 0:
+        return
+    unwatched = _unwatched_replay = torch.cuda.CUDAGraph.replay
+
+    def replay(self):
+        unwatched(self)
+        watched = getattr(self, "_overlap_tp_watched", None)
+        if watched is None:
+            watched = self._overlap_tp_watched = Watched(
+                f"a CUDA graph replay (torch.cuda.CUDAGraph at {id(self):#x}; NCCL kernels and copy-engine waits "
+                f"inside graphs are bounded only here)", event=memops.Event())
+        watched.record(torch.cuda.current_stream().cuda_stream)
+
+    torch.cuda.CUDAGraph.replay = replay

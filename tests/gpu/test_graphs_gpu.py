@@ -178,6 +178,33 @@ def test_a_replayed_wait_that_never_passes_ends_the_process():
     assert time.monotonic() - started < 60
 
 
+def test_a_replay_that_never_completes_ends_the_process():
+    """A graph whose stream wait-value nothing satisfies (what a replayed NCCL kernel or the copy-engine handshake
+    waiting for a dead peer looks like: no deadline kernel inside): the replay is watched whole, and the watchdog
+    ends the process naming it."""
+    script = textwrap.dedent("""
+        import torch
+        from overlap_tp.ops import memops, watchdog
+        watchdog.watch_graph_replays()
+        watchdog.watch_graph_replays()            # idempotent
+        word = torch.zeros(1, dtype=torch.int32, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            memops.wait_value(torch.cuda.current_stream().cuda_stream, word.data_ptr(), 1)   # never raised
+        graph.replay()
+        torch.cuda.synchronize()
+        print("NOT REACHED")
+    """)
+    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="2")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 70, result.stderr[-2000:]
+    assert "overlap_tp watchdog: a CUDA graph replay (torch.cuda.CUDAGraph at 0x" in result.stderr, result.stderr[-2000:]
+    assert "did not complete within 2 s" in result.stderr
+    assert "NOT REACHED" not in result.stdout
+    assert time.monotonic() - started < 60
+
+
 _PEER_NEVER_REPLAYS = textwrap.dedent("""
     import os, sys, time
     import torch
