@@ -20,10 +20,23 @@ the fused bda (or a recompute that re-runs it) never sees a stale result.
 The fused path needs what it replaces to be plain: an OverlapRMSNorm as pre_mlp_layernorm, no
 cross-attention, no recompute or CPU offload of the pre-MLP norm. Otherwise the layer is Megatron's
 TransformerLayer unchanged, and says so once (a warning naming the reason).
+
+The MLP boundary, the same fusion across two layers: Megatron runs this layer's MLP bias-dropout-add, then
+the next layer's input_layernorm on its output. Once a layer has seen that its input is the previous layer's
+output itself (the first step links them: TransformerBlock passes the tensor straight on), the previous
+layer's `mlp_bda` runs the fused kernel with the next layer's norm weight and hands the normalized rows to
+that norm (OverlapRMSNorm.hand_over), which returns them instead of normalizing again; fc2's p2p sum is then
+left to the same kernel. The handover is keyed on the tensor's identity, so a pipeline stage boundary, a
+recompute or anything between the layers that makes a new tensor simply runs the norm. The last layer of a
+block, whose output goes to the final norm or the next pipeline stage, keeps Megatron's bda. Not under
+Megatron's per-layer CUDA graphs (captured_per_layer): there each layer is a graph of its own, and the rows
+handed over would live in the first graph's private memory; one graph over the whole iteration is fine.
 """
 import warnings
+import weakref
 from typing import Optional
 
+import torch
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -33,6 +46,24 @@ from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
 __all__ = ["OverlapTransformerLayer"]
 
 _warned = set()
+# (layer, its output) of the last OverlapTransformerLayer forward, as weak references: the next layer's forward
+# links the two when its input is that output (OverlapTransformerLayer._link_previous)
+_last_output = [None]
+
+
+def captured_per_layer(config) -> bool:
+    """Whether Megatron captures layers (or parts of them) in CUDA graphs of their own: a tensor handed from one
+    layer's graph to the next layer's other than through the graphs' inputs and outputs (the MLP boundary's
+    normalized rows) would live in the first graph's private memory, which nothing keeps for the second. One
+    graph over the whole iteration (cuda_graph_scope full_iteration) holds both layers: no such problem."""
+    if getattr(config, "enable_cuda_graph", False) or getattr(config, "external_cuda_graph", False):
+        return True
+    impl = str(getattr(config, "cuda_graph_impl", "none") or "none")
+    if impl in ("none", "full_iteration"):
+        return False
+    scope = getattr(config, "cuda_graph_scope", None) or []
+    scope = scope if isinstance(scope, (list, tuple)) else [scope]
+    return not (impl == "local" and any(str(getattr(s, "name", s)) == "full_iteration" for s in scope))
 
 
 class OverlapTransformerLayer(TransformerLayer):
@@ -54,6 +85,18 @@ class OverlapTransformerLayer(TransformerLayer):
             _warned.add(reason)
             warnings.warn(f"OverlapTransformerLayer: running Megatron's separate bias-dropout-add and pre-MLP "
                           f"norm because {reason}")
+        # the MLP boundary: this layer's mlp bda runs the next layer's input norm once they are linked
+        self.next_input_norm = None
+        self.fused_mlp_boundary = (self.fused_attn_norm and not getattr(self, "offload_mlp_norm", False)
+                                   and not captured_per_layer(self.config))
+        if self.fused_mlp_boundary:
+            self._megatron_mlp_bda = self.mlp_bda
+            self.mlp_bda = self._fused_mlp_bda
+        self.fused_fc2_sum = True      # with the next norm linked, fc2's p2p sum is left to the fused mlp bda
+        # ... and this layer's input norm takes the previous layer's handover
+        self.takes_input_handover = (type(self.input_layernorm) is OverlapRMSNorm
+                                     and not getattr(self, "recompute_input_layernorm", False)
+                                     and not getattr(self, "offload_attn_norm", False))
 
     def _unfusable_reason(self) -> Optional[str]:
         if type(self.pre_mlp_layernorm) is not OverlapRMSNorm:
@@ -102,6 +145,63 @@ class OverlapTransformerLayer(TransformerLayer):
         if deferred is not None and not deferred.done:
             raise RuntimeError("OverlapTransformerLayer: linear_proj's output reached something other than the fused "
                                "bias-dropout-add + norm while its p2p sum was left to that kernel")
+        return out
+
+    def forward(self, *args, **kwargs):
+        """Megatron's forward, linking this layer to the previous one when its input is that layer's output."""
+        self._link_previous(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
+        output = super().forward(*args, **kwargs)
+        hidden = output[0] if isinstance(output, tuple) else output
+        _last_output[0] = (weakref.ref(self), weakref.ref(hidden)) if isinstance(hidden, torch.Tensor) else None
+        return output
+
+    def _link_previous(self, hidden_states):
+        last, _last_output[0] = _last_output[0], None
+        if last is None or not self.takes_input_handover:
+            return
+        previous, output = last[0](), last[1]()
+        if (previous is not None and previous is not self and output is hidden_states and previous.fused_mlp_boundary
+                and previous.next_input_norm is None):
+            # a plain attribute: assigned as a Module it would become the previous layer's submodule (its weight in
+            # that layer's parameters and state dict too)
+            object.__setattr__(previous, "next_input_norm", self.input_layernorm)
+
+    def _fused_mlp_bda(self, training: bool, fused: bool):
+        """Stands in for `get_bias_dropout_add(training, fused)` as mlp_bda: with the next layer's input norm
+        linked, the fused kernel (which also sums fc2's deferred p2p partials), handing the normalized rows over
+        to that norm; else Megatron's bda."""
+        def bias_dropout_add_next_norm(x_with_bias, residual, prob):
+            x, bias = x_with_bias
+            x_sum = getattr(x, "overlap_tp_deferred_sum", None)   # fc2 left its p2p sum to this kernel
+            if x_sum is not None:
+                del x.overlap_tp_deferred_sum
+            norm = self.next_input_norm
+            if norm is None:
+                return self._megatron_mlp_bda(training, fused)(x_with_bias, residual, prob)
+            normed, hidden = fused_add_rmsnorm(
+                x, residual, norm.weight, bias, eps=norm.eps, zero_centered_gamma=norm.zero_centered_gamma,
+                dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum)
+            norm.hand_over(hidden, normed)
+            return hidden
+
+        return bias_dropout_add_next_norm
+
+    def _forward_mlp(self, *args, **kwargs):
+        """Megatron's MLP block, with fc2's p2p sum deferred to the fused mlp bda when the next layer is linked;
+        an output left unsummed is an error, never a silent read."""
+        fc2 = getattr(self.mlp, "linear_fc2", None)
+        if (self.next_input_norm is None or not self.fused_fc2_sum or not isinstance(fc2, OverlapRowParallelLinear)
+                or not fc2.sequence_parallel or getattr(self, "recompute_mlp", False)):
+            return super()._forward_mlp(*args, **kwargs)
+        fc2.defer_sum_next = True
+        try:
+            out = super()._forward_mlp(*args, **kwargs)
+        finally:
+            fc2.defer_sum_next = False
+        deferred, fc2.deferred_sum = fc2.deferred_sum, None
+        if deferred is not None and not deferred.done:
+            raise RuntimeError("OverlapTransformerLayer: linear_fc2's output reached something other than the fused "
+                               "bias-dropout-add + next norm while its p2p sum was left to that kernel")
         return out
 
     def _forward_pre_mlp_layernorm(self, hidden_states):

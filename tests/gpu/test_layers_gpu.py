@@ -40,6 +40,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from distributed import run_distributed  # noqa: E402
+from gpu_checks import rel_error  # noqa: E402
 from overlap_tp import OverlapConfig  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -329,6 +330,59 @@ def check_deferred_proj_sum(rank, world):
 
 def test_transformer_layer_p2p_sum_in_the_norm_kernel_is_bitwise_the_summed_path():
     run_distributed(_gpu_world(), check_deferred_proj_sum, backend="nccl")
+
+
+def check_mlp_boundary(rank, world):
+    """Two OverlapTransformerLayers in a row (SP, p2p transports): from the second step the first layer's mlp bda
+    runs the second layer's input norm and sums fc2's p2p partials in the same kernel (the default). Against the
+    linked pair summing fc2 first (fused_fc2_sum off): bit for bit over 20 steps; against the unlinked pair
+    (Megatron's bda, then the norm): within bf16 rounding."""
+    _quiet()
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layers import set_overlap_config
+    ps = _setup(world, "cuda")
+    config = TransformerConfig(num_layers=2, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
+                               ffn_hidden_size=2816, params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
+                               tensor_model_parallel_size=world, sequence_parallel=True, hidden_dropout=0.0,
+                               attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
+                               init_method_std=0.02)
+    p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    pairs = []
+    for variant in ("fused", "summed fc2", "unlinked"):
+        _seed(78, "cuda")
+        pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
+        for layer in pair:
+            set_overlap_config(layer, {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")})
+        assert pair[0].fused_mlp_boundary, "the MLP boundary should be on by default here"
+        pair[0].fused_fc2_sum = variant == "fused"
+        pair[0].fused_mlp_boundary = variant != "unlinked"
+        pairs.append(pair)
+    gen = torch.Generator(device="cuda").manual_seed(6 + rank)
+    seq = 4096 // world
+    for step in range(20):
+        x = torch.randn(seq, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        g = torch.randn(seq, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
+        results = []
+        for first, second in pairs:
+            first.zero_grad(set_to_none=True)
+            second.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            out, _ = second(hidden_states=first(hidden_states=xi, attention_mask=None)[0], attention_mask=None)
+            out.backward(g)
+            results.append([out, xi.grad] + [p.grad for layer in (first, second) for _, p in layer.named_parameters()])
+        assert torch.isfinite(results[0][0]).all()
+        assert pairs[0][0].next_input_norm is pairs[0][1].input_layernorm
+        for i, (a, b, c) in enumerate(zip(*results)):
+            assert torch.equal(a, b), f"step {step} rank {rank}: tensor {i} differs from the summed fc2"
+            assert rel_error(a, c.float()) < 2e-2, f"step {step} rank {rank}: tensor {i} vs the unlinked pair"
+    torch.cuda.synchronize()
+    ps.destroy_model_parallel()
+
+
+def test_mlp_boundary_next_norm_and_fc2_sum_in_one_kernel():
+    run_distributed(_gpu_world(), check_mlp_boundary, backend="nccl")
 
 
 def run_on_cpu(shapes=None, method_names=None, fusion=True):

@@ -456,6 +456,90 @@ def test_deferred_proj_sum_is_summed_by_the_fused_norm():
     run_distributed(2, _check_deferred_proj_sum)
 
 
+def _check_mlp_boundary(rank, world):
+    """Two layers in a row: from the second step the first layer's mlp bda runs the second layer's input norm in
+    the fused kernel and hands the rows over (the second layer's norm is not run again), with fc2's p2p sum left
+    to that kernel too (faked on gloo as in _check_deferred_proj_sum). Outputs, input grad and every parameter
+    grad: within bf16 rounding of the unlinked path (Megatron's bda rounds x + bias, then the sum; the kernel
+    rounds once), and bit for bit between the deferred and the summed fc2 once linked."""
+    _quiet()
+    ps = _init_megatron(world)
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron import layers, norm as norm_module
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.ops.common import Pending
+    spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
+    g = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
+    real_gemm_rs, real_rmsnorm, consumed, norms = layers.gemm_rs, norm_module.rmsnorm, [], []
+
+    def deferring_gemm_rs(*args, async_op=False, **kwargs):
+        result = real_gemm_rs(*args, async_op=async_op, **kwargs)
+        if not async_op:
+            return result
+        deferred = _FakeDeferredSum(result.wait(), consumed)
+        return Pending(deferred, deferred_sum=deferred)
+
+    def counted_rmsnorm(x, weight, **kwargs):
+        norms.append(weight)
+        return real_rmsnorm(x, weight, **kwargs)
+
+    def run(link, fake, steps=2):
+        torch.manual_seed(99)
+        first = build_module(spec, config=_layer_config(world, True), layer_number=1)
+        second = build_module(spec, config=_layer_config(world, True), layer_number=2)
+        for layer in (first, second):
+            layers.set_overlap_config(layer, OFF)
+        first.fused_mlp_boundary = link
+        layers.gemm_rs, norm_module.rmsnorm = (deferring_gemm_rs if fake else real_gemm_rs), counted_rmsnorm
+        try:
+            for _ in range(steps):
+                consumed.clear()
+                norms.clear()
+                for p in list(first.parameters()) + list(second.parameters()):
+                    p.grad = None
+                xi = x.clone().requires_grad_(True)
+                out, _ = second(hidden_states=first(hidden_states=xi, attention_mask=None)[0], attention_mask=None)
+                out.backward(g)
+        finally:
+            layers.gemm_rs, norm_module.rmsnorm = real_gemm_rs, real_rmsnorm
+        assert (first.next_input_norm is second.input_layernorm) == link
+        assert len(list(first.parameters())) == len(list(second.parameters()))   # no parameter of the other's
+        assert second.next_input_norm is None                 # nothing after it ran
+        norms[:] = [w for w in norms if w is second.input_layernorm.weight]   # the second layer's input norm runs
+        return [out, xi.grad] + [p.grad for p in list(first.parameters()) + list(second.parameters())]
+
+    unlinked = run(False, False)
+    assert len(norms) == 1                                    # the second layer's input norm ran
+    linked = run(True, False)
+    assert len(norms) == 0                                    # ... or came handed over
+    for a, b in zip(linked, unlinked):
+        _close(a.float(), b.float(), "linked vs unlinked", 2e-2)
+    deferred = run(True, True)
+    rows = torch.Size([2, SEQ // world * BATCH, H])
+    assert consumed == [rows, rows, rows], consumed          # first's proj and fc2, second's proj
+    for a, b in zip(deferred, linked):
+        assert torch.equal(a, b)
+    ps.destroy_model_parallel()
+
+
+def test_mlp_boundary_hands_the_next_norm_over_and_sums_fc2_in_the_kernel():
+    run_distributed(2, _check_mlp_boundary)
+
+
+def test_no_mlp_boundary_under_per_layer_graphs():
+    from types import SimpleNamespace
+    from overlap_tp.megatron.transformer_layer import captured_per_layer
+    assert not captured_per_layer(SimpleNamespace(cuda_graph_impl="none"))
+    assert not captured_per_layer(SimpleNamespace(cuda_graph_impl="full_iteration"))
+    assert not captured_per_layer(SimpleNamespace(cuda_graph_impl="local", cuda_graph_scope=["full_iteration"]))
+    assert captured_per_layer(SimpleNamespace(cuda_graph_impl="local", cuda_graph_scope=[]))
+    assert captured_per_layer(SimpleNamespace(cuda_graph_impl="local", cuda_graph_scope=["attn"]))
+    assert captured_per_layer(SimpleNamespace(cuda_graph_impl="transformer_engine"))
+    assert captured_per_layer(SimpleNamespace(cuda_graph_impl="none", enable_cuda_graph=True))
+
+
 # ---------------------------------------------------------------------------------------------------
 # Errors
 # ---------------------------------------------------------------------------------------------------
