@@ -1,7 +1,8 @@
 # Next session, MoE call (nvidia-h200-x2), issue 25: the expert ops and the MoE layer over NVLink and on the
 # cross-node proxy (NCCL_P2P_DISABLE=1: NCCL through host memory, all-to-all ~20-22 GB/s on this pair,
 # BENCHMARKS.md), every configuration in one process, the proxy's bandwidth recorded by the benchmark's own
-# `comm` column. 8192 tokens per rank, uniform and Zipf routing.
+# `comm` column. 8192 tokens per rank, uniform and Zipf routing. Session 12 changed the signal path's own cost (no
+# host sync per new routing, no store round trip from the layer): moe_layer shows whether that was the 0.86-0.93x.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
 workdir s12_moe
