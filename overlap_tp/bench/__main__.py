@@ -13,7 +13,9 @@ SUBCOMMANDS = {
 }
 
 
-DISTRIBUTED = ("ops", "layer", "moe", "moe_layer")   # one rank per GPU under torchrun, 2 or more ranks
+# one rank per GPU under torchrun, at least this many ranks: the MoE benchmarks also run at EP = 1, where there is
+# no all-to-all and what they time is the overlapped path's own cost against Megatron's (or the sequential) path
+DISTRIBUTED = {"ops": 2, "layer": 2, "moe": 1, "moe_layer": 1}
 
 
 def requirement_problem(subcommand, argv, environ=os.environ, cuda_devices=None):
@@ -25,8 +27,9 @@ def requirement_problem(subcommand, argv, environ=os.environ, cuda_devices=None)
     if "RANK" not in environ:
         return f"bench {subcommand} runs one rank per GPU under torchrun: {usage}"
     world = int(environ.get("WORLD_SIZE", "1"))
-    if world < 2:
-        return f"bench {subcommand} needs a group of 2 or more ranks (WORLD_SIZE is {world}): {usage}"
+    if world < DISTRIBUTED[subcommand]:
+        return (f"bench {subcommand} needs a group of {DISTRIBUTED[subcommand]} or more ranks (WORLD_SIZE is {world}): "
+                f"{usage}")
     if cuda_devices is None:
         import torch
         cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -46,6 +46,9 @@ def parse_args(argv):
     p.add_argument("--transformer-impl", default="local", choices=("local", "transformer_engine"),
                    help="Megatron's MoE module: local (SequentialMLP) or TE's (TEGroupedMLP) where TE imports")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="also profile 3 steps of every variant (torch.profiler): per variant and shape, a table of "
+                        "the kernels by GPU time (DIR/<shape>_<variant>.txt) and the GPU-busy / wall time per step")
     p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="moe_layer", help="report file name (without extension)")
     return p.parse_args(argv)
@@ -144,6 +147,9 @@ def bench_shape(tokens, routing, args, group):
         if name != "megatron":
             agree(step(layer)(*sets[0]), reference, f"moe_layer {name} {row['shape']}")
         row[name] = timed(step(layer), sets, args.reps, group)
+    if args.profile:
+        for name, layer in variants.items():
+            row[f"busy_{name}"] = profile_steps(step(layer), sets, os.path.join(args.profile, f"{row['shape']}_{name}"))
     for method in args.methods.split(","):
         row[f"S_{method}"] = row["megatron"] / row[method]
     if "signal" in row and "off" in row:
@@ -151,12 +157,32 @@ def bench_shape(tokens, routing, args, group):
     return row
 
 
-def columns(methods):
+def profile_steps(run, sets, path, steps=3):
+    """GPU time per step (ms: the kernels' and copies' time summed over the profiled steps / steps), with the
+    kernel table by GPU time written to `path`.txt (torch.profiler over `steps` steps after one unprofiled)."""
+    from torch.profiler import ProfilerActivity, profile
+    run(*sets[0])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            run(*sets[i % len(sets)])
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".txt", "w") as f:
+        f.write(events.table(sort_by="self_device_time_total", row_limit=30))
+    return busy_us / steps / 1e3
+
+
+def columns(methods, profiled=False):
     cols = [("shape", "routing.tokens", "{}"), ("rows_max", "rows max", "{}"), ("imbalance", "imbalance", "{:.2f}"),
             ("megatron", "Megatron MoELayer", "{:.3f}")]
     cols += [(m, f"ours {m}", "{:.3f}") for m in methods] + [(f"S_{m}", f"S {m}", "{:.2f}") for m in methods]
     if "signal" in methods and "off" in methods:
         cols.append(("signal_vs_off", "off / signal", "{:.2f}"))
+    if profiled:
+        cols += [(f"busy_{m}", f"GPU busy {m}", "{:.3f}") for m in ["megatron"] + list(methods)]
     return cols
 
 
@@ -187,11 +213,13 @@ def main(argv):
         methods = args.methods.split(",")
         notes = (f"Times in ms per forward + backward of one MoE layer (median of steps, slowest rank). S m = "
                  f"Megatron / ours with method m. Megatron's experts: {rows[0]['megatron_experts']}. rows max / "
-                 f"imbalance: the most rows one rank's experts receive and its ratio to the mean.")
+                 f"imbalance: the most rows one rank's experts receive and its ratio to the mean. GPU busy (with "
+                 f"--profile): kernel and copy time per step, summed over streams (wall time minus it: the GPU idle or "
+                 f"waiting on the host). EP = 1: no all-to-all, the times are the paths' own costs.")
         command = f"torchrun --nproc-per-node {ep} -m overlap_tp.bench moe_layer " + " ".join(argv)
-        report.write(args.out, args.name, f"MoE layer forward + backward, EP = {ep}", rows, columns(methods), notes,
-                     command=command)
-        print(report.markdown_table(rows, columns(methods)))
+        report.write(args.out, args.name, f"MoE layer forward + backward, EP = {ep}", rows,
+                     columns(methods, bool(args.profile)), notes, command=command)
+        print(report.markdown_table(rows, columns(methods, bool(args.profile))))
         print(notes)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()

@@ -13,6 +13,9 @@ def test_distributed_benchmarks_need_torchrun_a_group_and_gpus():
     assert "2 ranks on this node but 0 visible CUDA GPU(s)" in bench.requirement_problem(
         "moe", [], environ=two, cuda_devices=0)
     assert bench.requirement_problem("ops", [], environ=two, cuda_devices=2) is None
+    one_gpu = dict(one, LOCAL_WORLD_SIZE="1")
+    assert bench.requirement_problem("moe_layer", [], environ=one_gpu, cuda_devices=1) is None   # EP = 1: own cost
+    assert bench.requirement_problem("moe", [], environ=one_gpu, cuda_devices=1) is None
     assert bench.requirement_problem("layer", ["--device", "cpu"], environ={}, cuda_devices=0) is None
     assert bench.requirement_problem("norm", [], environ={}, cuda_devices=0) is None   # checks its GPU itself
 
