@@ -48,7 +48,8 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also profile 3 steps of every variant (torch.profiler): per variant and shape, a table of "
-                        "the kernels by GPU time (DIR/<shape>_<variant>.txt) and the GPU-busy / wall time per step")
+                        "the kernels by GPU time (DIR/<shape>_<variant>.txt), the trace (.json) and the GPU-busy "
+                        "time per step")
     p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="moe_layer", help="report file name (without extension)")
     return p.parse_args(argv)
@@ -159,7 +160,8 @@ def bench_shape(tokens, routing, args, group):
 
 def profile_steps(run, sets, path, steps=3):
     """GPU time per step (ms: the kernels' and copies' time summed over the profiled steps / steps), with the
-    kernel table by GPU time written to `path`.txt (torch.profiler over `steps` steps after one unprofiled)."""
+    kernel table by GPU time written to `path`.txt and the trace to `path`.json (torch.profiler over `steps`
+    steps after one unprofiled; docs/perf/scripts/trace_gaps.py lists where the GPU waited for the host)."""
     from torch.profiler import ProfilerActivity, profile
     run(*sets[0])
     torch.cuda.synchronize()
@@ -167,9 +169,10 @@ def profile_steps(run, sets, path, steps=3):
         for i in range(steps):
             run(*sets[i % len(sets)])
         torch.cuda.synchronize()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    prof.export_chrome_trace(path + ".json")
     events = prof.key_averages()
     busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".txt", "w") as f:
         f.write(events.table(sort_by="self_device_time_total", row_limit=30))
     return busy_us / steps / 1e3

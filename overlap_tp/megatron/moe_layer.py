@@ -349,12 +349,20 @@ class OverlapMoELayer(MoELayer):
         shared_expert_output = self.shared_experts_compute(hidden_states)
         probs, routing_map = self.route(hidden_states, padding_mask)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        counts = self.token_counts(routing_map)
+        counts = self.token_counts(routing_map, wait=False)
         drop_and_pad = config.moe_pad_expert_input_to_capacity
         on_input = config.moe_apply_probs_on_input
+        # The permute's row count without waiting for the counts where Megatron's dispatcher knows it too (dropless:
+        # every token to top-k experts), so the permute is queued before the host waits for the counts' copy
+        dropless = config.moe_expert_capacity_factor is None and not drop_and_pad
+        out_rows = tokens.shape[0] * config.moe_router_topk if dropless else int(counts()[self.ep_rank].sum())
         permuted, permuted_probs, sorted_indices = permute(
-            tokens, routing_map, probs=probs if on_input else None, num_out_tokens=int(counts[self.ep_rank].sum()),
+            tokens, routing_map, probs=probs if on_input else None, num_out_tokens=out_rows,
             fused=config.moe_permute_fusion, drop_and_pad=drop_and_pad)[:3]   # 0.19 returns two more
+        counts = counts()
+        if int(counts[self.ep_rank].sum()) != out_rows:
+            raise RuntimeError(f"OverlapMoELayer: the router sent {int(counts[self.ep_rank].sum())} rows from this rank, "
+                               f"the permute made {out_rows} (tokens x moe_router_topk for a dropless router)")
         if on_input:
             permuted = (permuted_probs.unsqueeze(-1) * permuted).to(permuted.dtype)
         expert_output = self.experts(permuted, counts)
@@ -366,8 +374,26 @@ class OverlapMoELayer(MoELayer):
             output = output + shared_expert_output
         return output
 
-    def token_counts(self, routing_map: torch.Tensor) -> torch.Tensor:
-        """counts [ep, E] (CPU int64, equal on every EP rank): rows rank r sends to global expert e."""
+    def token_counts(self, routing_map: torch.Tensor, wait: bool = True):
+        """counts [ep, E] (CPU int64, equal on every EP rank): rows rank r sends to global expert e. wait=False:
+        a function returning them, the copy to the host queued now and waited for at its call (work queued in
+        between runs on the GPU while the host waits)."""
+        counts = self._device_counts(routing_map)
+        if not counts.is_cuda:
+            counts = counts.cpu()
+            return counts if wait else (lambda: counts)
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def finish():
+            copied.synchronize()
+            return host
+        return finish() if wait else finish
+
+    def _device_counts(self, routing_map: torch.Tensor) -> torch.Tensor:
+        """token_counts on routing_map's device (the capacity's on the host)."""
         ep = get_pg_size(self.ep_group)
         num_experts = self.config.num_moe_experts
         if self.config.moe_pad_expert_input_to_capacity:   # every (rank, expert) block is exactly `capacity` rows
@@ -378,5 +404,4 @@ class OverlapMoELayer(MoELayer):
                                  f"tokens of this rank; lower moe_expert_capacity_factor")
             return torch.full((ep, num_experts), capacity, dtype=torch.int64)
         local = routing_map.sum(dim=0, dtype=torch.int64).view(1, num_experts)
-        counts = comm.all_gather_rows(local, self.ep_group)[0] if ep > 1 else local
-        return counts.cpu()
+        return comm.all_gather_rows(local, self.ep_group)[0] if ep > 1 else local
