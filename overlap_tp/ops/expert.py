@@ -294,8 +294,9 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll):
     engine.transfers_then_gemm(transfers, gemm, state.words, state.watched)
 
 
-def dispatch_gemm(x, counts, w, group, config, counts_agreed=False):
-    """a2a_gemm without autograd: (y [R, N], xr [R, H])."""
+def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None):
+    """a2a_gemm without autograd: (y [R, N], xr [R, H]). state: the signaled state of this call, prepared ahead
+    (_dispatch_state), else looked up or built now."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     check_counts(counts, ep, "a2a_gemm")
     lay = layout(counts, rank)
@@ -308,18 +309,24 @@ def dispatch_gemm(x, counts, w, group, config, counts_agreed=False):
         y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
         expert_mm(xr, w, lay.segments, (y,))
         return y, xr
-    parts = parts_per_peer(counts, config.groups, hidden * x.element_size())
     xr = torch.empty(lay.rows, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
     coll = comm.collectives(group, x.device, config.comm_sms)
     if method == "decompose":
+        parts = parts_per_peer(counts, config.groups, hidden * x.element_size())
         _dispatch_decomposed(x, w, xr, y, dispatch_plan(counts, rank, n, config.block_m, config.block_n, parts), coll)
     else:
-        describe = (f"a2a_gemm(T={lay.tokens}, R={lay.rows}, N={n}, H={hidden}, ep={ep}, L={lay.experts}, "
-                    f"parts={parts})")
-        state = _state("a2a_gemm", dispatch_plan, counts, rank, n, config, parts, group, x.device, describe)
+        state = state or _dispatch_state(counts, lay, n, hidden, x.dtype, config, group, x.device)
         _dispatch_signaled(x, w, xr, y, state, coll)
     return y, xr
+
+
+def _dispatch_state(counts, lay: Layout, n: int, hidden: int, dtype, config, group, device) -> _ExpertState:
+    """a2a_gemm's signaled state for this routing (built at its first use, then cached)."""
+    parts = parts_per_peer(counts, config.groups, hidden * torch.finfo(dtype).bits // 8)
+    describe = (f"a2a_gemm(T={lay.tokens}, R={lay.rows}, N={n}, H={hidden}, ep={lay.ep}, L={lay.experts}, "
+                f"parts={parts})")
+    return _state("a2a_gemm", dispatch_plan, counts, lay.rank, n, config, parts, group, device, describe)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -361,8 +368,8 @@ def _combine_signaled(h, w, staging, z, state: _ExpertState, coll):
     engine.gemm_then_collectives(gemm, state.words, waited, exchange, state.watched)()
 
 
-def gemm_combine(h, counts, w, group, config, counts_agreed=False):
-    """gemm_a2a without autograd: z [T, H]."""
+def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None):
+    """gemm_a2a without autograd: z [T, H]. state: as for dispatch_gemm (_combine_state)."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     check_counts(counts, ep, "gemm_a2a")
     lay = layout(counts, rank)
@@ -374,31 +381,51 @@ def gemm_combine(h, counts, w, group, config, counts_agreed=False):
         out = torch.empty(lay.rows, n, dtype=h.dtype, device=h.device)
         expert_mm(h, w, lay.segments, (out,))
         return all_to_all_rows(out, lay.tokens, lay.x_splits, lay.xr_splits, group)
-    parts = parts_per_peer(counts, config.groups, n * h.element_size())
-    # The staging rows (the remote blocks: combine_plan's staging_rows) and z in one buffer, z a fixed number of
-    # elements (a multiple of 16: 16-byte stores) after the staging matrix, where the kernel addresses it: the
-    # offset belongs to the plan, not the call. At least one staging row: the kernel's base pointer.
-    staging_rows = max(1, lay.rows - lay.xr_splits[rank])
-    while (staging_rows * n) % OFFSET_ALIGNMENT:
-        staging_rows += 1
+    staging_rows = _staging_rows(lay, n)
     buf = torch.empty(staging_rows + lay.tokens, n, dtype=h.dtype, device=h.device)
     staging, z = buf[:staging_rows], buf[staging_rows:]
     coll = comm.collectives(group, h.device, config.comm_sms)
     if method == "decompose":
+        parts = parts_per_peer(counts, config.groups, n * h.element_size())
         _combine_decomposed(h, w, staging, z, combine_plan(counts, rank, n, config.block_m, config.block_n, parts),
                             coll)
     else:
-        describe = (f"gemm_a2a(T={lay.tokens}, R={lay.rows}, H={n}, F={h.shape[1]}, ep={ep}, L={lay.experts}, "
-                    f"parts={parts})")
-        offsets = torch.tensor([0, staging_rows * n], dtype=torch.int64)
-        state = _state("gemm_a2a", combine_plan, counts, rank, n, config, parts, group, h.device, describe, offsets)
+        state = state or _combine_state(counts, lay, n, h.shape[1], h.dtype, config, group, h.device)
         _combine_signaled(h, w, staging, z, state, coll)
     return z
+
+
+def _staging_rows(lay: Layout, n: int) -> int:
+    """The staging rows (the remote blocks: combine_plan's staging_rows) before z in gemm_a2a's one buffer, z a
+    fixed number of elements (a multiple of 16: 16-byte stores) after the staging matrix, where the kernel
+    addresses it: the offset belongs to the plan, not the call. At least one row: the kernel's base pointer."""
+    rows = max(1, lay.rows - lay.xr_splits[lay.rank])
+    while (rows * n) % OFFSET_ALIGNMENT:
+        rows += 1
+    return rows
+
+
+def _combine_state(counts, lay: Layout, n: int, f: int, dtype, config, group, device) -> _ExpertState:
+    """gemm_a2a's signaled state for this routing (built at its first use, then cached)."""
+    parts = parts_per_peer(counts, config.groups, n * torch.finfo(dtype).bits // 8)
+    describe = f"gemm_a2a(T={lay.tokens}, R={lay.rows}, H={n}, F={f}, ep={lay.ep}, L={lay.experts}, parts={parts})"
+    offsets = torch.tensor([0, _staging_rows(lay, n) * n], dtype=torch.int64)
+    return _state("gemm_a2a", combine_plan, counts, lay.rank, n, config, parts, group, device, describe, offsets)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Autograd and the public ops
 # ---------------------------------------------------------------------------------------------------
+
+def _backward_state(needed: bool, inp, build, counts, group, config, n: int, k: int):
+    """The signaled state of the backward's mirrored op (GEMM N = n over inputs of k columns), built during the
+    forward, where the host works while the GPU runs the forward's GEMM. Held by the autograd context: the
+    per-routing cache keeps 16, fewer than the forward of a deep MoE model builds. None where the backward will
+    not run the signaled kernel."""
+    if not needed or config.method != "signal":
+        return None
+    return build(counts, layout(counts, dist.get_rank(group)), n, k, inp.dtype, config, group, inp.device)
+
 
 class _A2AGemm(torch.autograd.Function):
     @staticmethod
@@ -407,6 +434,9 @@ class _A2AGemm(torch.autograd.Function):
         ctx.save_for_backward(xr, w)
         ctx.counts, ctx.group, ctx.config, ctx.counts_agreed = counts, group, config, counts_agreed
         ctx.mark_non_differentiable(xr)
+        # the backward's gemm_a2a (dy @ w[l] back to the sources) prepared now, while the GPU runs this GEMM
+        ctx.dx_state = _backward_state(ctx.needs_input_grad[0], x, _combine_state, counts, group, config,
+                                       n=w.shape[2], k=w.shape[1])
         return y, xr
 
     @staticmethod
@@ -416,7 +446,8 @@ class _A2AGemm(torch.autograd.Function):
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = gemm_combine(dy, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config, ctx.counts_agreed)
+            dx = gemm_combine(dy, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config, ctx.counts_agreed,
+                              ctx.dx_state)
         if ctx.needs_input_grad[1]:
             dw = expert_wgrad(dy, xr, layout(ctx.counts, dist.get_rank(ctx.group)))
         return dx, dw, None, None, None, None
@@ -427,7 +458,11 @@ class _GemmA2A(torch.autograd.Function):
     def forward(ctx, h, w, counts, group, config, counts_agreed):
         ctx.save_for_backward(h, w)
         ctx.counts, ctx.group, ctx.config, ctx.counts_agreed = counts, group, config, counts_agreed
-        return gemm_combine(h, counts, w, group, config, counts_agreed)
+        z = gemm_combine(h, counts, w, group, config, counts_agreed)
+        # the backward's a2a_gemm (dz back to the experts, @ w[l]) prepared now, while the GPU runs this GEMM
+        ctx.dh_state = _backward_state(ctx.needs_input_grad[0], h, _dispatch_state, counts, group, config,
+                                       n=w.shape[2], k=w.shape[1])
+        return z
 
     @staticmethod
     def backward(ctx, dz):
@@ -438,7 +473,7 @@ class _GemmA2A(torch.autograd.Function):
         dh = dw = None
         if ctx.needs_input_grad[0]:
             dh, dzr = dispatch_gemm(dz, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config,
-                                    ctx.counts_agreed)
+                                    ctx.counts_agreed, ctx.dh_state)
         else:
             dzr = all_to_all_rows(dz, lay.rows, lay.xr_splits, lay.x_splits, ctx.group)
         if ctx.needs_input_grad[1]:

@@ -193,3 +193,38 @@ def _check_routing_agreement(rank, world):
 
 def test_ranks_that_disagree_on_counts_get_a_clear_error_and_a_routing_is_agreed_once():
     run_distributed(2, _check_routing_agreement)
+
+
+def _check_backward_states_built_in_forward(rank, world):
+    """A new routing's signaled states, each op's and its backward's, are all built during the forward, where the
+    host works while the GPU runs the forward's GEMMs; the backward builds none."""
+    from overlap_tp.ops import expert
+    built = []
+    real_init = expert._ExpertState.__init__
+
+    def counting_init(self, kind, *args, **kwargs):
+        built.append(kind)
+        real_init(self, kind, *args, **kwargs)
+
+    expert._ExpertState.__init__ = counting_init
+    try:
+        counts = torch.tensor([[5, 0, 9, 3], [2, 7, 1, 4]])[:world] if world == 2 else torch.tensor([[5, 0, 9, 3]])
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(int(counts[rank].sum()), 32, generator=gen).to(torch.bfloat16).requires_grad_()
+        experts = counts.shape[1] // world
+        # H 32, fc1 N = 2F = 32, F 16: the backward's dispatch (N = F) is a plan of its own; its combine (N = H)
+        # is the forward combine's plan (a plan depends on counts and N, not on K)
+        w1 = torch.randn(experts, 32, 32, generator=gen).to(torch.bfloat16).requires_grad_()
+        w2 = torch.randn(experts, 32, 16, generator=gen).to(torch.bfloat16).requires_grad_()
+        y = a2a_gemm(x, counts, w1, config=CONFIGS[2])
+        z = gemm_a2a(y[:, :16].contiguous(), counts, w2, config=CONFIGS[2])
+        assert sorted(built) == ["a2a_gemm", "a2a_gemm", "gemm_a2a"], built
+        z.float().sum().backward()
+        assert len(built) == 3, built
+    finally:
+        expert._ExpertState.__init__ = real_init
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_backward_states_are_built_in_the_forward(world):
+    run_distributed(world, _check_backward_states_built_in_forward)
