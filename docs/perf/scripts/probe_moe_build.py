@@ -33,14 +33,25 @@ for _ in range(10):
     same.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize()
 print(f"a2a_gemm host us with the same routing: median {statistics.median(same):.0f}")
-torch.cuda._sleep(int(2000 * cycles))
-pr = cProfile.Profile()
-pr.enable()
-for counts in routings[20:40]:
-    a2a_gemm(x, counts, w, config=signal)
-pr.disable()
-torch.cuda.synchronize()
-out = io.StringIO()
-pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(20)
-print(out.getvalue())
+from overlap_tp import gemm_a2a
+
+
+def profiled(label, calls):
+    torch.cuda._sleep(int(2000 * cycles))
+    pr = cProfile.Profile()
+    pr.enable()
+    for call in calls:
+        call()
+    pr.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("cumulative").print_stats(32)
+    print(f"==== {label}: {len(calls)} calls\n" + out.getvalue(), flush=True)
+
+
+w2 = (torch.randn(4, 4096, 14336, device=dev) / 64).bfloat16()
+h = torch.randn(16384, 14336, device=dev).bfloat16()
+profiled("a2a_gemm, a new routing each call", [lambda c=c: a2a_gemm(x, c, w, config=signal) for c in routings[20:30]])
+profiled("a2a_gemm, the same routing", [lambda: a2a_gemm(x, routings[0], w, config=signal)] * 10)
+profiled("gemm_a2a, a new routing each call", [lambda c=c: gemm_a2a(h, c, w2, config=signal) for c in routings[30:40]])
 dist.destroy_process_group()
