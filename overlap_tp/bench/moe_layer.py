@@ -45,6 +45,9 @@ def parse_args(argv):
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--transformer-impl", default="local", choices=("local", "transformer_engine"),
                    help="Megatron's MoE module: local (SequentialMLP) or TE's (TEGroupedMLP) where TE imports")
+    p.add_argument("--routings", type=int, default=1,
+                   help="routings cycled step by step (each drawn with its own seed): 1 = the same every step, as "
+                        "earlier records; training's routing changes every step, which rebuilds the expert ops' plans")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also profile 3 steps of every variant (torch.profiler): per variant and shape, a table of "
@@ -109,24 +112,26 @@ def force_routing(layer, *offsets):
         return logits + offset.view(logits.shape).to(logits.dtype)
 
     layer.router.gating = gating_with_offsets
+    return calls   # calls[0] = 0 restarts the cycle
 
 
 def bench_shape(tokens, routing, args, group):
     from overlap_tp.megatron.moe_layer import set_moe_overlap_config
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     config = moe_config(ep, args.hidden, args.ffn, args.experts, args.top_k, args.transformer_impl)
-    offsets = routing_offsets(tokens, args.experts, ep, routing, rank)
+    offsets = [routing_offsets(tokens, args.experts, ep, routing, rank, seed=1000 * k) for k in range(args.routings)]
     variants = {"megatron": build_layer(False, config)}
     for method in args.methods.split(","):
         variants[method] = build_layer(True, config)
         set_moe_overlap_config(variants[method], dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=method))
-    for layer in variants.values():
-        force_routing(layer, offsets)
+    cycles = [force_routing(layer, *offsets) for layer in variants.values()]
     sets = [(torch.randn(tokens, 1, args.hidden, device="cuda", dtype=torch.bfloat16).requires_grad_(True),
              torch.randn(tokens, 1, args.hidden, device="cuda", dtype=torch.bfloat16)) for _ in range(INPUT_SETS)]
 
     ours = variants[args.methods.split(",")[0]]
-    counts = ours.token_counts(ours.router(sets[0][0])[1])
+    counts = ours.token_counts(ours.router(sets[0][0])[1])   # the first routing's
+    for calls in cycles:   # every variant's checked call below under that first routing
+        calls[0] = 0
     local = args.experts // ep
     received = [int(counts[:, r * local:(r + 1) * local].sum()) for r in range(ep)]
     row = {"shape": f"{routing}.t{tokens}", "tokens": tokens, "routing": routing, "H": args.hidden, "F": args.ffn,
@@ -220,6 +225,8 @@ def main(argv):
                  f"--profile): kernel and copy time per step, summed over streams (wall time minus it: the GPU idle or "
                  f"waiting on the host). EP = 1: no all-to-all, the times are the paths' own costs.")
         command = f"torchrun --nproc-per-node {ep} -m overlap_tp.bench moe_layer " + " ".join(argv)
+        if args.routings > 1:
+            notes += f" {args.routings} routings cycled step by step (new expert plans every step, as in training)."
         report.write(args.out, args.name, f"MoE layer forward + backward, EP = {ep}", rows,
                      columns(methods, bool(args.profile)), notes, command=command)
         print(report.markdown_table(rows, columns(methods, bool(args.profile))))

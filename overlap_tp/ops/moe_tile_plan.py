@@ -31,9 +31,11 @@ gemm_a2a (fc2 + combine) on rank r, out[j] = h[j] @ w[l].T, sent back to the row
     g of every (r -> s) block from s straight into z_r[X[r,s] + part rows]. The local block's tiles
     come last and store straight into z_r[X[r,r] + (h row - Y[r,r])]: the local rows are never copied.
 """
+import functools
 from dataclasses import dataclass
 from typing import List, Tuple
 
+import numpy as np
 import torch
 
 from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M, SRC_ROW,
@@ -160,19 +162,25 @@ def block_pieces(expert_rows, lo, hi, src_base, dst_buf, dst_base) -> List[Piece
     return pieces
 
 
+@functools.lru_cache(maxsize=256)
 def raster_index(m_tiles: int, n_tiles: int, group_m: int = RASTER_GROUP_M):
-    """plan.raster's order as (row tile, N-tile) index tensors, without a Python loop per tile: expert
-    plans are rebuilt on every call (the counts change every step)."""
-    i = torch.arange(m_tiles * n_tiles)
+    """plan.raster's order as (row tile, N-tile) index arrays (numpy int64, read-only), without a Python loop per
+    tile: expert plans are rebuilt on every call (the counts change every step), on the host, right after the
+    step's routing reached it, while the GPU waits for the first expert GEMM: numpy's per-call cost is a fraction
+    of torch's on these small arrays, and the row-tile counts of successive routings repeat (cached)."""
+    i = np.arange(m_tiles * n_tiles)
     first = i // (group_m * n_tiles) * group_m          # the first row tile of i's run of group_m rows
-    rows = (m_tiles - first).clamp(max=group_m)
+    rows = np.minimum(m_tiles - first, group_m)
     within = i - first * n_tiles
-    return first + within % rows, within // rows
+    index = (first + within % rows, within // rows)
+    for array in index:
+        array.setflags(write=False)
+    return index
 
 
 def tile_table(gemm_groups, fields, n: int, block_m: int, block_n: int):
     """The tiles of every group's pieces (row tiles x N-tiles, rastered within the group), in order;
-    fields[i] = (GROUP, WAIT) of group i. Returns (tiles, tiles per group)."""
+    fields[i] = (GROUP, WAIT) of group i. Returns (tiles int32 [num_tiles, TILE_FIELDS], tiles per group)."""
     tables, sizes = [], []
     n_tiles = (n + block_n - 1) // block_n
     for pieces, (group, wait) in zip(gemm_groups, fields):
@@ -184,11 +192,11 @@ def tile_table(gemm_groups, fields, n: int, block_m: int, block_n: int):
                 row[GROUP], row[DST_BUF], row[WAIT], row[EXPERT] = group, p.dst_buf, wait, p.expert
                 rows.append(row)
         r, c = raster_index(len(rows), n_tiles)
-        tiles = torch.tensor(rows, dtype=torch.int32).view(-1, TILE_FIELDS)[r]
-        tiles[:, COL] = tiles[:, DST_COL] = (c * block_n).to(torch.int32)
+        tiles = np.take(np.array(rows, dtype=np.int32).reshape(-1, TILE_FIELDS), r, axis=0)   # 4x fancy indexing
+        tiles[:, COL] = tiles[:, DST_COL] = c * block_n
         tables.append(tiles)
         sizes.append(tiles.shape[0])
-    return torch.cat(tables), sizes
+    return torch.from_numpy(np.concatenate(tables)), sizes
 
 
 def dispatch_plan(counts: torch.Tensor, rank: int, n: int, block_m: int, block_n: int, parts: int) -> ExpertPlan:
