@@ -34,7 +34,7 @@ for _ in range(10):
     torch.cuda.synchronize()
 print(f"a2a_gemm host us with the same routing: median {statistics.median(same):.0f}")
 from overlap_tp import gemm_a2a
-from overlap_tp.ops import expert, moe_tile_plan
+from overlap_tp.ops import moe_tile_plan
 from overlap_tp.kernels.signaled_gemm import SignaledGemm
 from overlap_tp.ops.common import gemm_programs
 from overlap_tp.ops.watchdog import Watched
