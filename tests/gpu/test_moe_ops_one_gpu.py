@@ -76,3 +76,24 @@ def _check_no_sync(rank, world):
 
 def test_a_new_routing_every_step_never_synchronizes_the_host():
     run_distributed(1, _check_no_sync, backend="nccl")
+
+
+def test_pinned_staging_never_overwrites_a_table_still_being_copied():
+    """100 different tables staged back to back while the GPU sleeps (every copy still pending): each arrives
+    intact, so no slot was rewritten before its copy ran; then, with the copies done, the slots are reused."""
+    from overlap_tp.ops.expert import PinnedStaging
+    from overlap_tp.tune.timing import sleep_cycles_per_ms
+    staging = PinnedStaging()
+    tables = [torch.randint(-2 ** 31, 2 ** 31 - 1, (1000 + 37 * i, 9), dtype=torch.int32) for i in range(100)]
+    torch.cuda._sleep(int(200 * sleep_cycles_per_ms()))
+    on_gpu = [staging.to_device(t, torch.device("cuda")) for t in tables]
+    torch.cuda.synchronize()
+    for t, g in zip(tables, on_gpu):
+        assert torch.equal(g.cpu(), t)
+    slots = len(staging.slots)
+    assert slots > 1                                   # copies were in flight together
+    again = [staging.to_device(t, torch.device("cuda")) for t in tables[:5]]
+    torch.cuda.synchronize()
+    assert len(staging.slots) == slots                 # reused, none added
+    for t, g in zip(tables, again):
+        assert torch.equal(g.cpu(), t)

@@ -35,6 +35,7 @@ for _ in range(10):
 print(f"a2a_gemm host us with the same routing: median {statistics.median(same):.0f}")
 from overlap_tp import gemm_a2a
 from overlap_tp.ops import moe_tile_plan
+from overlap_tp.ops.expert import host_table_to
 from overlap_tp.kernels.signaled_gemm import SignaledGemm
 from overlap_tp.ops.common import gemm_programs
 from overlap_tp.ops.watchdog import Watched
@@ -42,22 +43,21 @@ from overlap_tp.ops.watchdog import Watched
 
 def breakdown(counts_list):
     """The pieces of one new routing's a2a_gemm state, each timed on its own (GPU busy behind a sleep)."""
-    parts = {"dispatch_plan": [], "pin_memory": [], "copy": [], "SignaledGemm+words": [], "Watched": []}
+    parts = {"dispatch_plan": [], "copy": [], "SignaledGemm+words": [], "Watched": []}
     torch.cuda._sleep(int(3000 * cycles))
     for counts in counts_list:
         t0 = time.perf_counter()
         plan = moe_tile_plan.dispatch_plan(counts, 0, 28672, 128, 256, 2)
         t1 = time.perf_counter()
-        pinned = plan.tiles.pin_memory()
         t2 = time.perf_counter()
-        tiles = pinned.to(dev, non_blocking=True)
+        tiles = host_table_to(plan.tiles, dev)   # to the GPU through the pinned staging slots
         t3 = time.perf_counter()
         words = torch.zeros(1, dtype=torch.int32, device=dev)
         SignaledGemm(tiles, gemm_programs(dev, signal), signal, flags=words, wait_target=1)
         t4 = time.perf_counter()
         Watched("probe")
         t5 = time.perf_counter()
-        for key, a, b in (("dispatch_plan", t0, t1), ("pin_memory", t1, t2), ("copy", t2, t3),
+        for key, a, b in (("dispatch_plan", t0, t1), ("copy", t2, t3),
                           ("SignaledGemm+words", t3, t4), ("Watched", t4, t5)):
             parts[key].append((b - a) * 1e6)
     torch.cuda.synchronize()
@@ -66,7 +66,7 @@ def breakdown(counts_list):
 
 
 breakdown(routings[1:21])
-breakdown(routings[1:21])   # the same tables again: the pinned blocks of the first pass are free now
+breakdown(routings[1:21])   # the same tables again
 
 
 def profiled(label, calls):
