@@ -1,5 +1,5 @@
-# Session 12, call 11 (nvidia-h200, ONE GPU): after the pinned staging slots (and the numpy tables, the backward states in the
-# forward: the expert ops' one-GPU tests; the plan build's host time; the MoE layer at EP = 1 with a new routing
+# Session 12, call 11 (nvidia-h200, ONE GPU): after the pinned staging slots (with the numpy tables and the backward states in the
+# forward): the expert ops' one-GPU tests; the plan build's host time; the MoE layer at EP = 1 with a new routing
 # every step (--routings 8, as in training) against Megatron's MoELayer, with its GPU gaps.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
