@@ -67,8 +67,38 @@ def check_counts(counts, ep: int, op: str):
         raise ValueError(f"{op}: counts is [{counts.shape[0]}, {counts.shape[1]}] but the EP group has {ep} ranks")
     if counts.shape[1] == 0 or counts.shape[1] % ep:
         raise ValueError(f"{op}: E={counts.shape[1]} experts is not a positive multiple of ep={ep}")
-    if bool((counts < 0).any()):
-        raise ValueError(f"{op}: counts has negative entries")
+
+
+class Routing:
+    """What every call derives from one routing's counts on this rank: its checks passed, the layout, the parts
+    per peer for each (groups, row bytes), and the key plans and agreements are cached by. Built once per
+    distinct routing (`routing`), so a step's four expert calls (forward and backward of both ops) share it:
+    each small CPU tensor op costs tens of microseconds on the GPU hosts, and the four calls repeated them."""
+
+    def __init__(self, counts: torch.Tensor, rank: int, key):
+        self.counts, self.key, self.layout = counts, key, layout(counts, rank)
+        self._parts = {}
+
+    def parts(self, groups, row_bytes: int) -> int:
+        if (groups, row_bytes) not in self._parts:
+            self._parts[groups, row_bytes] = parts_per_peer(self.counts, groups, row_bytes)
+        return self._parts[groups, row_bytes]
+
+
+_routings = OrderedDict()
+
+
+def routing(counts, ep: int, rank: int, op: str) -> Routing:
+    """counts checked (check_counts; values once per distinct routing) and this rank's Routing (cached, the 64
+    most recent)."""
+    check_counts(counts, ep, op)
+    key = (counts.numpy().tobytes(), tuple(counts.shape))
+
+    def build():
+        if bool((counts < 0).any()):
+            raise ValueError(f"{op}: counts has negative entries")
+        return Routing(counts.clone(), rank, key)
+    return _cached(_routings, key + (rank,), build, 64)
 
 
 def check_inputs(op: str, a, w, counts, rows: int, rows_name: str, out_name: str):
@@ -255,14 +285,13 @@ def _cached(cache: OrderedDict, key, build, limit: int):
     return value
 
 
-def _state(kind, plan_fn, counts, rank, n, config, parts, group, device, describe, offsets=None) -> _ExpertState:
+def _state(kind, plan_fn, route: Routing, n, config, parts, group, device, describe, offsets=None) -> _ExpertState:
     """The _ExpertState of this routing, built at its first call (the least recently used dropped past
     MAX_ROUTINGS: dynamic routing builds one per step)."""
-    key = (kind, group, counts.numpy().tobytes(), tuple(counts.shape), n, config, parts, device,
-           None if offsets is None else tuple(offsets.tolist()))
-    return _cached(_states, key, lambda: _ExpertState(kind, plan_fn(counts, rank, n, config.block_m, config.block_n,
-                                                                    parts), device, config, describe, offsets),
-                   MAX_ROUTINGS)
+    key = (kind, group, route.key, n, config, parts, device, None if offsets is None else tuple(offsets.tolist()))
+    return _cached(_states, key, lambda: _ExpertState(
+        kind, plan_fn(route.counts, route.layout.rank, n, config.block_m, config.block_n, parts), device, config,
+        describe, offsets), MAX_ROUTINGS)
 
 
 # what the ranks of a group agreed on (comm.agree): ops by (kind, shape, config), routings by counts. Every rank
@@ -271,7 +300,7 @@ MAX_AGREED = 64
 _agreed_ops, _agreed_routings = OrderedDict(), OrderedDict()
 
 
-def agree_routing(group, op: str, counts: torch.Tensor, n: int, k: int, dtype, config: OverlapConfig,
+def agree_routing(group, op: str, route: Routing, n: int, k: int, dtype, config: OverlapConfig,
                   counts_agreed: bool):
     """Every rank of the EP group calls `op` with the same output columns, inner size, dtype and config
     (checked once per combination) and the same counts (once per distinct routing: one agreement serves a
@@ -281,12 +310,12 @@ def agree_routing(group, op: str, counts: torch.Tensor, n: int, k: int, dtype, c
     them), which saves a round trip through the process group's store per step."""
     if dist.get_world_size(group) == 1:
         return
-    what = f"{op}(N={n}, K={k}, ep={counts.shape[0]})"
+    what = f"{op}(N={n}, K={k}, ep={route.layout.ep})"
     _cached(_agreed_ops, (group, op, n, k, dtype, config),
             lambda: comm.agree(group, dict(op=op, n=n, k=k, dtype=dtype, config=config), what) or True, MAX_AGREED)
     if not counts_agreed:
-        _cached(_agreed_routings, (group, tuple(counts.shape), counts.numpy().tobytes()),
-                lambda: comm.agree(group, dict(counts=counts.tolist()), what) or True, MAX_AGREED)
+        _cached(_agreed_routings, (group, route.key),
+                lambda: comm.agree(group, dict(counts=route.counts.tolist()), what) or True, MAX_AGREED)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -333,12 +362,12 @@ def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None):
     """a2a_gemm without autograd: (y [R, N], xr [R, H]). state: the signaled state of this call, prepared ahead
     (_dispatch_state), else looked up or built now."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_counts(counts, ep, "a2a_gemm")
-    lay = layout(counts, rank)
+    route = routing(counts, ep, rank, "a2a_gemm")
+    lay = route.layout
     check_inputs("a2a_gemm", x, w, counts, lay.tokens, "sum of counts[rank]", "N")
     method = resolve_method("a2a_gemm", config, x, w)
     n, hidden = w.shape[1], x.shape[1]
-    agree_routing(group, "a2a_gemm", counts, n, hidden, x.dtype, config, counts_agreed)
+    agree_routing(group, "a2a_gemm", route, n, hidden, x.dtype, config, counts_agreed)
     if method == "off":
         xr = all_to_all_rows(x, lay.rows, lay.xr_splits, lay.x_splits, group)
         y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
@@ -348,20 +377,20 @@ def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None):
     y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
     coll = comm.collectives(group, x.device, config.comm_sms)
     if method == "decompose":
-        parts = parts_per_peer(counts, config.groups, hidden * x.element_size())
+        parts = route.parts(config.groups, hidden * x.element_size())
         _dispatch_decomposed(x, w, xr, y, dispatch_plan(counts, rank, n, config.block_m, config.block_n, parts), coll)
     else:
-        state = state or _dispatch_state(counts, lay, n, hidden, x.dtype, config, group, x.device)
+        state = state or _dispatch_state(route, n, hidden, x.dtype, config, group, x.device)
         _dispatch_signaled(x, w, xr, y, state, coll)
     return y, xr
 
 
-def _dispatch_state(counts, lay: Layout, n: int, hidden: int, dtype, config, group, device) -> _ExpertState:
+def _dispatch_state(route: Routing, n: int, hidden: int, dtype, config, group, device) -> _ExpertState:
     """a2a_gemm's signaled state for this routing (built at its first use, then cached)."""
-    parts = parts_per_peer(counts, config.groups, hidden * torch.finfo(dtype).bits // 8)
+    lay, parts = route.layout, route.parts(config.groups, hidden * torch.finfo(dtype).bits // 8)
     describe = (f"a2a_gemm(T={lay.tokens}, R={lay.rows}, N={n}, H={hidden}, ep={lay.ep}, L={lay.experts}, "
                 f"parts={parts})")
-    return _state("a2a_gemm", dispatch_plan, counts, lay.rank, n, config, parts, group, device, describe)
+    return _state("a2a_gemm", dispatch_plan, route, n, config, parts, group, device, describe)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -406,12 +435,12 @@ def _combine_signaled(h, w, staging, z, state: _ExpertState, coll):
 def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None):
     """gemm_a2a without autograd: z [T, H]. state: as for dispatch_gemm (_combine_state)."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    check_counts(counts, ep, "gemm_a2a")
-    lay = layout(counts, rank)
+    route = routing(counts, ep, rank, "gemm_a2a")
+    lay = route.layout
     check_inputs("gemm_a2a", h, w, counts, lay.rows, "sum over sources of counts[:, this rank's experts]", "H")
     method = resolve_method("gemm_a2a", config, h, w)
     n = w.shape[1]
-    agree_routing(group, "gemm_a2a", counts, n, h.shape[1], h.dtype, config, counts_agreed)
+    agree_routing(group, "gemm_a2a", route, n, h.shape[1], h.dtype, config, counts_agreed)
     if method == "off":
         out = torch.empty(lay.rows, n, dtype=h.dtype, device=h.device)
         expert_mm(h, w, lay.segments, (out,))
@@ -421,11 +450,11 @@ def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None):
     staging, z = buf[:staging_rows], buf[staging_rows:]
     coll = comm.collectives(group, h.device, config.comm_sms)
     if method == "decompose":
-        parts = parts_per_peer(counts, config.groups, n * h.element_size())
+        parts = route.parts(config.groups, n * h.element_size())
         _combine_decomposed(h, w, staging, z, combine_plan(counts, rank, n, config.block_m, config.block_n, parts),
                             coll)
     else:
-        state = state or _combine_state(counts, lay, n, h.shape[1], h.dtype, config, group, h.device)
+        state = state or _combine_state(route, n, h.shape[1], h.dtype, config, group, h.device)
         _combine_signaled(h, w, staging, z, state, coll)
     return z
 
@@ -440,12 +469,12 @@ def _staging_rows(lay: Layout, n: int) -> int:
     return rows
 
 
-def _combine_state(counts, lay: Layout, n: int, f: int, dtype, config, group, device) -> _ExpertState:
+def _combine_state(route: Routing, n: int, f: int, dtype, config, group, device) -> _ExpertState:
     """gemm_a2a's signaled state for this routing (built at its first use, then cached)."""
-    parts = parts_per_peer(counts, config.groups, n * torch.finfo(dtype).bits // 8)
+    lay, parts = route.layout, route.parts(config.groups, n * torch.finfo(dtype).bits // 8)
     describe = f"gemm_a2a(T={lay.tokens}, R={lay.rows}, H={n}, F={f}, ep={lay.ep}, L={lay.experts}, parts={parts})"
     offsets = torch.tensor([0, _staging_rows(lay, n) * n], dtype=torch.int64)
-    return _state("gemm_a2a", combine_plan, counts, lay.rank, n, config, parts, group, device, describe, offsets)
+    return _state("gemm_a2a", combine_plan, route, n, config, parts, group, device, describe, offsets)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -459,7 +488,8 @@ def _backward_state(needed: bool, inp, build, counts, group, config, n: int, k: 
     not run the signaled kernel."""
     if not needed or config.method != "signal":
         return None
-    return build(counts, layout(counts, dist.get_rank(group)), n, k, inp.dtype, config, group, inp.device)
+    route = routing(counts, dist.get_world_size(group), dist.get_rank(group), "the backward")
+    return build(route, n, k, inp.dtype, config, group, inp.device)
 
 
 class _A2AGemm(torch.autograd.Function):
@@ -484,7 +514,8 @@ class _A2AGemm(torch.autograd.Function):
             dx = gemm_combine(dy, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config, ctx.counts_agreed,
                               ctx.dx_state)
         if ctx.needs_input_grad[1]:
-            dw = expert_wgrad(dy, xr, layout(ctx.counts, dist.get_rank(ctx.group)))
+            dw = expert_wgrad(dy, xr, routing(ctx.counts, dist.get_world_size(ctx.group), dist.get_rank(ctx.group),
+                                              "a2a_gemm").layout)
         return dx, dw, None, None, None, None
 
 
@@ -504,7 +535,7 @@ class _GemmA2A(torch.autograd.Function):
         """dzr = dispatch(dz); dh = dzr_seg @ w[l] (a2a_gemm with w[l].T); dw[l] = dzr_seg.T @ h_seg."""
         h, w = ctx.saved_tensors
         dz = dz.contiguous()
-        lay = layout(ctx.counts, dist.get_rank(ctx.group))
+        lay = routing(ctx.counts, dist.get_world_size(ctx.group), dist.get_rank(ctx.group), "gemm_a2a").layout
         dh = dw = None
         if ctx.needs_input_grad[0]:
             dh, dzr = dispatch_gemm(dz, ctx.counts, transposed(w, ctx.config), ctx.group, ctx.config,

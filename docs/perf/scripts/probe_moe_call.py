@@ -28,7 +28,7 @@ def timed(module, name):
     setattr(module, name, wrapper)
 
 
-for name in ("check_counts", "layout", "check_inputs", "resolve_method", "agree_routing", "_dispatch_state",
+for name in ("routing", "check_counts", "layout", "check_inputs", "resolve_method", "agree_routing", "_dispatch_state",
              "_combine_state", "_dispatch_signaled", "_combine_signaled", "dispatch_gemm", "gemm_combine",
              "_staging_rows", "parts_per_peer", "_state", "expert_mm"):
     timed(expert, name)
