@@ -1,0 +1,13 @@
+# Session 12, call 13 (nvidia-h200, ONE GPU): after the shared per-routing work (Routing): the expert ops' one-GPU
+# tests; the pieces of an expert call on the host; the MoE layer at EP = 1 with a new routing every step.
+source docs/perf/scripts/setup_device.sh
+export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
+workdir s12_thirteen && mkdir -p $W/prof
+step gpu_moe 150 python3 -m pytest -m gpu -q $REPO/tests/gpu/test_moe_ops_one_gpu.py -p no:cacheprovider
+step pieces 60 torchrun --nproc-per-node 1 $REPO/docs/perf/scripts/probe_moe_call.py
+step moe_layer 260 torchrun --nproc-per-node 1 -m overlap_tp.bench moe_layer --experts 4 --tokens 8192,16384 \
+  --routing uniform,zipf --methods signal,off --routings 8 --reps 24 --profile $W/prof --out $W --name moe_layer_ep1_routings8
+grep -E "passed|failed" $W/gpu_moe.out | tail -1; grep -E "^per call|^  " $W/pieces.out
+grep -E "^\| " $W/moe_layer_ep1_routings8.md
+for v in megatron signal; do echo "== $v"; python3 $REPO/docs/perf/scripts/trace_gaps.py $W/prof/uniform.t8192_$v.json --top 4 | tee $W/gaps_$v.txt; done
+rm -f $W/prof/*.json
