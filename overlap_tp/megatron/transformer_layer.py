@@ -51,6 +51,21 @@ _warned = set()
 _last_output = [None]
 
 
+def _summed_by_consumer(linear: OverlapRowParallelLinear, name: str, consumer: str, block):
+    """block() with `linear`'s next p2p reduce-scatter sum left to `consumer` (OverlapRowParallelLinear.
+    defer_sum_next); an output that reached anything else unsummed is a RuntimeError, never a silent read."""
+    linear.defer_sum_next = True
+    try:
+        out = block()
+    finally:
+        linear.defer_sum_next = False
+    deferred, linear.deferred_sum = linear.deferred_sum, None
+    if deferred is not None and not deferred.done:
+        raise RuntimeError(f"OverlapTransformerLayer: {name}'s output reached something other than {consumer} while "
+                           f"its p2p sum was left to that kernel")
+    return out
+
+
 def captured_per_layer(config) -> bool:
     """Whether Megatron captures layers (or parts of them) in CUDA graphs of their own: a tensor handed from one
     layer's graph to the next layer's other than through the graphs' inputs and outputs (the MLP boundary's
@@ -135,17 +150,8 @@ class OverlapTransformerLayer(TransformerLayer):
         fused bda's kernel when the layer fuses them; an output left unsummed is an error, never a silent read."""
         if not self.fused_proj_sum:
             return super()._forward_attention(*args, **kwargs)
-        proj = self.self_attention.linear_proj
-        proj.defer_sum_next = True
-        try:
-            out = super()._forward_attention(*args, **kwargs)
-        finally:
-            proj.defer_sum_next = False
-        deferred, proj.deferred_sum = proj.deferred_sum, None
-        if deferred is not None and not deferred.done:
-            raise RuntimeError("OverlapTransformerLayer: linear_proj's output reached something other than the fused "
-                               "bias-dropout-add + norm while its p2p sum was left to that kernel")
-        return out
+        return _summed_by_consumer(self.self_attention.linear_proj, "linear_proj", "the fused bias-dropout-add + norm",
+                                   lambda: super(OverlapTransformerLayer, self)._forward_attention(*args, **kwargs))
 
     def forward(self, *args, **kwargs):
         """Megatron's forward, linking this layer to the previous one when its input is that layer's output."""
@@ -193,16 +199,8 @@ class OverlapTransformerLayer(TransformerLayer):
         if (self.next_input_norm is None or not self.fused_fc2_sum or not isinstance(fc2, OverlapRowParallelLinear)
                 or not fc2.sequence_parallel or getattr(self, "recompute_mlp", False)):
             return super()._forward_mlp(*args, **kwargs)
-        fc2.defer_sum_next = True
-        try:
-            out = super()._forward_mlp(*args, **kwargs)
-        finally:
-            fc2.defer_sum_next = False
-        deferred, fc2.deferred_sum = fc2.deferred_sum, None
-        if deferred is not None and not deferred.done:
-            raise RuntimeError("OverlapTransformerLayer: linear_fc2's output reached something other than the fused "
-                               "bias-dropout-add + next norm while its p2p sum was left to that kernel")
-        return out
+        return _summed_by_consumer(fc2, "linear_fc2", "the fused bias-dropout-add + next norm",
+                                   lambda: super(OverlapTransformerLayer, self)._forward_mlp(*args, **kwargs))
 
     def _forward_pre_mlp_layernorm(self, hidden_states):
         handover, self._fused_handover = self._fused_handover, None

@@ -284,6 +284,19 @@ def test_linears_match_megatron_p2p():
     run_distributed(_gpu_world(), check_layers, "cuda", GPU_SHAPES, methods("cuda", p2p=True), backend="nccl")
 
 
+def _sp_p2p_config(world, num_layers):
+    """A small Llama-like TransformerConfig (SP, no bias, no dropout) and the layers' op configs with both
+    sequence-parallel collectives on the p2p transports (the default of --overlap-tp signal)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    config = TransformerConfig(num_layers=num_layers, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
+                               ffn_hidden_size=2816, params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
+                               tensor_model_parallel_size=world, sequence_parallel=True, hidden_dropout=0.0,
+                               attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
+                               init_method_std=0.02)
+    p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    return config, {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")}
+
+
 def check_deferred_proj_sum(rank, world):
     """OverlapTransformerLayer (SP, p2p transports) with linear_proj's reduce-scatter sum left to the fused
     bias-dropout-add + norm kernel (the default) against the same layer summing first (fused_proj_sum off):
@@ -291,21 +304,15 @@ def check_deferred_proj_sum(rank, world):
     (the p2p protocol's second half run by the norm's kernel every time)."""
     _quiet()
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
     ps = _setup(world, "cuda")
-    config = TransformerConfig(num_layers=1, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
-                               ffn_hidden_size=2816, params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
-                               tensor_model_parallel_size=world, sequence_parallel=True, hidden_dropout=0.0,
-                               attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
-                               init_method_std=0.02)
-    p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    config, p2p_configs = _sp_p2p_config(world, num_layers=1)
     layers = []
     for fused in (True, False):
         _seed(77, "cuda")
         layer = build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=1).cuda()
-        set_overlap_config(layer, {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")})
+        set_overlap_config(layer, p2p_configs)
         assert layer.fused_proj_sum, "the deferred sum should be on by default here"
         layer.fused_proj_sum = fused
         layers.append(layer)
@@ -339,22 +346,16 @@ def check_mlp_boundary(rank, world):
     (Megatron's bda, then the norm): within bf16 rounding."""
     _quiet()
     from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
     ps = _setup(world, "cuda")
-    config = TransformerConfig(num_layers=2, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
-                               ffn_hidden_size=2816, params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
-                               tensor_model_parallel_size=world, sequence_parallel=True, hidden_dropout=0.0,
-                               attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
-                               init_method_std=0.02)
-    p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    config, p2p_configs = _sp_p2p_config(world, num_layers=2)
     pairs = []
     for variant in ("fused", "summed fc2", "unlinked"):
         _seed(78, "cuda")
         pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
         for layer in pair:
-            set_overlap_config(layer, {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")})
+            set_overlap_config(layer, p2p_configs)
         assert pair[0].fused_mlp_boundary, "the MLP boundary should be on by default here"
         pair[0].fused_fc2_sum = variant == "fused"
         pair[0].fused_mlp_boundary = variant != "unlinked"

@@ -401,6 +401,20 @@ class _FakeDeferredSum:
         return self.out
 
 
+def _deferring(real_gemm_rs, consumed):
+    """gemm_rs as the p2p transport runs it where a consumer sums the output (async_op: a Pending carrying a
+    DeferredSum), faked on gloo: the real result as slots (out, 0); `consumed` records each consumption."""
+    from overlap_tp.ops.common import Pending
+
+    def deferring_gemm_rs(*args, async_op=False, **kwargs):
+        result = real_gemm_rs(*args, async_op=async_op, **kwargs)
+        if not async_op:
+            return result
+        deferred = _FakeDeferredSum(result.wait(), consumed)
+        return Pending(deferred, deferred_sum=deferred)
+    return deferring_gemm_rs
+
+
 def _check_deferred_proj_sum(rank, world):
     """linear_proj's reduce-scatter sum left to the fused bda + norm kernel (what the p2p transport does on GPUs,
     faked here on gloo): the layer's output, input grad and every parameter grad are bit for bit those of the
@@ -410,19 +424,12 @@ def _check_deferred_proj_sum(rank, world):
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    from overlap_tp.ops.common import Pending
     spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
     g = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
     real_gemm_rs, consumed = layers.gemm_rs, []
-
-    def deferring_gemm_rs(*args, async_op=False, **kwargs):
-        result = real_gemm_rs(*args, async_op=async_op, **kwargs)
-        if not async_op:
-            return result
-        deferred = _FakeDeferredSum(result.wait(), consumed)
-        return Pending(deferred, deferred_sum=deferred)
+    deferring_gemm_rs = _deferring(real_gemm_rs, consumed)
 
     def run(fake, bda=None):
         torch.manual_seed(99)
@@ -467,19 +474,12 @@ def _check_mlp_boundary(rank, world):
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers, norm as norm_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    from overlap_tp.ops.common import Pending
     spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
     g = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
     real_gemm_rs, real_rmsnorm, consumed, norms = layers.gemm_rs, norm_module.rmsnorm, [], []
-
-    def deferring_gemm_rs(*args, async_op=False, **kwargs):
-        result = real_gemm_rs(*args, async_op=async_op, **kwargs)
-        if not async_op:
-            return result
-        deferred = _FakeDeferredSum(result.wait(), consumed)
-        return Pending(deferred, deferred_sum=deferred)
+    deferring_gemm_rs = _deferring(real_gemm_rs, consumed)
 
     def counted_rmsnorm(x, weight, **kwargs):
         norms.append(weight)
