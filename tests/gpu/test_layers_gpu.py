@@ -285,12 +285,12 @@ def test_linears_match_megatron_p2p():
 
 
 def _sp_p2p_config(world, num_layers):
-    """A small Llama-like TransformerConfig (SP, no bias, no dropout) and the layers' op configs with both
-    sequence-parallel collectives on the p2p transports (the default of --overlap-tp signal)."""
+    """A small Llama-like TransformerConfig (SP where TP > 1, no bias, no dropout) and the layers' op configs with
+    both sequence-parallel collectives on the p2p transports (the default of --overlap-tp signal)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     config = TransformerConfig(num_layers=num_layers, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
                                ffn_hidden_size=2816, params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
-                               tensor_model_parallel_size=world, sequence_parallel=True, hidden_dropout=0.0,
+                               tensor_model_parallel_size=world, sequence_parallel=world > 1, hidden_dropout=0.0,
                                attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
                                init_method_std=0.02)
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
@@ -384,6 +384,12 @@ def check_mlp_boundary(rank, world):
 
 def test_mlp_boundary_next_norm_and_fc2_sum_in_one_kernel():
     run_distributed(_gpu_world(), check_mlp_boundary, backend="nccl")
+
+
+def test_mlp_boundary_on_one_gpu():
+    """The same at TP 1 (no SP, so fc2 has no p2p sum to defer): the compiled kernel with the next layer's norm
+    weight and the handover, within bf16 rounding of Megatron's bda followed by the norm."""
+    run_distributed(1, check_mlp_boundary, backend="nccl")
 
 
 def run_on_cpu(shapes=None, method_names=None, fusion=True):
