@@ -297,12 +297,25 @@ def _sp_p2p_config(world, num_layers):
     return config, {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")}
 
 
+def _deterministic_attention_backward():
+    """Bit-for-bit checks between two layer variants need every kernel outside the one under test to be
+    deterministic: cuBLAS with a fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when the handle is made) and
+    torch's deterministic algorithms, and attention on SDPA's math kernel (the flash kernel's backward accumulates
+    dQ with atomics: two identical runs differ in linear_qkv's weight grad, measured in session 13)."""
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.MATH])
+
+
 def check_deferred_proj_sum(rank, world):
     """OverlapTransformerLayer (SP, p2p transports) with linear_proj's reduce-scatter sum left to the fused
     bias-dropout-add + norm kernel (the default) against the same layer summing first (fused_proj_sum off):
     output, input grad and every parameter grad bit for bit, over 20 back-to-back steps with fresh inputs
     (the p2p protocol's second half run by the norm's kernel every time)."""
     _quiet()
+    deterministic = _deterministic_attention_backward()
+    deterministic.__enter__()
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
@@ -345,6 +358,8 @@ def check_mlp_boundary(rank, world):
     linked pair summing fc2 first (fused_fc2_sum off): bit for bit over 20 steps; against the unlinked pair
     (Megatron's bda, then the norm): within bf16 rounding."""
     _quiet()
+    deterministic = _deterministic_attention_backward()
+    deterministic.__enter__()
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
