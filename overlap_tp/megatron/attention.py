@@ -2,7 +2,8 @@
 
 `SDPAttention` has the constructor and forward signature of Megatron's `DotProductAttention`
 (the `core_attention` slot of `SelfAttentionSubmodules`) and runs
-`torch.nn.functional.scaled_dot_product_attention`: flash / memory-efficient kernels on the GPU, the
+`torch.nn.functional.scaled_dot_product_attention`: flash / memory-efficient kernels on the GPU (the math
+kernel under Megatron's --deterministic-mode: the others' backward is not bit-exact run to run), the
 math kernel on the CPU, so a layer built from our spec also runs in CPU tests (Megatron's own
 DotProductAttention allocates its score buffer on CUDA).
 
@@ -10,11 +11,13 @@ Input/output layout is Megatron's: query [sq, b, np, hn], key/value [sk, b, ng, 
 np) -> context [sq, b, np * hn]. Masks follow Megatron's convention (True = masked out); with
 attn_mask_type causal and no mask given, the causal mask is implied (is_causal).
 """
+import contextlib
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -83,17 +86,18 @@ class SDPAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(context.shape[2], context.shape[0], self.hidden_size_per_partition)
 
     def _attend(self, q, k, v, mask, is_causal, dropout_p):
-        def attend():
+        # --deterministic-mode: the flash and cuDNN kernels' backward accumulate dQ with atomics (two identical
+        # steps differ; so did the memory-efficient one's, session 13), so the math kernel runs: bit-exact run to
+        # run, at the memory and time cost of materialised scores (as Megatron's own local attention).
+        deterministic = getattr(self.config, "deterministic_mode", False) and q.is_cuda
+        # Megatron draws attention dropout from the model-parallel RNG stream (different per TP rank)
+        tp_rng = dropout_p > 0.0 and q.is_cuda and not self.config.sequence_parallel
+        if tp_rng:
+            from megatron.core.tensor_parallel import get_cuda_rng_tracker
+        with (sdpa_kernel([SDPBackend.MATH]) if deterministic else contextlib.nullcontext()), \
+                (get_cuda_rng_tracker().fork() if tp_rng else contextlib.nullcontext()):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
                                                   scale=self.softmax_scale)
-
-        if dropout_p > 0.0 and q.is_cuda and not self.config.sequence_parallel:
-            # Megatron draws attention dropout from the model-parallel RNG stream (different per TP rank)
-            from megatron.core.tensor_parallel import get_cuda_rng_tracker
-            with get_cuda_rng_tracker().fork():
-                return attend()
-        return attend()
-
 
 def core_attention_module():
     """TEDotProductAttention when Transformer Engine is importable, else SDPAttention."""

@@ -65,6 +65,11 @@ class Watchdog:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.watched = []
+        # Items the poll found complete, let go by the next record() on the recording thread: the last reference
+        # to a plan (and to its symmetric memory) must never drop on this thread, where freeing symmetric
+        # memory while the main thread captures a CUDA graph aborts the process (seen in session 13: an evicted
+        # plan's buffers freed by the poll during `bench ops --graphs`).
+        self.reached = []
         self.lock = threading.Lock()
         self.thread = None
         self.mailbox = None
@@ -74,12 +79,13 @@ class Watchdog:
         """Record item's event on `stream` and watch it until the GPU has reached it. Only plans with work in
         flight are in the list: one whose event completed is dropped at the next poll (and added again by its
         next call), so plans that were built once and let go (the expert ops build one per routing) are neither
-        kept alive nor polled for ever. Under the lock, so a poll never drops an item between its new record and
-        the check whether it is listed."""
+        kept alive nor polled for ever; they are let go here, on the recording thread. Under the lock, so a poll
+        never drops an item between its new record and the check whether it is listed."""
         if self.timeout_s <= 0:
             return
         with self.lock:
             item.event.record(stream)
+            self.reached.clear()
             if not item.in_flight:
                 item.in_flight = True
                 self.watched.append(item)
@@ -87,12 +93,13 @@ class Watchdog:
 
     def poll(self, reached, now: float):
         """One pass over the listed items: reached(item) says whether the GPU completed its event. Completed
-        items leave the list; one incomplete for longer than the timeout ends the process."""
+        items leave the list (held in `reached` until the next record); one incomplete for longer than the timeout ends the process."""
         with self.lock:
             listed, self.watched = self.watched, []
             for item in listed:
                 if reached(item):
                     item.stuck_since, item.in_flight = None, False
+                    self.reached.append(item)
                     continue
                 self.watched.append(item)
                 if item.stuck_since is None:

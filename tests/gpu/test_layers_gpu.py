@@ -284,28 +284,27 @@ def test_linears_match_megatron_p2p():
     run_distributed(_gpu_world(), check_layers, "cuda", GPU_SHAPES, methods("cuda", p2p=True), backend="nccl")
 
 
-def _sp_p2p_config(world, num_layers):
-    """A small Llama-like TransformerConfig (SP where TP > 1, no bias, no dropout) and the layers' op configs with
-    both sequence-parallel collectives on the p2p transports (the default of --overlap-tp signal)."""
+def _sp_p2p_config(world, num_layers, deterministic=False):
+    """A small Llama-like TransformerConfig (SP where TP > 1, no bias, no dropout; Megatron's deterministic_mode
+    if asked) and the layers' op configs with both sequence-parallel collectives on the p2p transports (the
+    default of --overlap-tp signal)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     config = TransformerConfig(num_layers=num_layers, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
                                ffn_hidden_size=2816, params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
                                tensor_model_parallel_size=world, sequence_parallel=world > 1, hidden_dropout=0.0,
                                attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
-                               init_method_std=0.02)
+                               init_method_std=0.02, deterministic_mode=deterministic)
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     return config, {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")}
 
 
-def _deterministic_attention_backward():
-    """Bit-for-bit checks between two layer variants need every kernel outside the one under test to be
-    deterministic: cuBLAS with a fixed workspace (CUBLAS_WORKSPACE_CONFIG, read when the handle is made) and
-    torch's deterministic algorithms, and attention on SDPA's math kernel (the flash kernel's backward accumulates
-    dQ with atomics: two identical runs differ in linear_qkv's weight grad, measured in session 13)."""
+def _deterministic():
+    """What Megatron's --deterministic-mode sets up for the process (megatron.training.determinism): cuBLAS with a
+    fixed workspace (read when the handle is made) and torch's deterministic algorithms. With the config's
+    deterministic_mode (SDPAttention on the math kernel), two identical steps are bit-exact, so two layer
+    variants can be compared bit for bit (session 12 saw the flash kernel's backward differ run to run)."""
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(True, warn_only=True)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.MATH])
 
 
 def check_deferred_proj_sum(rank, world):
@@ -314,13 +313,12 @@ def check_deferred_proj_sum(rank, world):
     output, input grad and every parameter grad bit for bit, over 20 back-to-back steps with fresh inputs
     (the p2p protocol's second half run by the norm's kernel every time)."""
     _quiet()
-    deterministic = _deterministic_attention_backward()
-    deterministic.__enter__()
+    _deterministic()
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
     ps = _setup(world, "cuda")
-    config, p2p_configs = _sp_p2p_config(world, num_layers=1)
+    config, p2p_configs = _sp_p2p_config(world, num_layers=1, deterministic=True)
     layers = []
     for fused in (True, False):
         _seed(77, "cuda")
@@ -358,13 +356,12 @@ def check_mlp_boundary(rank, world):
     linked pair summing fc2 first (fused_fc2_sum off): bit for bit over 20 steps; against the unlinked pair
     (Megatron's bda, then the norm): within bf16 rounding."""
     _quiet()
-    deterministic = _deterministic_attention_backward()
-    deterministic.__enter__()
+    _deterministic()
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
     ps = _setup(world, "cuda")
-    config, p2p_configs = _sp_p2p_config(world, num_layers=2)
+    config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True)
     pairs = []
     for variant in ("fused", "summed fc2", "unlinked"):
         _seed(78, "cuda")

@@ -110,6 +110,28 @@ def test_only_plans_with_work_in_flight_are_listed_and_a_stuck_one_ends_the_proc
     assert failures == [plans[0]]
 
 
+def test_the_poll_never_drops_the_last_reference_to_a_plan(monkeypatch):
+    """A completed item leaves the list but stays referenced until the next record(), which lets it go on the
+    recording thread: the polling thread never frees a plan's memory (symmetric memory freed there while the
+    main thread captured a CUDA graph aborted the process)."""
+    import gc
+    import weakref
+    dog = watchdog.Watchdog(5.0)
+    monkeypatch.setattr(dog, "_start", lambda: None)
+    evicted = watchdog.Watched("evicted plan", event=FakeEvent())
+    alive = weakref.ref(evicted)
+    dog.record(evicted, stream=0)
+    evicted.event.done = True
+    del evicted                                           # the plan cache let it go; the watchdog holds the last reference
+    dog.poll(lambda item: item.event.done, now=0.0)
+    gc.collect()
+    assert dog.watched == [] and alive() is not None      # not dropped by the poll
+    other = watchdog.Watched("next call", event=FakeEvent())
+    dog.record(other, stream=0)
+    gc.collect()
+    assert alive() is None and dog.watched == [other]     # dropped by the recording thread's next record
+
+
 def test_nothing_is_listed_when_the_watchdog_is_off():
     dog = watchdog.Watchdog(0.0)
     plan = watchdog.Watched("plan", event=FakeEvent())
