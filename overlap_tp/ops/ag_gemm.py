@@ -131,7 +131,9 @@ class AgGemm(OpPlan):
             if p2p:
                 self.pull.finish(stream)
 
-        engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.flags, self.watched)
+        # copy-engine pulls need no SM; NCCL needs SMs left free by the GEMM's grid (comm_sms)
+        engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.flags, self.watched,
+                                   gemm_first=p2p or self.config.comm_sms > 0)
 
 
 def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,

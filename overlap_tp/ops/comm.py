@@ -260,10 +260,18 @@ class CommEngine:
             self.join(self.current(), self.capturing())
         return join
 
-    def transfers_then_gemm(self, transfers, gemm, flags, watched):
-        """The AllGather+GEMM shape (AG+GEMM, A2A+GEMM): fork, the transfers on the comm stream, enqueued first
-        so they never queue behind the GEMM (each raises its chunk's flag), the GEMM on the caller's stream
-        (its tiles wait for their chunk's flag), the flags lowered behind it, and the join."""
+    def transfers_then_gemm(self, transfers, gemm, flags, watched, gemm_first: bool):
+        """The AllGather+GEMM shape (AG+GEMM, A2A+GEMM): fork, the transfers on the comm stream (each raises its
+        chunk's flag) and the GEMM on the caller's stream (its tiles wait for their chunk's flag), the flags
+        lowered behind the GEMM, and the join.
+        The enqueue order matters in eager mode with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, Megatron's
+        setting): the queue dispatches in order and stops at the first item whose dependency is pending, so the
+        comm stream's chain (transfer, flag, transfer, ...) enqueued first held the GEMM's launch until the last
+        transfer had completed (session 13: a2a_gemm at EP 2 ran its exchange, then its GEMM, 1.1 ms of 6.7).
+        gemm_first: the GEMM is enqueued first and the transfers run beside it; the caller says so only where the
+        transfers need no SM that the persistent GEMM holds (copy-engine pulls, or NCCL capped at the comm_sms
+        SMs the GEMM's grid leaves free). Otherwise the transfers go first, so that their CTAs are resident
+        before the GEMM fills every SM. A captured graph keeps dependencies, not the enqueue order."""
         if self.stream is None:   # CPU: the transfers complete before the (interpreted) kernel starts
             transfers(None)
             gemm()
@@ -271,9 +279,13 @@ class CommEngine:
             return
         capturing = self.capturing()
         current = self.current()
-        self.fork(current, capturing)
-        transfers(self.raw)
-        gemm()
+        self.fork(current, capturing)   # before the GEMM: the transfers wait for the inputs only
+        if gemm_first:
+            gemm()
+            transfers(self.raw)
+        else:
+            transfers(self.raw)
+            gemm()
         self.lower_flags(flags, current)   # after the GEMM that waited on them
         self.join(current, capturing)
         if not capturing and watched is not None:

@@ -209,6 +209,8 @@ class _ExpertState:
         self.plan = plan
         self.tiles = host_table_to(plan.tiles, device)
         programs = gemm_programs(device, config)
+        # the dispatch's NCCL exchanges can run beside the GEMM only on SMs its grid leaves free
+        self.gemm_first = config.comm_sms > 0
         if kind == "a2a_gemm":
             self.words = torch.zeros(max(1, len(plan.exchanges)), dtype=torch.int32, device=device)
             self.gemm = SignaledGemm(self.tiles, programs, config, flags=self.words if plan.exchanges else None,
@@ -355,7 +357,7 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll):
         if plan.num_tiles:
             state.gemm(xr, w, y)
 
-    engine.transfers_then_gemm(transfers, gemm, state.words, state.watched)
+    engine.transfers_then_gemm(transfers, gemm, state.words, state.watched, gemm_first=state.gemm_first)
 
 
 def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None):

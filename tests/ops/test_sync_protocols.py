@@ -318,3 +318,38 @@ def test_shard_pull_never_overwrites_a_shard_being_pulled(recorder, t, seed):
             assert all(pulled[rank][p] == call for p in range(t) if p != rank), (rank, call, pulled[rank])
 
     run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed))
+
+
+class _OrderEngine(comm.CommEngine):
+    """A CommEngine whose stream operations only record their order (no GPU)."""
+
+    def __init__(self):
+        self.device, self.stream, self.raw, self.log = torch.device("cuda", 0), "comm stream", "comm", []
+
+    def capturing(self):
+        return False
+
+    def current(self):
+        return "caller"
+
+    def fork(self, current, capturing):
+        self.log.append("fork")
+
+    def join(self, current, capturing):
+        self.log.append("join")
+
+    def lower_flags(self, flags, stream):
+        self.log.append(f"lower flags on {stream}")
+
+
+@pytest.mark.parametrize("gemm_first", [True, False])
+def test_transfers_then_gemm_enqueues_the_gemm_before_the_transfers_where_they_need_no_sm_it_holds(gemm_first):
+    """With one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) a comm-stream chain enqueued before the GEMM holds
+    the GEMM's launch until the chain completes: gemm_first enqueues the GEMM right after the fork; without it
+    (NCCL with no SM left free) the transfers go first. Either way the flags are lowered behind the GEMM on the
+    caller's stream, then the join."""
+    engine = _OrderEngine()
+    engine.transfers_then_gemm(lambda stream: engine.log.append(f"transfers on {stream}"),
+                               lambda: engine.log.append("gemm"), None, None, gemm_first=gemm_first)
+    middle = ["gemm", "transfers on comm"] if gemm_first else ["transfers on comm", "gemm"]
+    assert engine.log == ["fork"] + middle + ["lower flags on caller", "join"]

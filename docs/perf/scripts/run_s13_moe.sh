@@ -1,4 +1,4 @@
-# Next session, MoE call (nvidia-h200-x2), issue 25: the expert ops and the MoE layer over NVLink and on the
+# Session 13, call 4 (nvidia-h200-x2; written in session 11 as run_s12_moe.sh), issue 25: the expert ops and the MoE layer over NVLink and on the
 # cross-node proxy (NCCL_P2P_DISABLE=1: NCCL through host memory, all-to-all ~20-22 GB/s on this pair,
 # BENCHMARKS.md), every configuration in one process, the proxy's bandwidth recorded by the benchmark's own
 # `comm` column. 8192 tokens per rank, uniform and Zipf routing. Session 12 changed the signal path's own cost (no
