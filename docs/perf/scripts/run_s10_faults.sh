@@ -20,7 +20,8 @@
 # CUDA graphs). DETERMINISTIC=1 adds Megatron's --deterministic-mode: two uninterrupted runs of the default setup
 # already differ (session 11: 2 of 10 iterations identical), so a bitwise resume can only be shown with it.
 # Run from the repository root on the device: `COMMIT=<sha> bash docs/perf/scripts/run_s10_faults.sh`.
-# Writes under $OUT (at most 8 files): summary.md, reference.log, fault_<F>.log, resume_<F>.log (and stall.log).
+# Writes under $OUT: summary.md, reference.log, fault_<F>.log, resume_<F>.log (and stall.log; <job>_stuck.txt, the
+# job's processes and their states, where a job outlived its limit: their stacks are then in <job>.log).
 # Budget: about 3-4 minutes on 2 x H200 without STALL (each run ~30 s: start-up, Triton compiles, 30 steps).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -87,7 +88,7 @@ train() {
   local job=$1 watchdog=$2; shift 2
   rm -rf "${WORK:?}/$job"; mkdir -p "$WORK/$job"
   S10_TAG=$job OUT_DIR=$WORK/$job OVERLAP=signal TRAIN_ITERS=$TRAIN_ITERS LOG_INTERVAL=1 WANDB_PROJECT= \
-    OVERLAP_TP_WATCHDOG_S=$watchdog MASTER_PORT=$(( 29500 + RANDOM % 1000 )) \
+    OVERLAP_TP_WATCHDOG_S=$watchdog PYTHONFAULTHANDLER=1 MASTER_PORT=$(( 29500 + RANDOM % 1000 )) \
     timeout -s KILL "$RUN_TIMEOUT_S" bash "$REPO/recipes/smoke.sh" --no-overlap-tp-stats \
     ${DETERMINISTIC:+--deterministic-mode} "$@" \
     > "$WORK/$job/recipe.out" 2>&1 &
@@ -159,6 +160,16 @@ fault() {   # fault JOB SIGNAL LIMIT_S MESSAGE_REGEX: once iteration KILL_AFTER 
   while kill -0 "$JOB_PID" 2>/dev/null && (( $(date +%s) < deadline )); do sleep 0.05; done
   local t_end; t_end=$(now)
   if kill -0 "$JOB_PID" 2>/dev/null; then
+    # still running past the limit: what each process of the job is doing (state, kernel wait channel), then
+    # SIGABRT, on which Python's faulthandler (PYTHONFAULTHANDLER=1) prints every thread's stack into the log
+    for pid in $(tagged "$job"); do
+      printf '%s | %s\n' "$(ps -o pid=,ppid=,stat=,wchan:24= -p "$pid" 2>/dev/null)" \
+        "$({ tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null | cut -c1-160)"
+    done > "$OUT/${job}_stuck.txt"
+    for pid in $(tagged "$job"); do   # Python processes only: a `tee` killed first would lose their stacks
+      { tr '\0' ' ' < "/proc/$pid/cmdline"; } 2>/dev/null | grep -qE "python|torchrun" && kill -ABRT "$pid" 2>/dev/null
+    done
+    sleep 3
     for pid in $(tagged "$job"); do kill -KILL "$pid" 2>/dev/null; done
   fi
   finish "$job"

@@ -5,7 +5,7 @@
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1
 workdir s13_a
-step diag 90 env REPO=$REPO CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 $REPO/.diag/diag_det.py
+step diag 90 env REPO=$REPO CUDA_VISIBLE_DEVICES=0 torchrun --nproc-per-node 1 $REPO/docs/perf/scripts/probe_determinism.py
 grep -E "^(sdpa|layer)" $W/diag.out
 step gpu_layer 170 python3 -m pytest -m gpu -q -rA $REPO/tests/gpu/test_layers_gpu.py $REPO/tests/gpu/test_gemm_rs_gpu.py \
   $REPO/tests/gpu/test_moe_layer_gpu.py -k "p2p_sum or mlp_boundary or captured or bias or s8192" -p no:cacheprovider
