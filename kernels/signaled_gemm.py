@@ -245,7 +245,6 @@ def _jit_launch(grid, args, options):
 
 
 _default_offsets = {}
-_default_offsets = {}
 
 
 def default_offsets(device):
