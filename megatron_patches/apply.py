@@ -16,6 +16,9 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
   OverlapConfig (`overlap_tp.megatron.moe_layer.set_default_moe_overlap_config`, `get_moe_overlap_config()`) comes
   from `--overlap-moe` and `--overlap-tp-comm-sms`; with it off, the MLP slot of overlap_tp's layer spec
   holds the MoE module Megatron's own spec would build (its MoELayer, untouched).
+- the layer: OverlapTransformerLayer (bias-dropout-add and norm in one kernel, which also sums the p2p
+  reduce-scatters and normalizes the next layer's input), or with `--no-overlap-tp-fused-norms` Megatron's own
+  TransformerLayer around the same linears and norms.
 - `OVERLAP_TP_TUNE_CACHE` in the environment: `--overlap-tp-tune-cache`, else the variable as the user
   set it, else `overlap_tp_tune.json` in Megatron's `--save` folder
   (`overlap_tp.megatron.arguments.tune_cache_path`); with none of them it stays unset and the tuner
@@ -46,7 +49,7 @@ def is_overlap_spec(spec):
     return spec == [__name__, "overlap_layer_spec"] or (
         len(spec) == 2 and spec[0] == SPEC_MODULE and spec[1] in SPEC_ATTRIBUTES)
 
-_STATE = {"configs": None, "moe_config": None}
+_STATE = {"configs": None, "moe_config": None, "fused_norms": True}
 
 
 @dataclasses.dataclass
@@ -95,6 +98,7 @@ def get_moe_overlap_config():
 def reset():
     """Forget the process-wide state (tests)."""
     _STATE["configs"] = _STATE["moe_config"] = None
+    _STATE["fused_norms"] = True
 
 
 def wanted(args):
@@ -123,6 +127,11 @@ def apply(args, *, log=None):
             report.changed.append(f"OverlapConfig for {what}: {old} -> {new}")
             _STATE[key] = value
     _set_layer_defaults(configs, moe_config)
+    fused_norms = bool(getattr(args, "overlap_tp_fused_norms", True))
+    if _STATE["fused_norms"] != fused_norms:
+        report.changed.append("the layer: " + ("overlap_tp's, fused bias-dropout-add + norm" if fused_norms else
+                                               "Megatron's TransformerLayer (--no-overlap-tp-fused-norms)"))
+        _STATE["fused_norms"] = fused_norms
 
     spec = getattr(args, "spec", None)
     if not is_overlap_spec(spec):
@@ -176,7 +185,8 @@ def overlap_layer_spec(config, vp_stage=None):
 
 def overlap_transformer_layer_spec(config, vp_stage=None):
     """One TransformerLayer ModuleSpec with overlap_tp's linears and norms (see overlap_layer_spec); for an
-    MoE model its MLP is OverlapMoELayer with --overlap-moe on, else Megatron's own MoE module."""
+    MoE model its MLP is OverlapMoELayer with --overlap-moe on, else Megatron's own MoE module. The layer is
+    OverlapTransformerLayer, or Megatron's TransformerLayer with --no-overlap-tp-fused-norms."""
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
 
     transformer = getattr(config, "transformer", config)
@@ -190,6 +200,7 @@ def overlap_transformer_layer_spec(config, vp_stage=None):
         "transformer_impl": getattr(transformer, "transformer_impl", None),
         "config": transformer,
         "vp_stage": vp_stage,
+        "fused_norms": _STATE["fused_norms"],
     }
     parameters = inspect.signature(get_gpt_layer_overlap_spec).parameters
     kwargs = {name: value for name, value in offered.items() if name in parameters}

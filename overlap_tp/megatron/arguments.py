@@ -16,6 +16,7 @@ rather than at its first use, mid-training.
     --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans (default: see
                                                tune_cache_path)
     --overlap-tp-layers                        use overlap_tp's layer spec even with --overlap-tp off
+    --no-overlap-tp-fused-norms                Megatron's TransformerLayer between overlap_tp's linears (A/B)
     --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
     --overlap-moe {off,signal,decompose,auto}  OverlapConfig.method for the MoE expert ops (off)
 """
@@ -86,6 +87,13 @@ def add_overlap_args(parser):
              "the collective on one stream (Megatron's sequence). An A/B baseline that differs from "
              "--overlap-tp signal only in the overlap, and a way to run --sequence-parallel where "
              "neither Transformer Engine nor Apex provides Megatron's SP norm.")
+    group.add_argument(
+        "--no-overlap-tp-fused-norms", dest="overlap_tp_fused_norms", action="store_false",
+        help="Build Megatron's own TransformerLayer around overlap_tp's linears and norms: its bias-dropout-add, "
+             "then the RMSNorm, as separate kernels, and every reduce-scatter summed before its consumer. By "
+             "default overlap_tp's layer runs each bias-dropout-add and the norm after it as one kernel, which "
+             "also sums the p2p reduce-scatter's partials (linear_proj, linear_fc2) and normalizes the next "
+             "layer's input. An A/B of those fusions; the GEMMs' overlap is unchanged.")
     group.add_argument(
         "--overlap-tp-peak-tflops", type=float, default=None, metavar="TFLOPS",
         help="Per-GPU peak for the MFU that overlap_tp logs. Default: $OVERLAP_TP_PEAK_TFLOPS, else "

@@ -30,7 +30,7 @@ from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import L2Norm
-from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from overlap_tp.megatron.attention import core_attention_module
 from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
@@ -114,14 +114,18 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
                                qk_layernorm: Optional[bool] = False, multi_latent_attention: Optional[bool] = False,
                                fp8: Optional[str] = None, moe_use_legacy_grouped_gemm: Optional[bool] = False,
                                normalization: Optional[str] = None, qk_l2_norm: Optional[bool] = False,
-                               transformer_impl: Optional[str] = None, **unused_kwargs) -> ModuleSpec:
+                               transformer_impl: Optional[str] = None, fused_norms: bool = True,
+                               **unused_kwargs) -> ModuleSpec:
     """A TransformerLayer spec (the arguments of get_gpt_layer_local_spec) on overlap_tp's layers; with
     num_experts the MLP is OverlapMoELayer (moe_grouped_gemm and moe_use_legacy_grouped_gemm change nothing).
 
     transformer_impl="transformer_engine" with Transformer Engine importable: the q/k layernorms are TENorm.
     The input and pre-MLP norms stay OverlapRMSNorm whatever the impl: they are fused with the residual add
     (OverlapTransformerLayer), and TE's LayerNorm+Linear fusion would take the norm into qkv / fc1, whose
-    AllGather+GEMM is overlap_tp's. Core attention: TEDotProductAttention where TE imports, else SDPA."""
+    AllGather+GEMM is overlap_tp's. Core attention: TEDotProductAttention where TE imports, else SDPA.
+
+    fused_norms=False (--no-overlap-tp-fused-norms): the layer is Megatron's TransformerLayer, which runs the
+    bias-dropout-adds and the norms as separate kernels (same submodules, same checkpoint keys)."""
     if multi_latent_attention:
         raise NotImplementedError("overlap_tp: multi-latent attention is not supported by the overlap spec")
     if fp8 is not None:
@@ -135,7 +139,7 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
         (te_norm_module(transformer_impl) or backend.layer_norm(rms_norm=True, for_qk=True)) if qk_layernorm
         else IdentityOp)
     return ModuleSpec(
-        module=OverlapTransformerLayer,
+        module=OverlapTransformerLayer if fused_norms else TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=layer_norm,
             self_attention=ModuleSpec(

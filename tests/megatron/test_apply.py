@@ -156,6 +156,30 @@ def test_spec_callable_builds_our_block_spec(monkeypatch):
     assert layer_spec.get_gpt_layer_overlap_spec is not None
 
 
+def test_no_fused_norms_builds_megatrons_transformer_layer(monkeypatch):
+    """--no-overlap-tp-fused-norms: every layer of the block spec is Megatron's TransformerLayer around our
+    linears and norms (the A/B of the fused bias-dropout-add + norm kernels); the report says so, and applying
+    the default again brings OverlapTransformerLayer back."""
+    pytest.importorskip("megatron.core", reason="the layer spec needs megatron-core")
+    from megatron.core.transformer import transformer_block
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from overlap_tp.megatron.norm import OverlapRMSNorm
+    from overlap_tp.megatron.transformer_layer import OverlapTransformerLayer
+    monkeypatch.setattr(transformer_block, "get_num_layers_to_build", lambda config, vp_stage=None: config.num_layers)
+    transformer = SimpleNamespace(num_moe_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                                  multi_latent_attention=False, qk_l2_norm=False, normalization="RMSNorm",
+                                  num_layers=2)
+    report = patch.apply(fake_args(overlap_tp_fused_norms=False), log=quiet)
+    assert any("Megatron's TransformerLayer" in line for line in report.changed)
+    spec = patch.overlap_layer_spec(transformer).layer_specs[0]
+    assert spec.module is TransformerLayer
+    assert spec.submodules.input_layernorm is OverlapRMSNorm
+    assert spec.submodules.self_attention.submodules.linear_proj.__module__ == "overlap_tp.megatron.layers"
+    report = patch.apply(fake_args(), log=quiet)
+    assert any("fused bias-dropout-add + norm" in line for line in report.changed)
+    assert patch.overlap_layer_spec(transformer).layer_specs[0].module is OverlapTransformerLayer
+
+
 def test_overlap_moe_alone_switches_the_spec_and_the_moe_config():
     pytest.importorskip("megatron.core", reason="overlap_tp.megatron.moe_layer needs megatron-core")
     from overlap_tp.megatron import moe_layer

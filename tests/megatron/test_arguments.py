@@ -76,6 +76,12 @@ def test_bad_values_are_refused_by_the_parser(argv, capsys):
         build_parser().parse_args(argv)
 
 
+def test_fused_norms_flag():
+    parser = add_overlap_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).overlap_tp_fused_norms is True
+    assert parser.parse_args(["--no-overlap-tp-fused-norms"]).overlap_tp_fused_norms is False
+
+
 def test_group_is_added_once_and_the_parser_returned():
     parser = argparse.ArgumentParser()
     assert add_overlap_args(parser) is parser

@@ -368,6 +368,16 @@ def _check_transformer_layer(rank, world):
                 continue
             _close(grad, grads_ref[n], f"{what} grad {n}", 3e-2)
 
+    # --no-overlap-tp-fused-norms: Megatron's TransformerLayer around the same linears and norms, the same
+    # numbers within bf16 rounding (separate bias-dropout-add and norm kernels, summed reduce-scatters)
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+    for sp in (False, True):
+        layer, out, dx, grads = run(get_gpt_layer_overlap_spec(qk_layernorm=True, fused_norms=False), sp)
+        assert type(layer) is TransformerLayer and isinstance(layer.mlp.linear_fc2, OverlapRowParallelLinear)
+        what = f"unfused TransformerLayer sp={sp} world={world}"
+        _close(out, out_ref[rows] if sp else out_ref, what + " out", 2e-2)
+        _close(dx, dx_ref[rows] if sp else dx_ref, what + " dgrad", 3e-2)
+
     # Without an OverlapRMSNorm to fuse into, the layer is Megatron's and says why.
     from megatron.core.transformer.identity_op import IdentityOp
     import copy
