@@ -5,7 +5,9 @@
 # - AllGather+GEMM eager (the order matters only eagerly: a graph keeps dependencies): S eager against session
 #   10's 1.25 / 1.03 / 1.11 / 1.01 (s10/ops_t2_eager.md);
 # - the faults script's torch_dist case under full-iteration graphs, which outlived its limit in session 13:
-#   the script now records the job's processes and their stacks (<job>_stuck.txt, SIGABRT with faulthandler).
+#   the script now records the job's processes and their stacks (<job>_stuck.txt, SIGABRT with faulthandler);
+#   with DETERMINISTIC=1 (Megatron's --deterministic-mode, under which SDPAttention now runs SDPA's math kernel,
+#   session 13) the resumed run can be compared bit for bit with the uninterrupted one (issue 24, item 4).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1
 workdir s14_a
@@ -17,6 +19,6 @@ step ops_ag_eager 90 torchrun --nproc-per-node 2 -m overlap_tp.bench ops --host 
 grep -E "^\| ag" $W/ops_ag_eager.md
 cd $REPO
 step faults 200 env COMMIT=${COMMIT:-unknown} OUT=$W/faults WORK=/tmp/s14 SKIP_INSTALL=1 GRAPHS=full_iteration \
-  FORMATS=torch_dist bash docs/perf/scripts/run_s10_faults.sh
+  FORMATS=torch_dist DETERMINISTIC=1 bash docs/perf/scripts/run_s10_faults.sh
 cd /tmp
 tail -12 $W/faults/summary.md 2>/dev/null; cat $W/faults/*_stuck.txt 2>/dev/null
