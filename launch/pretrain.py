@@ -19,6 +19,12 @@ import os
 import sys
 from functools import partial
 
+from overlap_tp.launch.orphans import end_with_spawning_rank
+
+# a process this rank spawns through multiprocessing (torch_dist checkpointing's Manager) imports this module
+# first: it ends when the rank does (launch/orphans.py)
+end_with_spawning_rank()
+
 HOW_TO_GET_MEGATRON = (
     "megatron.training is not importable here ({error}). It ships with megatron-core >= 0.19, which "
     "needs Python >= 3.12: `pip install -e \".[megatron]\"`. Or put a Megatron-LM checkout on "

@@ -4,7 +4,8 @@
 #   cache); 200 back-to-back calls and the late peers, both AG transports, did not run;
 # - AllGather+GEMM eager (the order matters only eagerly: a graph keeps dependencies): S eager against session
 #   10's 1.25 / 1.03 / 1.11 / 1.01 (s10/ops_t2_eager.md);
-# - the faults script's torch_dist case under full-iteration graphs, which outlived its limit in session 13:
+# - the faults script's torch_dist case under full-iteration graphs, which outlived its limit in session 13
+#   (since then a process a rank spawns ends with the rank: launch/orphans.py, the suspected cause):
 #   the script now records the job's processes and their stacks (<job>_stuck.txt, SIGABRT with faulthandler);
 #   with DETERMINISTIC=1 (Megatron's --deterministic-mode, under which SDPAttention now runs SDPA's math kernel,
 #   session 13) the resumed run can be compared bit for bit with the uninterrupted one (issue 24, item 4).
