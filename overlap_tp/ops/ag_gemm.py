@@ -95,16 +95,20 @@ class AgGemm(OpPlan):
         return (out, gathered) if return_gathered else out
 
     def _decomposed(self, a_shard, w, gathered, out):
-        """The local rows' cuBLAS GEMM at once; chunk c's rows gathered on the comm stream, then its GEMM."""
+        """The local rows' cuBLAS GEMM at once; chunk c's rows gathered on the comm stream, then its GEMM.
+        One fork, after the local shard's copy (the in-place broadcasts send this rank's rows from `gathered`)
+        and before the local GEMM: no gather waits for a GEMM (a fork per chunk made chunk c's gather wait for
+        chunk c-1's GEMM: no overlap at all)."""
         t, rank, engine = self.t, self.rank, self.engine
         regions, out_regions = gathered.chunk(t), out.chunk(t)
-        regions[rank].copy_(a_shard)
-        torch.mm(a_shard, w.t(), out=out_regions[rank])
         cuda = engine.stream is not None
         capturing = comm.capturing(self.device)
+        regions[rank].copy_(a_shard)
+        if cuda:
+            engine.fork(engine.current(), capturing)
+        torch.mm(a_shard, w.t(), out=out_regions[rank])
         for lo, hi in self.bounds:
             if cuda:
-                engine.fork(engine.current(), capturing)
                 self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=engine.raw)
                 engine.join(engine.current(), capturing)
             else:

@@ -325,17 +325,20 @@ def agree_routing(group, op: str, route: Routing, n: int, k: int, dtype, config:
 # ---------------------------------------------------------------------------------------------------
 
 def _dispatch_decomposed(x, w, xr, y, plan, coll):
-    """The local rows' matmuls at once; chunk c's exchange on the comm stream, then its matmuls."""
+    """The local rows' matmuls at once; chunk c's exchange on the comm stream, then its matmuls. One fork,
+    before the local matmuls: the exchanges read only x, so none of them waits for a matmul (a fork per chunk
+    made chunk c's exchange wait for chunk c-1's matmuls: no overlap at all)."""
     engine = comm.comm_engine(x.device)
     capturing = comm.capturing(x.device)
     lo, hi, dst = plan.local
     xr[dst:dst + hi - lo].copy_(x[lo:hi])
+    if engine.stream is not None:
+        engine.fork(engine.current(), capturing)
     expert_mm(xr, w, plan.gemm_groups[0], (y,))
     for exchange, pieces in zip(plan.exchanges, plan.gemm_groups[1:]):
         if engine.stream is None:
             _exchange(coll, exchange, x, xr, None)
         else:
-            engine.fork(engine.current(), capturing)
             _exchange(coll, exchange, x, xr, engine.raw)
             engine.join(engine.current(), capturing)
         expert_mm(xr, w, pieces, (y,))

@@ -353,3 +353,52 @@ def test_transfers_then_gemm_enqueues_the_gemm_before_the_transfers_where_they_n
                                lambda: engine.log.append("gemm"), None, None, gemm_first=gemm_first)
     middle = ["gemm", "transfers on comm"] if gemm_first else ["transfers on comm", "gemm"]
     assert engine.log == ["fork"] + middle + ["lower flags on caller", "join"]
+
+
+def test_decomposed_allgather_forks_once_so_no_gather_waits_for_a_gemm(monkeypatch):
+    """AgGemm's decompose method: the comm stream forks once, after the local shard is in `gathered` (the
+    in-place broadcasts send it from there) and before any GEMM; then gather c, join, GEMM c. A fork per chunk
+    made each gather wait for the previous chunk's GEMM (no overlap at all)."""
+    from overlap_tp.ops.ag_gemm import AgGemm
+    engine = _OrderEngine()
+    log = engine.log
+    a_shard, w = torch.randn(4, 3), torch.randn(5, 3)
+    gathered, out = torch.zeros(8, 3), torch.zeros(8, 5)
+    engine.fork = lambda current, capturing: log.append(("fork", torch.equal(gathered[:4], a_shard)))
+
+    class Coll:
+        def all_gather_rows(self, gathered, src, lo, hi, stream=None):
+            log.append(f"gather {lo}:{hi} on {stream}")
+            gathered[4 + lo:4 + hi] = 1.0                 # the peer's rows
+
+    plan = object.__new__(AgGemm)
+    plan.t, plan.rank, plan.device, plan.engine, plan.coll, plan.bounds = 2, 0, torch.device("cpu"), engine, Coll(), \
+        [(0, 2), (2, 4)]
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b, out: (log.append(f"gemm {tuple(a.shape)}"), real_mm(a, b, out=out)))
+    plan._decomposed(a_shard, w, gathered, out)
+    assert log == [("fork", True), "gemm (4, 3)", "gather 0:2 on comm", "join", "gemm (2, 3)",
+                   "gather 2:4 on comm", "join", "gemm (2, 3)"]
+    assert torch.allclose(out, gathered @ w.t())
+
+
+def test_decomposed_dispatch_forks_once_so_no_exchange_waits_for_a_matmul(monkeypatch):
+    """a2a_gemm's decompose method: one fork before the local rows' matmuls; then exchange c, join, matmuls c."""
+    from types import SimpleNamespace
+    from overlap_tp.ops import expert
+    engine = _OrderEngine()
+    log = engine.log
+    monkeypatch.setattr(comm, "comm_engine", lambda device: engine)
+    monkeypatch.setattr(expert, "expert_mm", lambda a, w, pieces, outs: log.append(f"matmuls {pieces}"))
+
+    class Coll:
+        def exchange(self, sends, recvs, stream=None):
+            log.append(f"exchange on {stream}")
+
+    chunk = SimpleNamespace(sends=[(1, 0, 2)], recvs=[(1, 4, 6)])
+    plan = SimpleNamespace(local=(2, 4, 0), gemm_groups=["local", "chunk 0", "chunk 1"], exchanges=[chunk, chunk])
+    x, xr = torch.randn(4, 3), torch.zeros(8, 3)
+    expert._dispatch_decomposed(x, None, xr, None, plan, Coll())
+    assert log == ["fork", "matmuls local", "exchange on comm", "join", "matmuls chunk 0", "exchange on comm", "join",
+                   "matmuls chunk 1"]
+    assert torch.equal(xr[0:2], x[2:4])
