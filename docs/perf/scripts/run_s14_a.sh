@@ -3,7 +3,8 @@
 #   session 13's run reached only the expert ops' four cases before its step limit (fresh machine, cold Triton
 #   cache); 200 back-to-back calls and the late peers, both AG transports, did not run;
 # - AllGather+GEMM eager (the order matters only eagerly: a graph keeps dependencies): S eager against session
-#   10's 1.25 / 1.03 / 1.11 / 1.01 (s10/ops_t2_eager.md);
+#   10's 1.25 / 1.03 / 1.11 / 1.01 (s10/ops_t2_eager.md); and the decompose column after its single fork
+#   (8e82031: in session 13 decompose was slower than sequential on all four AG shapes);
 # - the faults script's torch_dist case under full-iteration graphs, which outlived its limit in session 13
 #   (since then a process a rank spawns ends with the rank: launch/orphans.py, the suspected cause):
 #   the script now records the job's processes and their stacks (<job>_stuck.txt, SIGABRT with faulthandler);
