@@ -149,6 +149,18 @@ def test_expert_ops_with_static_routing_replay_bitwise_equal():
     run_distributed(gpu_world(), _check_expert_replays, backend="nccl")
 
 
+def _ended_by_the_watchdog(script):
+    """Run `script` in a fresh process with a 2 s watchdog: the watchdog must end it (exit 70) within a minute,
+    before it prints NOT REACHED. Returns its stderr."""
+    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="2")
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 70, result.stderr[-2000:]
+    assert "NOT REACHED" not in result.stdout
+    assert time.monotonic() - started < 60
+    return result.stderr
+
+
 def test_a_replayed_wait_that_never_passes_ends_the_process():
     """A captured counter wait whose counter nothing raises: the deadline kernel reports it to the watchdog,
     which ends the process naming the plan and the counter."""
@@ -168,14 +180,9 @@ def test_a_replayed_wait_that_never_passes_ends_the_process():
         torch.cuda.synchronize()
         print("NOT REACHED")
     """)
-    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="2")
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 70, result.stderr[-2000:]
+    stderr = _ended_by_the_watchdog(script)
     assert ("overlap_tp watchdog: test op waited 2 s for tile counter 1 to reach 5 (its GEMM's tiles of group 1) "
-            "in a CUDA graph replay and saw 0") in result.stderr, result.stderr[-2000:]
-    assert "NOT REACHED" not in result.stdout
-    assert time.monotonic() - started < 60
+            "in a CUDA graph replay and saw 0") in stderr, stderr[-2000:]
 
 
 def test_a_replay_that_never_completes_ends_the_process():
@@ -195,14 +202,9 @@ def test_a_replay_that_never_completes_ends_the_process():
         torch.cuda.synchronize()
         print("NOT REACHED")
     """)
-    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="2")
-    started = time.monotonic()
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 70, result.stderr[-2000:]
-    assert "overlap_tp watchdog: a CUDA graph replay (torch.cuda.CUDAGraph at 0x" in result.stderr, result.stderr[-2000:]
-    assert "did not complete within 2 s" in result.stderr
-    assert "NOT REACHED" not in result.stdout
-    assert time.monotonic() - started < 60
+    stderr = _ended_by_the_watchdog(script)
+    assert "overlap_tp watchdog: a CUDA graph replay (torch.cuda.CUDAGraph at 0x" in stderr, stderr[-2000:]
+    assert "did not complete within 2 s" in stderr
 
 
 _PEER_NEVER_REPLAYS = textwrap.dedent("""

@@ -307,6 +307,25 @@ def _deterministic():
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def _fresh_steps(seed, seq, hidden, steps):
+    """`steps` pairs (input, output grad) of fresh bf16 random [seq, 1, hidden] tensors."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for _ in range(steps):
+        yield tuple(torch.randn(seq, 1, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+
+
+def _fwd_bwd(stack, x, g):
+    """The layers of `stack` in a row on x, backward with g: [output, input grad, every parameter grad]."""
+    for layer in stack:
+        layer.zero_grad(set_to_none=True)
+    xi = x.clone().requires_grad_(True)
+    out = xi
+    for layer in stack:
+        out, _ = layer(hidden_states=out, attention_mask=None)
+    out.backward(g)
+    return [out, xi.grad] + [p.grad for layer in stack for _, p in layer.named_parameters()]
+
+
 def check_deferred_proj_sum(rank, world):
     """OverlapTransformerLayer (SP, p2p transports) with linear_proj's reduce-scatter sum left to the fused
     bias-dropout-add + norm kernel (the default) against the same layer summing first (fused_proj_sum off):
@@ -327,18 +346,8 @@ def check_deferred_proj_sum(rank, world):
         assert layer.fused_proj_sum, "the deferred sum should be on by default here"
         layer.fused_proj_sum = fused
         layers.append(layer)
-    gen = torch.Generator(device="cuda").manual_seed(5 + rank)
-    seq = 4096 // world
-    for step in range(20):
-        x = torch.randn(seq, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-        g = torch.randn(seq, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-        results = []
-        for layer in layers:
-            layer.zero_grad(set_to_none=True)
-            xi = x.clone().requires_grad_(True)
-            out, _ = layer(xi, attention_mask=None)
-            out.backward(g)
-            results.append([out, xi.grad] + [p.grad for _, p in layer.named_parameters()])
+    for step, (x, g) in enumerate(_fresh_steps(5 + rank, 4096 // world, config.hidden_size, 20)):
+        results = [_fwd_bwd([layer], x, g) for layer in layers]
         assert torch.isfinite(results[0][0]).all()
         for i, (a, b) in enumerate(zip(*results)):
             assert torch.equal(a, b), f"step {step} rank {rank}: tensor {i} differs from the summed path"
@@ -372,19 +381,8 @@ def check_mlp_boundary(rank, world):
         pair[0].fused_fc2_sum = variant == "fused"
         pair[0].fused_mlp_boundary = variant != "unlinked"
         pairs.append(pair)
-    gen = torch.Generator(device="cuda").manual_seed(6 + rank)
-    seq = 4096 // world
-    for step in range(20):
-        x = torch.randn(seq, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-        g = torch.randn(seq, 1, config.hidden_size, device="cuda", dtype=torch.bfloat16, generator=gen)
-        results = []
-        for first, second in pairs:
-            first.zero_grad(set_to_none=True)
-            second.zero_grad(set_to_none=True)
-            xi = x.clone().requires_grad_(True)
-            out, _ = second(hidden_states=first(hidden_states=xi, attention_mask=None)[0], attention_mask=None)
-            out.backward(g)
-            results.append([out, xi.grad] + [p.grad for layer in (first, second) for _, p in layer.named_parameters()])
+    for step, (x, g) in enumerate(_fresh_steps(6 + rank, 4096 // world, config.hidden_size, 20)):
+        results = [_fwd_bwd(pair, x, g) for pair in pairs]
         assert torch.isfinite(results[0][0]).all()
         assert pairs[0][0].next_input_norm is pairs[0][1].input_layernorm
         for i, (a, b, c) in enumerate(zip(*results)):

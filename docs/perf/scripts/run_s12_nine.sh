@@ -1,9 +1,10 @@
-# Session 12, call 9 (nvidia-h200, ONE GPU): after the numpy tile tables and the backward states built in the
-# forward: the expert ops' one-GPU tests; the plan build's host time; the MoE layer at EP = 1 with a new routing
-# every step (--routings 8, as in training) against Megatron's MoELayer, with its GPU gaps.
+# Session 12, calls 9 and 11 (nvidia-h200, ONE GPU; call 11 as `RUN=s12_eleven bash ...`, after the pinned
+# staging slots): after the numpy tile tables and the backward states built in the forward: the expert ops'
+# one-GPU tests; the plan build's host time; the MoE layer at EP = 1 with a new routing every step
+# (--routings 8, as in training) against Megatron's MoELayer, with its GPU gaps.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
-workdir s12_nine && mkdir -p $W/prof
+workdir ${RUN:-s12_nine} && mkdir -p $W/prof
 step gpu_moe 150 python3 -m pytest -m gpu -q $REPO/tests/gpu/test_moe_ops_one_gpu.py -p no:cacheprovider
 step build 90 torchrun --nproc-per-node 1 $REPO/docs/perf/scripts/probe_moe_build.py
 step moe_layer 260 torchrun --nproc-per-node 1 -m overlap_tp.bench moe_layer --experts 4 --tokens 8192,16384 \
