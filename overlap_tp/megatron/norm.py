@@ -84,7 +84,7 @@ class OverlapRMSNorm(torch.nn.Module):
         self.sequence_parallel = _option(config, "sequence_parallel")
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=_option(config, "params_dtype")))
         setattr(self.weight, "sequence_parallel", self.sequence_parallel)
-        self._handover = None   # (x, this norm of x) computed ahead by the previous layer's fused bda (hand_over)
+        self._handover = None   # (x, this norm of x) computed ahead by a fused bias-dropout-add (hand_over)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -94,7 +94,7 @@ class OverlapRMSNorm(torch.nn.Module):
 
     def forward(self, x):
         """Plain RMSNorm of x [s, b, h] (or any [..., h]), what input_layernorm does; or, when x is the tensor
-        the previous layer handed over with its norm already computed (hand_over), that norm."""
+        a fused bias-dropout-add handed over with its norm already computed (hand_over), that norm."""
         handover, self._handover = self._handover, None
         if handover is not None and handover[0] is x:
             return handover[1]
@@ -102,8 +102,8 @@ class OverlapRMSNorm(torch.nn.Module):
 
     def hand_over(self, x, normalized):
         """The next forward of this norm on x itself returns `normalized` (computed with this norm's weight, in
-        autograd, by the kernel that produced x: OverlapTransformerLayer's fused MLP bda). Keyed by identity, and
-        used at most once: any other input, or a second call, runs the norm."""
+        autograd, by the kernel that produced x: OverlapTransformerLayer's fused attention or MLP bda). Keyed by
+        identity, and used at most once: any other input, or a second call, runs the norm."""
         self._handover = (x, normalized)
 
     def add_and_norm(self, x, residual, bias=None, *, x_order=None, grad_order=None):

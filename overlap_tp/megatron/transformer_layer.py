@@ -13,9 +13,9 @@ t received partials and sums them (one pass over the activation and one launch l
 to defer its sum (OverlapRowParallelLinear.defer_sum_next) for the span of its attention block, and the fused bda
 runs the deferred sum it finds on x. Everything else is
 Megatron's own code: the subclass only swaps `self_attn_bda` for a function that runs the fused kernel
-and hands its normalized output to `_forward_pre_mlp_layernorm`, which returns it instead of running the
-norm again. The handover is keyed on the tensor's identity, so a layer whose forward did not come through
-the fused bda (or a recompute that re-runs it) never sees a stale result.
+and hands its normalized output to the pre-MLP norm (OverlapRMSNorm.hand_over), which returns it instead of
+running the norm again. The handover is keyed on the tensor's identity, so a layer whose forward did not come
+through the fused bda (or a recompute that re-runs it) never sees a stale result.
 
 The fused path needs what it replaces to be plain: an OverlapRMSNorm as pre_mlp_layernorm, no
 cross-attention, no recompute or CPU offload of the pre-MLP norm. Otherwise the layer is Megatron's
@@ -86,7 +86,6 @@ class OverlapTransformerLayer(TransformerLayer):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._fused_handover = None   # (hidden, normed) from the fused bda, consumed by the pre-MLP norm
         reason = self._unfusable_reason()
         self.fused_attn_norm = reason is None
         proj = getattr(self.self_attention, "linear_proj", None)
@@ -140,7 +139,7 @@ class OverlapTransformerLayer(TransformerLayer):
             normed, hidden = fused_add_rmsnorm(
                 x, residual, norm.weight, bias, eps=norm.eps, zero_centered_gamma=norm.zero_centered_gamma,
                 dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum)
-            self._fused_handover = (hidden, normed)
+            norm.hand_over(hidden, normed)
             return hidden
 
         return bias_dropout_add_norm
@@ -201,9 +200,3 @@ class OverlapTransformerLayer(TransformerLayer):
             return super()._forward_mlp(*args, **kwargs)
         return _summed_by_consumer(fc2, "linear_fc2", "the fused bias-dropout-add + next norm",
                                    lambda: super(OverlapTransformerLayer, self)._forward_mlp(*args, **kwargs))
-
-    def _forward_pre_mlp_layernorm(self, hidden_states):
-        handover, self._fused_handover = self._fused_handover, None
-        if handover is not None and handover[0] is hidden_states:
-            return handover[1]
-        return super()._forward_pre_mlp_layernorm(hidden_states)
