@@ -360,9 +360,10 @@ class OverlapMoELayer(MoELayer):
             tokens, routing_map, probs=probs if on_input else None, num_out_tokens=out_rows,
             fused=config.moe_permute_fusion, drop_and_pad=drop_and_pad)[:3]   # 0.19 returns two more
         counts = counts()
-        if int(counts[self.ep_rank].sum()) != out_rows:
-            raise RuntimeError(f"OverlapMoELayer: the router sent {int(counts[self.ep_rank].sum())} rows from this rank, "
-                               f"the permute made {out_rows} (tokens x moe_router_topk for a dropless router)")
+        sent = int(counts[self.ep_rank].sum())
+        if sent != out_rows:
+            raise RuntimeError(f"OverlapMoELayer: the router sent {sent} rows from this rank, the permute made "
+                               f"{out_rows} (tokens x moe_router_topk for a dropless router)")
         if on_input:
             permuted = (permuted_probs.unsqueeze(-1) * permuted).to(permuted.dtype)
         expert_output = self.experts(permuted, counts)

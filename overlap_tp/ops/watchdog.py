@@ -93,7 +93,8 @@ class Watchdog:
 
     def poll(self, reached, now: float):
         """One pass over the listed items: reached(item) says whether the GPU completed its event. Completed
-        items leave the list (held in `reached` until the next record); one incomplete for longer than the timeout ends the process."""
+        items leave the list (held in `reached` until the next record); one incomplete for longer than the
+        timeout ends the process."""
         with self.lock:
             listed, self.watched = self.watched, []
             for item in listed:

@@ -1,6 +1,8 @@
-# Session 13: what makes two identical layer runs differ on one GPU (TP 1)? Run: REPO=$PWD torchrun --nproc-per-node 1 docs/perf/scripts/probe_determinism.py
-# twice on the same inputs, with and without torch.use_deterministic_algorithms; (2) the overlap layer twice
-# with off / p2p configs, default and under each remedy.
+# Session 13: what makes two identical layer runs differ on one GPU (TP 1)?
+#   REPO=$PWD torchrun --nproc-per-node 1 docs/perf/scripts/probe_determinism.py
+# (1) each SDPA backend's backward twice on the same inputs, with and without
+# torch.use_deterministic_algorithms; (2) the overlap layer twice with off / p2p configs, default and under
+# each remedy.
 import os, sys, contextlib, torch, torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel, SDPBackend
