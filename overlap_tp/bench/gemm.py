@@ -34,6 +34,10 @@ from overlap_tp.ops.reduction import device_plan
 from overlap_tp.ops.tile_plan import ag_plan
 
 DEFAULT = OverlapConfig(method="signal")
+# recipes/smoke.sh's layer (h 1024, 16 heads of 64, 4 KV heads, FFN 2816) in the tables' TP-2 convention; run it
+# with --seq 4096 (micro-batch 2 x s 2048)
+SMOKE_AG_SHAPES = {"smoke.qkv": (1024, 768), "smoke.fc1": (1024, 2816)}
+SMOKE_SHAPES = {"smoke.proj": (512, 1024), "smoke.fc2": (1408, 1024)}
 
 
 def parse_args(argv):
@@ -41,7 +45,7 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=2, help="the TP size whose shards are multiplied")
     p.add_argument("--seq", default="8192", help="comma list of tokens M")
-    p.add_argument("--layers", default="l8b,l70b", help="comma list of BENCHMARKS.md models (l8b, l70b)")
+    p.add_argument("--layers", default="l8b,l70b", help="comma list of BENCHMARKS.md models (l8b, l70b) or smoke")
     p.add_argument("--comm-sms", default=f"0,{DEFAULT.comm_sms}", help="comma list of SMs left to the collective")
     p.add_argument("--configs", default="", help="comma list of BMxBNxBK/stages/warps beside the default "
                    f"{DEFAULT.block_m}x{DEFAULT.block_n}x{DEFAULT.block_k}/{DEFAULT.num_stages}/{DEFAULT.num_warps}")
@@ -68,11 +72,11 @@ def label(config):
 def layer_gemms(layer, m, tp):
     """(name, op, K (inner), N (output columns), weight layout) of the layer's overlapped GEMMs."""
     gemms = []
-    for name, (k, n) in AG_SHAPES.items():        # column-parallel: qkv, fc1
+    for name, (k, n) in {**AG_SHAPES, **SMOKE_AG_SHAPES}.items():        # column-parallel: qkv, fc1
         if name.startswith(layer + "."):
             k, n = at_tp("ag", k, n, tp)
             gemms += [(f"{name} fwd", "ag", k, n, "nk"), (f"{name} dgrad", "rs", n, k, "kn")]
-    for name, (k, n) in SHAPES.items():           # row-parallel: proj, fc2
+    for name, (k, n) in {**SHAPES, **SMOKE_SHAPES}.items():           # row-parallel: proj, fc2
         if name.startswith(layer + "."):
             k, n = at_tp("rs", k, n, tp)
             gemms += [(f"{name} fwd", "rs", k, n, "nk"), (f"{name} dgrad", "ag", n, k, "kn")]

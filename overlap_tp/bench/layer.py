@@ -5,8 +5,9 @@ own linears and against the same layer with no TP communication at all.
     TRITON_INTERPRET=1 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --tiny --out /tmp/layer   # CPU, gloo
 
 Shapes (BENCHMARKS.md): Llama-3-8B (h 4096, 32 heads, 8 KV heads, FFN 14336) and Llama-3-70B (h 8192, 64
-heads, 8 KV heads, FFN 28672); s = 8192, micro-batch 1, TP = the process count (2), sequence parallel,
-bf16, SwiGLU, RMSNorm, no biases, RoPE, no dropout, Megatron's bias-SwiGLU and bias-dropout-add fusions on
+heads, 8 KV heads, FFN 28672), and `smoke` (recipes/smoke.sh's layer: h 1024, 16 heads, 4 KV heads, FFN 2816;
+run it with --seq 2048 --micro-batch 2); s = 8192, micro-batch 1, TP = the process count (2), sequence parallel
+(at TP 1, one process: no sequence parallelism, no communication: what our layers compute against Megatron's), bf16, SwiGLU, RMSNorm, no biases, RoPE, no dropout, Megatron's bias-SwiGLU and bias-dropout-add fusions on
 (as in training), gradient_accumulation_fusion off (Megatron's needs Apex). Configurations, all in one
 process on the same inputs and the same weights:
 
@@ -59,6 +60,7 @@ from overlap_tp.ops.config import OverlapConfig
 MODELS = {
     "l8b": dict(hidden=4096, heads=32, groups=8, ffn=14336),
     "l70b": dict(hidden=8192, heads=64, groups=8, ffn=28672),
+    "smoke": dict(hidden=1024, heads=16, groups=4, ffn=2816),   # recipes/smoke.sh's layer (--seq 2048 --micro-batch 2)
     "tiny": dict(hidden=64, heads=4, groups=2, ffn=128),      # --tiny: CPU plumbing
 }
 DEFAULT_CONFIGS = "megatron,nocomm,off,signal,decompose,signal-agp2p,signal-p2p"
@@ -159,7 +161,7 @@ def layer_config(model, tp, device_type, fusions=None):
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0, bias_activation_fusion=fusions,
         bias_dropout_fusion=fusions, apply_rope_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, params_dtype=torch.bfloat16, bf16=True, init_method_std=0.02,
-        tensor_model_parallel_size=tp, sequence_parallel=True, use_cpu_initialization=device_type == "cpu")
+        tensor_model_parallel_size=tp, sequence_parallel=tp > 1, use_cpu_initialization=device_type == "cpu")
 
 
 def build_layer(spec_kind, config, device, seed=1234):

@@ -17,6 +17,15 @@ def test_layer_gemms_follow_the_ops_each_layer_issues():
     assert at_4["l8b.qkv fwd"] == (4096, 1536) and at_4["l8b.proj fwd"] == (1024, 4096)
 
 
+def test_the_smoke_layer_has_the_recipes_shards():
+    # recipes/smoke.sh at TP 2: qkv (16 + 2 * 4) heads of 64 -> 768 columns per rank, fc1 2 * 2816 / 2,
+    # proj's inner 16 * 64 / 2, fc2's inner 2816 / 2
+    gemms = {name: (op, k, n) for name, op, k, n, _ in layer_gemms("smoke", 4096, 2)}
+    assert gemms["smoke.qkv fwd"] == ("ag", 1024, 768) and gemms["smoke.fc1 fwd"] == ("ag", 1024, 2816)
+    assert gemms["smoke.proj fwd"] == ("rs", 512, 1024) and gemms["smoke.fc2 fwd"] == ("rs", 1408, 1024)
+    assert len(gemms) == 8
+
+
 def test_configs_parse_and_print_the_same_way():
     config = parse_config("128x128x64/4/8")
     assert (config.block_m, config.block_n, config.block_k, config.num_stages, config.num_warps) == (128, 128, 64, 4, 8)
