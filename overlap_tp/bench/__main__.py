@@ -13,9 +13,10 @@ SUBCOMMANDS = {
 }
 
 
-# one rank per GPU under torchrun, at least this many ranks: the MoE benchmarks also run at EP = 1, where there is
-# no all-to-all and what they time is the overlapped path's own cost against Megatron's (or the sequential) path
-DISTRIBUTED = {"ops": 2, "layer": 2, "moe": 1, "moe_layer": 1}
+# one rank per GPU under torchrun, at least this many ranks: the layer and MoE benchmarks also run on one GPU (TP 1,
+# EP 1), where there is no communication and what they time is the overlapped path's own computation against
+# Megatron's (or the sequential) path
+DISTRIBUTED = {"ops": 2, "layer": 1, "moe": 1, "moe_layer": 1}
 
 
 def requirement_problem(subcommand, argv, environ=os.environ, cuda_devices=None):

@@ -12,13 +12,15 @@ the grid the op gives it (--comm-sms: the SMs the collective keeps; 0 = every SM
 no communication and no waits. cuBLAS: torch.matmul on the same operands (it transposes for free).
 `ratio` = cuBLAS time / ours (above 1: ours is faster). --configs adds tile configurations
 (BMxBNxBK/stages/warps). Every configuration's output is checked against cuBLAS before it is timed.
-Times: cuBLAS and every variant of a GEMM are timed in --rounds interleaved rounds of --reps back-to-back calls
-each (CUDA events; inputs rotated over --input-sets sets, no L2 flush, as in a layer), so the clock drift of a
-run falls on all of them alike; `ms` is the median over all rounds, `ratio range` the lowest and highest of the
+Times: cuBLAS and every variant of a GEMM are timed in --rounds interleaved rounds of --reps calls each, replayed
+from one CUDA graph per variant (CUDA events per replay of 4 x --input-sets calls; inputs rotated over the sets,
+no L2 flush, as in a layer; --eager: back-to-back eager calls, which at the smoke recipe's shapes measure the
+host's launch rate, not the GPU), so the clock drift of a run falls on all of them alike; `ms` is the median over all rounds, `ratio range` the lowest and highest of the
 per-round ratios. (Timed one after the other, cuBLAS read 10-20% apart on two machines of the same kind, and the
 ratios moved with it: `git show 27bec54:docs/perf/s9/README.md`.)
 """
 import argparse
+import functools
 import statistics
 import sys
 
@@ -27,7 +29,7 @@ import torch
 from overlap_tp import OverlapConfig
 from overlap_tp.tune import report
 from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, at_tp
-from overlap_tp.tune.timing import event_times
+from overlap_tp.tune.timing import CapturedCalls, event_times
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.common import gemm_programs
 from overlap_tp.ops.reduction import device_plan
@@ -52,6 +54,8 @@ def parse_args(argv):
     p.add_argument("--input-sets", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=20, help="calls per variant and round")
+    p.add_argument("--eager", action="store_true", help="time back-to-back eager calls instead of graph replays "
+                   "(host-bound where a GEMM takes less GPU time than its launch)")
     p.add_argument("--out", default="docs/perf")
     p.add_argument("--name", default="signaled_gemm")
     return p.parse_args(argv)
@@ -83,15 +87,26 @@ def layer_gemms(layer, m, tp):
     return gemms
 
 
-def interleaved(calls, sets, rounds, reps):
-    """Per call, its per-round medians (ms): every round times each call `reps` times back to back, in turn."""
+GRAPH_CALLS_PER_SET = 4   # calls per replay: sets x this, so a replay's launch gap falls on several calls
+
+
+def interleaved(calls, sets, rounds, reps, graphs=True):
+    """Per call, its per-round medians (ms): every round times each call `reps` times, in turn. graphs: the
+    calls captured in one CUDA graph per call (len(sets) x GRAPH_CALLS_PER_SET calls) and timed by replay, so
+    the GPU's time is measured and not the host's launch rate (a small GEMM runs in less time than its
+    launch takes); else back to back eagerly."""
     for call in calls:
         for s in sets:
             call(*s)
+    if graphs:
+        captured = [CapturedCalls(call, sets * GRAPH_CALLS_PER_SET) for call in calls]
+        timers = [functools.partial(c.samples, reps, None) for c in captured]
+    else:
+        timers = [functools.partial(event_times, call, sets, reps) for call in calls]
     per_round = [[] for _ in calls]
     for _ in range(rounds):
-        for times, call in zip(per_round, calls):
-            times.append(statistics.median(event_times(call, sets, reps)))
+        for times, timer in zip(per_round, timers):
+            times.append(statistics.median(timer()))
     return per_round
 
 
@@ -129,7 +144,7 @@ def bench_gemm(name, op, m, k, n, layout, args, configs, comm_sms_list):
                                        msg=lambda msg: f"{name} {label(config)} comm_sms={comm_sms}: {msg}")
             variants.append((config, comm_sms, programs))
             calls.append(ours)
-    cublas, *ours_rounds = interleaved(calls, sets, args.rounds, args.reps)
+    cublas, *ours_rounds = interleaved(calls, sets, args.rounds, args.reps, graphs=not args.eager)
     rows = []
     for (config, comm_sms, programs), times in zip(variants, ours_rounds):
         ratios = [c / o for c, o in zip(cublas, times)]
@@ -175,6 +190,7 @@ def main(argv):
                                    f"{statistics.median(sel):.3f} (min {min(sel):.3f}, max {max(sel):.3f}, {len(sel)} GEMMs)")
     notes = "\n".join(summary) + "\n\n" + __doc__.split("\n\n", 1)[1]
     print("\n".join(summary))
-    report.write(args.out, args.name, f"Signaled GEMM alone vs cuBLAS (one GPU, TP {args.tp} shards, bf16)", rows,
+    report.write(args.out, args.name, f"Signaled GEMM alone vs cuBLAS (one GPU, TP {args.tp} shards, bf16, "
+                 f"{'eager' if args.eager else 'graph replays'})", rows,
                  COLUMNS, notes)
     return 0

@@ -133,8 +133,9 @@ class CapturedCalls:
 
     def samples(self, reps, group):
         """This rank's time (ms) per call of `reps` calls (reps / calls replays, each timed with CUDA events),
-        after a barrier."""
-        dist.barrier(group)
+        after a barrier of `group` (None: one process, no barrier)."""
+        if group is not None:
+            dist.barrier(group)
         replays = max(1, reps // self.calls)
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]

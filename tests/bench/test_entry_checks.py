@@ -8,7 +8,7 @@ from overlap_tp.bench import __main__ as bench
 def test_distributed_benchmarks_need_torchrun_a_group_and_gpus():
     assert "under torchrun" in bench.requirement_problem("ops", [], environ={}, cuda_devices=8)
     one = {"RANK": "0", "WORLD_SIZE": "1"}
-    assert "2 or more ranks (WORLD_SIZE is 1)" in bench.requirement_problem("layer", [], environ=one, cuda_devices=8)
+    assert "2 or more ranks (WORLD_SIZE is 1)" in bench.requirement_problem("ops", [], environ=one, cuda_devices=8)
     two = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     assert "2 ranks on this node but 0 visible CUDA GPU(s)" in bench.requirement_problem(
         "moe", [], environ=two, cuda_devices=0)
@@ -16,6 +16,7 @@ def test_distributed_benchmarks_need_torchrun_a_group_and_gpus():
     one_gpu = dict(one, LOCAL_WORLD_SIZE="1")
     assert bench.requirement_problem("moe_layer", [], environ=one_gpu, cuda_devices=1) is None   # EP = 1: own cost
     assert bench.requirement_problem("moe", [], environ=one_gpu, cuda_devices=1) is None
+    assert bench.requirement_problem("layer", [], environ=one_gpu, cuda_devices=1) is None   # TP 1: own computation
     assert bench.requirement_problem("layer", ["--device", "cpu"], environ={}, cuda_devices=0) is None
     assert bench.requirement_problem("norm", [], environ={}, cuda_devices=0) is None   # checks its GPU itself
 
