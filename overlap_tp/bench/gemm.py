@@ -10,7 +10,8 @@ Per BENCHMARKS.md layer (TP = --tp shards, --seq tokens), bf16, the GEMM of each
 each with the tile plan of its op (ag_gemm: local rows first; gemm_rs: row-slice schedule, t regions), on
 the grid the op gives it (--comm-sms: the SMs the collective keeps; 0 = every SM, as the p2p transports run),
 no communication and no waits. cuBLAS: torch.matmul on the same operands (it transposes for free).
-`ratio` = cuBLAS time / ours (above 1: ours is faster). --configs adds tile configurations
+`ratio` = cuBLAS time / ours (above 1: ours is faster); `rule's tile` marks the tile that OverlapConfig's
+tile_by_shape rule (ops/config.py tile_for_shape) gives the plan of that GEMM with the default config. --configs adds tile configurations
 (BMxBNxBK/stages/warps). Every configuration's output is checked against cuBLAS before it is timed.
 Times: cuBLAS and every variant of a GEMM are timed in --rounds interleaved rounds of --reps calls each, replayed
 from one CUDA graph per variant (CUDA events per replay of 4 x --input-sets calls; inputs rotated over the sets,
@@ -32,10 +33,12 @@ from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, at_tp
 from overlap_tp.tune.timing import CapturedCalls, event_times
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.config import tile_for_shape
 from overlap_tp.ops.reduction import device_plan
 from overlap_tp.ops.tile_plan import ag_plan
 
-DEFAULT = OverlapConfig(method="signal")
+DEFAULT = OverlapConfig(method="signal", tile_by_shape=False)   # every config runs the tile as given
+BY_SHAPE = OverlapConfig(method="signal")                        # what the ops' plans start from
 # recipes/smoke.sh's layer (h 1024, 16 heads of 64, 4 KV heads, FFN 2816) in the tables' TP-2 convention; run it
 # with --seq 4096 (micro-batch 2 x s 2048)
 SMOKE_AG_SHAPES = {"smoke.qkv": (1024, 768), "smoke.fc1": (1024, 2816)}
@@ -66,7 +69,7 @@ def parse_config(text):
     tile, stages, warps = text.split("/")
     bm, bn, bk = (int(v) for v in tile.split("x"))
     return OverlapConfig(method="signal", block_m=bm, block_n=bn, block_k=bk, num_stages=int(stages),
-                         num_warps=int(warps))
+                         num_warps=int(warps), tile_by_shape=False)
 
 
 def label(config):
@@ -150,7 +153,9 @@ def bench_gemm(name, op, m, k, n, layout, args, configs, comm_sms_list):
         ratios = [c / o for c, o in zip(cublas, times)]
         ms = statistics.median(times)
         rows.append(dict(gemm=f"{name}.s{m}", op=op, M=m, K=k, N=n, layout=layout, config=label(config),
-                         comm_sms=comm_sms, programs=programs, cublas_ms=statistics.median(cublas), ours_ms=ms,
+                         comm_sms=comm_sms, programs=programs,
+                         rule="x" if label(tile_for_shape(BY_SHAPE, m, n, programs)) == label(config) else "",
+                         cublas_ms=statistics.median(cublas), ours_ms=ms,
                          ratio=statistics.median(ratios), ratio_range=f"{min(ratios):.3f}-{max(ratios):.3f}",
                          tflops=2 * m * n * k / ms / 1e9, round_ratios=ratios))
     return rows
@@ -159,6 +164,7 @@ def bench_gemm(name, op, m, k, n, layout, args, configs, comm_sms_list):
 COLUMNS = [
     ("gemm", "GEMM", "{}"), ("op", "op plan", "{}"), ("M", "M", "{}"), ("K", "K", "{}"), ("N", "N", "{}"),
     ("layout", "W", "{}"), ("config", "config", "{}"), ("comm_sms", "comm SMs", "{}"), ("programs", "grid", "{}"),
+    ("rule", "rule's tile", "{}"),
     ("cublas_ms", "cuBLAS ms", "{:.3f}"), ("ours_ms", "ours ms", "{:.3f}"), ("ratio", "cuBLAS/ours", "{:.3f}"),
     ("ratio_range", "ratio range", "{}"), ("tflops", "ours TFLOP/s", "{:.0f}"),
 ]

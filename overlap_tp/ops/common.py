@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import check_operands, tma_unsupported_reason, weight_layout
 from overlap_tp.ops import comm
-from overlap_tp.ops.config import OverlapConfig, resolve_auto
+from overlap_tp.ops.config import OverlapConfig, resolve_auto, tile_for_shape
 from overlap_tp.ops.watchdog import Watched
 
 DEFAULT_CONFIG = OverlapConfig()
@@ -132,14 +132,16 @@ class OpPlan:
                 warn_once(f"overlap_tp {self.op}: an empty operand (M={self.m}, N={self.n}, K={self.k}) runs "
                           f"method 'off' (nothing to overlap)")
             return dataclasses.replace(config, method="off")
+        if config.method == "auto" and self.device.type != "cuda":
+            warn_once(f"overlap_tp {self.op}: method='auto' runs 'off' on CPU tensors (the tuner measures on "
+                      f"GPUs only)")
+            return dataclasses.replace(config, method="off")
+        rows = self.m * self.t if self.op == "ag_gemm" else self.m   # the GEMM's rows (ag_gemm: gathered)
         if config.method == "auto":
-            if self.device.type != "cuda":
-                warn_once(f"overlap_tp {self.op}: method='auto' runs 'off' on CPU tensors (the tuner measures on "
-                          f"GPUs only)")
-                return dataclasses.replace(config, method="off")
-            m = self.m * self.t if self.op == "ag_gemm" else self.m
-            config = resolve_auto(self.op, m, self.n, self.k, self.dtype, self.device, self.group, config)
+            config = resolve_auto(self.op, rows, self.n, self.k, self.dtype, self.device, self.group, config)
         if config.method == "signal":
+            if self.device.type == "cuda":   # the rule counts a GPU's waves (a CPU's 'programs' are not SMs)
+                config = tile_for_shape(config, rows, self.n, gemm_programs(self.device, config))
             reason = self._signal_unsupported_reason(config)
             if reason is not None:
                 raise ValueError(f"{self.op}: method='signal' cannot run: {reason}")

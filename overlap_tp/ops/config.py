@@ -1,6 +1,6 @@
 """OverlapConfig: everything an overlapped op has to choose, validated up front; and the hook through which
 the tuner resolves method='auto'."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional, Tuple, Union
 
 METHODS = ("signal", "decompose", "off", "auto")
@@ -40,6 +40,11 @@ class OverlapConfig:
                  communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
     chunks:      M-chunks of the `decompose` method.
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
+    tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
+                 tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much
+                 better that it wins (tile_for_shape: small GEMMs such as the smoke recipe's backward ones);
+                 under method 'auto' too (the tuner picks method, schedule, groups and SMs for the default
+                 tile; the rule then picks the tile). Any other tile, or tile_by_shape=False, keeps the tile.
     """
 
     method: str = "auto"
@@ -53,6 +58,7 @@ class OverlapConfig:
     block_k: int = 64
     num_stages: int = 3
     num_warps: int = 8
+    tile_by_shape: bool = True
 
     def __post_init__(self):
         def choice(name, value, allowed):
@@ -85,6 +91,35 @@ class OverlapConfig:
                 raise ValueError(f"OverlapConfig.{name}={value!r}: expected a power of two >= 16")
         if self.num_warps & (self.num_warps - 1):
             raise ValueError(f"OverlapConfig.num_warps={self.num_warps}: expected a power of two")
+
+
+DEFAULT_TILE = dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8)
+NARROW_TILE = dict(block_n=128, num_stages=4, num_warps=4)
+# The time of one wave of narrow tiles relative to one wave of default tiles: half the FLOPs per tile at ~92% of
+# the default tile's throughput (l8b's GEMMs at s 8192, where both fill many waves: 128x128 ran at 0.897 of cuBLAS,
+# 128x256 at 0.978; docs/perf/s14/README.md).
+NARROW_WAVE_COST = 0.55
+
+
+def tile_for_shape(config: "OverlapConfig", m: int, n: int, programs: int) -> "OverlapConfig":
+    """The config with the tile its signaled GEMM C[m, n] runs on `programs` persistent programs (see
+    OverlapConfig.tile_by_shape): the narrow tile where its waves cost less than the default tile's,
+
+        ceil(tiles_narrow / programs) * NARROW_WAVE_COST < ceil(tiles_default / programs)
+
+    (a wave's time is its slowest program's, so a last wave half full costs a whole one). At the smoke
+    recipe's backward GEMMs (M 4096, N 512 or 1408) the default tile leaves half the SMs idle or runs a second
+    wave 45% full; at BENCHMARKS.md's 8B and 70B shapes the rule keeps the default tile."""
+    if not config.tile_by_shape or any(getattr(config, k) != v for k, v in DEFAULT_TILE.items()) or m == 0 or n == 0:
+        return config
+    rows = -(-m // DEFAULT_TILE["block_m"])
+
+    def waves(block_n):
+        return -(-rows * -(-n // block_n) // programs)
+
+    if waves(NARROW_TILE["block_n"]) * NARROW_WAVE_COST < waves(DEFAULT_TILE["block_n"]):
+        return replace(config, **NARROW_TILE)
+    return config
 
 
 # The expert ops' (a2a_gemm, gemm_a2a) defaults where they differ from OverlapConfig's: at EP = 2 over

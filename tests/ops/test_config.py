@@ -31,3 +31,32 @@ def test_list_groups_become_a_tuple():
 def test_bad_values_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OverlapConfig(**kwargs)
+
+
+# tile_for_shape: the GEMMs bench gemm measured under graph replays on an H200 (132 SMs, docs/perf/s14/README.md)
+from overlap_tp.ops.config import tile_for_shape  # noqa: E402
+
+SIGNAL = OverlapConfig(method="signal")
+
+
+@pytest.mark.parametrize("m, n, narrow", [
+    (4096, 512, True),     # smoke proj dgrad: 64 default tiles leave half the SMs idle (measured 0.67 -> 1.04 of cuBLAS)
+    (4096, 1408, True),    # smoke fc2 dgrad: a second default wave 45% full (0.81 -> 1.00)
+    (4096, 768, False),    # smoke qkv fwd: 96 default tiles, one wave; narrow needs two (0.84 vs 0.83)
+    (4096, 1024, False),   # smoke proj fwd, fc2 fwd, qkv/fc1 dgrad: one full default wave
+    (4096, 2816, False),   # smoke fc1 fwd: 3 default waves vs 6 narrow ones (0.87 vs 0.82)
+    (8192, 2048, False), (8192, 3072, False), (8192, 7168, False), (8192, 14336, False),   # l8b
+    (8192, 5120, False), (8192, 28672, False),                                              # l70b
+])
+def test_the_narrow_tile_where_it_fills_the_waves_better(m, n, narrow):
+    chosen = tile_for_shape(SIGNAL, m, n, programs=132)
+    want = (128, 128, 64, 4, 4) if narrow else (128, 256, 64, 3, 8)
+    assert (chosen.block_m, chosen.block_n, chosen.block_k, chosen.num_stages, chosen.num_warps) == want
+    assert chosen.method == "signal" and chosen.transport == SIGNAL.transport
+
+
+def test_a_tile_set_by_hand_or_the_switch_off_is_kept():
+    for config in (OverlapConfig(method="signal", block_n=64), OverlapConfig(method="signal", num_stages=4),
+                   OverlapConfig(method="signal", tile_by_shape=False)):
+        assert tile_for_shape(config, 4096, 512, programs=132) is config
+    assert tile_for_shape(SIGNAL, 0, 512, programs=132) is SIGNAL
