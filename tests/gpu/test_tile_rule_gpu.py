@@ -18,15 +18,16 @@ def _check(rank, world):
     poison_allocator()
     group = dist.group.WORLD
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cases = [  # (plan class, M, N, K, transport, block_n the rule gives on an H200's 132 SMs)
-        (AgGemm, 4096, 512, 1024, "p2p", 128),      # smoke proj dgrad
-        (AgGemm, 4096, 1408, 1024, "p2p", 128),     # smoke fc2 dgrad
-        (GemmRS, 4096, 1408, 1024, "nccl", 128),    # the same shape as a GEMM+RS on the NCCL transport
-        (AgGemm, 4096, 768, 1024, "p2p", 256),      # smoke qkv fwd
-        (GemmRS, 8192, 4096, 2048, "p2p", 256),     # l8b proj fwd
+    cases = [  # (plan class, M, N, K, transport, comm SMs, block_n the rule gives on an H200's 132 SMs)
+        (AgGemm, 4096, 512, 1024, "p2p", 0, 128),      # smoke proj dgrad
+        (AgGemm, 4096, 1408, 1024, "p2p", 0, 128),     # smoke fc2 dgrad
+        (GemmRS, 4096, 1408, 1024, "nccl", 0, 128),    # the same shape as a GEMM+RS on the NCCL transport
+        (GemmRS, 4096, 1408, 1024, "nccl", 16, 256),   # on 116 SMs: 2 default waves against 4 narrow ones
+        (AgGemm, 4096, 768, 1024, "p2p", 0, 256),      # smoke qkv fwd
+        (GemmRS, 8192, 4096, 2048, "p2p", 0, 256),     # l8b proj fwd
     ]
-    for cls, m, n, k, transport, block_n in cases:
-        config = OverlapConfig(method="signal", transport=transport, comm_sms=0 if transport == "p2p" else 16)
+    for cls, m, n, k, transport, comm_sms, block_n in cases:
+        config = OverlapConfig(method="signal", transport=transport, comm_sms=comm_sms)
         plan = cls(group, m, n, k, torch.bfloat16, torch.device("cuda"), config)
         if torch.cuda.get_device_properties(0).multi_processor_count == 132:
             assert plan.config.block_n == block_n, (cls.__name__, m, n, plan.config)

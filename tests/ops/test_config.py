@@ -60,3 +60,9 @@ def test_a_tile_set_by_hand_or_the_switch_off_is_kept():
                    OverlapConfig(method="signal", tile_by_shape=False)):
         assert tile_for_shape(config, 4096, 512, programs=132) is config
     assert tile_for_shape(SIGNAL, 0, 512, programs=132) is SIGNAL
+
+
+def test_the_rule_counts_the_gemms_own_sms():
+    # smoke fc2 dgrad beside 16 NCCL SMs: 192 default tiles on 116 programs = 2 waves, 352 narrow ones = 4
+    assert tile_for_shape(SIGNAL, 4096, 1408, programs=116).block_n == 256
+    assert tile_for_shape(SIGNAL, 4096, 1408, programs=132).block_n == 128
