@@ -348,7 +348,7 @@ def write_report(args, rows, command, group):
              "note' and left out of the ratios (and Megatron's flagged leaves every ratio out).\n\n"
              "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "\n\n" + "\n".join(lines))
     report.write(args.out, args.name, f"One Llama TransformerLayer forward + backward, TP = {settings['tp']}, "
-                 f"SP, s = {args.seq}", rows, COLUMNS, notes, command=command)
+                 f"{'SP' if settings['tp'] > 1 else 'no SP'}, s = {args.seq}", rows, COLUMNS, notes, command=command)
     path = os.path.join(args.out, args.name + ".json")
     with open(path) as f:
         data = json.load(f)
