@@ -9,7 +9,8 @@ One process per GPU; every variant runs in the same process on the same inputs, 
              --transformer-impl transformer_engine where Transformer Engine imports), all_to_all, unpermute
   off        OverlapMoELayer, method 'off': the all-to-all then the per-expert cuBLAS GEMMs, sequentially
   signal     OverlapMoELayer, method 'signal' (the default config): a2a_gemm / gemm_a2a overlapped
-  (--methods adds decompose or other methods)
+  (--methods adds decompose or auto: auto's trial calls run untimed before its timing, `auto chose` says
+  which method it kept)
 A step is forward + backward of the layer (input grad included), timed as the median of --reps steps (CUDA
 events, inputs rotated over 3 sets), the slowest rank's. Routing is forced the same way for every variant:
 the router's logits get a per-token offset scale * (log p + Gumbel), so each token's top-k are k distinct
@@ -152,6 +153,13 @@ def bench_shape(tokens, routing, args, group):
     for name, layer in variants.items():
         if name != "megatron":
             agree(step(layer)(*sets[0]), reference, f"moe_layer {name} {row['shape']}")
+        trial = getattr(getattr(layer, "experts", None), "_trial", None)
+        calls = 0
+        while trial is not None and trial.chosen is None:   # method auto: its trial calls, untimed
+            step(layer)(*sets[calls % len(sets)])
+            calls += 1
+        if trial is not None:
+            row["auto_chose"] = trial.chosen
         row[name] = timed(step(layer), sets, args.reps, group)
     if args.profile:
         for name, layer in variants.items():
@@ -189,6 +197,8 @@ def columns(methods, profiled=False):
     cols += [(m, f"ours {m}", "{:.3f}") for m in methods] + [(f"S_{m}", f"S {m}", "{:.2f}") for m in methods]
     if "signal" in methods and "off" in methods:
         cols.append(("signal_vs_off", "off / signal", "{:.2f}"))
+    if "auto" in methods:
+        cols.append(("auto_chose", "auto chose", "{}"))
     if profiled:
         cols += [(f"busy_{m}", f"GPU busy {m}", "{:.3f}") for m in ["megatron"] + list(methods)]
     return cols

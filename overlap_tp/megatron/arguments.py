@@ -110,8 +110,9 @@ def add_overlap_args(parser):
         help="How MoE layers run their token all-to-all and expert GEMMs. off: Megatron's own MoE "
              "layer, untouched. signal / decompose / auto: overlap_tp's OverlapMoELayer, whose "
              "dispatch all-to-all is overlapped with the grouped fc1 GEMM (a2a_gemm) and whose fc2 "
-             "GEMM with the combine all-to-all (gemm_a2a); methods as for --overlap-tp (auto runs off "
-             "for now), transport always nccl, --overlap-tp-comm-sms applies. Needs --num-experts, "
+             "GEMM with the combine all-to-all (gemm_a2a); methods as for --overlap-tp, but auto tries "
+             "off and signal in each layer's first calls and keeps the faster one (the EP group's slowest "
+             "rank decides; a warning names the choice), transport always nccl, --overlap-tp-comm-sms applies. Needs --num-experts, "
              "--moe-token-dispatcher-type alltoall and --expert-tensor-parallel-size 1.")
     return parser
 
@@ -306,7 +307,7 @@ def _validate_moe(args, moe, comm_sms):
                 f"{flag} with {what}: that overlap runs inside Megatron's token dispatcher, which overlap_tp's "
                 f"MoE layer replaces (shared experts then run before routing, as in Megatron's MoELayer). "
                 f"Drop {what}, or use --overlap-moe off.")
-    if moe == "signal" and comm_sms == 0:
+    if moe in ("signal", "auto") and comm_sms == 0:   # auto tries signal
         raise OverlapArgumentError(
             f"{flag} with --overlap-tp-comm-sms 0: a2a_gemm's signaled GEMM spins on ready flags that NCCL "
             "kernels raise, so NCCL needs SMs the GEMM does not hold. Give --overlap-tp-comm-sms >= 1.")

@@ -26,6 +26,7 @@ with the same init methods (equal weights for the same seed). The ops read the s
 are: no per-step stacking copy. `sharded_state_dict` writes every expert under SequentialMLP's keys and
 sharding, so distributed checkpoints interchange with Megatron's SequentialMLP, GroupedMLP and TEGroupedMLP.
 """
+import dataclasses
 from typing import Optional
 
 import torch
@@ -50,6 +51,7 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
     raise ImportError("overlap_tp.megatron.moe_layer needs megatron-core (pip install 'overlap_tp[megatron]' or "
                       "'megatron-core>=0.16')") from error
 
+from overlap_tp.megatron.moe_auto import MethodTrial
 from overlap_tp.ops import comm
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
 from overlap_tp.ops.expert import a2a_gemm, gemm_a2a
@@ -164,6 +166,8 @@ class OverlapGroupedMLP(MegatronModule):
             raise ValueError(f"OverlapGroupedMLP: config.params_dtype={config.params_dtype}: the expert ops run "
                              f"bf16 or fp16 GEMMs (train with --bf16 or --fp16)")
         self.overlap_config = overlap_config
+        self.layer_name = name or "MoE experts"   # in method auto's messages; OverlapMoELayer names its layer
+        self._trial = None   # method 'auto': its MethodTrial, made at the first call
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
         fc1_rows = 2 * ffn if config.gated_linear_unit else ffn
         fc1_stride = 2 if config.gated_linear_unit and not getattr(config, "use_kitchen", False) else 1
@@ -206,10 +210,21 @@ class OverlapGroupedMLP(MegatronModule):
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """tokens [T, H] permuted by global expert, counts [ep, E] (host) -> expert outputs [T, H], same order."""
         config = self.overlap_config if self.overlap_config is not None else _default["config"]
+        timer = None
+        if config.method == "auto":   # off and signal tried in the first calls, the faster kept (moe_auto.py)
+            if self._trial is None:
+                self._trial = MethodTrial(self.ep_group, tokens.device, what=self.layer_name)
+            method, timer = self._trial.next_call()
+            config = dataclasses.replace(config, method=method)
+        if timer is not None:
+            timer.record_start()
         # counts come from token_counts' all-gather (or the capacity, the same everywhere): equal on every rank by
         # construction, so the ops skip their per-routing cross-rank check (a round trip through the store)
         fc1 = a2a_gemm(tokens, counts, self.weight1, self.ep_group, config=config, counts_agreed=True)
-        return gemm_a2a(self.activation(fc1), counts, self.weight2, self.ep_group, config=config, counts_agreed=True)
+        out = gemm_a2a(self.activation(fc1), counts, self.weight2, self.ep_group, config=config, counts_agreed=True)
+        if timer is not None:
+            timer.record_end()
+        return out
 
     def activation(self, fc1: torch.Tensor) -> torch.Tensor:
         """Megatron's expert activation: GLU (activation of the first half times the second half, with
@@ -325,7 +340,12 @@ class OverlapMoELayer(MoELayer):
             raise TypeError(f"OverlapMoELayer: submodules.experts built {type(self.experts).__name__}; the "
                             f"overlapped dispatch/combine needs OverlapGroupedMLP (get_gpt_layer_overlap_spec)")
         self.token_dispatcher = None   # tokens move through a2a_gemm / gemm_a2a
+        self.experts.layer_name = f"MoE layer {layer_number}" if layer_number is not None else "MoE layer"
         self.ep_rank = get_pg_rank(self.ep_group)
+
+    def set_layer_number(self, layer_number: int):
+        super().set_layer_number(layer_number)
+        self.experts.layer_name = f"MoE layer {layer_number}"   # method auto's messages name the layer
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
                 padding_mask: Optional[torch.Tensor] = None):

@@ -30,7 +30,9 @@ Methods (OverlapConfig.method):
              have SMs that the spinning GEMM does not hold). Transport: NCCL through the capped
              communicator of overlap_tp/ops/nccl.py (`p2p` is refused); under gloo, torch.distributed's
              batch_isend_irecv, with the kernel in the Triton CPU interpreter.
-  auto       `off`, with a warning: the tuner does not cover the expert ops yet.
+  auto       `off`, with a warning: the ops alone cannot know whether the overlap pays on this routing and
+             interconnect. The MoE layer (overlap_tp/megatron/moe_auto.py) resolves `auto` itself: it times
+             off and signal in its first calls and keeps the faster.
 `groups` is the number of parts per peer (an int, or "auto": about 16 MB per group on the busiest
 rank); `schedule` does not apply. The backward runs the mirrored op with each expert's weight
 transposed as a view (`transposed`: the kernel reads it in place, no copy) and the grouped wgrad with
@@ -129,7 +131,8 @@ def check_inputs(op: str, a, w, counts, rows: int, rows_name: str, out_name: str
 def resolve_method(op: str, config: OverlapConfig, a, w) -> str:
     """The method that runs, checked to be runnable."""
     if config.method == "auto":
-        warn_once(f"overlap_tp {op}: method='auto' runs 'off' (the tuner does not cover the expert ops yet)")
+        warn_once(f"overlap_tp {op}: method='auto' runs 'off' (the expert ops alone do not tune; OverlapMoELayer "
+                  f"resolves auto by timing both methods)")
         return "off"
     if config.method == "signal":
         if config.transport != "nccl":

@@ -132,6 +132,7 @@ def test_overlap_tp_with_an_moe_model_keeps_megatrons_moe():
     ({"moe_shared_expert_overlap": True}, "Drop --moe-shared-expert-overlap"),
     ({"overlap_moe_expert_parallel_comm": True}, "Drop --overlap-moe-expert-parallel-comm"),
     ({"overlap_tp_comm_sms": 0}, "--overlap-tp-comm-sms >= 1"),
+    ({"overlap_moe": "auto", "overlap_tp_comm_sms": 0}, "--overlap-tp-comm-sms >= 1"),   # auto tries signal
     ({"moe_layer_freq": 2}, "--moe-layer-freq"),
     ({"sequence_parallel": False}, "--overlap-moe signal needs --sequence-parallel"),
     ({"spec": ["my.module", "my_spec"]}, "--overlap-moe off to keep your spec"),

@@ -16,6 +16,7 @@ MoELayer (alltoall dispatcher, SequentialMLP experts), which runs on the CPU wit
   by either layer loads into the other (Megatron's own load pipeline, in memory).
 - A TransformerLayer from get_gpt_layer_overlap_spec(num_experts=...) against the same spec with
   Megatron's MoE module in the MLP slot (what apply() keeps with --overlap-moe off).
+- Method auto: its trial calls and the calls after its decision give Megatron's results; one method on every rank.
 Each test spawns its processes once and checks every case inside (process start-up dominates).
 """
 import contextlib
@@ -256,10 +257,35 @@ def _check_transformer_layer(rank, world):
     assert "pre_mlp_layernorm.weight" in layer.sharded_state_dict()   # kept, as Megatron's TE MoE spec
 
 
+def _check_auto(rank, world):
+    """method auto: the trial calls (off and signal in turn) and the calls after the decision all give Megatron's
+    results, and every rank keeps the same method."""
+    import torch.distributed as dist
+
+    from overlap_tp.megatron.moe_auto import METHODS
+    config = _config(world)
+    ours = _build(True, config, OverlapConfig(method="auto", groups=2, **SMALL_TILES))
+    ref = _build(False, config)
+    gen = torch.Generator().manual_seed(300 + rank)
+    x = torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
+    g = torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
+    out_ref, dx_ref = _run(ref, x, g)
+    for call in range(2 * (1 + 3) + 1):   # the default schedule, then the call that decides
+        ours.zero_grad(set_to_none=True)
+        out, dx = _run(ours, x, g)
+        _close(out, out_ref, f"auto call {call} output")
+        _close(dx, dx_ref, f"auto call {call} input grad")
+    chosen = [None] * world
+    dist.all_gather_object(chosen, ours.experts._trial.chosen)
+    assert chosen[0] in METHODS and chosen == chosen[:1] * world, chosen
+    assert ours.experts.layer_name == "MoE layer 1"
+
+
 def _check_ep2(rank, world, plan):
     _megatron_on_cpu()
     ps = _init_megatron(world)
     _check_layers(rank, world, plan)
+    _check_auto(rank, world)
     _check_checkpoints(rank, world, ps)
     _check_transformer_layer(rank, world)
     ps.destroy_model_parallel()

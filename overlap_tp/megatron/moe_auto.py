@@ -1,0 +1,118 @@
+"""method='auto' for one MoE layer's expert ops: try both, keep the faster, agree over the EP group.
+
+The dense ops' tuner measures a shape once before training; an MoE layer's sizes change with the routing every
+step, and whether the overlap pays depends on the interconnect (at EP 2 over NVLink the all-to-all is 3-10% of the
+grouped GEMMs and `signal` ran 0.96-0.97x of Megatron's MoELayer; on the cross-node proxy 1.12-1.16x,
+docs/perf/s13/README.md). So `auto` measures in training itself, as Tutel switches its parallelism online: the
+layer's first calls alternate `off` and `signal` (WARMUP untimed calls each, then TRIALS timed ones each), each
+timed on the GPU by CUDA events around the experts' forward (fc1 + dispatch, activation, fc2 + combine). At the
+call after the last trial every rank waits for its events (once), the EP group takes each method's largest median
+over the ranks (one all-reduce: the step waits for its slowest rank), and the layer keeps the faster method for
+the rest of the run, named in a warning. The schedule is a function of the call count alone, so every rank runs
+the same method at every call and decides at the same call (the all-to-alls stay matched).
+
+Under CUDA graph capture before the decision: `off` (a warning says so); after it, the chosen method is captured.
+"""
+import statistics
+import time
+import warnings
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from overlap_tp.ops import comm
+
+METHODS = ("off", "signal")
+WARMUP = 1   # per method: plan builds, Triton compiles
+TRIALS = 3   # per method
+
+
+def _warn_on_rank0(message: str):
+    if dist.get_rank() == 0:
+        warnings.warn(message, stacklevel=3)
+
+
+class _WallTimer:
+    """A CUDA event pair's interface on the host clock (CPU tensors under gloo)."""
+
+    def __init__(self):
+        self.start = self.end = None
+
+    def record_start(self):
+        self.start = time.perf_counter()
+
+    def record_end(self):
+        self.end = time.perf_counter()
+
+    def ms(self) -> float:
+        return (self.end - self.start) * 1e3
+
+
+class _EventTimer:
+    def __init__(self):
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.end = torch.cuda.Event(enable_timing=True)
+
+    def record_start(self):
+        self.start.record()
+
+    def record_end(self):
+        self.end.record()
+
+    def ms(self) -> float:
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end)
+
+
+class MethodTrial:
+    """The method of each call of one layer under `auto`: next_call() says which method runs and hands a timer to
+    wrap it in (None: untimed), until the decision; then the chosen method."""
+
+    def __init__(self, group, device: torch.device, what: str = "MoE layer", warn: Callable[[str], None] = None,
+                 warmup: int = WARMUP, trials: int = TRIALS, timer_factory: Optional[Callable] = None):
+        self.group, self.device, self.what = group, device, what
+        self.warn = warn or _warn_on_rank0
+        self.warmup, self.trials = warmup, trials
+        self.timer_factory = timer_factory or (_EventTimer if device.type == "cuda" else _WallTimer)
+        self.calls = 0
+        self.timed: List[Tuple[str, object]] = []
+        self.chosen: Optional[str] = None
+        self.medians: Optional[dict] = None
+        self._warned_capture = False
+
+    @property
+    def schedule_length(self) -> int:
+        return len(METHODS) * (self.warmup + self.trials)
+
+    def next_call(self):
+        """(method, timer or None) for this call."""
+        if self.chosen is None and comm.capturing(self.device):
+            if not self._warned_capture:
+                self._warned_capture = True
+                self.warn(f"overlap_tp {self.what} (method auto): captured into a CUDA graph after {self.calls} of "
+                          f"the {self.schedule_length} trial calls; the graph runs method 'off' (run the trial "
+                          f"steps eagerly before capturing to let auto choose)")
+            return "off", None
+        if self.chosen is None and self.calls >= self.schedule_length:
+            self._decide()
+        if self.chosen is not None:
+            return self.chosen, None
+        index, self.calls = self.calls, self.calls + 1
+        method = METHODS[index % len(METHODS)]
+        if index < len(METHODS) * self.warmup:
+            return method, None
+        timer = self.timer_factory()
+        self.timed.append((method, timer))
+        return method, timer
+
+    def _decide(self):
+        mine = [statistics.median(t.ms() for m, t in self.timed if m == method) for method in METHODS]
+        agreed = torch.tensor(mine, dtype=torch.float64, device=self.device if self.device.type == "cuda" else None)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        self.medians = dict(zip(METHODS, agreed.tolist()))
+        self.chosen = min(METHODS, key=lambda method: (self.medians[method], method != "off"))   # a tie: off
+        self.timed = []
+        times = ", ".join(f"{method} {ms:.3f} ms" for method, ms in self.medians.items())
+        self.warn(f"overlap_tp {self.what} (method auto): runs '{self.chosen}' from now on (forward of the "
+                  f"experts, median of {self.trials} calls each, the slowest rank's: {times})")
