@@ -29,7 +29,7 @@ import torch
 
 from overlap_tp import OverlapConfig
 from overlap_tp.tune import report
-from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, at_tp
+from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, SMOKE_AG_SHAPES, SMOKE_SHAPES, at_tp
 from overlap_tp.tune.timing import CapturedCalls, event_times
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.common import gemm_programs
@@ -39,10 +39,6 @@ from overlap_tp.ops.tile_plan import ag_plan
 
 DEFAULT = OverlapConfig(method="signal", tile_by_shape=False)   # every config runs the tile as given
 BY_SHAPE = OverlapConfig(method="signal")                        # what the ops' plans start from
-# recipes/smoke.sh's layer (h 1024, 16 heads of 64, 4 KV heads, FFN 2816) in the tables' TP-2 convention; run it
-# with --seq 4096 (micro-batch 2 x s 2048)
-SMOKE_AG_SHAPES = {"smoke.qkv": (1024, 768), "smoke.fc1": (1024, 2816)}
-SMOKE_SHAPES = {"smoke.proj": (512, 1024), "smoke.fc2": (1408, 1024)}
 
 
 def parse_args(argv):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
 from overlap_tp.tune import report
-from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, at_tp
+from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, SMOKE_AG_SHAPES, SMOKE_SHAPES, at_tp
 from overlap_tp.ops.ag_gemm import AgGemm
 from overlap_tp.ops.gemm_ar import GemmAR
 from overlap_tp.ops.gemm_rs import GemmRS
@@ -39,8 +39,9 @@ def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m overlap_tp.bench ops", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", default="rs,ar,ag", help="comma list of rs, ar, ag")
-    p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join(SHAPES))
-    p.add_argument("--ag-shapes", default=",".join(AG_SHAPES), help="comma list of " + ",".join(AG_SHAPES))
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma list of " + ",".join({**SHAPES, **SMOKE_SHAPES}))
+    p.add_argument("--ag-shapes", default=",".join(AG_SHAPES),
+                   help="comma list of " + ",".join({**AG_SHAPES, **SMOKE_AG_SHAPES}))
     p.add_argument("--ag-seq", default="4096,8192,16384", help="tokens M for ag_gemm")
     p.add_argument("--seq", default="4096,8192,16384", help="tokens M per rank group (GEMM rows)")
     p.add_argument("--ar-seq", default="8192", help="tokens for gemm_ar (its collective moves 2x the bytes)")
@@ -236,7 +237,8 @@ def main(argv):
     rows = []
     for op in args.ops.split(","):
         seqs = {"rs": args.seq, "ar": args.ar_seq, "ag": args.ag_seq}[op]
-        table, names = (AG_SHAPES, args.ag_shapes) if op == "ag" else (SHAPES, args.shapes)
+        table, names = (({**AG_SHAPES, **SMOKE_AG_SHAPES}, args.ag_shapes) if op == "ag"
+                        else ({**SHAPES, **SMOKE_SHAPES}, args.shapes))
         for m in map(int, seqs.split(",")):
             for name in names.split(","):
                 k, n = at_tp(op, *table[name], dist.get_world_size(group))

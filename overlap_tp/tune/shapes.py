@@ -16,6 +16,10 @@ AG_SHAPES = {
     "l70b.qkv": (8192, 5120),
     "l70b.fc1": (8192, 28672),
 }
+# recipes/smoke.sh's layer (h 1024, 16 heads of 64, 4 KV heads, FFN 2816) in the same TP-2 convention: not a
+# BENCHMARKS.md shape, the benchmarks take it by name (M = micro-batch 2 x s 2048 = 4096 tokens)
+SMOKE_SHAPES = {"smoke.proj": (512, 1024), "smoke.fc2": (1408, 1024)}
+SMOKE_AG_SHAPES = {"smoke.qkv": (1024, 768), "smoke.fc1": (1024, 2816)}
 TABLE_TP = 2   # the tables hold BENCHMARKS.md's TP = 2 shards
 
 
