@@ -34,7 +34,9 @@ tensor in place (W_KN: [BLOCK_K, BLOCK_N] boxes at row l*K + k), so no transpose
 is made per backward.
 """
 import os
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -50,6 +52,59 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF, WAIT, EXPERT = range(9)
 TILE_FIELDS = 9
 NO_WAIT = -1
+
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    """A tile table in row-tile form (the kernel's ROW_TILES mode): one table row per row tile (COL and DST_COL
+    unused), in groups: group g holds row tiles [starts[g], starts[g+1]). Every row tile has n_tiles = ceil(N /
+    BLOCK_N) tiles, so group g's tiles are tiles [starts[g] * n_tiles, starts[g+1] * n_tiles) of the execution
+    order, and within the group they run in raster order: runs of raster_m row tiles, the N-tile outer and the
+    row tile inner within a run (expanded() writes the table the kernel walks). The grouped expert GEMMs build
+    one per routing, on the host, while the GPU waits for it: a few hundred rows, where the expanded table has
+    one per tile (22,960 rows, 0.8 MB, at Mixtral's fc1 with 8192 tokens per rank at EP 2)."""
+    rows: torch.Tensor     # int32 [R, TILE_FIELDS]
+    starts: torch.Tensor   # int32 [G + 1], non-decreasing, starts[0] = 0, starts[G] = R
+    n_tiles: int
+    raster_m: int
+
+    @property
+    def num_groups(self) -> int:
+        return self.starts.shape[0] - 1
+
+    @property
+    def num_tiles(self) -> int:
+        return self.rows.shape[0] * self.n_tiles
+
+    @property
+    def max_groups(self) -> int:
+        """The kernel's unrolled group search: a power of two >= the groups (a few compiled variants)."""
+        return 1 << max(1, (self.num_groups - 1).bit_length())
+
+    def group_tiles(self):
+        """Tiles per group."""
+        starts = self.starts.tolist()
+        return [(b - a) * self.n_tiles for a, b in zip(starts, starts[1:])]
+
+    def to(self, copy) -> "RowTiles":
+        """The same table with `copy` (a host tensor -> device tensor function) applied to rows and starts."""
+        return RowTiles(copy(self.rows), copy(self.starts), self.n_tiles, self.raster_m)
+
+    def expanded(self, block_n: int) -> torch.Tensor:
+        """The table the kernel walks, one row per tile in execution order (the host reference of ROW_TILES)."""
+        rows, starts = self.rows.cpu().numpy(), self.starts.tolist()
+        parts = []
+        for lo, hi in zip(starts, starts[1:]):
+            i = np.arange((hi - lo) * self.n_tiles)
+            run = i // (self.raster_m * self.n_tiles) * self.raster_m
+            run_rows = np.minimum(hi - lo - run, self.raster_m)
+            within = i - run * self.n_tiles
+            tiles = rows[lo + run + within % np.maximum(run_rows, 1)].copy()
+            tiles[:, COL] = tiles[:, DST_COL] = within // np.maximum(run_rows, 1) * block_n
+            parts.append(tiles)
+        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros((0, TILE_FIELDS), np.int32))
+
 
 # Under the CPU interpreter the kernel upcasts its dot operands (the interpreter's tl.dot mishandles
 # bf16/fp16; the upcast is exact, a product of two bf16 values is exact in fp32) and uses
@@ -100,7 +155,9 @@ def signaled_gemm_kernel(
     dst_ptr, ld_dst,                # staging matrix the tiles are stored into, its row stride
     dst_offsets_ptr,                # int64 per destination buffer: its element offset from dst_ptr
     bias_ptr, bias_row_lo, bias_row_hi,   # bias added to source rows [lo, hi) only
-    tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, TILE_FIELDS] in execution order
+    tiles_ptr, num_tiles,           # plan table: int32 [num_tiles, TILE_FIELDS] in execution order (ROW_TILES:
+                                    # one row per row tile, see below), and the number of tiles
+    bounds_ptr, num_groups,         # ROW_TILES: int32 [num_groups + 1], each group's first row tile (and the end)
     counters_ptr,                   # SIGNAL: int32 per group, raised once per stored tile
     flags_ptr, wait_target,         # WAIT: int32 ready flags and the value they are raised to
     N, K,                           # N: the output columns of one weight (one expert)
@@ -108,15 +165,37 @@ def signaled_gemm_kernel(
     W_KN: tl.constexpr,             # w_desc holds W row-major as [L*K, N] (C = A @ W), not [L*N, K]
     TILE_FIELDS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    ROW_TILES: tl.constexpr,        # the table holds row tiles; tiles are (row tile, N-tile) pairs, rastered
+    RASTER_M: tl.constexpr,         # in runs of RASTER_M row tiles within each group (expand_row_tiles)
+    MAX_GROUPS: tl.constexpr,       # ROW_TILES: a power of two >= num_groups
 ):
     k_steps = tl.cdiv(K, BLOCK_K)
     for e in tl.range(tl.program_id(0), num_tiles, NUM_PROGRAMS, flatten=True):
-        entry = tiles_ptr + e * TILE_FIELDS
+        if ROW_TILES:
+            # every row tile has n_tiles tiles, so tile e lies in the group whose row tiles hold row tile
+            # e // n_tiles: g = the number of later groups starting at or before it (starts never decrease)
+            n_tiles = tl.cdiv(N, BLOCK_N)
+            g = 0
+            for j in tl.static_range(1, MAX_GROUPS):
+                start = tl.load(bounds_ptr + j, mask=j < num_groups, other=num_tiles)
+                g += (start <= e // n_tiles).to(tl.int32)
+            first_row = tl.load(bounds_ptr + g)
+            m_tiles = tl.load(bounds_ptr + g + 1) - first_row
+            i = e - first_row * n_tiles
+            # the group's i-th tile in raster order: runs of RASTER_M row tiles, N-tiles outer, rows inner
+            run = i // (RASTER_M * n_tiles) * RASTER_M
+            run_rows = tl.minimum(m_tiles - run, RASTER_M)
+            within = i - run * n_tiles
+            entry = tiles_ptr + (first_row + run + within % run_rows) * TILE_FIELDS
+            col = within // run_rows * BLOCK_N
+            dst_col = col
+        else:
+            entry = tiles_ptr + e * TILE_FIELDS
+            col = tl.load(entry + 2)
+            dst_col = tl.load(entry + 4)
         src_row = tl.load(entry + 0)
         src_row_end = tl.load(entry + 1)
-        col = tl.load(entry + 2)
         dst_row = tl.load(entry + 3)
-        dst_col = tl.load(entry + 4)
         group = tl.load(entry + 5)
         # Other buffers (peers' receive buffers mapped into this GPU's address space) are addressed as
         # offsets from dst_ptr: one flat address space, no integer-to-pointer casts. Their owner
@@ -209,7 +288,8 @@ def tma_unsupported_reason(a: torch.Tensor, w: torch.Tensor):
 
 def _launch_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_rows, dst_offsets, flags, wait_target):
     """(grid, the kernel's arguments in parameter order, the launch options): one source for the JIT launch
-    and the direct launch of SignaledGemm."""
+    and the direct launch of SignaledGemm. tiles: an expanded table (a device int32 tensor) or a RowTiles on the
+    device."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     n, k = w.shape[-2], a.shape[1]
     w_kn = weight_layout(w) == "kn"
@@ -218,23 +298,31 @@ def _launch_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_ro
                          f"would read the next expert's rows)")
     w_rows = w.transpose(-2, -1) if w_kn else w     # the row-major storage: [.., K, N] or [.., N, K]
     w_desc = TensorDescriptor.from_tensor(w_rows.reshape(-1, w_rows.shape[-1]), [bk, bn] if w_kn else [bn, bk])
-    num_tiles = tiles.shape[0]
+    if isinstance(tiles, RowTiles):
+        assert tiles.n_tiles == -(-n // bn), (tiles.n_tiles, n, bn)
+        row_tiles, tiles = tiles, tiles.rows
+        num_tiles, bounds, num_groups = row_tiles.num_tiles, row_tiles.starts, row_tiles.num_groups
+        raster_m, max_groups = row_tiles.raster_m, row_tiles.max_groups
+    else:
+        row_tiles = None
+        num_tiles, bounds, num_groups, raster_m, max_groups = tiles.shape[0], tiles, 0, 1, 1
     assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
     grid = max(1, min(num_programs, num_tiles))
     args = (TensorDescriptor.from_tensor(a, [bm, bk]), w_desc,
             dst, dst.stride(0), dst_offsets if dst_offsets is not None else default_offsets(dst.device),
             bias if bias is not None else dst, bias_rows[0], bias_rows[1],
-            tiles, num_tiles, counters if counters is not None else tiles,
+            tiles, num_tiles, bounds, num_groups, counters if counters is not None else tiles,
             flags if flags is not None else tiles, wait_target,
             n, k,
             # constexprs, in parameter order
             bias is not None, counters is not None, flags is not None, INTERPRET, w_kn, TILE_FIELDS,
-            bm, bn, bk, grid)
+            bm, bn, bk, grid, row_tiles is not None, raster_m, max_groups)
     return grid, args, dict(num_stages=config.num_stages, num_warps=config.num_warps)
 
 
 _CONSTEXPRS = ("HAS_BIAS", "SIGNAL", "WAIT", "INTERPRETED", "W_KN", "TILE_FIELDS", "BLOCK_M", "BLOCK_N", "BLOCK_K",
-               "NUM_PROGRAMS")
+               "NUM_PROGRAMS", "ROW_TILES", "RASTER_M", "MAX_GROUPS")
+_W_KN_ARG = _CONSTEXPRS.index("W_KN") - len(_CONSTEXPRS)   # its place in _launch_args' arguments, from the end
 
 
 def _jit_launch(grid, args, options):
@@ -257,8 +345,8 @@ def default_offsets(device):
 
 def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, bias_rows=(0, 0), dst_offsets=None,
                   flags=None, wait_target=0):
-    """Launch the kernel: the tiles of `tiles` (device int32 table) into `dst` (or, for a tile whose
-    DST_BUF is b, into the buffer `dst_offsets[b]` elements away from dst), raising `counters` (unless
+    """Launch the kernel: the tiles of `tiles` (device int32 table, or a RowTiles on the device) into `dst` (or,
+    for a tile whose DST_BUF is b, into the buffer `dst_offsets[b]` elements away from dst), raising `counters` (unless
     None); with `flags`, a tile whose WAIT field is f >= 0 first waits until flags[f] reaches wait_target.
     `w` is one weight [N, K] or L expert weights [L, N, K] that the tiles pick by their EXPERT field, either
     row-major or the transposed view of a row-major [L, K, N] (weight_layout "kn", read in place).
@@ -282,7 +370,7 @@ class SignaledGemm:
         self.tiles, self.num_programs, self.config = tiles, num_programs, config
         self.counters, self.bias_rows, self.dst_offsets = counters, bias_rows, dst_offsets
         self.flags, self.wait_target = flags, wait_target
-        self.device_index = tiles.device.index
+        self.device_index = (tiles.rows if isinstance(tiles, RowTiles) else tiles).device.index
         self._compiled = {}
 
     def __call__(self, a, w, dst, bias=None):
@@ -291,8 +379,8 @@ class SignaledGemm:
         if INTERPRET:
             _jit_launch(grid, args, options)
             return
-        variant = (bias is not None, args[-6], dst.data_ptr() % 16 == 0, bias is None or bias.data_ptr() % 16 == 0,
-                   dst.stride(0))
+        variant = (bias is not None, args[_W_KN_ARG], dst.data_ptr() % 16 == 0,
+                   bias is None or bias.data_ptr() % 16 == 0, dst.stride(0))
         kernel = self._compiled.get(variant)
         if kernel is None:
             self._compiled[variant] = _jit_launch(grid, args, options)

@@ -118,7 +118,7 @@ def bench_shape(op, tokens, routing, args, group):
     row["gemm"] = timed(lambda a, w: expert_mm(gemm_in, w, lay.segments, (gemm_out,)), sets, args.reps, group)
     full_grid = OverlapConfig(method="signal", comm_sms=0)
     plan = dispatch_plan(counts, rank, n, full_grid.block_m, full_grid.block_n, 1)
-    tiles, programs = plan.tiles.cuda(), gemm_programs(gemm_in.device, full_grid)
+    tiles, programs = plan.tiles.to(torch.Tensor.cuda), gemm_programs(gemm_in.device, full_grid)
 
     def signaled_alone(a, w):
         if plan.num_tiles:   # a rank that receives nothing has no tile

@@ -210,7 +210,7 @@ class _ExpertState:
     def __init__(self, kind, plan, device, config, describe, offsets=None):
         check_not_capturing(device, f"{kind} with new routing counts")
         self.plan = plan
-        self.tiles = host_table_to(plan.tiles, device)
+        self.tiles = plan.tiles.to(lambda table: host_table_to(table, device))
         programs = gemm_programs(device, config)
         # the dispatch's NCCL exchanges can run beside the GEMM only on SMs its grid leaves free
         self.gemm_first = config.comm_sms > 0

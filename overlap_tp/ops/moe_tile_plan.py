@@ -31,15 +31,13 @@ gemm_a2a (fc2 + combine) on rank r, out[j] = h[j] @ w[l].T, sent back to the row
     g of every (r -> s) block from s straight into z_r[X[r,s] + part rows]. The local block's tiles
     come last and store straight into z_r[X[r,r] + (h row - Y[r,r])]: the local rows are never copied.
 """
-import functools
 from dataclasses import dataclass
 from typing import List, Tuple
 
-import numpy as np
 import torch
 
-from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M, SRC_ROW,
-                             SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, EXPERT, WAIT)
+from overlap_tp.kernels.signaled_gemm import RowTiles
+from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M, TARGET_GROUP_BYTES, TILE_FIELDS
 
 # gemm_a2a's destination buffers (the tiles' DST_BUF): the staging matrix and the output z
 STAGING, OUTPUT = 0, 1
@@ -96,12 +94,12 @@ class ExpertPlan:
     gemm_groups: Tuple[Tuple[Piece, ...], ...]   # the GEMM's rows, in execution order, per group
     exchanges: Tuple[Exchange, ...]           # per chunk (a2a_gemm) or group (gemm_a2a), in order
     staging_rows: int                         # gemm_a2a: rows of the staging matrix (the remote blocks)
-    tiles: torch.Tensor                       # int32 [num_tiles, TILE_FIELDS] in execution order
+    tiles: RowTiles                           # the row tiles of every group, in order (kernels/signaled_gemm.py)
     group_tiles: Tuple[int, ...]              # a2a_gemm: tiles waiting on each flag; gemm_a2a: per counter
 
     @property
     def num_tiles(self) -> int:
-        return self.tiles.shape[0]
+        return self.tiles.num_tiles
 
 
 def layout(counts: torch.Tensor, rank: int) -> Layout:
@@ -162,41 +160,23 @@ def block_pieces(expert_rows, lo, hi, src_base, dst_buf, dst_base) -> List[Piece
     return pieces
 
 
-@functools.lru_cache(maxsize=256)
-def raster_index(m_tiles: int, n_tiles: int, group_m: int = RASTER_GROUP_M):
-    """plan.raster's order as (row tile, N-tile) index arrays (numpy int64, read-only), without a Python loop per
-    tile: expert plans are rebuilt on every call (the counts change every step), on the host, right after the
-    step's routing reached it, while the GPU waits for the first expert GEMM: numpy's per-call cost is a fraction
-    of torch's on these small arrays, and the row-tile counts of successive routings repeat (cached)."""
-    i = np.arange(m_tiles * n_tiles)
-    first = i // (group_m * n_tiles) * group_m          # the first row tile of i's run of group_m rows
-    rows = np.minimum(m_tiles - first, group_m)
-    within = i - first * n_tiles
-    index = (first + within % rows, within // rows)
-    for array in index:
-        array.setflags(write=False)
-    return index
-
-
 def tile_table(gemm_groups, fields, n: int, block_m: int, block_n: int):
-    """The tiles of every group's pieces (row tiles x N-tiles, rastered within the group), in order;
-    fields[i] = (GROUP, WAIT) of group i. Returns (tiles int32 [num_tiles, TILE_FIELDS], tiles per group)."""
-    tables, sizes = [], []
-    n_tiles = (n + block_n - 1) // block_n
+    """The row tiles of every group's pieces, in order, as a RowTiles (the kernel expands each into its N-tiles,
+    rastered within the group); fields[i] = (GROUP, WAIT) of group i. Returns (RowTiles, tiles per group).
+    Expert plans are rebuilt on every call (the counts change every step), on the host, right after the step's
+    routing reached it, while the GPU waits for the first expert GEMM: one row per row tile (a few hundred) is
+    what the host writes and copies, where the expanded table had one per tile (tens of thousands; 0.6 ms to
+    build and ~1 ms of GPU idle per step at Mixtral's shapes, docs/perf/s14/README.md)."""
+    rows, starts = [], [0]
     for pieces, (group, wait) in zip(gemm_groups, fields):
-        rows = []   # one per row tile; its N-tiles' columns are filled in below
         for p in pieces:
             for lo in range(p.src_lo, p.src_hi, block_m):
-                row = [0] * TILE_FIELDS
-                row[SRC_ROW], row[SRC_ROW_END], row[DST_ROW] = lo, min(lo + block_m, p.src_hi), p.dst_lo + lo - p.src_lo
-                row[GROUP], row[DST_BUF], row[WAIT], row[EXPERT] = group, p.dst_buf, wait, p.expert
-                rows.append(row)
-        r, c = raster_index(len(rows), n_tiles)
-        tiles = np.take(np.array(rows, dtype=np.int32).reshape(-1, TILE_FIELDS), r, axis=0)   # 4x fancy indexing
-        tiles[:, COL] = tiles[:, DST_COL] = c * block_n
-        tables.append(tiles)
-        sizes.append(tiles.shape[0])
-    return torch.from_numpy(np.concatenate(tables)), sizes
+                rows.append((lo, min(lo + block_m, p.src_hi), 0, p.dst_lo + lo - p.src_lo, 0, group, p.dst_buf, wait,
+                             p.expert))
+        starts.append(len(rows))
+    table = RowTiles(torch.tensor(rows, dtype=torch.int32).reshape(-1, TILE_FIELDS),
+                     torch.tensor(starts, dtype=torch.int32), -(-n // block_n), RASTER_GROUP_M)
+    return table, table.group_tiles()
 
 
 def dispatch_plan(counts: torch.Tensor, rank: int, n: int, block_m: int, block_n: int, parts: int) -> ExpertPlan:

@@ -108,7 +108,7 @@ def _check_case(rank, world, case):
         plan = dispatch_plan(counts, rank, 2 * ffn, config.block_m, config.block_n, parts)
         after = torch.empty_like(y)
         if plan.num_tiles:
-            signaled_gemm(xr, w1, after, plan.tiles.cuda(), None, gemm_programs(x.device, config), config)
+            signaled_gemm(xr, w1, after, plan.tiles.to(torch.Tensor.cuda), None, gemm_programs(x.device, config), config)
         torch.cuda.synchronize()
         assert torch.equal(y, after), (case, label)
 

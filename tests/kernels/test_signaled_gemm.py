@@ -112,3 +112,40 @@ def test_transposed_weight_is_read_in_place():
     with pytest.raises(ValueError, match="row-major"):
         from overlap_tp.kernels.signaled_gemm import check_operands
         check_operands(a, torch.randn(2 * n, k).to(torch.bfloat16)[::2])
+
+
+def test_row_tiles_run_the_tiles_of_their_expanded_table():
+    """A grouped GEMM (3 experts, 4 groups, one empty, segments that end mid-tile, N not a multiple of the tile)
+    given as row tiles: the kernel stores the same bits as with the expanded table, raises each group's counter by
+    its tile count, and with flags waits only where a group's WAIT names one (flags raised: no wait blocks)."""
+    from overlap_tp.kernels.signaled_gemm import DST_ROW, EXPERT, GROUP, NO_WAIT, SRC_ROW, SRC_ROW_END, TILE_FIELDS, \
+        WAIT, RowTiles
+    gen = torch.Generator().manual_seed(11)
+    experts, n, k, bm = 3, 72, 32, CONFIG.block_m
+    w = torch.randn(experts, n, k, generator=gen).to(torch.bfloat16)
+    segments = [(0, 0, 21), (1, 21, 37), (2, 37, 37), (0, 37, 70), (2, 70, 96)]   # (expert, rows lo, hi)
+    groups = [[0, 1], [], [2, 3], [4]]                                                 # segments per group
+    rows, starts = [], [0]
+    for g, members in enumerate(groups):
+        for s in members:
+            expert, lo, hi = segments[s]
+            for r in range(lo, hi, bm):
+                row = [0] * TILE_FIELDS
+                row[SRC_ROW], row[SRC_ROW_END], row[DST_ROW] = r, min(r + bm, hi), r
+                row[GROUP], row[EXPERT], row[WAIT] = g, expert, g - 1 if g else NO_WAIT
+                rows.append(row)
+        starts.append(len(rows))
+    table = RowTiles(torch.tensor(rows, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
+                     -(-n // CONFIG.block_n), 2)
+    a = torch.randn(96, k, generator=gen).to(torch.bfloat16)
+    ref = torch.cat([a[lo:hi].double() @ w[e].double().t() for e, lo, hi in segments])
+    flags = torch.ones(len(groups), dtype=torch.int32)
+    outs = []
+    for tiles in (table, table.expanded(CONFIG.block_n)):
+        out = torch.full((96, n), float("nan"), dtype=torch.bfloat16)
+        counters = torch.zeros(len(groups), dtype=torch.int32)
+        signaled_gemm(a, w, out, tiles, counters, 3, CONFIG, flags=flags, wait_target=1)
+        assert counters.tolist() == table.group_tiles()
+        assert torch.allclose(out.double(), ref, rtol=2 ** -7, atol=2 ** -7 * float(ref.abs().max()))
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])

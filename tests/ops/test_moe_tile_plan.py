@@ -5,9 +5,10 @@ import random
 import pytest
 import torch
 
-from overlap_tp.ops.moe_tile_plan import OUTPUT, STAGING, combine_plan, dispatch_plan, layout, part_bounds, parts_per_peer, raster_index
-from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, SRC_ROW, SRC_ROW_END,
-                             TARGET_GROUP_BYTES, EXPERT, WAIT, raster)
+from overlap_tp.ops.moe_tile_plan import OUTPUT, STAGING, combine_plan, dispatch_plan, layout, part_bounds, parts_per_peer
+from overlap_tp.kernels.signaled_gemm import RowTiles
+from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M,
+                                      SRC_ROW, SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, EXPERT, WAIT, raster)
 
 N, BLOCK_N = 20, 8   # 3 N-tiles, the last one partial
 
@@ -56,7 +57,7 @@ def check_tiles(plan, dst_shapes, owner):
     of every destination buffer and, per tile, (its source rows, destination buffer, destination rows)."""
     writes = [torch.zeros(shape, dtype=torch.int64) for shape in dst_shapes]
     stores = []
-    for tile in plan.tiles.tolist():
+    for tile in plan.tiles.expanded(plan.block_n).tolist():
         src, end = tile[SRC_ROW], tile[SRC_ROW_END]
         assert 0 < end - src <= plan.block_m and tile[COL] == tile[DST_COL] and 0 <= tile[COL] < N
         assert tile[COL] % BLOCK_N == 0
@@ -119,7 +120,7 @@ def test_dispatch_plan_delivers_every_row_before_its_tiles_read_it(ep, experts):
             assert received[r] == routed(counts, r), (m, r)
             writes, stores = check_tiles(plan, [(plan.layout.rows, N)], segment_of(plan.layout))
             assert plan.layout.rows == 0 or (int(writes[0].min()) == 1 and int(writes[0].max()) == 1), (m, r)
-            waits = plan.tiles[:, WAIT].tolist()
+            waits = plan.tiles.expanded(BLOCK_N)[:, WAIT].tolist()
             local = waits.count(NO_WAIT)
             assert all(w == NO_WAIT for w in waits[:local]) and waits[local:] == sorted(waits[local:])
             assert list(plan.group_tiles) == [waits.count(c) for c in range(len(plan.exchanges))]
@@ -149,7 +150,7 @@ def test_combine_plan_returns_every_row_to_its_token(ep, experts):
             assert plan.staging_rows == 0 or int(writes[STAGING].min()) == 1, "a staging row not computed"
             local_rows = writes[OUTPUT].sum(1) > 0
             assert int(local_rows.sum()) == lay.xr_splits[r] and bool((writes[OUTPUT][local_rows] == 1).all())
-            groups = plan.tiles[:, GROUP].tolist()
+            groups = plan.tiles.expanded(BLOCK_N)[:, GROUP].tolist()
             assert groups == sorted(groups) and list(plan.group_tiles) == [groups.count(g) for g in
                                                                            range(len(plan.group_tiles))]
             staging, group_of = [None] * plan.staging_rows, [None] * plan.staging_rows
@@ -218,10 +219,23 @@ def test_part_bounds():
     assert part_bounds([2], 4, 3) == [0, 2, 2, 2]           # one tile, two empty parts
 
 
-def test_raster_index_is_plan_raster():
-    for m_tiles, n_tiles in [(0, 3), (1, 1), (3, 5), (8, 4), (17, 3), (16, 16)]:
-        rows, cols = raster_index(m_tiles, n_tiles)
-        assert list(zip(rows.tolist(), cols.tolist())) == raster(m_tiles, n_tiles)
+def test_row_tiles_expand_in_plan_raster_order_within_each_group():
+    # groups of 0, 1, 3, 8, 17 and 16 row tiles: each group's tiles are its (row tile, N-tile) pairs in
+    # tile_plan.raster's order, the groups one after another (what the kernel's ROW_TILES mode walks)
+    for n_tiles in (1, 3, 5, 16):
+        sizes = [0, 1, 3, 8, 17, 16]
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        rows = torch.zeros(starts[-1], TILE_FIELDS, dtype=torch.int32)
+        rows[:, SRC_ROW] = torch.arange(starts[-1], dtype=torch.int32)     # row tile r's own index
+        table = RowTiles(rows, torch.tensor(starts, dtype=torch.int32), n_tiles, RASTER_GROUP_M)
+        expanded = table.expanded(BLOCK_N)
+        want = [(starts[g] + r, c * BLOCK_N) for g, size in enumerate(sizes) for r, c in raster(size, n_tiles)]
+        assert list(zip(expanded[:, SRC_ROW].tolist(), expanded[:, COL].tolist())) == want
+        assert expanded[:, DST_COL].tolist() == expanded[:, COL].tolist()
+        assert table.num_tiles == len(want) and table.group_tiles() == [size * n_tiles for size in sizes]
+        assert table.max_groups >= table.num_groups and table.max_groups & (table.max_groups - 1) == 0
 
 
 def test_layout_segments():
