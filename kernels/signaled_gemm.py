@@ -88,8 +88,13 @@ class RowTiles:
         return [(b - a) * self.n_tiles for a, b in zip(starts, starts[1:])]
 
     def to(self, copy) -> "RowTiles":
-        """The same table with `copy` (a host tensor -> device tensor function) applied to rows and starts."""
-        return RowTiles(copy(self.rows), copy(self.starts), self.n_tiles, self.raster_m)
+        """The same table through `copy` (a host tensor -> device tensor function), rows and starts in one copy (the
+        expert ops copy a table per routing, on the host's critical path): starts 16-byte aligned after the rows."""
+        rows = self.rows.reshape(-1)
+        pad = -rows.numel() % 4
+        both = copy(torch.cat((rows, rows.new_zeros(pad), self.starts)))
+        end = rows.numel()
+        return RowTiles(both[:end].view(self.rows.shape), both[end + pad:], self.n_tiles, self.raster_m)
 
     def expanded(self, block_n: int) -> torch.Tensor:
         """The table the kernel walks, one row per tile in execution order (the host reference of ROW_TILES)."""

@@ -117,7 +117,7 @@ def bench_shape(op, tokens, routing, args, group):
     gemm_out = torch.empty(lay.rows, n, device="cuda", dtype=torch.bfloat16)
     row["gemm"] = timed(lambda a, w: expert_mm(gemm_in, w, lay.segments, (gemm_out,)), sets, args.reps, group)
     full_grid = OverlapConfig(method="signal", comm_sms=0)
-    plan = dispatch_plan(counts, rank, n, full_grid.block_m, full_grid.block_n, 1)
+    plan = dispatch_plan(layout(counts, rank), n, full_grid.block_m, full_grid.block_n, 1)
     tiles, programs = plan.tiles.to(torch.Tensor.cuda), gemm_programs(gemm_in.device, full_grid)
 
     def signaled_alone(a, w):

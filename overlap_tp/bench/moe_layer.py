@@ -174,11 +174,12 @@ def bench_shape(tokens, routing, args, group):
 def profile_steps(run, sets, path, steps=3):
     """GPU time per step (ms: the kernels' and copies' time summed over the profiled steps / steps), with the
     kernel table by GPU time written to `path`.txt and the trace to `path`.json (torch.profiler over `steps`
-    steps after one unprofiled; docs/perf/scripts/trace_gaps.py lists where the GPU waited for the host)."""
+    steps after one unprofiled, Python functions recorded: docs/perf/scripts/trace_gaps.py lists where the GPU waited
+    for the host and, with --host, what the host did meanwhile). The profiled steps are not the timed ones."""
     from torch.profiler import ProfilerActivity, profile
     run(*sets[0])
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         for i in range(steps):
             run(*sets[i % len(sets)])
         torch.cuda.synchronize()

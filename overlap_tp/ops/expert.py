@@ -83,7 +83,7 @@ class Routing:
 
     def parts(self, groups, row_bytes: int) -> int:
         if (groups, row_bytes) not in self._parts:
-            self._parts[groups, row_bytes] = parts_per_peer(self.counts, groups, row_bytes)
+            self._parts[groups, row_bytes] = parts_per_peer(self.layout.counts, groups, row_bytes)
         return self._parts[groups, row_bytes]
 
 
@@ -295,7 +295,7 @@ def _state(kind, plan_fn, route: Routing, n, config, parts, group, device, descr
     MAX_ROUTINGS: dynamic routing builds one per step)."""
     key = (kind, group, route.key, n, config, parts, device, None if offsets is None else tuple(offsets.tolist()))
     return _cached(_states, key, lambda: _ExpertState(
-        kind, plan_fn(route.counts, route.layout.rank, n, config.block_m, config.block_n, parts), device, config,
+        kind, plan_fn(route.layout, n, config.block_m, config.block_n, parts), device, config,
         describe, offsets), MAX_ROUTINGS)
 
 
@@ -386,7 +386,7 @@ def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None):
     coll = comm.collectives(group, x.device, config.comm_sms)
     if method == "decompose":
         parts = route.parts(config.groups, hidden * x.element_size())
-        _dispatch_decomposed(x, w, xr, y, dispatch_plan(counts, rank, n, config.block_m, config.block_n, parts), coll)
+        _dispatch_decomposed(x, w, xr, y, dispatch_plan(lay, n, config.block_m, config.block_n, parts), coll)
     else:
         state = state or _dispatch_state(route, n, hidden, x.dtype, config, group, x.device)
         _dispatch_signaled(x, w, xr, y, state, coll)
@@ -459,7 +459,7 @@ def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None):
     coll = comm.collectives(group, h.device, config.comm_sms)
     if method == "decompose":
         parts = route.parts(config.groups, n * h.element_size())
-        _combine_decomposed(h, w, staging, z, combine_plan(counts, rank, n, config.block_m, config.block_n, parts),
+        _combine_decomposed(h, w, staging, z, combine_plan(lay, n, config.block_m, config.block_n, parts),
                             coll)
     else:
         state = state or _combine_state(route, n, h.shape[1], h.dtype, config, group, h.device)

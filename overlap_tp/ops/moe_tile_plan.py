@@ -31,22 +31,25 @@ gemm_a2a (fc2 + combine) on rank r, out[j] = h[j] @ w[l].T, sent back to the row
     g of every (r -> s) block from s straight into z_r[X[r,s] + part rows]. The local block's tiles
     come last and store straight into z_r[X[r,r] + (h row - Y[r,r])]: the local rows are never copied.
 """
+import functools
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, NamedTuple, Tuple
 
+import numpy as np
 import torch
 
 from overlap_tp.kernels.signaled_gemm import RowTiles
-from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M, TARGET_GROUP_BYTES, TILE_FIELDS
+from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, EXPERT, GROUP, MAX_AUTO_GROUPS, NO_WAIT,
+                                      RASTER_GROUP_M, SRC_ROW, SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, WAIT)
 
 # gemm_a2a's destination buffers (the tiles' DST_BUF): the staging matrix and the output z
 STAGING, OUTPUT = 0, 1
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
     """GEMM rows [src_lo, src_hi) of one local expert, stored to rows [dst_lo, dst_lo + src_hi - src_lo)
-    of destination buffer dst_buf."""
+    of destination buffer dst_buf. A named tuple: plans build hundreds per routing, on the host's critical path
+    (a frozen dataclass costs several times more to construct)."""
     src_lo: int
     src_hi: int
     expert: int
@@ -76,10 +79,11 @@ class Layout:
     x_offsets: Tuple[int, ...]        # X[rank, d]
     xr_offsets: Tuple[int, ...]       # Y[s, rank]
     segments: Tuple[Piece, ...]       # per (source, local expert), source-major: xr rows, stored in place
+    counts: Tuple[Tuple[int, ...], ...]   # the counts matrix [ep, E] as ints
 
-    def expert_rows(self, per_expert, src, dst) -> List[int]:
-        """counts[src, dst*L : (dst+1)*L] (per_expert = counts.tolist()): the block (src -> dst) per expert."""
-        return per_expert[src][dst * self.experts:(dst + 1) * self.experts]
+    def expert_rows(self, src, dst) -> Tuple[int, ...]:
+        """counts[src, dst*L : (dst+1)*L]: the block (src -> dst) per expert."""
+        return self.counts[src][dst * self.experts:(dst + 1) * self.experts]
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,6 @@ class ExpertPlan:
     block_n: int
     parts: int                                # P, parts per peer
     local: Tuple[int, int, int]               # a2a_gemm: x rows [lo, hi) copied to xr rows from the third
-    gemm_groups: Tuple[Tuple[Piece, ...], ...]   # the GEMM's rows, in execution order, per group
     exchanges: Tuple[Exchange, ...]           # per chunk (a2a_gemm) or group (gemm_a2a), in order
     staging_rows: int                         # gemm_a2a: rows of the staging matrix (the remote blocks)
     tiles: RowTiles                           # the row tiles of every group, in order (kernels/signaled_gemm.py)
@@ -101,35 +104,52 @@ class ExpertPlan:
     def num_tiles(self) -> int:
         return self.tiles.num_tiles
 
+    @functools.cached_property
+    def gemm_groups(self) -> Tuple[Tuple[Piece, ...], ...]:
+        """The GEMM's rows per group, in execution order, as pieces (the decomposed method makes one cuBLAS call
+        per piece), derived from the host table at the first use: the signaled method never asks."""
+        return _pieces(self.tiles.rows.numpy(), self.tiles.starts.numpy())
+
 
 def layout(counts: torch.Tensor, rank: int) -> Layout:
-    """What rank `rank` holds, from counts alone (see Layout)."""
+    """What rank `rank` holds, from counts alone (see Layout). Plain Python over counts.tolist(): the matrix is
+    small and every torch op on it costs more than the arithmetic (a new routing every step, on the host's
+    critical path)."""
     ep, num_experts = counts.shape
     experts = num_experts // ep
     per_expert = counts.tolist()
-    pairs = counts.reshape(ep, ep, experts).sum(2)                  # B[s, d]
-    x_offsets = [0] + torch.cumsum(pairs[rank], 0).tolist()[:-1]
-    xr_offsets = [0] + torch.cumsum(pairs[:, rank], 0).tolist()[:-1]
+    pairs = [[sum(row[d * experts:(d + 1) * experts]) for d in range(ep)] for row in per_expert]   # B[s, d]
+    sent, received = pairs[rank], [pairs[s][rank] for s in range(ep)]
     segments, row = [], 0
     for s in range(ep):
         for l, rows in enumerate(per_expert[s][rank * experts:(rank + 1) * experts]):
             segments.append(Piece(row, row + rows, l, 0, row))
             row += rows
-    return Layout(ep, experts, rank, int(pairs[rank].sum()), row, tuple(pairs[rank].tolist()),
-                  tuple(pairs[:, rank].tolist()), tuple(x_offsets), tuple(xr_offsets), tuple(segments))
+    return Layout(ep, experts, rank, sum(sent), row, tuple(sent), tuple(received), _exclusive_sums(sent),
+                  _exclusive_sums(received), tuple(segments), tuple(map(tuple, per_expert)))
 
 
-def parts_per_peer(counts: torch.Tensor, groups, row_bytes: int) -> int:
+def _exclusive_sums(values) -> Tuple[int, ...]:
+    sums, total = [], 0
+    for v in values:
+        sums.append(total)
+        total += v
+    return tuple(sums)
+
+
+def parts_per_peer(counts, groups, row_bytes: int) -> int:
     """P, the same on every rank: `groups` itself if an int; "auto": about TARGET_GROUP_BYTES of remote
     rows per group on the busiest rank (the most rows sent to or received from peers), 2 to
-    MAX_AUTO_GROUPS groups."""
+    MAX_AUTO_GROUPS groups. counts: the [ep, E] tensor or its rows as lists (Layout.counts)."""
     if isinstance(groups, int) and not isinstance(groups, bool):
         return groups
     if groups != "auto":
         raise ValueError(f"the expert ops take groups='auto' or an int (parts per peer), got {groups!r}")
-    ep = counts.shape[0]
-    remote = counts.reshape(ep, ep, -1).sum(2).fill_diagonal_(0)
-    busiest = int(max(remote.sum(0).max(), remote.sum(1).max()))
+    rows = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+    ep = len(rows)
+    experts = len(rows[0]) // ep if ep else 0
+    remote = [[0 if s == d else sum(rows[s][d * experts:(d + 1) * experts]) for d in range(ep)] for s in range(ep)]
+    busiest = max([sum(r) for r in remote] + [sum(col) for col in zip(*remote)] + [0])
     return max(1, min(MAX_AUTO_GROUPS, max(2, round(busiest * row_bytes / TARGET_GROUP_BYTES))))
 
 
@@ -148,88 +168,123 @@ def part_bounds(expert_rows: List[int], block_m: int, parts: int) -> List[int]:
     return bounds
 
 
-def block_pieces(expert_rows, lo, hi, src_base, dst_buf, dst_base) -> List[Piece]:
-    """Rows [lo, hi) of one block (block coordinates) cut at its experts' segment boundaries; the
-    block starts at src_base in the GEMM's input and at dst_base in destination buffer dst_buf."""
-    pieces, start = [], 0
-    for l, rows in enumerate(expert_rows):
-        a, b = max(lo, start), min(hi, start + rows)
-        if a < b:
-            pieces.append(Piece(src_base + a, src_base + b, l, dst_buf, dst_base + a))
-        start += rows
-    return pieces
+class ReceivedTiles(NamedTuple):
+    """Every row tile of the received rows (xr, h: source-major, local expert minor), in row order (numpy int64
+    arrays, one entry per row tile): rows [lo, hi) of local expert `expert`, from source rank `source`; `index`
+    is its place among the row tiles of its block (source -> this rank) and `part` the part of that block it
+    belongs to (part_bounds' split: the first `extra` parts one tile larger)."""
+    lo: np.ndarray
+    hi: np.ndarray
+    source: np.ndarray
+    expert: np.ndarray
+    index: np.ndarray
+    part: np.ndarray
 
 
-def tile_table(gemm_groups, fields, n: int, block_m: int, block_n: int):
-    """The row tiles of every group's pieces, in order, as a RowTiles (the kernel expands each into its N-tiles,
-    rastered within the group); fields[i] = (GROUP, WAIT) of group i. Returns (RowTiles, tiles per group).
-    Expert plans are rebuilt on every call (the counts change every step), on the host, right after the step's
-    routing reached it, while the GPU waits for the first expert GEMM: one row per row tile (a few hundred) is
-    what the host writes and copies, where the expanded table had one per tile (tens of thousands; 0.6 ms to
-    build and ~1 ms of GPU idle per step at Mixtral's shapes, docs/perf/s14/README.md)."""
-    rows, starts = [], [0]
-    for pieces, (group, wait) in zip(gemm_groups, fields):
-        for p in pieces:
-            for lo in range(p.src_lo, p.src_hi, block_m):
-                rows.append((lo, min(lo + block_m, p.src_hi), 0, p.dst_lo + lo - p.src_lo, 0, group, p.dst_buf, wait,
-                             p.expert))
-        starts.append(len(rows))
-    table = RowTiles(torch.tensor(rows, dtype=torch.int32).reshape(-1, TILE_FIELDS),
-                     torch.tensor(starts, dtype=torch.int32), -(-n // block_n), RASTER_GROUP_M)
-    return table, table.group_tiles()
+def received_tiles(lay: Layout, block_m: int, parts: int) -> ReceivedTiles:
+    """The row tiles of lay's received rows (see ReceivedTiles), computed with numpy over the [ep, L] segments: the
+    plans are rebuilt for every routing (every step), on the host, while the GPU waits for the first expert GEMM,
+    and a Python loop per tile or per piece cost ~1 ms per plan at EP 8 with 64 experts even on a fast host."""
+    ep, experts = lay.ep, lay.experts
+    seg_rows = np.array([lay.expert_rows(s, lay.rank) for s in range(ep)], dtype=np.int64).reshape(-1)
+    seg_start = np.cumsum(seg_rows) - seg_rows
+    seg_tiles = -(-seg_rows // block_m)
+    segment = np.repeat(np.arange(seg_rows.size), seg_tiles)
+    k = np.arange(segment.size) - np.repeat(np.cumsum(seg_tiles) - seg_tiles, seg_tiles)
+    lo = seg_start[segment] + k * block_m
+    hi = np.minimum(lo + block_m, (seg_start + seg_rows)[segment])
+    source = segment // max(experts, 1)
+    block_tiles = seg_tiles.reshape(ep, experts).sum(1)
+    index = np.arange(segment.size) - np.repeat(np.cumsum(block_tiles) - block_tiles, block_tiles)
+    base, extra = np.divmod(block_tiles, parts)
+    cut = (extra * (base + 1))[source]          # tiles in the first `extra` (larger) parts
+    part = np.where(index < cut, index // (base + 1)[source],
+                    extra[source] + (index - cut) // np.maximum(base, 1)[source])
+    return ReceivedTiles(lo, hi, source, segment % max(experts, 1), index, part)
 
 
-def dispatch_plan(counts: torch.Tensor, rank: int, n: int, block_m: int, block_n: int, parts: int) -> ExpertPlan:
-    """a2a_gemm on rank `rank`: y[R, n] over xr; see the module docstring."""
-    lay = layout(counts, rank)
-    per_expert = counts.tolist()
+def _plan_tiles(lay: Layout, tiles: ReceivedTiles, group, order_group, dst_row, dst_buf, wait, groups: int, n: int,
+                block_n: int):
+    """The plan's RowTiles from the received row tiles and their fields (arrays, one per row tile): run in the
+    order of order_group, then peer (this rank's own rows first, then rank+1, rank+2, ...), then place in the
+    block. Returns (RowTiles, tiles per group, the groups' pieces for the decomposed method)."""
+    peer = (tiles.source - lay.rank) % lay.ep
+    order = np.lexsort((tiles.index, peer, order_group))
+    table = np.empty((order.size, TILE_FIELDS), dtype=np.int32)
+    table[:, SRC_ROW], table[:, SRC_ROW_END] = tiles.lo[order], tiles.hi[order]
+    table[:, COL] = table[:, DST_COL] = 0
+    table[:, DST_ROW], table[:, GROUP], table[:, DST_BUF] = dst_row[order], group[order], dst_buf[order]
+    table[:, WAIT], table[:, EXPERT] = wait[order], tiles.expert[order]
+    starts = np.zeros(groups + 1, dtype=np.int32)
+    np.cumsum(np.bincount(order_group, minlength=groups), out=starts[1:])
+    row_tiles = RowTiles(torch.from_numpy(table), torch.from_numpy(starts), -(-n // block_n), RASTER_GROUP_M)
+    return row_tiles, row_tiles.group_tiles()
+
+
+def _pieces(table: np.ndarray, starts: np.ndarray):
+    """Per group, its row tiles merged into pieces (runs of one expert, contiguous source and destination rows,
+    one destination buffer): one cuBLAS call each in the decomposed method."""
+    if table.shape[0] == 0:
+        return ((),) * (starts.size - 1)
+    lo, hi, dst, buf, expert = (table[:, f].astype(np.int64) for f in (SRC_ROW, SRC_ROW_END, DST_ROW, DST_BUF, EXPERT))
+    new = np.ones(lo.size, dtype=bool)
+    new[1:] = (lo[1:] != hi[:-1]) | (expert[1:] != expert[:-1]) | (buf[1:] != buf[:-1]) | (dst[1:] - lo[1:] != dst[:-1] - lo[:-1])
+    new[starts[:-1][starts[:-1] < lo.size]] = True
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], lo.size) - 1
+    runs = list(zip(lo[first].tolist(), hi[last].tolist(), expert[first].tolist(), buf[first].tolist(),
+                    dst[first].tolist()))
+    run_starts = np.searchsorted(first, starts).tolist()
+    return tuple(tuple(Piece(*run) for run in runs[a:b]) for a, b in zip(run_starts, run_starts[1:]))
+
+
+def dispatch_plan(lay: Layout, n: int, block_m: int, block_n: int, parts: int) -> ExpertPlan:
+    """a2a_gemm on rank lay.rank: y[R, n] over xr; see the module docstring. GEMM groups: the local block (no
+    wait), then chunk c = part c of every remote block (waits on ready flag c)."""
+    rank = lay.rank
     peers = [(rank + i) % lay.ep for i in range(1, lay.ep)]
-    own = lay.expert_rows(per_expert, rank, rank)
+    chunks = parts if peers else 0
+    tiles = received_tiles(lay, block_m, parts)
+    local = tiles.source == rank
+    zeros = np.zeros_like(tiles.lo)
+    order_group = np.where(local, 0, 1 + tiles.part)
+    wait = np.where(local, NO_WAIT, tiles.part)
+    row_tiles, group_tiles = _plan_tiles(lay, tiles, zeros, order_group, tiles.lo, zeros, wait,
+                                                      1 + chunks, n, block_n)
+    send_bounds = {d: part_bounds(lay.expert_rows(rank, d), block_m, parts) for d in peers}
+    recv_bounds = {s: part_bounds(lay.expert_rows(s, rank), block_m, parts) for s in peers}
+    exchanges = tuple(_exchange([(d, lay.x_offsets[d], send_bounds[d], c) for d in peers],
+                                [(s, lay.xr_offsets[s], recv_bounds[s], c) for s in peers]) for c in range(chunks))
     y0 = lay.xr_offsets[rank]
-    gemm_groups = [block_pieces(own, 0, lay.x_splits[rank], y0, 0, y0)]
-    send_bounds = {d: part_bounds(lay.expert_rows(per_expert, rank, d), block_m, parts) for d in peers}
-    recv_bounds = {s: part_bounds(lay.expert_rows(per_expert, s, rank), block_m, parts) for s in peers}
-    exchanges = []
-    for c in range(parts if peers else 0):
-        chunk = []
-        for s in peers:
-            ys = lay.xr_offsets[s]
-            chunk += block_pieces(lay.expert_rows(per_expert, s, rank), recv_bounds[s][c], recv_bounds[s][c + 1],
-                                  ys, 0, ys)
-        gemm_groups.append(chunk)
-        exchanges.append(_exchange([(d, lay.x_offsets[d], send_bounds[d], c) for d in peers],
-                                   [(s, lay.xr_offsets[s], recv_bounds[s], c) for s in peers]))
-    fields = [(0, NO_WAIT)] + [(0, c) for c in range(len(exchanges))]
-    tiles, group_tiles = tile_table(gemm_groups, fields, n, block_m, block_n)
-    local = (lay.x_offsets[rank], lay.x_offsets[rank] + lay.x_splits[rank], y0)
-    return ExpertPlan("a2a_gemm", lay, n, block_m, block_n, parts, local, tuple(map(tuple, gemm_groups)),
-                      tuple(exchanges), 0, tiles, tuple(group_tiles[1:]))
+    local_rows = (lay.x_offsets[rank], lay.x_offsets[rank] + lay.x_splits[rank], y0)
+    return ExpertPlan("a2a_gemm", lay, n, block_m, block_n, parts, local_rows, exchanges, 0, row_tiles,
+                      tuple(group_tiles[1:]))
 
 
-def combine_plan(counts: torch.Tensor, rank: int, n: int, block_m: int, block_n: int, parts: int) -> ExpertPlan:
-    """gemm_a2a on rank `rank`: z[T, n] from h[R, :]; see the module docstring."""
-    lay = layout(counts, rank)
-    per_expert = counts.tolist()
+def combine_plan(lay: Layout, n: int, block_m: int, block_n: int, parts: int) -> ExpertPlan:
+    """gemm_a2a on rank lay.rank: z[T, n] from h[R, :]; see the module docstring. GEMM groups: group g = part g of
+    every remote block (stored to the staging matrix, counter g), then the local block (stored into z)."""
+    rank = lay.rank
     peers = [(rank + i) % lay.ep for i in range(1, lay.ep)]
+    groups = parts if peers else 0
     local_rows = lay.xr_splits[rank]
+    tiles = received_tiles(lay, block_m, parts)
+    local = tiles.source == rank
+    group = np.where(local, groups, tiles.part)
+    # remote rows keep their h row in the staging matrix, less the local block where it precedes them; local rows
+    # go to their token's row of z
+    dst_row = np.where(local, tiles.lo - lay.xr_offsets[rank] + lay.x_offsets[rank],
+                       tiles.lo - np.where(tiles.source > rank, local_rows, 0))
+    dst_buf = np.where(local, OUTPUT, STAGING)
+    row_tiles, group_tiles = _plan_tiles(lay, tiles, group, group, dst_row, dst_buf,
+                                                      np.full_like(tiles.lo, NO_WAIT), groups + 1, n, block_n)
     staged = {d: lay.xr_offsets[d] - (local_rows if d > rank else 0) for d in peers}   # block d's staging row
-    send_bounds = {d: part_bounds(lay.expert_rows(per_expert, d, rank), block_m, parts) for d in peers}
-    recv_bounds = {s: part_bounds(lay.expert_rows(per_expert, rank, s), block_m, parts) for s in peers}
-    gemm_groups, exchanges = [], []
-    for g in range(parts if peers else 0):
-        group = []
-        for d in peers:
-            group += block_pieces(lay.expert_rows(per_expert, d, rank), send_bounds[d][g], send_bounds[d][g + 1],
-                                  lay.xr_offsets[d], STAGING, staged[d])
-        gemm_groups.append(group)
-        exchanges.append(_exchange([(d, staged[d], send_bounds[d], g) for d in peers],
-                                   [(s, lay.x_offsets[s], recv_bounds[s], g) for s in peers]))
-    gemm_groups.append(block_pieces(lay.expert_rows(per_expert, rank, rank), 0, local_rows, lay.xr_offsets[rank],
-                                    OUTPUT, lay.x_offsets[rank]))
-    fields = [(g, NO_WAIT) for g in range(len(gemm_groups))]
-    tiles, group_tiles = tile_table(gemm_groups, fields, n, block_m, block_n)
-    return ExpertPlan("gemm_a2a", lay, n, block_m, block_n, parts, (0, 0, 0), tuple(map(tuple, gemm_groups)),
-                      tuple(exchanges), lay.rows - local_rows, tiles, tuple(group_tiles))
+    send_bounds = {d: part_bounds(lay.expert_rows(d, rank), block_m, parts) for d in peers}
+    recv_bounds = {s: part_bounds(lay.expert_rows(rank, s), block_m, parts) for s in peers}
+    exchanges = tuple(_exchange([(d, staged[d], send_bounds[d], g) for d in peers],
+                                [(s, lay.x_offsets[s], recv_bounds[s], g) for s in peers]) for g in range(groups))
+    return ExpertPlan("gemm_a2a", lay, n, block_m, block_n, parts, (0, 0, 0), exchanges,
+                      lay.rows - local_rows, row_tiles, tuple(group_tiles))
 
 
 def _exchange(sends, recvs) -> Exchange:

@@ -105,7 +105,7 @@ def _check_case(rank, world, case):
             continue
         y = a2a_gemm(x, counts, w1, group, config=config)
         parts = parts_per_peer(counts, config.groups, hidden * x.element_size())
-        plan = dispatch_plan(counts, rank, 2 * ffn, config.block_m, config.block_n, parts)
+        plan = dispatch_plan(layout(counts, rank), 2 * ffn, config.block_m, config.block_n, parts)
         after = torch.empty_like(y)
         if plan.num_tiles:
             signaled_gemm(xr, w1, after, plan.tiles.to(torch.Tensor.cuda), None, gemm_programs(x.device, config), config)

@@ -137,11 +137,14 @@ def test_row_tiles_run_the_tiles_of_their_expanded_table():
         starts.append(len(rows))
     table = RowTiles(torch.tensor(rows, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32),
                      -(-n // CONFIG.block_n), 2)
+    moved = table.to(torch.clone)   # rows and starts in one copy, as the expert ops move a table to the GPU
+    assert torch.equal(moved.rows, table.rows) and torch.equal(moved.starts, table.starts)
+    assert moved.starts.data_ptr() % 16 == 0 and moved.rows.is_contiguous()
     a = torch.randn(96, k, generator=gen).to(torch.bfloat16)
     ref = torch.cat([a[lo:hi].double() @ w[e].double().t() for e, lo, hi in segments])
     flags = torch.ones(len(groups), dtype=torch.int32)
     outs = []
-    for tiles in (table, table.expanded(CONFIG.block_n)):
+    for tiles in (moved, table.expanded(CONFIG.block_n)):
         out = torch.full((96, n), float("nan"), dtype=torch.bfloat16)
         counters = torch.zeros(len(groups), dtype=torch.int32)
         signaled_gemm(a, w, out, tiles, counters, 3, CONFIG, flags=flags, wait_target=1)

@@ -95,7 +95,7 @@ def test_dispatch_plan_delivers_every_row_before_its_tiles_read_it(ep, experts):
     for m, counts in enumerate(count_matrices(ep, experts, seed=ep * 100 + experts)):
         block_m, parts = rng.choice([4, 8]), rng.choice([1, 2, 3])
         tokens = [[s * 10 ** 6 + i for i in range(int(counts[s].sum()))] for s in range(ep)]
-        plans = [dispatch_plan(counts, r, N, block_m, BLOCK_N, parts) for r in range(ep)]
+        plans = [dispatch_plan(layout(counts, r), N, block_m, BLOCK_N, parts) for r in range(ep)]
         received = [[None] * p.layout.rows for p in plans]
         arrival = [[None] * p.layout.rows for p in plans]   # -1: the local copy, c: chunk c
         for r, plan in enumerate(plans):
@@ -138,7 +138,7 @@ def test_combine_plan_returns_every_row_to_its_token(ep, experts):
     rng = random.Random(ep * 10 + experts + 1)
     for m, counts in enumerate(count_matrices(ep, experts, seed=ep * 100 + experts + 1)):
         block_m, parts = rng.choice([4, 8]), rng.choice([1, 2, 3])
-        plans = [combine_plan(counts, r, N, block_m, BLOCK_N, parts) for r in range(ep)]
+        plans = [combine_plan(layout(counts, r), N, block_m, BLOCK_N, parts) for r in range(ep)]
         z = [[None] * p.layout.tokens for p in plans]
         staged = []
         for r, plan in enumerate(plans):
@@ -184,7 +184,7 @@ def test_groups_hold_every_peer():
     counts = torch.full((ep, ep * experts), 40, dtype=torch.int64)
     for r in range(ep):
         for make in (dispatch_plan, combine_plan):
-            plan = make(counts, r, N, 8, BLOCK_N, 3)
+            plan = make(layout(counts, r), N, 8, BLOCK_N, 3)
             groups = plan.gemm_groups[1:] if make is dispatch_plan else plan.gemm_groups[:-1]
             assert len(groups) == 3
             for pieces in groups:

@@ -56,7 +56,7 @@ for tokens, routing in GEMMS:
         for config in (OverlapConfig(method="signal", comm_sms=0),
                        OverlapConfig(method="signal", comm_sms=0, num_stages=3),
                        OverlapConfig(method="signal", comm_sms=0, block_n=128)):
-            plan = dispatch_plan(counts, 0, n, config.block_m, config.block_n, 1)
+            plan = dispatch_plan(layout(counts, 0), n, config.block_m, config.block_n, 1)
             gemm = SignaledGemm(plan.tiles.to(dev), gemm_programs(dev, config), config)
             out.fill_(float("nan"))
             gemm(a, w, out)

@@ -1,0 +1,74 @@
+# Host time of the expert ops with a NEW routing every call (dynamic routing: what every training step does), on ONE
+# GPU (EP = 1), the GPU kept busy behind a sleep so that the host never waits: the forward of a2a_gemm and of
+# gemm_a2a (their backward states are built in the forward, after the GEMM's launch), each piece wall-clock timed,
+# and "to launch": from the call to the signaled GEMM's launch, what the GPU waits on after the counts arrive.
+# 4 experts (Mixtral's per-rank count at EP 2) and 32 (one rank's 8 at EP 8 take the same plan arithmetic per
+# block; at EP 1 all are local).
+#   torchrun --nproc-per-node 1 docs/perf/scripts/probe_expert_host.py
+import functools, statistics, time
+from collections import defaultdict
+import torch, torch.distributed as dist
+from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
+from overlap_tp.bench.moe import routing_counts
+from overlap_tp.kernels import signaled_gemm
+from overlap_tp.ops import comm, expert, moe_tile_plan
+from overlap_tp.tune.timing import sleep_cycles_per_ms
+
+torch.cuda.set_device(0)
+dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
+dev, signal = torch.device("cuda", 0), OverlapConfig(method="signal")
+spent, marks = defaultdict(list), {}
+
+
+def timed(owner, name, label=None):
+    fn = getattr(owner, name)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            t1 = time.perf_counter()
+            spent[label or name].append((t1 - t0) * 1e6)
+            marks.setdefault(label or name, t1)
+    setattr(owner, name, wrapper)
+
+
+for name in ("routing", "check_inputs", "resolve_method", "agree_routing", "_dispatch_state", "_combine_state",
+             "dispatch_plan", "combine_plan", "host_table_to", "_dispatch_signaled", "_combine_signaled",
+             "dispatch_gemm", "gemm_combine", "_backward_state", "collectives"):
+    timed(comm if name == "collectives" else expert, name)
+timed(expert._ExpertState, "__init__", "_ExpertState")
+timed(signaled_gemm.SignaledGemm, "__call__", "SignaledGemm launch")
+timed(comm.CommEngine, "transfers_then_gemm")
+timed(comm.CommEngine, "gemm_then_collectives")
+timed(moe_tile_plan, "received_tiles")
+cycles = sleep_cycles_per_ms()
+hidden, ffn = 4096, 14336
+for experts in (4, 32):
+    w1 = (torch.randn(experts, 2 * ffn // (experts // 4), hidden, device=dev) / 64).bfloat16().requires_grad_()
+    w2 = (torch.randn(experts, hidden, ffn // (experts // 4), device=dev) / 64).bfloat16().requires_grad_()
+    routings = [routing_counts(8192, experts, 1, "zipf", seed=s) for s in range(30)]
+    x = torch.randn(int(routings[0].sum()), hidden, device=dev).bfloat16().requires_grad_()
+    h = torch.randn(int(routings[0].sum()), w2.shape[2], device=dev).bfloat16().requires_grad_()
+    for counts in routings[:3]:   # compile
+        a2a_gemm(x, counts, w1, config=signal), gemm_a2a(h, counts, w2, config=signal)
+    torch.cuda.synchronize()
+    for op, fn, inp, w in (("a2a_gemm", a2a_gemm, x, w1), ("gemm_a2a", gemm_a2a, h, w2)):
+        spent.clear()
+        total, to_launch = [], []
+        for counts in routings[3:]:
+            torch.cuda._sleep(int(20 * cycles))
+            marks.clear()
+            t0 = time.perf_counter()
+            fn(inp, counts, w, config=signal)
+            total.append((time.perf_counter() - t0) * 1e6)
+            to_launch.append((marks["SignaledGemm launch"] - t0) * 1e6)
+            torch.cuda.synchronize()
+        print(f"L={experts} {op} forward, new routing: host median {statistics.median(total):.0f} us, to the GEMM's "
+              f"launch {statistics.median(to_launch):.0f} us", flush=True)
+        calls = len(total)
+        for name, values in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
+            print(f"    {name:22s} {statistics.median(values):7.0f} us x {len(values) / calls:.0f}")
+dist.destroy_process_group()
