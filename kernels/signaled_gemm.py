@@ -367,7 +367,8 @@ class SignaledGemm:
     call (~25 us of host time per launch on the H200 hosts, docs/perf/host_cost.md). A plan's launches differ
     only in their tensors, so this keeps the compiled kernel of each variant (bias or not, weight layout, the
     destination's 16-byte alignment and row stride: what Triton specializes on that a call can change) and
-    launches it directly. The first launch of a variant goes through the JIT, which compiles it. Under the CPU
+    launches it directly. The first launch of a variant looks the compiled kernel up by Triton's own specialization
+    key, shared by every SignaledGemm (_shared_kernel), or goes through the JIT, which compiles it. Under the CPU
     interpreter every launch goes through the JIT (there is no compiled kernel)."""
 
     def __init__(self, tiles, num_programs, config, *, counters=None, bias_rows=(0, 0), dst_offsets=None, flags=None,
@@ -388,7 +389,30 @@ class SignaledGemm:
                    bias is None or bias.data_ptr() % 16 == 0, dst.stride(0))
         kernel = self._compiled.get(variant)
         if kernel is None:
-            self._compiled[variant] = _jit_launch(grid, args, options)
-            return
+            kernel = self._compiled[variant] = _shared_kernel(self.device_index, grid, args, options)
+            if kernel is None:   # compiled and launched by the JIT
+                del self._compiled[variant]
+                return
         kernel.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(self.device_index), kernel.function,
                    kernel.packed_metadata, None, None, None, *args)
+
+
+# Compiled kernels by Triton's own specialization of the arguments, shared by every SignaledGemm of the process: the
+# expert ops make a SignaledGemm per routing (every step), whose first launch would otherwise go through the JIT's
+# dispatch (~180 us of host time on the H200 hosts, on the critical path after the routing arrives; docs/perf/s15).
+_shared = {}
+
+
+def _shared_kernel(device_index: int, grid, args, options):
+    """The compiled kernel for these arguments: looked up by the key Triton's JIT would compute (its binder: argument
+    types, pointers' 16-byte alignment, integers equal to 1 or divisible by 16, the constexprs; and the options),
+    else compiled and launched through the JIT (returns None: the launch is done)."""
+    binder = signaled_gemm_kernel.device_caches[device_index][-1]
+    positional = args[:-len(_CONSTEXPRS)]
+    constexprs = dict(zip(_CONSTEXPRS, args[-len(_CONSTEXPRS):]))
+    _, specialization, _ = binder(*positional, **constexprs, **options)
+    key = (device_index, tuple(specialization), tuple(sorted(options.items())))
+    kernel = _shared.get(key)
+    if kernel is None:
+        _shared[key] = _jit_launch(grid, args, options)
+    return kernel

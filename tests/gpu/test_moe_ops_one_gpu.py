@@ -97,3 +97,28 @@ def test_pinned_staging_never_overwrites_a_table_still_being_copied():
     assert len(staging.slots) == slots                 # reused, none added
     for t, g in zip(tables, again):
         assert torch.equal(g.cpu(), t)
+
+
+def _check_routings_share_kernels(rank, world):
+    from overlap_tp.kernels import signaled_gemm
+    jit_launches = []
+    jit_launch = signaled_gemm._jit_launch
+
+    def counted(*args):
+        jit_launches.append(1)
+        return jit_launch(*args)
+    signaled_gemm._jit_launch = counted
+    hidden, ffn, experts = 1024, 1000, 6
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w1 = (torch.randn(experts, 2 * ffn, hidden, device="cuda", generator=gen) / 32).bfloat16()
+    routings = [routing_counts(3000, experts, 1, "zipf", seed=s) for s in range(12)]
+    x = torch.randn(int(routings[0].sum()), hidden, device="cuda", generator=gen).bfloat16()
+    for counts in routings:   # a new plan and SignaledGemm per routing; the compiled kernels shared
+        got, want = a2a_gemm(x, counts, w1, config=SIGNAL), a2a_gemm(x, counts, w1, config=OFF)
+        assert rel_error(got, want.float()) < 1e-2
+    # one JIT launch per distinct specialization (the tile count's divisibility by 16), not one per routing
+    assert len(jit_launches) <= 3, len(jit_launches)
+
+
+def test_new_routings_launch_the_shared_compiled_kernel():
+    run_distributed(1, _check_routings_share_kernels, backend="nccl")
