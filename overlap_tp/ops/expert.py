@@ -189,7 +189,10 @@ def transposed(w: torch.Tensor, config: OverlapConfig) -> torch.Tensor:
 
 
 def all_to_all_rows(inp, rows: int, out_splits, in_splits, group):
-    """torch.distributed's all_to_all_single of row blocks (Megatron's dispatch/combine)."""
+    """torch.distributed's all_to_all_single of row blocks (Megatron's dispatch/combine). A one-rank group moves
+    nothing: inp itself, as Megatron's all_to_all returns it (NCCL would copy every row and cost a launch)."""
+    if len(in_splits) == 1:
+        return inp
     out = torch.empty(rows, inp.shape[1], dtype=inp.dtype, device=inp.device)
     dist.all_to_all_single(out, inp, list(out_splits), list(in_splits), group=group)
     return out
@@ -334,7 +337,8 @@ def _dispatch_decomposed(x, w, xr, y, plan, coll):
     engine = comm.comm_engine(x.device)
     capturing = comm.capturing(x.device)
     lo, hi, dst = plan.local
-    xr[dst:dst + hi - lo].copy_(x[lo:hi])
+    if xr is not x:
+        xr[dst:dst + hi - lo].copy_(x[lo:hi])
     if engine.stream is not None:
         engine.fork(engine.current(), capturing)
     expert_mm(xr, w, plan.gemm_groups[0], (y,))
@@ -359,7 +363,8 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll):
             engine.raise_flag(state.words, c)
 
     def gemm():
-        xr[dst:dst + hi - lo].copy_(x[lo:hi])
+        if xr is not x:
+            xr[dst:dst + hi - lo].copy_(x[lo:hi])
         if plan.num_tiles:
             state.gemm(xr, w, y)
 
@@ -381,7 +386,8 @@ def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None):
         y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
         expert_mm(xr, w, lay.segments, (y,))
         return y, xr
-    xr = torch.empty(lay.rows, hidden, dtype=x.dtype, device=x.device)
+    # one rank: the received rows are x itself (the plan's local block is all of x, at row 0), not a copy
+    xr = x if lay.ep == 1 else torch.empty(lay.rows, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
     coll = comm.collectives(group, x.device, config.comm_sms)
     if method == "decompose":
@@ -557,7 +563,8 @@ class _GemmA2A(torch.autograd.Function):
 
 def a2a_gemm(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None, *,
              config: Optional[OverlapConfig] = None, return_received: bool = False, counts_agreed: bool = False):
-    """Dispatch x's rows to their experts' ranks and apply fc1: y[R, N] (xr[R, H] too with return_received).
+    """Dispatch x's rows to their experts' ranks and apply fc1: y[R, N] (xr[R, H] too with return_received; with
+    one rank, xr is x itself: nothing moves).
     counts_agreed=True: the caller guarantees counts equal on every rank (all-gathered), so the once-per-routing
     cross-rank check is skipped (agree_routing)."""
     y, xr = _A2AGemm.apply(x, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG, counts_agreed)

@@ -228,3 +228,26 @@ def _check_backward_states_built_in_forward(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_backward_states_are_built_in_the_forward(world):
     run_distributed(world, _check_backward_states_built_in_forward)
+
+
+def _check_one_rank_moves_nothing(rank, world):
+    """With one rank there is nothing to exchange: a2a_gemm's received rows are x itself (every method: no
+    all_to_all copy, no local-block copy), and the results still match the off path, gradients included."""
+    counts = torch.tensor([[5, 0, 9, 3]])
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(17, H, generator=gen).to(torch.bfloat16)
+    w1 = torch.randn(4, N, H, generator=gen).to(torch.bfloat16)
+    results = []
+    for config in CONFIGS[:3]:
+        xg, wg = x.clone().requires_grad_(), w1.clone().requires_grad_()
+        y, xr = a2a_gemm(xg, counts, wg, config=config, return_received=True)
+        assert xr.data_ptr() == xg.data_ptr(), config.method
+        y.float().square().sum().backward()
+        results.append((y.detach().float(), xg.grad.float(), wg.grad.float()))
+    for got in results[1:]:
+        for g, want in zip(got, results[0]):
+            assert torch.allclose(g, want, rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_one_rank_moves_nothing():
+    run_distributed(1, _check_one_rank_moves_nothing)
