@@ -1,11 +1,11 @@
-# Host time of the expert ops with a NEW routing every call (dynamic routing: what every training step does), on ONE
-# GPU (EP = 1), the GPU kept busy behind a sleep so that the host never waits: the forward of a2a_gemm and of
+# Host time of the expert ops with a NEW routing every call (dynamic routing: what every training step does), at
+# EP = the number of processes (one GPU each), the GPU kept busy behind a sleep so that the host never waits (at EP > 1
+# every rank sleeps the same, so no rank waits for a late peer's exchange): the forward of a2a_gemm and of
 # gemm_a2a (their backward states are built in the forward, after the GEMM's launch), each piece wall-clock timed,
 # and "to launch": from the call to the signaled GEMM's launch, what the GPU waits on after the counts arrive.
-# 4 experts (Mixtral's per-rank count at EP 2) and 32 (one rank's 8 at EP 8 take the same plan arithmetic per
-# block; at EP 1 all are local).
-#   torchrun --nproc-per-node 1 docs/perf/scripts/probe_expert_host.py
-import functools, statistics, time
+# 4 and 32 local experts per rank. Rank 0 prints.
+#   torchrun --nproc-per-node {1,2} docs/perf/scripts/probe_expert_host.py
+import functools, os, statistics, time
 from collections import defaultdict
 import torch, torch.distributed as dist
 from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
@@ -14,9 +14,11 @@ from overlap_tp.kernels import signaled_gemm
 from overlap_tp.ops import comm, expert, moe_tile_plan
 from overlap_tp.tune.timing import sleep_cycles_per_ms
 
-torch.cuda.set_device(0)
-dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
-dev, signal = torch.device("cuda", 0), OverlapConfig(method="signal")
+rank = int(os.environ.get("LOCAL_RANK", 0))
+torch.cuda.set_device(rank)
+dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+ep = dist.get_world_size()
+dev, signal = torch.device("cuda", rank), OverlapConfig(method="signal")
 spent, marks = defaultdict(list), {}
 
 
@@ -46,19 +48,29 @@ timed(comm.CommEngine, "gemm_then_collectives")
 timed(moe_tile_plan, "received_tiles")
 cycles = sleep_cycles_per_ms()
 hidden, ffn = 4096, 14336
-for experts in (4, 32):
-    w1 = (torch.randn(experts, 2 * ffn // (experts // 4), hidden, device=dev) / 64).bfloat16().requires_grad_()
-    w2 = (torch.randn(experts, hidden, ffn // (experts // 4), device=dev) / 64).bfloat16().requires_grad_()
-    routings = [routing_counts(8192, experts, 1, "zipf", seed=s) for s in range(30)]
-    x = torch.randn(int(routings[0].sum()), hidden, device=dev).bfloat16().requires_grad_()
-    h = torch.randn(int(routings[0].sum()), w2.shape[2], device=dev).bfloat16().requires_grad_()
+for local in (4, 32):
+    experts = local * ep
+    w1 = (torch.randn(local, 2 * ffn // (local // 4), hidden, device=dev) / 64).bfloat16().requires_grad_()
+    w2 = (torch.randn(local, hidden, ffn // (local // 4), device=dev) / 64).bfloat16().requires_grad_()
+    routings = [routing_counts(8192, experts, ep, "zipf", seed=s) for s in range(30)]
+
+    def inputs(counts):
+        """x [this rank's routed rows, H] and h [the rows it receives, F]."""
+        received = int(counts[:, rank * local:(rank + 1) * local].sum())
+        return (torch.randn(int(counts[rank].sum()), hidden, device=dev).bfloat16().requires_grad_(),
+                torch.randn(received, w2.shape[2], device=dev).bfloat16().requires_grad_())
+
     for counts in routings[:3]:   # compile
+        x, h = inputs(counts)
         a2a_gemm(x, counts, w1, config=signal), gemm_a2a(h, counts, w2, config=signal)
     torch.cuda.synchronize()
-    for op, fn, inp, w in (("a2a_gemm", a2a_gemm, x, w1), ("gemm_a2a", gemm_a2a, h, w2)):
+    for op, fn, which, w in (("a2a_gemm", a2a_gemm, 0, w1), ("gemm_a2a", gemm_a2a, 1, w2)):
         spent.clear()
         total, to_launch = [], []
         for counts in routings[3:]:
+            inp = inputs(counts)[which]
+            torch.cuda.synchronize()
+            dist.barrier()
             torch.cuda._sleep(int(20 * cycles))
             marks.clear()
             t0 = time.perf_counter()
@@ -66,9 +78,10 @@ for experts in (4, 32):
             total.append((time.perf_counter() - t0) * 1e6)
             to_launch.append((marks["SignaledGemm launch"] - t0) * 1e6)
             torch.cuda.synchronize()
-        print(f"L={experts} {op} forward, new routing: host median {statistics.median(total):.0f} us, to the GEMM's "
-              f"launch {statistics.median(to_launch):.0f} us", flush=True)
-        calls = len(total)
-        for name, values in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
-            print(f"    {name:22s} {statistics.median(values):7.0f} us x {len(values) / calls:.0f}")
+        if rank == 0:
+            print(f"EP {ep}, L={local} {op} forward, new routing: host median {statistics.median(total):.0f} us, to "
+                  f"the GEMM's launch {statistics.median(to_launch):.0f} us", flush=True)
+            calls = len(total)
+            for name, values in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
+                print(f"    {name:22s} {statistics.median(values):7.0f} us x {len(values) / calls:.0f}")
 dist.destroy_process_group()
