@@ -97,9 +97,10 @@ def routing(counts, ep: int, rank: int, op: str) -> Routing:
     key = (counts.numpy().tobytes(), tuple(counts.shape))
 
     def build():
-        if bool((counts < 0).any()):
+        route = Routing(counts.clone(), rank, key)
+        if min(map(min, route.layout.counts)) < 0:
             raise ValueError(f"{op}: counts has negative entries")
-        return Routing(counts.clone(), rank, key)
+        return route
     return _cached(_routings, key + (rank,), build, 64)
 
 
