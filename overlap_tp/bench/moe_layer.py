@@ -12,10 +12,12 @@ One process per GPU; every variant runs in the same process on the same inputs, 
   (--methods adds decompose or auto: auto's trial calls run untimed before its timing, `auto chose` says
   which method it kept)
 A step is forward + backward of the layer (input grad included), timed as the median of --reps steps (CUDA
-events, inputs rotated over 3 sets), the slowest rank's. Routing is forced the same way for every variant:
-the router's logits get a per-token offset scale * (log p + Gumbel), so each token's top-k are k distinct
-experts drawn from p (uniform, Zipf(1.2) over the experts, or rank 0's experts only); the router still
-computes its logits, probabilities and aux loss. Every variant's output is checked against Megatron's first.
+events, inputs rotated over 3 sets), the slowest rank's; the steps of all variants are interleaved in --rounds
+rounds (each round times every variant in turn) and "S m per round" is the range of the ratio over the rounds.
+Routing is forced the same way for every variant: the router's logits get a per-token offset
+scale * (log p + Gumbel), so each token's top-k are k distinct experts drawn from p (uniform, Zipf(1.2) over
+the experts, or rank 0's experts only); the router still computes its logits, probabilities and aux loss.
+Every variant's output is checked against Megatron's first.
 """
 import argparse
 import dataclasses
@@ -28,7 +30,7 @@ from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG
 from overlap_tp.tune import report
 from overlap_tp.bench.moe import ZIPF_S
 from overlap_tp.bench.ops import agree
-from overlap_tp.tune.timing import timed
+from overlap_tp.tune.timing import slowest_median, timed_samples
 
 INPUT_SETS = 3
 ROUTINGS = ("uniform", "zipf", "rank0_only")
@@ -49,14 +51,19 @@ def parse_args(argv):
     p.add_argument("--routings", type=int, default=1,
                    help="routings cycled step by step (each drawn with its own seed): 1 = the same every step, as "
                         "earlier records; training's routing changes every step, which rebuilds the expert ops' plans")
-    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--reps", type=int, default=20, help="timed steps per variant, spread over --rounds")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="interleaved rounds: each round times every variant in turn (reps / rounds steps each)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="also profile 3 steps of every variant (torch.profiler): per variant and shape, a table of "
                         "the kernels by GPU time (DIR/<shape>_<variant>.txt), the trace (.json) and the GPU-busy "
                         "time per step")
     p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="moe_layer", help="report file name (without extension)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.reps < args.rounds:
+        p.error(f"--rounds {args.rounds} with --reps {args.reps}: need 1 <= rounds <= reps")
+    return args
 
 
 def moe_config(ep, hidden=4096, ffn=14336, experts=8, top_k=2, transformer_impl="local", **overrides):
@@ -160,12 +167,24 @@ def bench_shape(tokens, routing, args, group):
             calls += 1
         if trial is not None:
             row["auto_chose"] = trial.chosen
-        row[name] = timed(step(layer), sets, args.reps, group)
+    # every variant's steps spread over interleaved rounds (each round times every variant in turn), so a drift of
+    # the machine during the run moves all of them alike; the per-round ratios give the comparison's noise
+    samples = {name: [] for name in variants}
+    round_ms = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, layer in variants.items():
+            got = timed_samples(step(layer), sets, max(1, -(-args.reps // args.rounds)), group, warmup=2)
+            samples[name] += got
+            round_ms[name].append(slowest_median(got, group))
+    for name in variants:
+        row[name] = slowest_median(samples[name], group)
     if args.profile:
         for name, layer in variants.items():
             row[f"busy_{name}"] = profile_steps(step(layer), sets, os.path.join(args.profile, f"{row['shape']}_{name}"))
     for method in args.methods.split(","):
         row[f"S_{method}"] = row["megatron"] / row[method]
+        ratios = [a / b for a, b in zip(round_ms["megatron"], round_ms[method])]
+        row[f"S_{method}_rounds"] = f"{min(ratios):.2f}-{max(ratios):.2f}"
     if "signal" in row and "off" in row:
         row["signal_vs_off"] = row["off"] / row["signal"]
     return row
@@ -196,6 +215,7 @@ def columns(methods, profiled=False):
     cols = [("shape", "routing.tokens", "{}"), ("rows_max", "rows max", "{}"), ("imbalance", "imbalance", "{:.2f}"),
             ("megatron", "Megatron MoELayer", "{:.3f}")]
     cols += [(m, f"ours {m}", "{:.3f}") for m in methods] + [(f"S_{m}", f"S {m}", "{:.2f}") for m in methods]
+    cols += [(f"S_{m}_rounds", f"S {m} per round", "{}") for m in methods]
     if "signal" in methods and "off" in methods:
         cols.append(("signal_vs_off", "off / signal", "{:.2f}"))
     if "auto" in methods:
@@ -230,7 +250,8 @@ def main(argv):
                                for key in row), flush=True)
     if dist.get_rank() == 0:
         methods = args.methods.split(",")
-        notes = (f"Times in ms per forward + backward of one MoE layer (median of steps, slowest rank). S m = "
+        notes = (f"Times in ms per forward + backward of one MoE layer (median of steps, slowest rank; the variants "
+                 f"interleaved in {args.rounds} rounds, S m per round: the ratio's range over them). S m = "
                  f"Megatron / ours with method m. Megatron's experts: {rows[0]['megatron_experts']}. rows max / "
                  f"imbalance: the most rows one rank's experts receive and its ratio to the mean. GPU busy (with "
                  f"--profile): kernel and copy time per step, summed over streams (wall time minus it: the GPU idle or "
