@@ -132,13 +132,13 @@ def bench_shape(tokens, routing, args, group):
     for method in args.methods.split(","):
         variants[method] = build_layer(True, config)
         set_moe_overlap_config(variants[method], dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=method))
-    cycles = [force_routing(layer, *offsets) for layer in variants.values()]
+    cycles = {name: force_routing(layer, *offsets) for name, layer in variants.items()}
     sets = [(torch.randn(tokens, 1, args.hidden, device="cuda", dtype=torch.bfloat16).requires_grad_(True),
              torch.randn(tokens, 1, args.hidden, device="cuda", dtype=torch.bfloat16)) for _ in range(INPUT_SETS)]
 
     ours = variants[args.methods.split(",")[0]]
     counts = ours.token_counts(ours.router(sets[0][0])[1])   # the first routing's
-    for calls in cycles:   # every variant's checked call below under that first routing
+    for calls in cycles.values():   # every variant's checked call below under that first routing
         calls[0] = 0
     local = args.experts // ep
     received = [int(counts[:, r * local:(r + 1) * local].sum()) for r in range(ep)]
@@ -168,11 +168,13 @@ def bench_shape(tokens, routing, args, group):
         if trial is not None:
             row["auto_chose"] = trial.chosen
     # every variant's steps spread over interleaved rounds (each round times every variant in turn), so a drift of
-    # the machine during the run moves all of them alike; the per-round ratios give the comparison's noise
+    # the machine during the run moves all of them alike; the per-round ratios give the comparison's noise. Each
+    # variant's round starts at the same routing, so within a round every variant runs the same routings.
     samples = {name: [] for name in variants}
     round_ms = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, layer in variants.items():
+            cycles[name][0] = 0
             got = timed_samples(step(layer), sets, max(1, -(-args.reps // args.rounds)), group, warmup=2)
             samples[name] += got
             round_ms[name].append(slowest_median(got, group))

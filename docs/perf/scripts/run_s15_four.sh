@@ -4,8 +4,8 @@
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
 workdir s15_four
-step host 120 torchrun --nproc-per-node 1 $REPO/docs/perf/scripts/probe_expert_host.py
-grep -E "forward|_dispatch_state|dispatch_plan|_ExpertState|SignaledGemm" $W/host.out
+[[ -n $SKIP_HOST ]] || step host 120 torchrun --nproc-per-node 1 $REPO/docs/perf/scripts/probe_expert_host.py
+[[ -n $SKIP_HOST ]] || grep -E "forward|_dispatch_state|dispatch_plan|_ExpertState|SignaledGemm" $W/host.out
 step moe_layer 300 torchrun --nproc-per-node 1 -m overlap_tp.bench moe_layer --experts 4 --tokens 8192 --routings 8 \
-  --routing zipf,uniform --methods signal,off,auto --reps 30 --rounds 6 --out $W --name moe_layer_ep1_rounds
+  --routing zipf,uniform --methods signal,off,auto --reps 48 --rounds 6 --out $W --name moe_layer_ep1_rounds
 grep -E "^\| " $W/moe_layer_ep1_rounds.md
