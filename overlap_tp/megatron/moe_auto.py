@@ -7,8 +7,9 @@ docs/perf/s13/README.md). So `auto` measures in training itself, as Tutel switch
 layer's first calls alternate `off` and `signal` (WARMUP untimed calls each, then TRIALS timed ones each), each
 timed on the GPU by CUDA events around the experts' forward (fc1 + dispatch, activation, fc2 + combine). At the
 call after the last trial every rank waits for its events (once), the EP group takes each method's largest median
-over the ranks (one all-reduce: the step waits for its slowest rank), and the layer keeps the faster method for
-the rest of the run, named in a warning. The schedule is a function of the call count alone, so every rank runs
+over the ranks (one all-reduce: the step waits for its slowest rank), and the layer keeps `signal` if it is faster than
+`off` by more than SIGNAL_MARGIN, else `off`, for the rest of the run, named in a warning. With one EP rank there
+is nothing to overlap: `off` at once, no trial. The schedule is a function of the call count alone, so every rank runs
 the same method at every call and decides at the same call (the all-to-alls stay matched).
 
 Under CUDA graph capture before the decision: `off` (a warning says so); after it, the chosen method is captured.
@@ -25,7 +26,11 @@ from overlap_tp.ops import comm
 
 METHODS = ("off", "signal")
 WARMUP = 1   # per method: plan builds, Triton compiles
-TRIALS = 3   # per method
+TRIALS = 5   # per method
+# signal is kept only if its median beats off's by this fraction: off is Megatron's path, and two trials of the same
+# method differ by a few percent from call to call (at EP 1, where signal cannot win, a 3-call trial once kept it:
+# docs/perf/s15/README.md)
+SIGNAL_MARGIN = 0.02
 
 
 def _warn_on_rank0(message: str):
@@ -70,10 +75,11 @@ class MethodTrial:
     wrap it in (None: untimed), until the decision; then the chosen method."""
 
     def __init__(self, group, device: torch.device, what: str = "MoE layer", warn: Callable[[str], None] = None,
-                 warmup: int = WARMUP, trials: int = TRIALS, timer_factory: Optional[Callable] = None):
+                 warmup: int = WARMUP, trials: int = TRIALS, timer_factory: Optional[Callable] = None,
+                 margin: float = SIGNAL_MARGIN):
         self.group, self.device, self.what = group, device, what
         self.warn = warn or _warn_on_rank0
-        self.warmup, self.trials = warmup, trials
+        self.warmup, self.trials, self.margin = warmup, trials, margin
         self.timer_factory = timer_factory or (_EventTimer if device.type == "cuda" else _WallTimer)
         self.calls = 0
         self.timed: List[Tuple[str, object]] = []
@@ -94,6 +100,10 @@ class MethodTrial:
                           f"the {self.schedule_length} trial calls; the graph runs method 'off' (run the trial "
                           f"steps eagerly before capturing to let auto choose)")
             return "off", None
+        if self.chosen is None and self.calls == 0 and dist.get_world_size(self.group) == 1:
+            self.chosen = "off"
+            self.warn(f"overlap_tp {self.what} (method auto): runs 'off': with one EP rank there is no all-to-all "
+                      f"to overlap")
         if self.chosen is None and self.calls >= self.schedule_length:
             self._decide()
         if self.chosen is not None:
@@ -111,8 +121,9 @@ class MethodTrial:
         agreed = torch.tensor(mine, dtype=torch.float64, device=self.device if self.device.type == "cuda" else None)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
         self.medians = dict(zip(METHODS, agreed.tolist()))
-        self.chosen = min(METHODS, key=lambda method: (self.medians[method], method != "off"))   # a tie: off
+        self.chosen = "signal" if self.medians["signal"] < self.medians["off"] * (1 - self.margin) else "off"
         self.timed = []
         times = ", ".join(f"{method} {ms:.3f} ms" for method, ms in self.medians.items())
         self.warn(f"overlap_tp {self.what} (method auto): runs '{self.chosen}' from now on (forward of the "
-                  f"experts, median of {self.trials} calls each, the slowest rank's: {times})")
+                  f"experts, median of {self.trials} calls each, the slowest rank's: {times}; signal must win by "
+                  f"{self.margin:.0%})")

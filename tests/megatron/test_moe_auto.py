@@ -71,3 +71,44 @@ def test_a_capture_before_the_decision_runs_off_and_says_so(monkeypatch):
     assert trial.next_call() == ("off", None) and trial.next_call() == ("off", None)
     assert len(said) == 1 and "CUDA graph" in said[0] and "method 'off'" in said[0]
     assert trial.calls == 0 and trial.chosen is None   # the trial resumes once eager calls come
+
+
+def _check_margin(rank, world):
+    import torch.distributed as dist
+
+    from overlap_tp.megatron.moe_auto import METHODS, MethodTrial
+    for signal_ms, want in ((0.99, "off"), (0.97, "signal")):   # 1% faster is within the margin, 3% is not
+        made = []
+
+        def factory():
+            method = METHODS[len(made) % 2]
+            made.append(_SetTimer(1.0 if method == "off" else signal_ms))
+            return made[-1]
+
+        said = []
+        trial = MethodTrial(dist.group.WORLD, torch.device("cpu"), warn=said.append, warmup=0, trials=3,
+                            timer_factory=factory, margin=0.02)
+        for _ in range(trial.schedule_length):
+            timer = trial.next_call()[1]
+            timer.record_start()
+            timer.record_end()
+        assert trial.next_call() == (want, None), (signal_ms, trial.medians)
+        assert "must win by 2%" in said[0]
+
+
+def test_signal_must_beat_off_by_the_margin():
+    run_distributed(2, _check_margin)
+
+
+def _check_one_rank(rank, world):
+    import torch.distributed as dist
+
+    from overlap_tp.megatron.moe_auto import MethodTrial
+    said = []
+    trial = MethodTrial(dist.group.WORLD, torch.device("cpu"), warn=said.append, timer_factory=lambda: 1 / 0)
+    assert [trial.next_call() for _ in range(3)] == [("off", None)] * 3   # no trial call, no timer made
+    assert len(said) == 1 and "one EP rank" in said[0]
+
+
+def test_one_ep_rank_runs_off_without_a_trial():
+    run_distributed(1, _check_one_rank)

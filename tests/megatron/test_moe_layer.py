@@ -262,7 +262,7 @@ def _check_auto(rank, world):
     results, and every rank keeps the same method."""
     import torch.distributed as dist
 
-    from overlap_tp.megatron.moe_auto import METHODS
+    from overlap_tp.megatron.moe_auto import METHODS, TRIALS, WARMUP
     config = _config(world)
     ours = _build(True, config, OverlapConfig(method="auto", groups=2, **SMALL_TILES))
     ref = _build(False, config)
@@ -270,7 +270,7 @@ def _check_auto(rank, world):
     x = torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
     g = torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
     out_ref, dx_ref = _run(ref, x, g)
-    for call in range(2 * (1 + 3) + 1):   # the default schedule, then the call that decides
+    for call in range(2 * (WARMUP + TRIALS) + 1):   # the default schedule, then the call that decides
         ours.zero_grad(set_to_none=True)
         out, dx = _run(ours, x, g)
         _close(out, out_ref, f"auto call {call} output")
