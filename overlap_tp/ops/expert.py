@@ -49,6 +49,7 @@ from overlap_tp.ops import comm
 from overlap_tp.ops.common import check_not_capturing, gemm_programs, warn_once
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
 from overlap_tp.ops.moe_tile_plan import Layout, combine_plan, dispatch_plan, layout, parts_per_peer
+from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS
 from overlap_tp.ops.watchdog import Watched
 
 # offsets between the staging matrix and z are used as 16-element aligned by the kernel (16-byte stores)
@@ -204,34 +205,47 @@ def _exchange(coll, exchange, send_buf, recv_buf, stream):
                   [(peer, recv_buf[lo:hi]) for peer, lo, hi in exchange.recvs], stream=stream)
 
 
-class _ExpertState:
-    """A signaled expert op's tile plan on the device, for one routing (counts): its table, the
-    synchronisation words (dispatch: chunk ready flags, raised to 1 and lowered after the GEMM; combine:
-    group counters, waited on and reset to 0, as the dense ops do), the kernel launcher and the watchdog's
-    record. Built once per routing; calls with the same counts (static routing: capacity factor with padding)
-    reuse it, which is what lets them be captured in a CUDA graph."""
+class _ExpertOp:
+    """What a signaled expert op keeps across routings, for one (op, output columns, config, group, device): the synchronisation words (dispatch: chunk ready flags, raised to 1 and lowered behind the GEMM;
+    combine: group counters, waited on and reset to 0 by the comm stream), sized for the most groups a plan of
+    this config can have, the persistent grid and the watchdog's record. Every call leaves the words as it found
+    them and the calls are ordered on the streams, so one op's calls share them as a dense plan's calls do: a
+    new routing (every step) then builds its plan and table only."""
 
-    def __init__(self, kind, plan, device, config, describe, offsets=None):
-        check_not_capturing(device, f"{kind} with new routing counts")
-        self.plan = plan
-        self.tiles = plan.tiles.to(lambda table: host_table_to(table, device))
-        programs = gemm_programs(device, config)
+    def __init__(self, kind, config, device, describe):
+        groups = config.groups if isinstance(config.groups, int) and not isinstance(config.groups, bool) \
+            else MAX_AUTO_GROUPS
+        self.words = torch.zeros(groups + 1, dtype=torch.int32, device=device)
+        self.programs = gemm_programs(device, config)
         # the dispatch's NCCL exchanges can run beside the GEMM only on SMs its grid leaves free
         self.gemm_first = config.comm_sms > 0
-        if kind == "a2a_gemm":
-            self.words = torch.zeros(max(1, len(plan.exchanges)), dtype=torch.int32, device=device)
-            self.gemm = SignaledGemm(self.tiles, programs, config, flags=self.words if plan.exchanges else None,
-                                     wait_target=1)
-        else:
-            self.words = torch.zeros(max(1, len(plan.group_tiles)), dtype=torch.int32, device=device)
-            self.gemm = SignaledGemm(self.tiles, programs, config, counters=self.words,
-                                     dst_offsets=None if offsets is None else host_table_to(offsets, device))
         if device.type == "cuda":
             default_offsets(device)
             if kind == "gemm_a2a":
                 comm.comm_engine(device).prepare_graph_waits()
         self.watched = Watched(describe, (("flags" if kind == "a2a_gemm" else "counters", self.words),)) \
             if device.type == "cuda" else None
+
+
+class _ExpertState:
+    """A signaled expert op's tile plan on the device, for one routing (counts): its table and the kernel
+    launcher over it, with the op's words and watchdog record (_ExpertOp). Built once per routing; calls with
+    the same counts (static routing: capacity factor with padding) reuse it, which is what lets them be captured
+    in a CUDA graph."""
+
+    def __init__(self, kind, plan, op: _ExpertOp, device, config, offsets=None):
+        check_not_capturing(device, f"{kind} with new routing counts")
+        self.plan, self.words, self.watched, self.gemm_first = plan, op.words, op.watched, op.gemm_first
+        used = len(plan.exchanges) if kind == "a2a_gemm" else len(plan.group_tiles)
+        assert used <= self.words.numel(), (kind, used, self.words.numel())
+        self.flags = self.words[:used]   # a2a_gemm: the flags this plan raises, lowered behind its GEMM
+        self.tiles = plan.tiles.to(lambda table: host_table_to(table, device))
+        if kind == "a2a_gemm":
+            self.gemm = SignaledGemm(self.tiles, op.programs, config, flags=self.words if plan.exchanges else None,
+                                     wait_target=1)
+        else:
+            self.gemm = SignaledGemm(self.tiles, op.programs, config, counters=self.words,
+                                     dst_offsets=None if offsets is None else host_table_to(offsets, device))
 
 
 class PinnedStaging:
@@ -294,13 +308,20 @@ def _cached(cache: OrderedDict, key, build, limit: int):
     return value
 
 
-def _state(kind, plan_fn, route: Routing, n, config, parts, group, device, describe, offsets=None) -> _ExpertState:
+MAX_OPS = 64
+_ops = OrderedDict()
+
+
+def _state(kind, plan_fn, route: Routing, n, config, parts, group, device, offsets=None) -> _ExpertState:
     """The _ExpertState of this routing, built at its first call (the least recently used dropped past
-    MAX_ROUTINGS: dynamic routing builds one per step)."""
-    key = (kind, group, route.key, n, config, parts, device, None if offsets is None else tuple(offsets.tolist()))
+    MAX_ROUTINGS: dynamic routing builds one per step), on the op's _ExpertOp (built once)."""
+    lay = route.layout
+    op = _cached(_ops, (kind, group, n, config, device), lambda: _ExpertOp(
+        kind, config, device, f"{kind}(N={n}, ep={lay.ep}, L={lay.experts})"), MAX_OPS)
+    key = (kind, group, route.key, n, config, parts, device, offsets)
     return _cached(_states, key, lambda: _ExpertState(
-        kind, plan_fn(route.layout, n, config.block_m, config.block_n, parts), device, config,
-        describe, offsets), MAX_ROUTINGS)
+        kind, plan_fn(lay, n, config.block_m, config.block_n, parts), op, device, config,
+        None if offsets is None else torch.tensor(offsets, dtype=torch.int64)), MAX_ROUTINGS)
 
 
 # what the ranks of a group agreed on (comm.agree): ops by (kind, shape, config), routings by counts. Every rank
@@ -361,7 +382,7 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll):
     def transfers(stream):
         for c, exchange in enumerate(plan.exchanges):
             _exchange(coll, exchange, x, xr, stream)
-            engine.raise_flag(state.words, c)
+            engine.raise_flag(state.flags, c)
 
     def gemm():
         if xr is not x:
@@ -369,7 +390,7 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll):
         if plan.num_tiles:
             state.gemm(xr, w, y)
 
-    engine.transfers_then_gemm(transfers, gemm, state.words, state.watched, gemm_first=state.gemm_first)
+    engine.transfers_then_gemm(transfers, gemm, state.flags, state.watched, gemm_first=state.gemm_first)
 
 
 def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None):
@@ -402,10 +423,8 @@ def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None):
 
 def _dispatch_state(route: Routing, n: int, hidden: int, dtype, config, group, device) -> _ExpertState:
     """a2a_gemm's signaled state for this routing (built at its first use, then cached)."""
-    lay, parts = route.layout, route.parts(config.groups, hidden * torch.finfo(dtype).bits // 8)
-    describe = (f"a2a_gemm(T={lay.tokens}, R={lay.rows}, N={n}, H={hidden}, ep={lay.ep}, L={lay.experts}, "
-                f"parts={parts})")
-    return _state("a2a_gemm", dispatch_plan, route, n, config, parts, group, device, describe)
+    parts = route.parts(config.groups, hidden * torch.finfo(dtype).bits // 8)
+    return _state("a2a_gemm", dispatch_plan, route, n, config, parts, group, device)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -484,12 +503,12 @@ def _staging_rows(lay: Layout, n: int) -> int:
     return rows
 
 
-def _combine_state(route: Routing, n: int, f: int, dtype, config, group, device) -> _ExpertState:
-    """gemm_a2a's signaled state for this routing (built at its first use, then cached)."""
-    lay, parts = route.layout, route.parts(config.groups, n * torch.finfo(dtype).bits // 8)
-    describe = f"gemm_a2a(T={lay.tokens}, R={lay.rows}, H={n}, F={f}, ep={lay.ep}, L={lay.experts}, parts={parts})"
-    offsets = torch.tensor([0, _staging_rows(lay, n) * n], dtype=torch.int64)
-    return _state("gemm_a2a", combine_plan, route, n, config, parts, group, device, describe, offsets)
+def _combine_state(route: Routing, n: int, k: int, dtype, config, group, device) -> _ExpertState:
+    """gemm_a2a's signaled state for this routing (built at its first use, then cached). k, the inner size, does
+    not enter the plan (_dispatch_state's signature, for _backward_state)."""
+    parts = route.parts(config.groups, n * torch.finfo(dtype).bits // 8)
+    offsets = (0, _staging_rows(route.layout, n) * n)
+    return _state("gemm_a2a", combine_plan, route, n, config, parts, group, device, offsets)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -251,3 +251,23 @@ def _check_one_rank_moves_nothing(rank, world):
 
 def test_one_rank_moves_nothing():
     run_distributed(1, _check_one_rank_moves_nothing)
+
+
+def _check_routings_share_the_op(rank, world):
+    """A new routing builds its plan and table only: every routing's state of one op (same N, config, group) uses
+    the op's one set of synchronisation words, and the results stay right as routings alternate."""
+    from overlap_tp.ops import expert
+    gen = torch.Generator().manual_seed(5 + rank)
+    w1 = torch.randn(L, N, H, generator=gen).to(torch.bfloat16)
+    routings = [torch.tensor([[3, 5, 0, 7], [6, 1, 4, 2]]), torch.tensor([[9, 0, 2, 2], [1, 8, 3, 0]])]
+    for counts in routings + routings:
+        x = torch.randn(int(counts[rank].sum()), H, generator=gen).to(torch.bfloat16)
+        got = a2a_gemm(x, counts, w1, config=CONFIGS[2])
+        want = a2a_gemm(x, counts, w1, config=CONFIGS[0])
+        assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+    states = [s for key, s in expert._states.items() if key[0] == "a2a_gemm" and key[3] == N]
+    assert len(states) >= 2 and all(s.words is states[0].words for s in states)
+
+
+def test_routings_share_the_ops_words():
+    run_distributed(2, _check_routings_share_the_op)
