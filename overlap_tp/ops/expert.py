@@ -44,12 +44,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from overlap_tp.kernels.expert_row_tiles import dispatch_row_tiles
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, tma_unsupported_reason, weight_layout
 from overlap_tp.ops import comm
 from overlap_tp.ops.common import check_not_capturing, gemm_programs, warn_once
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
 from overlap_tp.ops.moe_tile_plan import Layout, combine_plan, dispatch_plan, layout, parts_per_peer
-from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS
+from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS, RASTER_GROUP_M
 from overlap_tp.ops.watchdog import Watched
 
 # offsets between the staging matrix and z are used as 16-element aligned by the kernel (16-byte stores)
@@ -233,13 +234,21 @@ class _ExpertState:
     the same counts (static routing: capacity factor with padding) reuse it, which is what lets them be captured
     in a CUDA graph."""
 
-    def __init__(self, kind, plan, op: _ExpertOp, device, config, offsets=None):
+    def __init__(self, kind, plan, op: _ExpertOp, device, config, counts, offsets=None):
         check_not_capturing(device, f"{kind} with new routing counts")
         self.plan, self.words, self.watched, self.gemm_first = plan, op.words, op.watched, op.gemm_first
         used = len(plan.exchanges) if kind == "a2a_gemm" else len(plan.group_tiles)
         assert used <= self.words.numel(), (kind, used, self.words.numel())
         self.flags = self.words[:used]   # a2a_gemm: the flags this plan raises, lowered behind its GEMM
-        self.tiles = plan.tiles.to(lambda table: host_table_to(table, device))
+        if kind == "a2a_gemm" and device.type == "cuda":
+            # the dispatch's table is needed at once (the GPU waits for its GEMM): built on the GPU from the counts,
+            # one small copy and one launch, where the host's numpy build and the table's copy took ~0.3 ms
+            n_tiles = -(-plan.n // plan.block_n)
+            self.tiles = dispatch_row_tiles(host_table_to(counts, device), plan.layout.rank, plan.layout.experts,
+                                            plan.parts, plan.block_m, plan.num_tiles // n_tiles, n_tiles,
+                                            RASTER_GROUP_M)
+        else:   # the combine's table: built while the GPU runs the dispatch's GEMM
+            self.tiles = plan.tiles.to(lambda table: host_table_to(table, device))
         if kind == "a2a_gemm":
             self.gemm = SignaledGemm(self.tiles, op.programs, config, flags=self.words if plan.exchanges else None,
                                      wait_target=1)
@@ -320,7 +329,7 @@ def _state(kind, plan_fn, route: Routing, n, config, parts, group, device, offse
         kind, config, device, f"{kind}(N={n}, ep={lay.ep}, L={lay.experts})"), MAX_OPS)
     key = (kind, group, route.key, n, config, parts, device, offsets)
     return _cached(_states, key, lambda: _ExpertState(
-        kind, plan_fn(lay, n, config.block_m, config.block_n, parts), op, device, config,
+        kind, plan_fn(lay, n, config.block_m, config.block_n, parts), op, device, config, route.counts,
         None if offsets is None else torch.tensor(offsets, dtype=torch.int64)), MAX_ROUTINGS)
 
 

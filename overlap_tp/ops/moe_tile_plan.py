@@ -97,12 +97,16 @@ class ExpertPlan:
     local: Tuple[int, int, int]               # a2a_gemm: x rows [lo, hi) copied to xr rows from the third
     exchanges: Tuple[Exchange, ...]           # per chunk (a2a_gemm) or group (gemm_a2a), in order
     staging_rows: int                         # gemm_a2a: rows of the staging matrix (the remote blocks)
-    tiles: RowTiles                           # the row tiles of every group, in order (kernels/signaled_gemm.py)
     group_tiles: Tuple[int, ...]              # a2a_gemm: tiles waiting on each flag; gemm_a2a: per counter
+    num_tiles: int                            # the GEMM's tiles (row tiles x N-tiles)
 
-    @property
-    def num_tiles(self) -> int:
-        return self.tiles.num_tiles
+    @functools.cached_property
+    def tiles(self) -> RowTiles:
+        """The row tiles of every group, in order (kernels/signaled_gemm.py), built on the host at the first use: the
+        signaled dispatch on a GPU builds its table there instead (kernels/expert_row_tiles.py), from counts on
+        the device, so a new routing's plan does not wait for this."""
+        build = _dispatch_table if self.op == "a2a_gemm" else _combine_table
+        return build(self.layout, self.n, self.block_m, self.block_n, self.parts)
 
     @functools.cached_property
     def gemm_groups(self) -> Tuple[Tuple[Piece, ...], ...]:
@@ -207,7 +211,7 @@ def _plan_tiles(lay: Layout, tiles: ReceivedTiles, group, order_group, dst_row, 
                 block_n: int):
     """The plan's RowTiles from the received row tiles and their fields (arrays, one per row tile): run in the
     order of order_group, then peer (this rank's own rows first, then rank+1, rank+2, ...), then place in the
-    block. Returns (RowTiles, tiles per group, the groups' pieces for the decomposed method)."""
+    block."""
     peer = (tiles.source - lay.rank) % lay.ep
     order = np.lexsort((tiles.index, peer, order_group))
     table = np.empty((order.size, TILE_FIELDS), dtype=np.int32)
@@ -217,8 +221,7 @@ def _plan_tiles(lay: Layout, tiles: ReceivedTiles, group, order_group, dst_row, 
     table[:, WAIT], table[:, EXPERT] = wait[order], tiles.expert[order]
     starts = np.zeros(groups + 1, dtype=np.int32)
     np.cumsum(np.bincount(order_group, minlength=groups), out=starts[1:])
-    row_tiles = RowTiles(torch.from_numpy(table), torch.from_numpy(starts), -(-n // block_n), RASTER_GROUP_M)
-    return row_tiles, row_tiles.group_tiles()
+    return RowTiles(torch.from_numpy(table), torch.from_numpy(starts), -(-n // block_n), RASTER_GROUP_M)
 
 
 def _pieces(table: np.ndarray, starts: np.ndarray):
@@ -238,27 +241,38 @@ def _pieces(table: np.ndarray, starts: np.ndarray):
     return tuple(tuple(Piece(*run) for run in runs[a:b]) for a, b in zip(run_starts, run_starts[1:]))
 
 
+def part_tiles(lay: Layout, block_m: int, parts: int):
+    """(row tiles of each received block, per block the row tiles of each of its parts): what the plans' tile counts
+    need, in plain Python over the [ep, L] segments (the tables themselves: _dispatch_table, _combine_table)."""
+    block = [sum(-(-rows // block_m) for rows in lay.expert_rows(s, lay.rank)) for s in range(lay.ep)]
+    return block, [[b // parts + (c < b % parts) for c in range(parts)] for b in block]
+
+
 def dispatch_plan(lay: Layout, n: int, block_m: int, block_n: int, parts: int) -> ExpertPlan:
     """a2a_gemm on rank lay.rank: y[R, n] over xr; see the module docstring. GEMM groups: the local block (no
     wait), then chunk c = part c of every remote block (waits on ready flag c)."""
     rank = lay.rank
     peers = [(rank + i) % lay.ep for i in range(1, lay.ep)]
     chunks = parts if peers else 0
-    tiles = received_tiles(lay, block_m, parts)
-    local = tiles.source == rank
-    zeros = np.zeros_like(tiles.lo)
-    order_group = np.where(local, 0, 1 + tiles.part)
-    wait = np.where(local, NO_WAIT, tiles.part)
-    row_tiles, group_tiles = _plan_tiles(lay, tiles, zeros, order_group, tiles.lo, zeros, wait,
-                                                      1 + chunks, n, block_n)
+    n_tiles = -(-n // block_n)
+    block, sizes = part_tiles(lay, block_m, parts)
     send_bounds = {d: part_bounds(lay.expert_rows(rank, d), block_m, parts) for d in peers}
     recv_bounds = {s: part_bounds(lay.expert_rows(s, rank), block_m, parts) for s in peers}
     exchanges = tuple(_exchange([(d, lay.x_offsets[d], send_bounds[d], c) for d in peers],
                                 [(s, lay.xr_offsets[s], recv_bounds[s], c) for s in peers]) for c in range(chunks))
     y0 = lay.xr_offsets[rank]
     local_rows = (lay.x_offsets[rank], lay.x_offsets[rank] + lay.x_splits[rank], y0)
-    return ExpertPlan("a2a_gemm", lay, n, block_m, block_n, parts, local_rows, exchanges, 0, row_tiles,
-                      tuple(group_tiles[1:]))
+    group_tiles = tuple(sum(sizes[s][c] for s in peers) * n_tiles for c in range(chunks))
+    return ExpertPlan("a2a_gemm", lay, n, block_m, block_n, parts, local_rows, exchanges, 0, group_tiles,
+                      sum(block) * n_tiles)
+
+
+def _dispatch_table(lay: Layout, n: int, block_m: int, block_n: int, parts: int) -> RowTiles:
+    tiles = received_tiles(lay, block_m, parts)
+    local = tiles.source == lay.rank
+    zeros = np.zeros_like(tiles.lo)
+    return _plan_tiles(lay, tiles, zeros, np.where(local, 0, 1 + tiles.part), tiles.lo, zeros,
+                       np.where(local, NO_WAIT, tiles.part), 1 + (parts if lay.ep > 1 else 0), n, block_n)
 
 
 def combine_plan(lay: Layout, n: int, block_m: int, block_n: int, parts: int) -> ExpertPlan:
@@ -268,23 +282,29 @@ def combine_plan(lay: Layout, n: int, block_m: int, block_n: int, parts: int) ->
     peers = [(rank + i) % lay.ep for i in range(1, lay.ep)]
     groups = parts if peers else 0
     local_rows = lay.xr_splits[rank]
+    n_tiles = -(-n // block_n)
+    block, sizes = part_tiles(lay, block_m, parts)
+    staged = {d: lay.xr_offsets[d] - (local_rows if d > rank else 0) for d in peers}   # block d's staging row
+    send_bounds = {d: part_bounds(lay.expert_rows(d, rank), block_m, parts) for d in peers}
+    recv_bounds = {s: part_bounds(lay.expert_rows(rank, s), block_m, parts) for s in peers}
+    exchanges = tuple(_exchange([(d, staged[d], send_bounds[d], g) for d in peers],
+                                [(s, lay.x_offsets[s], recv_bounds[s], g) for s in peers]) for g in range(groups))
+    group_tiles = tuple(sum(sizes[s][g] for s in peers) * n_tiles for g in range(groups)) + (block[rank] * n_tiles,)
+    return ExpertPlan("gemm_a2a", lay, n, block_m, block_n, parts, (0, 0, 0), exchanges, lay.rows - local_rows,
+                      group_tiles, sum(block) * n_tiles)
+
+
+def _combine_table(lay: Layout, n: int, block_m: int, block_n: int, parts: int) -> RowTiles:
+    rank, groups = lay.rank, parts if lay.ep > 1 else 0
     tiles = received_tiles(lay, block_m, parts)
     local = tiles.source == rank
     group = np.where(local, groups, tiles.part)
     # remote rows keep their h row in the staging matrix, less the local block where it precedes them; local rows
     # go to their token's row of z
     dst_row = np.where(local, tiles.lo - lay.xr_offsets[rank] + lay.x_offsets[rank],
-                       tiles.lo - np.where(tiles.source > rank, local_rows, 0))
-    dst_buf = np.where(local, OUTPUT, STAGING)
-    row_tiles, group_tiles = _plan_tiles(lay, tiles, group, group, dst_row, dst_buf,
-                                                      np.full_like(tiles.lo, NO_WAIT), groups + 1, n, block_n)
-    staged = {d: lay.xr_offsets[d] - (local_rows if d > rank else 0) for d in peers}   # block d's staging row
-    send_bounds = {d: part_bounds(lay.expert_rows(d, rank), block_m, parts) for d in peers}
-    recv_bounds = {s: part_bounds(lay.expert_rows(rank, s), block_m, parts) for s in peers}
-    exchanges = tuple(_exchange([(d, staged[d], send_bounds[d], g) for d in peers],
-                                [(s, lay.x_offsets[s], recv_bounds[s], g) for s in peers]) for g in range(groups))
-    return ExpertPlan("gemm_a2a", lay, n, block_m, block_n, parts, (0, 0, 0), exchanges,
-                      lay.rows - local_rows, row_tiles, tuple(group_tiles))
+                       tiles.lo - np.where(tiles.source > rank, lay.xr_splits[rank], 0))
+    return _plan_tiles(lay, tiles, group, group, dst_row, np.where(local, OUTPUT, STAGING),
+                       np.full_like(tiles.lo, NO_WAIT), groups + 1, n, block_n)
 
 
 def _exchange(sends, recvs) -> Exchange:

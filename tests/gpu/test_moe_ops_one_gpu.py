@@ -122,3 +122,26 @@ def _check_routings_share_kernels(rank, world):
 
 def test_new_routings_launch_the_shared_compiled_kernel():
     run_distributed(1, _check_routings_share_kernels, backend="nccl")
+
+
+def test_dispatch_table_built_on_the_gpu_matches_the_host_table():
+    """The compiled dispatch-table kernel (kernels/expert_row_tiles.py) against the host's table, row for row, at
+    EP 1 to 8 (the table depends on the counts and the rank only, so one GPU checks every rank's), with segments of
+    up to thousands of rows, empty experts and ranks, and 1 to 5 parts per peer."""
+    from overlap_tp.kernels.expert_row_tiles import dispatch_row_tiles
+    from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout, part_tiles
+    gen = torch.Generator().manual_seed(7)
+    for ep, experts in ((1, 4), (2, 4), (4, 8), (8, 8), (8, 2)):
+        for trial in range(4):
+            counts = torch.randint(0, 3000, (ep, ep * experts), generator=gen) * (torch.rand(ep, ep * experts,
+                                                                                              generator=gen) > 0.2)
+            if trial == 1:
+                counts[:, :experts] = 0      # rank 0 receives nothing
+            for rank in range(ep):
+                for block_m, parts in ((128, 1 + trial), (64, 5 - trial)):
+                    lay = layout(counts, rank)
+                    want = dispatch_plan(lay, 14336, block_m, 128, parts).tiles
+                    got = dispatch_row_tiles(counts.cuda(), rank, experts, parts, block_m,
+                                             sum(part_tiles(lay, block_m, parts)[0]), want.n_tiles, want.raster_m)
+                    assert torch.equal(got.starts.cpu(), want.starts), (ep, experts, trial, rank, block_m, parts)
+                    assert torch.equal(got.rows.cpu(), want.rows), (ep, experts, trial, rank, block_m, parts)

@@ -57,7 +57,9 @@ def check_tiles(plan, dst_shapes, owner):
     of every destination buffer and, per tile, (its source rows, destination buffer, destination rows)."""
     writes = [torch.zeros(shape, dtype=torch.int64) for shape in dst_shapes]
     stores = []
-    for tile in plan.tiles.expanded(plan.block_n).tolist():
+    expanded = plan.tiles.expanded(plan.block_n).tolist()
+    assert plan.num_tiles == len(expanded) == plan.tiles.num_tiles   # the plan's count, without the table
+    for tile in expanded:
         src, end = tile[SRC_ROW], tile[SRC_ROW_END]
         assert 0 < end - src <= plan.block_m and tile[COL] == tile[DST_COL] and 0 <= tile[COL] < N
         assert tile[COL] % BLOCK_N == 0

@@ -46,6 +46,7 @@ timed(signaled_gemm.SignaledGemm, "__call__", "SignaledGemm launch")
 timed(comm.CommEngine, "transfers_then_gemm")
 timed(comm.CommEngine, "gemm_then_collectives")
 timed(moe_tile_plan, "received_tiles")
+timed(expert, "dispatch_row_tiles", "dispatch table on the GPU")
 cycles = sleep_cycles_per_ms()
 hidden, ffn = 4096, 14336
 for local in (4, 32):
