@@ -2,8 +2,8 @@
 # top-2, 4 experts, H 4096, F 14336) against the per-expert cuBLAS GEMMs, uniform and Zipf(1.2) routing, for several
 # tile shapes and raster runs: where session 14-15's zipf gap (the grouped GEMM 0.93x of cuBLAS) comes from.
 # CUDA-graph replays of 5 calls each, median of 7 rounds, every variant interleaved within a round.
-#   python3 docs/perf/scripts/probe_expert_gemm_tiles.py
-import dataclasses, statistics
+#   python3 docs/perf/scripts/probe_expert_gemm_tiles.py [--raster 1,8,32] [--tiles all|default]
+import argparse, dataclasses, statistics
 import torch
 from overlap_tp import OverlapConfig
 from overlap_tp.bench.moe import routing_counts
@@ -16,7 +16,13 @@ dev = torch.device("cuda", 0)
 TILES = {"128x256x64/3/8 (default)": dict(), "128x128x64/4/4": dict(block_n=128, num_stages=4, num_warps=4),
          "256x128x64/3/8": dict(block_m=256, block_n=128), "128x256x64/4/8": dict(num_stages=4),
          "64x256x64/4/4": dict(block_m=64, num_stages=4, num_warps=4)}
-RASTER = (1, 8, 32)
+p = argparse.ArgumentParser()
+p.add_argument("--raster", default="1,8,32")
+p.add_argument("--tiles", default="all", choices=("all", "default"))
+args = p.parse_args()
+RASTER = tuple(map(int, args.raster.split(",")))
+if args.tiles == "default":
+    TILES = {name: tile for name, tile in TILES.items() if "default" in name}
 
 
 def graph_ms(fn, calls=5, rounds=7):

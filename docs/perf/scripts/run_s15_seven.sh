@@ -2,5 +2,7 @@
 # cuBLAS at EP 1, uniform and zipf (scripts/probe_expert_gemm_tiles.py): where the zipf gap comes from.
 source docs/perf/scripts/setup_device.sh
 workdir s15_seven
-step tiles 560 python3 $REPO/docs/perf/scripts/probe_expert_gemm_tiles.py
-grep -v -i warn $W/tiles.out | head -80
+[[ -n $SKIP_TILES ]] || step tiles 560 python3 $REPO/docs/perf/scripts/probe_expert_gemm_tiles.py
+[[ -n $SKIP_TILES ]] || grep -v -i warn $W/tiles.out | head -80
+step raster 300 python3 $REPO/docs/perf/scripts/probe_expert_gemm_tiles.py --tiles default --raster 8,16,32,64,128
+grep -v -i warn $W/raster.out | head -40
