@@ -49,8 +49,8 @@ from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, tma_
 from overlap_tp.ops import comm
 from overlap_tp.ops.common import check_not_capturing, gemm_programs, warn_once
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
-from overlap_tp.ops.moe_tile_plan import Layout, combine_plan, dispatch_plan, layout, parts_per_peer
-from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS, RASTER_GROUP_M
+from overlap_tp.ops.moe_tile_plan import EXPERT_RASTER_M, Layout, combine_plan, dispatch_plan, layout, parts_per_peer
+from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS
 from overlap_tp.ops.watchdog import Watched
 
 # offsets between the staging matrix and z are used as 16-element aligned by the kernel (16-byte stores)
@@ -246,7 +246,7 @@ class _ExpertState:
             n_tiles = -(-plan.n // plan.block_n)
             self.tiles = dispatch_row_tiles(host_table_to(counts, device), plan.layout.rank, plan.layout.experts,
                                             plan.parts, plan.block_m, plan.num_tiles // n_tiles, n_tiles,
-                                            RASTER_GROUP_M)
+                                            EXPERT_RASTER_M)
         else:   # the combine's table: built while the GPU runs the dispatch's GEMM
             self.tiles = plan.tiles.to(lambda table: host_table_to(table, device))
         if kind == "a2a_gemm":

@@ -40,10 +40,14 @@ import torch
 
 from overlap_tp.kernels.signaled_gemm import RowTiles
 from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, EXPERT, GROUP, MAX_AUTO_GROUPS, NO_WAIT,
-                                      RASTER_GROUP_M, SRC_ROW, SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, WAIT)
+                                      SRC_ROW, SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, WAIT)
 
 # gemm_a2a's destination buffers (the tiles' DST_BUF): the staging matrix and the output z
 STAGING, OUTPUT = 0, 1
+# The grouped GEMMs' raster run (RowTiles.raster_m: row tiles per run, the N-tile outer within it). At Mixtral's
+# per-rank shapes runs of 32 beat the dense plans' 8 by 2-4% on fc1 and fc2, uniform and zipf routing alike, and
+# 128 loses 3-7% (docs/perf/s15/README.md, scripts/probe_expert_gemm_tiles.py)
+EXPERT_RASTER_M = 32
 
 
 class Piece(NamedTuple):
@@ -221,7 +225,7 @@ def _plan_tiles(lay: Layout, tiles: ReceivedTiles, group, order_group, dst_row, 
     table[:, WAIT], table[:, EXPERT] = wait[order], tiles.expert[order]
     starts = np.zeros(groups + 1, dtype=np.int32)
     np.cumsum(np.bincount(order_group, minlength=groups), out=starts[1:])
-    return RowTiles(torch.from_numpy(table), torch.from_numpy(starts), -(-n // block_n), RASTER_GROUP_M)
+    return RowTiles(torch.from_numpy(table), torch.from_numpy(starts), -(-n // block_n), EXPERT_RASTER_M)
 
 
 def _pieces(table: np.ndarray, starts: np.ndarray):

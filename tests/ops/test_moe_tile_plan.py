@@ -5,7 +5,8 @@ import random
 import pytest
 import torch
 
-from overlap_tp.ops.moe_tile_plan import OUTPUT, STAGING, combine_plan, dispatch_plan, layout, part_bounds, parts_per_peer
+from overlap_tp.ops.moe_tile_plan import (EXPERT_RASTER_M, OUTPUT, STAGING, combine_plan, dispatch_plan, layout, part_bounds,
+                                         parts_per_peer)
 from overlap_tp.kernels.signaled_gemm import RowTiles
 from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M,
                                       SRC_ROW, SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, EXPERT, WAIT, raster)
@@ -224,16 +225,18 @@ def test_part_bounds():
 def test_row_tiles_expand_in_plan_raster_order_within_each_group():
     # groups of 0, 1, 3, 8, 17 and 16 row tiles: each group's tiles are its (row tile, N-tile) pairs in
     # tile_plan.raster's order, the groups one after another (what the kernel's ROW_TILES mode walks)
-    for n_tiles in (1, 3, 5, 16):
-        sizes = [0, 1, 3, 8, 17, 16]
+    for n_tiles, raster_m in ((1, RASTER_GROUP_M), (3, RASTER_GROUP_M), (5, 4), (16, RASTER_GROUP_M),
+                              (3, EXPERT_RASTER_M)):
+        sizes = [0, 1, 3, 8, 17, 16, 40]
         starts = [0]
         for size in sizes:
             starts.append(starts[-1] + size)
         rows = torch.zeros(starts[-1], TILE_FIELDS, dtype=torch.int32)
         rows[:, SRC_ROW] = torch.arange(starts[-1], dtype=torch.int32)     # row tile r's own index
-        table = RowTiles(rows, torch.tensor(starts, dtype=torch.int32), n_tiles, RASTER_GROUP_M)
+        table = RowTiles(rows, torch.tensor(starts, dtype=torch.int32), n_tiles, raster_m)
         expanded = table.expanded(BLOCK_N)
-        want = [(starts[g] + r, c * BLOCK_N) for g, size in enumerate(sizes) for r, c in raster(size, n_tiles)]
+        want = [(starts[g] + r, c * BLOCK_N) for g, size in enumerate(sizes)
+                for r, c in raster(size, n_tiles, raster_m)]
         assert list(zip(expanded[:, SRC_ROW].tolist(), expanded[:, COL].tolist())) == want
         assert expanded[:, DST_COL].tolist() == expanded[:, COL].tolist()
         assert table.num_tiles == len(want) and table.group_tiles() == [size * n_tiles for size in sizes]
