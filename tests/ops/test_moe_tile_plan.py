@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from overlap_tp.ops.moe_tile_plan import (EXPERT_RASTER_M, OUTPUT, STAGING, combine_plan, dispatch_plan, layout, part_bounds,
-                                         parts_per_peer)
+from overlap_tp.ops.moe_tile_plan import (EXPERT_RASTER_M, OUTPUT, STAGING, combine_plan, dispatch_plan, layout,
+                                         part_bounds, parts_per_peer)
 from overlap_tp.kernels.signaled_gemm import RowTiles
 from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M,
                                       SRC_ROW, SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, EXPERT, WAIT, raster)
