@@ -2,7 +2,8 @@
 # top-2, 4 experts, H 4096, F 14336) against the per-expert cuBLAS GEMMs, uniform and Zipf(1.2) routing, for several
 # tile shapes and raster runs: where session 14-15's zipf gap (the grouped GEMM 0.93x of cuBLAS) comes from.
 # CUDA-graph replays of 5 calls each, median of 7 rounds, every variant interleaved within a round.
-#   python3 docs/perf/scripts/probe_expert_gemm_tiles.py [--raster 1,8,32] [--tiles all|default]
+# --dgrad: the backward's grouped dgrad GEMMs instead (dy @ w[l], the weights read transposed in place: W_KN).
+#   python3 docs/perf/scripts/probe_expert_gemm_tiles.py [--raster 1,8,32] [--tiles all|default] [--dgrad]
 import argparse, dataclasses, statistics
 import torch
 from overlap_tp import OverlapConfig
@@ -19,6 +20,7 @@ TILES = {"128x256x64/3/8 (default)": dict(), "128x128x64/4/4": dict(block_n=128,
 p = argparse.ArgumentParser()
 p.add_argument("--raster", default="1,8,32")
 p.add_argument("--tiles", default="all", choices=("all", "default"))
+p.add_argument("--dgrad", action="store_true")
 args = p.parse_args()
 RASTER = tuple(map(int, args.raster.split(",")))
 if args.tiles == "default":
@@ -43,12 +45,17 @@ def graph_ms(fn, calls=5, rounds=7):
     return one
 
 
-for op, k, n in (("fc1", 4096, 28672), ("fc2", 14336, 4096)):
+SHAPES = (("fc1 dgrad", 28672, 4096), ("fc2 dgrad", 4096, 14336)) if args.dgrad else (("fc1", 4096, 28672),
+                                                                                     ("fc2", 14336, 4096))
+for op, k, n in SHAPES:
     for routing in ("uniform", "zipf"):
         counts = routing_counts(8192, 4, 1, routing)
         lay = layout(counts, 0)
         a = torch.randn(lay.rows, k, device=dev, dtype=torch.bfloat16)
-        w = torch.randn(4, n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
+        if args.dgrad:   # the forward's weight [L, K, N] (nn.Linear layout of the forward), read as its transpose
+            w = (torch.randn(4, k, n, device=dev, dtype=torch.bfloat16) / k ** 0.5).transpose(1, 2)
+        else:
+            w = torch.randn(4, n, k, device=dev, dtype=torch.bfloat16) / k ** 0.5
         out = torch.empty(lay.rows, n, device=dev, dtype=torch.bfloat16)
         runs = {"cuBLAS per expert": graph_ms(lambda: expert_mm(a, w, lay.segments, (out,)))}
         for name, tile in TILES.items():
