@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from overlap_tp.kernels.launch import DirectKernel
 from overlap_tp.kernels.signaled_gemm import INTERPRET, load_acquire
 
 GRACE_NS = tl.constexpr(2_000_000_000)   # from the mailbox record to the trap: the host's watchdog polls every <= 0.5 s
@@ -72,8 +73,8 @@ def deadline_wait_kernel(word_ptr, target, timeout_s, mailbox_ptr, code, INTERPR
 
 
 class DeadlineWait:
-    """deadline_wait_kernel on one device, compiled once by prepare() and then launched directly (as SumSlots
-    and SignaledGemm are) on any stream, with raw addresses for the word and the mailbox."""
+    """deadline_wait_kernel on one device, compiled once by prepare() and then launched as a DirectKernel (as
+    SumSlots and SignaledGemm are) on any stream, with the word's raw address."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -83,11 +84,10 @@ class DeadlineWait:
         """Compile (eagerly, never under capture) by running one wait that passes at once."""
         if self.kernel is None and not INTERPRET:
             scratch = torch.ones(1, dtype=torch.int32, device=self.device)
-            self.kernel = deadline_wait_kernel[(1,)](scratch, 1, 0.0, mailbox, 0, INTERPRET, num_warps=1)
+            self.kernel = DirectKernel(deadline_wait_kernel[(1,)](scratch, 1, 0.0, mailbox, 0, INTERPRET, num_warps=1))
             torch.cuda.synchronize(self.device)
 
     def __call__(self, stream: int, word: int, target: int, timeout_s: float, mailbox: torch.Tensor, code: int):
         """On `stream`: wait until the int32 at device address `word` == target, then reset it to 0; past
         timeout_s report `code` into `mailbox` (int64, pinned host memory) and trap."""
-        self.kernel.run(1, 1, 1, stream, self.kernel.function, self.kernel.packed_metadata, None, None, None,
-                        word, target, float(timeout_s), mailbox, code, INTERPRET)
+        self.kernel(1, stream, word, target, float(timeout_s), mailbox, code, INTERPRET)

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from overlap_tp.kernels.launch import DirectKernel
 from overlap_tp.kernels.signaled_gemm import (COL, DST_BUF, DST_COL, DST_ROW, EXPERT, GROUP, INTERPRET, NO_WAIT,
                                               SRC_ROW, SRC_ROW_END, TILE_FIELDS, WAIT, RowTiles)
 
@@ -104,7 +105,7 @@ BLOCK_T = 128
 
 class DispatchRowTiles:
     """dispatch_row_tiles_kernel for one device: compiled at its first launch for a (BLOCK_M, ep, L, parts) size
-    class, then launched directly (no argument is specialized, so one binary serves every routing)."""
+    class, then launched as a DirectKernel (no argument is specialized, so one binary serves every routing)."""
 
     def __init__(self):
         self._compiled = {}
@@ -124,10 +125,10 @@ class DispatchRowTiles:
         if kernel is None:
             compiled = dispatch_row_tiles_kernel[(ep,)](*args, *constexprs, num_warps=4)
             if not INTERPRET:
-                self._compiled[counts.device, constexprs] = compiled
+                self._compiled[counts.device, constexprs] = DirectKernel(compiled)
         else:
-            kernel.run(ep, 1, 1, torch._C._cuda_getCurrentRawStream(counts.device.index), kernel.function,
-                       kernel.packed_metadata, None, None, None, *args, *constexprs)
+            kernel(ep, torch._C._cuda_getCurrentRawStream(counts.device.index), counts.data_ptr(), rows.data_ptr(),
+                   starts.data_ptr(), *args[3:], *constexprs)
         return RowTiles(rows, starts, n_tiles, raster_m)
 
 

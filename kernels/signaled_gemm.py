@@ -42,6 +42,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from overlap_tp.kernels.launch import DirectKernel
+
 
 # The plan table (built by overlap_tp/ops/tile_plan.py), one row per tile in execution order: source rows
 # [src_row, src_row_end) (the end stops a tile at its region's boundary), source/destination column,
@@ -327,7 +329,6 @@ def _launch_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_ro
 
 _CONSTEXPRS = ("HAS_BIAS", "SIGNAL", "WAIT", "INTERPRETED", "W_KN", "TILE_FIELDS", "BLOCK_M", "BLOCK_N", "BLOCK_K",
                "NUM_PROGRAMS", "ROW_TILES", "RASTER_M", "MAX_GROUPS")
-_W_KN_ARG = _CONSTEXPRS.index("W_KN") - len(_CONSTEXPRS)   # its place in _launch_args' arguments, from the end
 
 
 def _jit_launch(grid, args, options):
@@ -361,15 +362,17 @@ def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, b
 
 
 class SignaledGemm:
-    """The signaled GEMM of one plan, launched without Triton's JIT dispatch.
+    """The signaled GEMM of one plan, launched without Triton's launch path (kernels/launch.py).
 
-    Triton's launch path binds and specializes every argument and looks the kernel up by that key on every
-    call (~25 us of host time per launch on the H200 hosts, docs/perf/host_cost.md). A plan's launches differ
-    only in their tensors, so this keeps the compiled kernel of each variant (bias or not, weight layout, the
-    destination's 16-byte alignment and row stride: what Triton specializes on that a call can change) and
-    launches it directly. The first launch of a variant looks the compiled kernel up by Triton's own specialization
-    key, shared by every SignaledGemm (_shared_kernel), or goes through the JIT, which compiles it. Under the CPU
-    interpreter every launch goes through the JIT (there is no compiled kernel)."""
+    Triton's JIT binds and specializes every argument and looks the kernel up by that key on every call (~25 us of
+    host time per launch on the H200 hosts, docs/perf/host_cost.md), and its launcher re-encodes both TMA
+    descriptors per launch. A plan's launches differ only in their tensors, so this keeps, per variant (bias or not,
+    weight layout, the destination's 16-byte alignment and row stride: what Triton specializes on that a call can
+    change), the compiled kernel as a DirectKernel and the launcher's arguments with every plan-owned tensor already
+    a pointer; a launch fills in a, w, dst and bias (descriptors from the kernel's cache) and calls the C launcher.
+    The first launch of a variant looks the compiled kernel up by Triton's own specialization key, shared by every
+    SignaledGemm (_shared_kernel), or goes through the JIT, which compiles it. Under the CPU interpreter every
+    launch goes through the JIT (there is no compiled kernel)."""
 
     def __init__(self, tiles, num_programs, config, *, counters=None, bias_rows=(0, 0), dst_offsets=None, flags=None,
                  wait_target=0):
@@ -377,36 +380,61 @@ class SignaledGemm:
         self.counters, self.bias_rows, self.dst_offsets = counters, bias_rows, dst_offsets
         self.flags, self.wait_target = flags, wait_target
         self.device_index = (tiles.rows if isinstance(tiles, RowTiles) else tiles).device.index
-        self._compiled = {}
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        self._boxes = ([bm, bk], [bk, bn], [bn, bk])   # a; w read as [.., K, N] ("kn"); w as [.., N, K]
+        self._variants = {}
 
     def __call__(self, a, w, dst, bias=None):
-        grid, args, options = _launch_args(a, w, dst, self.tiles, self.counters, self.num_programs, self.config, bias,
-                                           self.bias_rows, self.dst_offsets, self.flags, self.wait_target)
-        if INTERPRET:
-            _jit_launch(grid, args, options)
+        layout = weight_layout(w)
+        if INTERPRET or layout is None:   # None: _launch_args' descriptor raises Triton's own error
+            _jit_launch(*self._launch_args(a, w, dst, bias))
             return
-        variant = (bias is not None, args[_W_KN_ARG], dst.data_ptr() % 16 == 0,
-                   bias is None or bias.data_ptr() % 16 == 0, dst.stride(0))
-        kernel = self._compiled.get(variant)
-        if kernel is None:
-            kernel = self._compiled[variant] = _shared_kernel(self.device_index, grid, args, options)
+        variant = (bias is not None, layout, dst.data_ptr() % 16 == 0, bias is None or bias.data_ptr() % 16 == 0,
+                   dst.stride(0))
+        found = self._variants.get(variant)
+        if found is None:
+            grid, args, options = self._launch_args(a, w, dst, bias)
+            kernel = _shared_kernel(self.device_index, grid, args, options)
             if kernel is None:   # compiled and launched by the JIT
-                del self._compiled[variant]
                 return
-        kernel.run(grid, 1, 1, torch._C._cuda_getCurrentRawStream(self.device_index), kernel.function,
-                   kernel.packed_metadata, None, None, None, *args)
+            # the launcher's arguments after the two descriptors, tensors as pointers: dst at 0, bias at 3
+            rest = [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args[2:]]
+            found = self._variants[variant] = (kernel, grid, rest)
+        kernel, grid, rest = found
+        rest = rest.copy()
+        rest[0] = dst.data_ptr()
+        rest[3] = bias.data_ptr() if bias is not None else rest[0]
+        box_a, box_kn, box_nk = self._boxes
+        w_args = (kernel.tma(1, w, box_kn, _kn_rows) if layout == "kn" else kernel.tma(1, w, box_nk, _nk_rows))
+        kernel(grid, torch._C._cuda_getCurrentRawStream(self.device_index), *kernel.tma(0, a, box_a), *w_args, *rest)
+
+    def _launch_args(self, a, w, dst, bias):
+        return _launch_args(a, w, dst, self.tiles, self.counters, self.num_programs, self.config, bias,
+                            self.bias_rows, self.dst_offsets, self.flags, self.wait_target)
+
+
+def _nk_rows(w):
+    """The [L*N, K] matrix a row-major weight [.., N, K] is read as."""
+    return w.reshape(-1, w.shape[-1])
+
+
+def _kn_rows(w):
+    """The [L*K, N] matrix the transposed view of a row-major [.., K, N] is read as."""
+    rows = w.transpose(-2, -1)
+    return rows.reshape(-1, rows.shape[-1])
 
 
 # Compiled kernels by Triton's own specialization of the arguments, shared by every SignaledGemm of the process: the
 # expert ops make a SignaledGemm per routing (every step), whose first launch would otherwise go through the JIT's
-# dispatch (~180 us of host time on the H200 hosts, on the critical path after the routing arrives; docs/perf/s15).
+# dispatch (~180 us of host time on the H200 hosts, on the critical path after the routing arrives; docs/perf/s15),
+# and their weights' descriptors stay in the shared kernel's cache.
 _shared = {}
 
 
 def _shared_kernel(device_index: int, grid, args, options):
-    """The compiled kernel for these arguments: looked up by the key Triton's JIT would compute (its binder: argument
-    types, pointers' 16-byte alignment, integers equal to 1 or divisible by 16, the constexprs; and the options),
-    else compiled and launched through the JIT (returns None: the launch is done)."""
+    """The compiled kernel for these arguments as a DirectKernel: looked up by the key Triton's JIT would compute
+    (its binder: argument types, pointers' 16-byte alignment, integers equal to 1 or divisible by 16, the
+    constexprs; and the options), else compiled and launched through the JIT (returns None: the launch is done)."""
     binder = signaled_gemm_kernel.device_caches[device_index][-1]
     positional = args[:-len(_CONSTEXPRS)]
     constexprs = dict(zip(_CONSTEXPRS, args[-len(_CONSTEXPRS):]))
@@ -414,5 +442,5 @@ def _shared_kernel(device_index: int, grid, args, options):
     key = (device_index, tuple(specialization), tuple(sorted(options.items())))
     kernel = _shared.get(key)
     if kernel is None:
-        _shared[key] = _jit_launch(grid, args, options)
+        _shared[key] = DirectKernel(_jit_launch(grid, args, options))
     return kernel

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from overlap_tp.kernels.launch import DirectKernel
 from overlap_tp.kernels.signaled_gemm import INTERPRET
 
 BLOCK = 4096      # elements per program: 16 per thread at 8 warps (two 16-byte loads per slot)
@@ -39,8 +40,8 @@ def reference_sum_slots(slots: torch.Tensor) -> torch.Tensor:
 
 
 class SumSlots:
-    """sum_slots for one buffer shape, launched without Triton's JIT dispatch after the first call (as
-    SignaledGemm: the compiled kernel of each alignment variant is kept and run directly)."""
+    """sum_slots for one buffer shape, launched without Triton's launch path after the first call (as
+    SignaledGemm: the compiled kernel of each alignment variant is kept as a DirectKernel)."""
 
     def __init__(self, slots: int, numel: int):
         self.slots, self.numel = slots, numel
@@ -53,15 +54,15 @@ class SumSlots:
                              f"{tuple(slots.shape)} and out {tuple(out.shape)}")
         if not (slots.is_contiguous() and out.is_contiguous()) or out.dtype != slots.dtype:
             raise ValueError("sum_slots: slots and out must be contiguous and of the same dtype")
-        args = (slots, out, self.numel, self.slots, BLOCK)
-        variant = (slots.dtype, slots.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+        slots_ptr, out_ptr = slots.data_ptr(), out.data_ptr()
+        variant = (slots.dtype, slots_ptr % 16 == 0, out_ptr % 16 == 0)
         kernel = None if INTERPRET else self._compiled.get(variant)
         if kernel is None:
             compiled = sum_slots_kernel[(self.grid,)](slots, out, self.numel, SLOTS=self.slots, BLOCK=BLOCK,
                                                       num_warps=NUM_WARPS)
             if not INTERPRET:
-                self._compiled[variant] = compiled
+                self._compiled[variant] = DirectKernel(compiled)
             return out
-        kernel.run(self.grid, 1, 1, torch._C._cuda_getCurrentRawStream(out.device.index), kernel.function,
-                   kernel.packed_metadata, None, None, None, *args)
+        kernel(self.grid, torch._C._cuda_getCurrentRawStream(out.device.index), slots_ptr, out_ptr, self.numel,
+               self.slots, BLOCK)
         return out

@@ -3,10 +3,13 @@
 # At t = 1 a plan runs every piece of its t = 2 call except the per-peer driver calls (the p2p GEMM+RS: 6
 # stream memory operations per call at t = 2; the AllGather+GEMM's pulls: 3 + 1 copy per peer), whose cost
 # is measured here too (`memop us`), so the t = 2 host time is estimated as the t = 1 time + 6 memops.
-#   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile]
-import cProfile, io, pstats, statistics, sys, time
+# --ab: each plan's burst time again with its Triton kernels launched through CompiledKernel.run instead of the
+# DirectKernel path (kernels/launch.py), in the same process.
+#   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
+import cProfile, gc, io, pstats, statistics, sys, time
 import torch, torch.distributed as dist
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
+from overlap_tp.kernels.launch import DirectKernel
 from overlap_tp.ops import memops
 from overlap_tp.ops.ag_gemm import AgGemm
 from overlap_tp.ops.gemm_ar import GemmAR
@@ -56,6 +59,14 @@ def memop_us(n=200):
     return out
 
 
+def direct_launches(on: bool):
+    """Every DirectKernel of the process on the direct path (on) or through CompiledKernel.run; their count."""
+    kernels = [o for o in gc.get_objects() if isinstance(o, DirectKernel) and o._launch is not None]
+    for kernel in kernels:
+        kernel.direct = on
+    return len(kernels)
+
+
 def profile(fn, sets, n=60):
     for _ in range(3):
         fn(*sets[0])
@@ -91,6 +102,11 @@ for op, m, n, k in CASES:
            "host_api_us": host_us(lambda a, w: API[op](a, w, group, config=ours), sets),
            "host_off_us": host_us(lambda a, w: API[op](a, w, group, config=OFF), sets),
            "host_matmul_us": host_us(lambda a, w: a @ w.t(), sets)}
+    if "--ab" in sys.argv:
+        row["kernels"] = direct_launches(False)
+        row["burst_plan_run_us"] = burst_us(lambda a, w: plan(a, w), sets)
+        direct_launches(True)
+        row["burst_plan_direct_us"] = burst_us(lambda a, w: plan(a, w), sets)
     print(" ".join(f"{key}={value:.1f}" if isinstance(value, float) else f"{key}={value}"
                    for key, value in row.items()), flush=True)
     if "--profile" in sys.argv:

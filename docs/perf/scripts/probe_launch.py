@@ -1,17 +1,23 @@
-# Host cost of one signaled-GEMM launch and its pieces, on one GPU (no process group): the GPU is held by a
-# sleep kernel so every figure is the host's enqueue time. python3 docs/perf/scripts/probe_launch.py
+# Host cost of one signaled-GEMM launch (and the sum kernel's) by launch path, on ONE GPU without a process group:
+# the GPU is held by a sleep kernel so every figure is the host's enqueue time (median of rounds of 50 launches).
+# Paths: Triton's JIT (signaled_gemm()), CompiledKernel.run with TensorDescriptors and tensors (SignaledGemm
+# before kernels/launch.py), the DirectKernel (SignaledGemm today), and the direct launch with a descriptor-cache
+# miss on `a` every launch. Then the bits of each path compared (all must be equal) and a cProfile of the direct one.
+#   python3 docs/perf/scripts/probe_launch.py
 import cProfile, io, pstats, statistics, time
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 from overlap_tp import OverlapConfig
-from overlap_tp import ops as O
 from overlap_tp.kernels import signaled_gemm as S
+from overlap_tp.kernels.sum_slots import SumSlots
+from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.tile_plan import make_plan
 
 dev = torch.device("cuda", 0)
+torch.cuda.set_device(dev)
 SLEEP = int(2e8)
 
 
-def host_us(fn, n=50, rounds=7):
+def host_us(fn, n=50, rounds=9):
     vals = []
     for _ in range(rounds):
         torch.cuda.synchronize()
@@ -20,63 +26,101 @@ def host_us(fn, n=50, rounds=7):
         for _ in range(n):
             fn()
         vals.append((time.perf_counter() - t0) / n * 1e6)
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
     return statistics.median(vals)
 
 
-M, K, N, t = 4096, 2048, 4096, 2          # l8b.proj.s4096 at TP 2 (gemm_rs's GEMM)
-a = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 45
-c = OverlapConfig(method="signal")
-state = O.plan_state(c.schedule, M, N, t, c, 2, dev)
-staging = torch.empty(state.plan.staging_shape, dtype=a.dtype, device=dev)
-progs = O.gemm_programs(dev, c)
-
-
-def launch():
-    S.signaled_gemm(a, w, staging, state.tiles, state.counters, progs, c)
-
-
-launch()
-torch.cuda.synchronize()
-bm, bn, bk = c.block_m, c.block_n, c.block_k
-a_desc, w_desc = TensorDescriptor.from_tensor(a, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk])
-args = (a_desc, w_desc, staging, staging.stride(0), S._zero_offset(dev), staging, 0, 0, state.tiles,
-        state.tiles.shape[0], state.counters, state.tiles, 0, N, K)
-consts = dict(HAS_BIAS=False, SIGNAL=True, WAIT=False, INTERPRETED=False, W_KN=False, TILE_FIELDS=S.TILE_FIELDS,
-              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, NUM_PROGRAMS=progs, num_stages=c.num_stages, num_warps=c.num_warps)
-kern = S.signaled_gemm_kernel[(progs,)](*args, **consts)   # returns the CompiledKernel
+M, K, N = 8192, 2048, 4096          # l8b.proj at s 8192, TP 2 (gemm_rs's GEMM)
+gen = torch.Generator(device=dev).manual_seed(0)
+a = torch.randn(M, K, device=dev, generator=gen).bfloat16()
+w = (torch.randn(N, K, device=dev, generator=gen) / 45).bfloat16()
+w_kn = (torch.randn(K, N, device=dev, generator=gen) / 45).bfloat16()   # a dgrad's weight, read as w_kn.t()... [N, K]
+bias = torch.randn(N, device=dev, generator=gen).bfloat16()
+config = OverlapConfig(method="signal")
+plan = make_plan(config.schedule, M, N, 1, config.block_m, config.block_n, config.groups, 2)
+tiles = plan.tiles.to(dev)
+counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=dev)
+progs = gemm_programs(dev, config)
+dst = torch.empty(plan.staging_shape, dtype=torch.bfloat16, device=dev)
 stream = torch.cuda.current_stream().cuda_stream
-all_args = list(args) + [False, True, False, False, False, S.TILE_FIELDS, bm, bn, bk, progs]
+
+gemm = S.SignaledGemm(tiles, progs, config, counters=counters)
+for _ in range(2):          # compile, then the variant's DirectKernel
+    gemm(a, w, dst)
+(kernel, grid, rest), = gemm._variants.values()
+print(f"DirectKernel.direct = {kernel.direct}", flush=True)
 
 
-def raw_run():
-    kern.run(progs, 1, 1, stream, kern.function, kern.packed_metadata, None, None, None, *all_args)
+def jit():
+    S.signaled_gemm(a, w, dst, tiles, counters, progs, config)
 
 
-fn = S.signaled_gemm_kernel
-binder = fn.device_caches[0][4]
+def run_path():   # SignaledGemm before kernels/launch.py: the launch arguments rebuilt, CompiledKernel.run
+    g, args, _ = gemm._launch_args(a, w, dst, None)
+    kernel.compiled.run(g, 1, 1, torch._C._cuda_getCurrentRawStream(0), kernel.function, kernel.packed, None, None,
+                        None, *args)
+
+
+def direct():
+    gemm(a, w, dst)
+
+
+def direct_miss():
+    kernel._descriptors.clear()
+    gemm(a, w, dst)
+
+
+gemm_kn = S.SignaledGemm(tiles, progs, config, counters=counters)
+gemm_bias = S.SignaledGemm(tiles, progs, config, counters=counters, bias_rows=(0, M))
+for _ in range(2):
+    gemm_kn(a, w_kn.t(), dst)
+    gemm_bias(a, w, dst, bias)
+slots = torch.randn(2, M // 2, N, device=dev, generator=gen).bfloat16()
+summed = torch.empty(M // 2, N, device=dev, dtype=torch.bfloat16)
+sums = SumSlots(2, M // 2 * N)
+for _ in range(2):
+    sums(slots.view(2, -1), summed)
+(sum_kernel,) = sums._compiled.values()
+
+
+def sum_run():
+    sum_kernel.compiled.run(sums.grid, 1, 1, torch._C._cuda_getCurrentRawStream(0), sum_kernel.function,
+                            sum_kernel.packed, None, None, None, slots, summed, sums.numel, 2, 4096)
+
+
 rows = {
-    "signaled_gemm() (as the ops call it)": host_us(launch),
-    "JIT launch with prebuilt descriptors": host_us(lambda: S.signaled_gemm_kernel[(progs,)](*args, **consts)),
-    "CompiledKernel.run (no binder)": host_us(raw_run),
-    "binder only": host_us(lambda: binder(*args, **consts)),
-    "TensorDescriptor.from_tensor x2": host_us(lambda: (TensorDescriptor.from_tensor(a, [bm, bk]),
-                                                       TensorDescriptor.from_tensor(w, [bn, bk]))),
-    "torch.cuda.current_stream()": host_us(lambda: torch.cuda.current_stream()),
+    "signaled GEMM: Triton JIT (signaled_gemm())": host_us(jit),
+    "signaled GEMM: args rebuilt + CompiledKernel.run (before)": host_us(run_path),
+    "signaled GEMM: SignaledGemm direct (descriptors cached)": host_us(direct),
+    "signaled GEMM: SignaledGemm direct, a's descriptor missed": host_us(direct_miss),
+    "signaled GEMM: SignaledGemm direct, w read transposed": host_us(lambda: gemm_kn(a, w_kn.t(), dst)),
+    "signaled GEMM: SignaledGemm direct, bias": host_us(lambda: gemm_bias(a, w, dst, bias)),
+    "sum_slots: CompiledKernel.run with tensors (before)": host_us(sum_run),
+    "sum_slots: SumSlots direct": host_us(lambda: sums(slots.view(2, -1), summed)),
     "bare a @ w.t() (cuBLAS)": host_us(lambda: a @ w.t()),
+    "torch.empty(M, N)": host_us(lambda: torch.empty(M, N, device=dev, dtype=torch.bfloat16)),
 }
 for name, us in rows.items():
-    print(f"{name:45s} {us:8.1f} us", flush=True)
+    print(f"{name:62s} {us:8.1f} us", flush=True)
+
+# the bits: every path stores the same product (counters zeroed; their targets do not matter here)
+outs = []
+for fn in (jit, run_path, direct, direct_miss):
+    dst.fill_(float("nan"))
+    fn()
+    outs.append(dst.clone())
+print("paths bitwise equal:", all(torch.equal(outs[0], o) for o in outs[1:]),
+      "| equals cuBLAS within bf16:", float(((outs[0].float() - (a @ w.t()).float()).norm()
+                                             / (a @ w.t()).float().norm())), flush=True)
 
 torch.cuda.synchronize()
-torch.cuda._sleep(SLEEP)
+torch.cuda._sleep(int(2e9))
 pr = cProfile.Profile()
 pr.enable()
 for _ in range(200):
-    launch()
+    direct()
 pr.disable()
 torch.cuda.synchronize()
 s = io.StringIO()
-pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(25)
-print("\n".join(s.getvalue().splitlines()[:45]))
+pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(14)
+print("\n".join(s.getvalue().splitlines()[:30]))

@@ -1,0 +1,152 @@
+"""The direct launch of compiled Triton kernels (kernels/launch.py) on ONE GPU: SignaledGemm and SumSlots store the
+same bits as Triton's JIT launch for every variant (weight read as stored or transposed, bias, stacked expert
+weights through row tiles), the descriptor cache follows the tensors it describes (a new tensor at a freed one's
+address, a new shape), the CompiledKernel.run fallback stores the same bits and says so, and a captured launch
+replays with fresh inputs. Run: `pytest -m gpu tests/gpu/test_direct_launch_gpu.py`."""
+import pytest
+import torch
+
+from gpu_checks import rel_error
+from overlap_tp import OverlapConfig
+from overlap_tp.kernels import launch
+from overlap_tp.kernels import signaled_gemm as S
+from overlap_tp.kernels.sum_slots import SumSlots, reference_sum_slots
+from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout
+from overlap_tp.ops.tile_plan import make_plan
+
+pytestmark = pytest.mark.gpu
+
+DEV = torch.device("cuda", 0)
+CONFIG = OverlapConfig(method="signal")
+
+
+def dense_gemm(m, n, config=CONFIG, **kwargs):
+    plan = make_plan(config.schedule, m, n, 1, config.block_m, config.block_n, config.groups, 2)
+    dst = torch.empty(plan.staging_shape, dtype=torch.bfloat16, device=DEV)
+    counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=DEV)
+    gemm = S.SignaledGemm(plan.tiles.to(DEV), gemm_programs(DEV, config), config, counters=counters, **kwargs)
+    return gemm, plan, dst, counters
+
+
+def jit_result(gemm, a, w, dst, bias=None):
+    out = torch.full_like(dst, float("nan"))
+    S.signaled_gemm(a, w, out, gemm.tiles, gemm.counters, gemm.num_programs, gemm.config, bias, gemm.bias_rows,
+                    gemm.dst_offsets, gemm.flags, gemm.wait_target)
+    return out
+
+
+def direct_result(gemm, a, w, dst, bias=None):
+    dst.fill_(float("nan"))
+    gemm(a, w, dst, bias)
+    return dst.clone()
+
+
+@pytest.mark.parametrize("m, n, k", [(4096, 4096, 2048), (1000, 1408, 1024), (384, 200, 136)])
+def test_signaled_gemm_direct_launch_equals_the_jit_launch(m, n, k):
+    gen = torch.Generator(device=DEV).manual_seed(m + n + k)
+    gemm, plan, dst, _ = dense_gemm(m, n, bias_rows=(0, m))
+    a = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+    w = (torch.randn(n, k, device=DEV, generator=gen) / k ** 0.5).bfloat16()
+    w_kn = (torch.randn(k, n, device=DEV, generator=gen) / k ** 0.5).bfloat16()   # read in place as w_kn.t()
+    bias = torch.randn(n, device=DEV, generator=gen).bfloat16()
+    for weight, b in ((w, None), (w_kn.t(), None), (w, bias), (w_kn.t(), bias)):
+        want = jit_result(gemm, a, weight, dst, b)
+        for launch_no in range(3):   # the first launches compile or look the kernel up; later ones run direct
+            got = direct_result(gemm, a, weight, dst, b)
+            assert torch.equal(got, want), (weight.stride(), b is not None, launch_no)
+        assert not want.isnan().any()
+    assert all(kernel.direct for kernel, _, _ in gemm._variants.values())
+    assert len(gemm._variants) == 4
+
+
+def test_descriptor_cache_follows_the_tensors():
+    """A launch never reads through a stale descriptor: new data at a freed tensor's address gives the new product,
+    and the same address with another shape (a longer view of one buffer) is another descriptor."""
+    m, n, k = 2048, 1024, 512
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    gemm, plan, dst, _ = dense_gemm(m, n)
+    w = (torch.randn(n, k, device=DEV, generator=gen) / k ** 0.5).bfloat16()
+    addresses = set()
+    for i in range(6):
+        a = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+        addresses.add(a.data_ptr())
+        assert torch.equal(direct_result(gemm, a, w, dst), jit_result(gemm, a, w, dst)), i
+        del a   # the next tensor is likely handed the same block by the caching allocator
+    (kernel, _, _), = gemm._variants.values()
+    assert 0 < len(kernel._descriptors) <= launch.MAX_CACHED_DESCRIPTORS
+    buf = torch.randn(2 * m, k, device=DEV, generator=gen).bfloat16()
+    box = [CONFIG.block_m, CONFIG.block_k]
+    short, long = kernel.tma(0, buf[:m], box), kernel.tma(0, buf, box)
+    assert short[1:] == (m, k, k, 1) and long[1:] == (2 * m, k, k, 1) and short[0] is not long[0]
+    assert kernel.tma(0, buf[:m], box) is short   # a hit
+
+
+def test_row_tiles_over_stacked_expert_weights_equal_the_jit_launch():
+    experts, hidden, ffn = 4, 1024, 1536
+    counts = torch.tensor([[700, 0, 2500, 300]])   # an expert with no rows, rows not multiples of the tile
+    lay = layout(counts, 0)
+    host = dispatch_plan(lay, 2 * ffn, CONFIG.block_m, CONFIG.block_n, 1).tiles
+    tiles = S.RowTiles(host.rows.to(DEV), host.starts.to(DEV), host.n_tiles, host.raster_m)
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    x = torch.randn(int(counts.sum()), hidden, device=DEV, generator=gen).bfloat16()
+    w = (torch.randn(experts, 2 * ffn, hidden, device=DEV, generator=gen) / hidden ** 0.5).bfloat16()
+    out = torch.empty(x.shape[0], 2 * ffn, device=DEV, dtype=torch.bfloat16)
+    gemm = S.SignaledGemm(tiles, gemm_programs(DEV, CONFIG), CONFIG)
+    want = jit_result(gemm, x, w, out)
+    for _ in range(3):
+        assert torch.equal(direct_result(gemm, x, w, out), want)
+    lo = 0
+    for e, rows in enumerate(counts[0].tolist()):
+        ref = x[lo:lo + rows].float() @ w[e].float().t()
+        if rows:
+            assert rel_error(want[lo:lo + rows], ref) < 1e-2, e
+        lo += rows
+
+
+def test_the_compiled_kernel_run_fallback_stores_the_same_bits(monkeypatch):
+    m, n, k = 1024, 768, 256
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    a = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+    w = (torch.randn(n, k, device=DEV, generator=gen) / k ** 0.5).bfloat16()
+    gemm, _, dst, _ = dense_gemm(m, n)
+    for _ in range(2):
+        want = direct_result(gemm, a, w, dst)
+    (variant, (kernel, grid, rest)), = gemm._variants.items()
+    monkeypatch.setattr(launch, "DIRECT_LAYOUT", "not Triton 3.6")
+    with pytest.warns(UserWarning, match="launches through Triton's CompiledKernel.run"):
+        fallback = launch.DirectKernel(kernel.compiled)
+    assert not fallback.direct
+    monkeypatch.setitem(gemm._variants, variant, (fallback, grid, rest))
+    assert torch.equal(direct_result(gemm, a, w, dst), want)
+
+
+def test_sum_slots_direct_launch_equals_the_reference():
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    for t, numel in ((2, 4096 * 4096), (4, 12345)):
+        slots = torch.randn(t, numel, device=DEV, generator=gen).bfloat16()
+        op = SumSlots(t, numel)
+        want = reference_sum_slots(slots)
+        for _ in range(3):
+            out = torch.full((numel,), float("nan"), device=DEV, dtype=torch.bfloat16)
+            op(slots, out)
+            assert torch.equal(out, want), (t, numel)
+        assert all(kernel.direct for kernel in op._compiled.values())
+
+
+def test_captured_direct_launch_replays_with_fresh_inputs():
+    m, n, k = 2048, 2048, 1024
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    gemm, _, dst, counters = dense_gemm(m, n)
+    a = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+    w = (torch.randn(n, k, device=DEV, generator=gen) / k ** 0.5).bfloat16()
+    for _ in range(2):
+        gemm(a, w, dst)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemm(a, w, dst)
+    for i in range(20):
+        a.copy_(torch.randn(m, k, device=DEV, generator=gen))
+        graph.replay()
+        assert torch.equal(dst, jit_result(gemm, a, w, dst)), i
