@@ -11,6 +11,7 @@ import torch, torch.distributed as dist
 from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
 from overlap_tp.bench.moe import routing_counts
 from overlap_tp.kernels import signaled_gemm
+from overlap_tp.kernels.launch import DirectKernel
 from overlap_tp.ops import comm, expert, moe_tile_plan
 from overlap_tp.tune.timing import sleep_cycles_per_ms
 
@@ -43,6 +44,10 @@ for name in ("routing", "check_inputs", "resolve_method", "agree_routing", "_dis
     timed(comm if name == "collectives" else expert, name)
 timed(expert._ExpertState, "__init__", "_ExpertState")
 timed(signaled_gemm.SignaledGemm, "__call__", "SignaledGemm launch")
+for name in ("_launch_args", "_shared_kernel", "_jit_launch"):   # the pieces of a new routing's first launch
+    timed(signaled_gemm, name, f"  SignaledGemm.{name}")
+timed(DirectKernel, "tma", "  DirectKernel.tma")
+timed(DirectKernel, "__call__", "  DirectKernel launch")
 timed(comm.CommEngine, "transfers_then_gemm")
 timed(comm.CommEngine, "gemm_then_collectives")
 timed(moe_tile_plan, "received_tiles")
@@ -85,4 +90,6 @@ for local in (4, 32):
             calls = len(total)
             for name, values in sorted(spent.items(), key=lambda kv: -sum(kv[1])):
                 print(f"    {name:22s} {statistics.median(values):7.0f} us x {len(values) / calls:.0f}")
+if rank == 0:
+    print(f"compiled signaled GEMMs shared by the routings' launchers: {len(signaled_gemm._shared)}")
 dist.destroy_process_group()
