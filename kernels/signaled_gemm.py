@@ -294,17 +294,33 @@ def tma_unsupported_reason(a: torch.Tensor, w: torch.Tensor):
 
 
 def _launch_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_rows, dst_offsets, flags, wait_target):
-    """(grid, the kernel's arguments in parameter order, the launch options): one source for the JIT launch
-    and the direct launch of SignaledGemm. tiles: an expanded table (a device int32 tensor) or a RowTiles on the
-    device."""
+    """(grid, the kernel's arguments in parameter order, the launch options) for Triton's JIT. tiles: an expanded
+    table (a device int32 tensor) or a RowTiles on the device."""
+    grid, rest, options = _plain_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_rows, dst_offsets,
+                                      flags, wait_target)
+    return grid, _descriptors(a, w, config) + rest, options
+
+
+def _descriptors(a, w, config):
+    """The kernel's two TMA descriptors as Triton's JIT takes them: A in [BLOCK_M, BLOCK_K] boxes, and the
+    weight's row-major storage as a matrix ([L*K, N] in [BLOCK_K, BLOCK_N] boxes for "kn", else [L*N, K])."""
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    if weight_layout(w) == "kn":
+        w_desc = TensorDescriptor.from_tensor(_kn_rows(w), [bk, bn])
+    else:
+        w_desc = TensorDescriptor.from_tensor(_nk_rows(w), [bn, bk])
+    return TensorDescriptor.from_tensor(a, [bm, bk]), w_desc
+
+
+def _plain_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_rows, dst_offsets, flags, wait_target):
+    """(grid, the kernel's arguments after its two descriptors in parameter order, the launch options): the one
+    source of the argument order, for the JIT launch and the direct launch of SignaledGemm."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     n, k = w.shape[-2], a.shape[1]
     w_kn = weight_layout(w) == "kn"
     if w_kn and w.dim() == 3 and w.shape[0] > 1 and k % bk:
         raise ValueError(f"transposed expert weights need K={k} to be a multiple of block_k={bk} (a K tail box "
                          f"would read the next expert's rows)")
-    w_rows = w.transpose(-2, -1) if w_kn else w     # the row-major storage: [.., K, N] or [.., N, K]
-    w_desc = TensorDescriptor.from_tensor(w_rows.reshape(-1, w_rows.shape[-1]), [bk, bn] if w_kn else [bn, bk])
     if isinstance(tiles, RowTiles):
         assert tiles.n_tiles == -(-n // bn), (tiles.n_tiles, n, bn)
         row_tiles, tiles = tiles, tiles.rows
@@ -315,8 +331,7 @@ def _launch_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_ro
         num_tiles, bounds, num_groups, raster_m, max_groups = tiles.shape[0], tiles, 0, 1, 1
     assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
     grid = max(1, min(num_programs, num_tiles))
-    args = (TensorDescriptor.from_tensor(a, [bm, bk]), w_desc,
-            dst, dst.stride(0), dst_offsets if dst_offsets is not None else default_offsets(dst.device),
+    args = (dst, dst.stride(0), dst_offsets if dst_offsets is not None else default_offsets(dst.device),
             bias if bias is not None else dst, bias_rows[0], bias_rows[1],
             tiles, num_tiles, bounds, num_groups, counters if counters is not None else tiles,
             flags if flags is not None else tiles, wait_target,
@@ -370,8 +385,8 @@ class SignaledGemm:
     weight layout, the destination's 16-byte alignment and row stride: what Triton specializes on that a call can
     change), the compiled kernel as a DirectKernel and the launcher's arguments with every plan-owned tensor already
     a pointer; a launch fills in a, w, dst and bias (descriptors from the kernel's cache) and calls the C launcher.
-    The first launch of a variant looks the compiled kernel up by Triton's own specialization key, shared by every
-    SignaledGemm (_shared_kernel), or goes through the JIT, which compiles it. Under the CPU interpreter every
+    The first launch of a variant looks the compiled kernel up by its arguments' specialization (specialization_key,
+    shared by every SignaledGemm), or goes through the JIT, which compiles it. Under the CPU interpreter every
     launch goes through the JIT (there is no compiled kernel)."""
 
     def __init__(self, tiles, num_programs, config, *, counters=None, bias_rows=(0, 0), dst_offsets=None, flags=None,
@@ -393,12 +408,15 @@ class SignaledGemm:
                    dst.stride(0))
         found = self._variants.get(variant)
         if found is None:
-            grid, args, options = self._launch_args(a, w, dst, bias)
-            kernel = _shared_kernel(self.device_index, grid, args, options)
-            if kernel is None:   # compiled and launched by the JIT
+            grid, rest, options = _plain_args(a, w, dst, self.tiles, self.counters, self.num_programs, self.config,
+                                              bias, self.bias_rows, self.dst_offsets, self.flags, self.wait_target)
+            key = specialization_key(self.device_index, a, w, rest, options)
+            kernel = _shared.get(key)
+            if kernel is None:   # compiled (or found in Triton's cache) and launched by the JIT
+                _shared[key] = DirectKernel(_jit_launch(grid, _descriptors(a, w, self.config) + rest, options))
                 return
             # the launcher's arguments after the two descriptors, tensors as pointers: dst at 0, bias at 3
-            rest = [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args[2:]]
+            rest = [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in rest]
             found = self._variants[variant] = (kernel, grid, rest)
         kernel, grid, rest = found
         rest = rest.copy()
@@ -424,23 +442,29 @@ def _kn_rows(w):
     return rows.reshape(-1, rows.shape[-1])
 
 
-# Compiled kernels by Triton's own specialization of the arguments, shared by every SignaledGemm of the process: the
-# expert ops make a SignaledGemm per routing (every step), whose first launch would otherwise go through the JIT's
-# dispatch (~180 us of host time on the H200 hosts, on the critical path after the routing arrives; docs/perf/s15),
-# and their weights' descriptors stay in the shared kernel's cache.
+# Compiled kernels by their arguments' specialization, shared by every SignaledGemm of the process: the expert ops
+# make a SignaledGemm per routing (every step), whose first launch would otherwise go through the JIT (~180 us of host
+# time on the H200 hosts, on the critical path after the routing arrives; docs/perf/s15), and their weights'
+# descriptors stay in the shared kernel's cache.
 _shared = {}
 
 
-def _shared_kernel(device_index: int, grid, args, options):
-    """The compiled kernel for these arguments as a DirectKernel: looked up by the key Triton's JIT would compute
-    (its binder: argument types, pointers' 16-byte alignment, integers equal to 1 or divisible by 16, the
-    constexprs; and the options), else compiled and launched through the JIT (returns None: the launch is done)."""
-    binder = signaled_gemm_kernel.device_caches[device_index][-1]
-    positional = args[:-len(_CONSTEXPRS)]
-    constexprs = dict(zip(_CONSTEXPRS, args[-len(_CONSTEXPRS):]))
-    _, specialization, _ = binder(*positional, **constexprs, **options)
-    key = (device_index, tuple(specialization), tuple(sorted(options.items())))
-    kernel = _shared.get(key)
-    if kernel is None:
-        _shared[key] = DirectKernel(_jit_launch(grid, args, options))
-    return kernel
+def _int_class(x: int):
+    """What Triton 3.6 specializes an integer argument on (== 1, divisible by 16, 32-bit or not)."""
+    return x == 1, x % 16 == 0, -2 ** 31 <= x < 2 ** 31
+
+
+def _matrix_class(t: torch.Tensor):
+    return (t.dtype, t.data_ptr() % 16 == 0, tuple(map(_int_class, t.shape)), tuple(map(_int_class, t.stride())))
+
+
+def specialization_key(device_index: int, a, w, rest, options):
+    """The key of the compiled kernel for these arguments (rest: _plain_args'), at least as fine as the one Triton's
+    JIT computes (its binder: pointers' dtype and 16-byte alignment, integers equal to 1, divisible by 16 or wider
+    than 32 bits, the tensor descriptors' dtype and box, the constexprs, the options), so two launches with one key
+    run one compiled kernel; cheaper than the binder (a new routing's first launch is on the host's critical path).
+    The descriptors are keyed by their tensors' alignment, shape and strides (more than Triton uses: safe)."""
+    plain = rest[:-len(_CONSTEXPRS)]
+    return (device_index, _matrix_class(a), _matrix_class(w),
+            tuple((x.dtype, x.data_ptr() % 16 == 0) if isinstance(x, torch.Tensor) else _int_class(x) for x in plain),
+            rest[-len(_CONSTEXPRS):], options["num_stages"], options["num_warps"])

@@ -150,3 +150,47 @@ def test_captured_direct_launch_replays_with_fresh_inputs():
         a.copy_(torch.randn(m, k, device=DEV, generator=gen))
         graph.replay()
         assert torch.equal(dst, jit_result(gemm, a, w, dst)), i
+
+
+def test_the_specialization_key_is_at_least_as_fine_as_tritons():
+    """Launches that share a specialization_key share Triton's own specialization (its binder's), so the compiled
+    kernel found by the key is the one Triton's JIT would run: over dense plans of many shapes, both weight layouts,
+    bias or not, and row tiles of many routings."""
+    gen = torch.Generator(device=DEV).manual_seed(6)
+    gemm, _, dst, _ = dense_gemm(256, 256)
+    gemm(torch.randn(256, 64, device=DEV).bfloat16(), torch.randn(256, 64, device=DEV).bfloat16(), dst)
+    binder = S.signaled_gemm_kernel.device_caches[0][-1]
+    constexprs = len(S._CONSTEXPRS)
+    seen, cases = {}, 0
+
+    def check(gemm, a, w, dst, bias=None):
+        nonlocal cases
+        grid, rest, options = S._plain_args(a, w, dst, gemm.tiles, gemm.counters, gemm.num_programs, gemm.config,
+                                            bias, gemm.bias_rows, gemm.dst_offsets, gemm.flags, gemm.wait_target)
+        args = S._descriptors(a, w, gemm.config) + rest
+        _, spec, _ = binder(*args[:-constexprs], **dict(zip(S._CONSTEXPRS, args[-constexprs:])), **options)
+        key = S.specialization_key(0, a, w, rest, options)
+        assert seen.setdefault(key, list(spec)) == list(spec), key
+        cases += 1
+
+    for m in (16, 1000, 1024, 4096):
+        for n, k in ((200, 136), (1408, 1024), (4096, 2048)):
+            gemm, _, dst, _ = dense_gemm(m, n, bias_rows=(0, m))
+            a = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+            w = torch.randn(n, k, device=DEV, generator=gen).bfloat16()
+            w_kn = torch.randn(k, n, device=DEV, generator=gen).bfloat16()
+            bias = torch.randn(n, device=DEV, generator=gen).bfloat16()
+            for weight in (w, w_kn.t()):
+                for b in (None, bias):
+                    check(gemm, a, weight, dst, b)
+    experts, hidden, n = 4, 1024, 3072
+    w = torch.randn(experts, n, hidden, device=DEV, generator=gen).bfloat16()
+    for seed in range(12):
+        counts = torch.randint(0, 1500, (1, experts), generator=torch.Generator().manual_seed(seed))
+        lay = layout(counts, 0)
+        host = dispatch_plan(lay, n, CONFIG.block_m, CONFIG.block_n, 1).tiles
+        tiles = S.RowTiles(host.rows.to(DEV), host.starts.to(DEV), host.n_tiles, host.raster_m)
+        x = torch.randn(max(1, lay.rows), hidden, device=DEV, generator=gen).bfloat16()
+        out = torch.empty(x.shape[0], n, device=DEV, dtype=torch.bfloat16)
+        check(S.SignaledGemm(tiles, gemm_programs(DEV, CONFIG), CONFIG), x, w, out)
+    assert cases == 60 and len(seen) > 4

@@ -44,7 +44,7 @@ for name in ("routing", "check_inputs", "resolve_method", "agree_routing", "_dis
     timed(comm if name == "collectives" else expert, name)
 timed(expert._ExpertState, "__init__", "_ExpertState")
 timed(signaled_gemm.SignaledGemm, "__call__", "SignaledGemm launch")
-for name in ("_launch_args", "_shared_kernel", "_jit_launch"):   # the pieces of a new routing's first launch
+for name in ("_plain_args", "specialization_key", "_jit_launch", "_descriptors"):   # the pieces of a new routing's first launch
     timed(signaled_gemm, name, f"  SignaledGemm.{name}")
 timed(DirectKernel, "tma", "  DirectKernel.tma")
 timed(DirectKernel, "__call__", "  DirectKernel launch")
