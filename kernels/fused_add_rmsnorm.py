@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from overlap_tp.kernels.launch import JitLauncher
 from overlap_tp.kernels.tile_order import TileOrder  # noqa: F401  (the layout contract; re-exported for callers)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -254,6 +255,14 @@ def _has_pdl(device_index):
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+# Launched through their compiled kernels (kernels/launch.py): Triton's JIT launch costs ~50 us of host per call,
+# and an eager layer runs several of these per step.
+_forward = JitLauncher(_forward_kernel)
+_backward = JitLauncher(_backward_kernel)
+_sum_partials = JitLauncher(_sum_partials_kernel)
+_dropout_mask = JitLauncher(_dropout_mask_kernel)
+
+
 def dropout_seed(device):
     """A Philox seed (int64 tensor [1] on `device`) drawn from torch's default generator there."""
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
@@ -264,7 +273,7 @@ def dropout_keep_mask(seed, num_rows, hidden, p):
     keep = torch.empty(num_rows, hidden, dtype=torch.int8, device=seed.device)
     tile_n, n_tiles, num_warps = _block(hidden)
     if num_rows:
-        _dropout_mask_kernel[(num_rows,)](seed, keep, hidden, p, TILE_N=tile_n, N_TILES=n_tiles,
+        _dropout_mask[(num_rows,)](seed, keep, hidden, p, TILE_N=tile_n, N_TILES=n_tiles,
                                           num_warps=num_warps)
     return keep.bool()
 
@@ -302,7 +311,7 @@ def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=F
     num_warps = num_warps or default_warps
     x_slot_of, x_block_m, x_block_n, x_ordered = _order_args(x_order)
     slots = 0 if x_slots is None else x_slots.shape[0]
-    _forward_kernel[(row_hi - row_lo,)](
+    _forward[(row_hi - row_lo,)](
         x if x_slots is None else x_slots, x_slot_of, bias, residual, weight, seed if dropout_p > 0 else None,
         out.y, out.residual_out, out.rstd,
         row_lo, n, eps, 1.0 if zero_centered_gamma else 0.0, dropout_p, x.numel(),
@@ -354,7 +363,7 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
         pdl = s.is_cuda and _has_pdl(s.device.index)
     dy_slot_of, dy_block_m, dy_block_n, dy_ordered = _order_args(dy_order)
     dx_slot_of, dx_block_m, dx_block_n, dx_ordered = _order_args(dx_order)
-    _backward_kernel[(programs,)](
+    _backward[(programs,)](
         dy, dy_slot_of, d_residual_out, s, rstd, weight, seed if dropout_p > 0 else None,
         ds, dx, dx_slot_of, partials,
         m, n, rows_per_program, 1.0 if zero_centered_gamma else 0.0, dropout_p,
@@ -364,7 +373,7 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
         HAS_BIAS=bias_grad, PDL=pdl, num_warps=num_warps)
     sums = torch.empty(partials.shape[0], n, dtype=torch.float32, device=s.device)
     block_n = 32   # N / 32 programs, each summing a [programs, 32] column strip in one pass where programs <= 256
-    _sum_partials_kernel[(triton.cdiv(n, block_n), partials.shape[0])](
+    _sum_partials[(triton.cdiv(n, block_n), partials.shape[0])](
         partials, sums, programs, n, BLOCK_P=min(256, triton.next_power_of_2(programs)), BLOCK_N=block_n, PDL=pdl,
         num_warps=4, **(dict(launch_pdl=True) if pdl else {}))
     return sums[0], sums[1] if bias_grad else None

@@ -10,6 +10,9 @@ launcher itself:
     kernel = DirectKernel(compiled)                       # once: the launcher, the function, the TMA metadata
     kernel(grid, stream, *kernel.tma(0, a), ptr, n, ...)  # per launch: pointers as ints, descriptors cached
 
+    launch = JitLauncher(some_kernel)                     # a @triton.jit kernel without tensor descriptors:
+    launch[grid](*args, **kwargs)                         # as some_kernel[grid](...), through DirectKernels
+
 Arguments are the kernel's in parameter order, constexprs included (the launcher skips them), with each tensor
 passed as its `data_ptr()` and each tensor-descriptor parameter expanded by `tma(i, tensor)` into the launcher's
 (CUtensorMap, shape..., strides...). Descriptors are cached by (parameter, address, shape, strides): what a
@@ -20,12 +23,15 @@ This knows the layout of Triton 3.6's NVIDIA launcher (the device's; `DIRECT_LAY
 that needs a global scratch buffer, it launches through `CompiledKernel.run` with `TensorDescriptor`s (the same
 kernel and arguments, more host time) and warns once, naming the reason.
 """
+import os
 import warnings
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+# Under the CPU interpreter there are no compiled kernels: every launch goes through the JIT.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 DIRECT_LAYOUT = "iiiKKppOOOOOO"   # Triton 3.6's C launcher: grid, stream, function, cluster flags, scratch, metadata
 MAX_CACHED_DESCRIPTORS = 64       # per kernel: a plan's weights and its activations' few addresses
 _warned = set()
@@ -102,10 +108,39 @@ class DirectKernel:
             self._descriptors[key] = args
         return args
 
-    def __call__(self, grid: int, stream: int, *args):
-        """Launch `grid` programs (1-D) on the raw stream handle `stream`."""
+    def __call__(self, grid, stream: int, *args):
+        """Launch `grid` programs (an int, or a tuple of up to 3) on the raw stream handle `stream`."""
+        x, y, z = (grid, 1, 1) if type(grid) is int else (tuple(grid) + (1, 1))[:3]
         if self.direct:
-            self._launch(grid, 1, 1, stream, self.function, *self._flags, None, None, self.packed, None, None, None,
-                         *args)
+            self._launch(x, y, z, stream, self.function, *self._flags, None, None, self.packed, None, None, None, *args)
         else:
-            self.compiled.run(grid, 1, 1, stream, self.function, self.packed, None, None, None, *args)
+            self.compiled.run(x, y, z, stream, self.function, self.packed, None, None, None, *args)
+
+
+class JitLauncher:
+    """`launcher[grid](*args, **kwargs)` runs what `fn[grid](*args, **kwargs)` runs, the compiled kernel launched
+    as a DirectKernel: Triton's own binder specializes the arguments (its key: the same compiled kernel the JIT would
+    pick), the JIT compiles and launches each new specialization once, later launches skip its cache-key string, its
+    launch wrapper and the launcher's pointer look-ups (tensors go as `data_ptr()`). For kernels without
+    tensor-descriptor parameters (SignaledGemm has its own launcher); under the CPU interpreter, the JIT."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._kernels = {}
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args, kwargs):
+        if INTERPRET:
+            self.fn[grid](*args, **kwargs)
+            return
+        device = torch._C._cuda_getDevice()
+        params, specialization, options = self.fn.device_caches[device][-1](*args, **kwargs)
+        key = (device, tuple(specialization), tuple(options.items()))
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            self._kernels[key] = DirectKernel(self.fn[grid](*args, **kwargs))
+            return
+        kernel(grid, torch._C._cuda_getCurrentRawStream(device),
+               *[v.data_ptr() if isinstance(v, torch.Tensor) else v for v in params.values()])

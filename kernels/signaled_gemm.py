@@ -33,7 +33,6 @@ Backward GEMMs multiply by the weight itself, not its transpose (dgrad = dY @ W)
 tensor in place (W_KN: [BLOCK_K, BLOCK_N] boxes at row l*K + k), so no transposed copy of the weight
 is made per backward.
 """
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from overlap_tp.kernels.launch import DirectKernel
+from overlap_tp.kernels.launch import INTERPRET, DirectKernel
 
 
 # The plan table (built by overlap_tp/ops/tile_plan.py), one row per tile in execution order: source rows
@@ -113,10 +112,9 @@ class RowTiles:
         return torch.from_numpy(np.concatenate(parts) if parts else np.zeros((0, TILE_FIELDS), np.int32))
 
 
-# Under the CPU interpreter the kernel upcasts its dot operands (the interpreter's tl.dot mishandles
-# bf16/fp16; the upcast is exact, a product of two bf16 values is exact in fp32) and uses
+# Under the CPU interpreter (INTERPRET, kernels/launch.py) the kernel upcasts its dot operands (the interpreter's
+# tl.dot mishandles bf16/fp16; the upcast is exact, a product of two bf16 values is exact in fp32) and uses
 # tl.debug_barrier (it has no inline PTX). The compiled GPU kernel is untouched by either.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit

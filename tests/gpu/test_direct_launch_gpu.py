@@ -194,3 +194,42 @@ def test_the_specialization_key_is_at_least_as_fine_as_tritons():
         out = torch.empty(x.shape[0], n, device=DEV, dtype=torch.bfloat16)
         check(S.SignaledGemm(tiles, gemm_programs(DEV, CONFIG), CONFIG), x, w, out)
     assert cases == 60 and len(seen) > 4
+
+
+@pytest.mark.parametrize("rows, hidden, ordered, dropout_p, slots", [
+    (2048, 4096, False, 0.0, 0), (1000, 1024, False, 0.1, 0), (4096, 4096, True, 0.1, 0), (2048, 4096, False, 0.0, 2)])
+def test_norm_kernels_through_the_jit_launcher_equal_their_first_launch(rows, hidden, ordered, dropout_p, slots):
+    """The fused add + RMSNorm's kernels (forward, backward, the partial sums, the dropout mask) through JitLauncher:
+    the first launch of each specialization goes through Triton's JIT, the later ones through DirectKernels; every
+    launch writes the same bits."""
+    from overlap_tp.kernels import fused_add_rmsnorm as N
+    gen = torch.Generator(device=DEV).manual_seed(rows + hidden + slots)
+    x = torch.randn(rows, hidden, device=DEV, generator=gen).bfloat16()
+    x_slots = torch.randn(slots, rows, hidden, device=DEV, generator=gen).bfloat16() if slots else None
+    residual = (4 * torch.randn(rows, hidden, device=DEV, generator=gen)).bfloat16()
+    weight = (1 + 0.5 * torch.randn(hidden, device=DEV, generator=gen)).bfloat16()
+    bias = (0.5 * torch.randn(hidden, device=DEV, generator=gen)).bfloat16()
+    dy = torch.randn(rows, hidden, device=DEV, generator=gen).bfloat16()
+    order = None
+    if ordered:
+        tiles = (rows // 128) * (hidden // 256)
+        slot_of = torch.randperm(tiles, generator=gen, device=DEV).to(torch.int32).reshape(rows // 128, hidden // 256)
+        order = N.TileOrder(128, 256, slot_of)
+    seed = N.dropout_seed(DEV)
+    options = dict(dropout_p=dropout_p, seed=seed if dropout_p else None)
+    results = []
+    for _ in range(3):
+        out = N.ForwardOutputs(*(t.fill_(float("nan")) for t in N.empty_forward_outputs(x, residual, torch.bfloat16)))
+        N.launch_forward(x, residual, weight, bias, out, eps=1e-5, x_order=order, x_slots=x_slots, **options)
+        ds = torch.full_like(residual, float("nan"))
+        dx = torch.full_like(x, float("nan"))
+        sums = N.launch_backward(dy, None, out.residual_out, out.rstd, weight, ds, dx, dy_order=order, dx_order=order,
+                                 bias_grad=True, **options)
+        keep = N.dropout_keep_mask(seed, rows, hidden, dropout_p) if dropout_p else None
+        results.append((*out, ds, dx, *sums) + ((keep,) if keep is not None else ()))
+    for later in results[1:]:
+        for i, (first, again) in enumerate(zip(results[0], later)):
+            assert torch.equal(first, again), i
+    assert not results[0][0].isnan().any() and not results[0][3].isnan().any()
+    for launcher in (N._forward, N._backward, N._sum_partials) + ((N._dropout_mask,) if dropout_p else ()):
+        assert launcher._kernels and all(kernel.direct for kernel in launcher._kernels.values())

@@ -1,12 +1,13 @@
 # Host cost of one signaled-GEMM launch (and the sum kernel's) by launch path, on ONE GPU without a process group:
 # the GPU is held by a sleep kernel so every figure is the host's enqueue time (median of rounds of 50 launches).
-# Paths: Triton's JIT (signaled_gemm()), CompiledKernel.run with TensorDescriptors and tensors (SignaledGemm
-# before kernels/launch.py), the DirectKernel (SignaledGemm today), and the direct launch with a descriptor-cache
+# The fused add + RMSNorm's kernels through Triton's JIT and through JitLauncher. GEMM paths: Triton's JIT
+# (signaled_gemm()), CompiledKernel.run with TensorDescriptors and tensors (SignaledGemm before kernels/launch.py), the DirectKernel (SignaledGemm today), and the direct launch with a descriptor-cache
 # miss on `a` every launch. Then the bits of each path compared (all must be equal) and a cProfile of the direct one.
 #   python3 docs/perf/scripts/probe_launch.py
 import cProfile, io, pstats, statistics, time
 import torch
 from overlap_tp import OverlapConfig
+from overlap_tp.kernels import fused_add_rmsnorm as norm
 from overlap_tp.kernels import signaled_gemm as S
 from overlap_tp.kernels.sum_slots import SumSlots
 from overlap_tp.ops.common import gemm_programs
@@ -88,7 +89,46 @@ def sum_run():
                             sum_kernel.packed, None, None, None, slots, summed, sums.numel, 2, 4096)
 
 
+# the fused add + RMSNorm's launches (8B hidden, 4096 rows): through JitLauncher, and through the JIT itself
+R, H = 4096, 4096
+nx, nres = torch.randn(R, H, device=dev).bfloat16(), torch.randn(R, H, device=dev).bfloat16()
+nw = torch.ones(H, device=dev).bfloat16()
+nout = norm.empty_forward_outputs(nx, nres, torch.bfloat16)
+nds, ndy = torch.empty_like(nres), torch.randn(R, H, device=dev).bfloat16()
+
+
+def norm_forward():
+    norm.launch_forward(nx, nres, nw, None, nout, eps=1e-5)
+
+
+def norm_backward():
+    norm.launch_backward(ndy, None, nout.residual_out, nout.rstd, nw, nds, None)
+
+
+launchers = {name: getattr(norm, name) for name in ("_forward", "_backward", "_sum_partials")}
+
+
+def through_jit(fn):
+    def run():
+        for name in launchers:
+            setattr(norm, name, getattr(norm, name + "_kernel"))
+        try:
+            fn()
+        finally:
+            for name, launcher in launchers.items():
+                setattr(norm, name, launcher)
+    return run
+
+
+for _ in range(2):
+    norm_forward()
+    norm_backward()
+
 rows = {
+    "fused add+RMSNorm forward: Triton JIT": host_us(through_jit(norm_forward)),
+    "fused add+RMSNorm forward: JitLauncher": host_us(norm_forward),
+    "its backward (2 kernels): Triton JIT": host_us(through_jit(norm_backward)),
+    "its backward (2 kernels): JitLauncher": host_us(norm_backward),
     "signaled GEMM: Triton JIT (signaled_gemm())": host_us(jit),
     "signaled GEMM: args rebuilt + CompiledKernel.run (before)": host_us(run_path),
     "signaled GEMM: SignaledGemm direct (descriptors cached)": host_us(direct),
