@@ -49,7 +49,7 @@ class SumSlots:
         self._compiled = {}
 
     def __call__(self, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if slots.shape[0] != self.slots or out.numel() != self.numel or slots[0].numel() != self.numel:
+        if slots.shape[0] != self.slots or out.numel() != self.numel or slots.numel() != self.slots * self.numel:
             raise ValueError(f"sum_slots: built for [{self.slots}, {self.numel}] elements, got slots "
                              f"{tuple(slots.shape)} and out {tuple(out.shape)}")
         if not (slots.is_contiguous() and out.is_contiguous()) or out.dtype != slots.dtype:
