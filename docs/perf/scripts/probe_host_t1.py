@@ -6,7 +6,7 @@
 # --ab: each plan's burst time again with its Triton kernels launched through CompiledKernel.run instead of the
 # DirectKernel path (kernels/launch.py), in the same process.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
-import cProfile, gc, io, pstats, statistics, sys, time
+import cProfile, gc, pstats, statistics, sys, time
 import torch, torch.distributed as dist
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
 from overlap_tp.kernels.launch import DirectKernel
@@ -67,7 +67,9 @@ def direct_launches(on: bool):
     return len(kernels)
 
 
-def profile(fn, sets, n=60):
+def profile(fn, sets, n=60, top=22):
+    """cProfile of n calls behind a sleep: per function, its own time and its time with callees, in us per call of
+    fn (the profiler inflates both; the ranking is what it shows)."""
     for _ in range(3):
         fn(*sets[0])
     torch.cuda.synchronize()
@@ -78,9 +80,13 @@ def profile(fn, sets, n=60):
         fn(*sets[i % len(sets)])
     pr.disable()
     torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(18)
-    return s.getvalue()
+    stats = pstats.Stats(pr).stats   # {(file, line, name): (calls, primitive calls, own s, with callees s, callers)}
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    lines = [f"    {'own us':>7} {'total us':>8} {'calls':>5}  function (per call of the op, {n} calls)"]
+    for (file, line, name), (calls, _, own, total, _) in rows:
+        where = name if file == "~" else f"{file.split('site-packages/')[-1]}:{line}({name})"
+        lines.append(f"    {own / n * 1e6:7.1f} {total / n * 1e6:8.1f} {calls / n:5.1f}  {where}")
+    return "\n".join(lines)
 
 
 print(f"memop us (one stream memory operation through ctypes): {memop_us()}", flush=True)
