@@ -121,11 +121,11 @@ class AgGemm(OpPlan):
         """The persistent GEMM over the plan: local rows at once, each peer chunk behind its ready flag, which
         the comm stream raises after the chunk's transfer."""
         engine, p2p = self.engine, self.config.transport == "p2p"
-        gathered.chunk(self.t)[self.rank].copy_(a_shard)
+        gathered.narrow(0, self.rank * self.m, self.m).copy_(a_shard)
 
         def transfers(stream):
             if p2p:
-                self.pull.start(stream, a_shard)
+                self.pull.start(stream, a_shard, engine.capturing())
             for c, (lo, hi) in enumerate(self.chunks):
                 if p2p:
                     self.pull.pull(stream, gathered, lo, hi)

@@ -164,11 +164,11 @@ class OpPlan:
             raise ValueError(f"{self.describe()}: called with a{tuple(a.shape)} {a.dtype} and w{tuple(w.shape)} "
                              f"{w.dtype} on {a.device}; the plan was built for a[{self.m}, {self.k}], "
                              f"w[{self.n}, {self.k}] {self.dtype} on {self.device}")
-        if self.method == "signal" and a.is_cuda:
-            reason = tma_unsupported_reason(a, w)
-            if reason is None and weight_layout(w) is None:
-                reason = "w must be row-major [N, K] or the transposed view of a row-major [K, N]"
-            if reason is not None:
+        if self.method == "signal" and a.is_cuda:   # K % 8 was checked when the plan was built
+            layout = weight_layout(w)
+            if a.data_ptr() % 16 or w.data_ptr() % 16 or layout is None or (layout == "kn" and self.n % 8):
+                reason = tma_unsupported_reason(a, w) or ("w must be row-major [N, K] or the transposed view of a "
+                                                          "row-major [K, N]")
                 raise ValueError(f"{self.describe()}: {reason}")
 
 

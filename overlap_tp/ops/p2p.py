@@ -66,6 +66,8 @@ class P2PReduceScatter:
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=watched.describe,
                                    names=("SUMMED", "ARRIVED"))
         self.sum = SumSlots(t, self.m_local * n)
+        self.slots = self.buf.view(t, self.m_local, n)          # the views a call reads, made once
+        self.flat_slots = self.buf.view(t, self.m_local * n)
         self.device_index = device.index
         self.outstanding = None   # "eager" / "capture": a call whose second half (its DeferredSum) has not run
         watched.words = (("peer signals [SUMMED, ARRIVED] x rank", self.signals.words),)
@@ -85,27 +87,28 @@ class P2PReduceScatter:
             raise RuntimeError("overlap_tp gemm_rs (p2p): the plan was called again before the previous call's "
                                "result was waited for (Pending.wait()); wait for it first")
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        self.store_half(stream, lambda: self.gemm(a, w, self.buf, bias))
+        self.store_half(stream, lambda: self.gemm(a, w, self.buf, bias), capturing)
         self.outstanding = "capture" if capturing else "eager"
         return DeferredSum(self)
 
     def finish(self, read_slots):
         """The call's second half on the current stream, around read_slots(slots [t, M/t, N])."""
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        self.reduce_half(stream, lambda: read_slots(self.buf.view(self.t, self.m_local, self.n)))
+        capturing = torch.cuda.is_current_stream_capturing()
+        self.reduce_half(stream, lambda: read_slots(self.slots), capturing)
         self.outstanding = None
-        if not torch.cuda.is_current_stream_capturing():
+        if not capturing:
             self.watched.record(stream)
 
-    def store_half(self, stream, store):
+    def store_half(self, stream, store, capturing: bool):
         """wait SUMMED from every peer, reset; store (the GEMM into the owners' buffers); signal ARRIVED."""
-        self.signals.wait(stream, self.SUMMED)
+        self.signals.wait(stream, self.SUMMED, capturing)
         store()
         self.signals.signal(stream, self.ARRIVED)
 
-    def reduce_half(self, stream, reduce):
+    def reduce_half(self, stream, reduce, capturing: bool):
         """wait ARRIVED from every peer, reset; reduce (the sum of our slots); signal SUMMED."""
-        self.signals.wait(stream, self.ARRIVED)
+        self.signals.wait(stream, self.ARRIVED, capturing)
         reduce()
         self.signals.signal(stream, self.SUMMED)
 
@@ -134,7 +137,7 @@ class DeferredSum:
     def __call__(self) -> torch.Tensor:
         op = self._take()
         out = torch.empty(op.m_local, op.n, dtype=op.buf.dtype, device=op.buf.device)
-        op.finish(lambda slots: op.sum(slots.view(op.t, op.m_local * op.n), out))
+        op.finish(lambda slots: op.sum(op.flat_slots, out))
         return out
 
     def consume(self, kernel):
@@ -170,11 +173,11 @@ class ShardPull:
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
                                    names=("PULLED", "READY"), graph_deadline=False)
 
-    def start(self, stream: int, a_shard: torch.Tensor):
-        self.signals.wait(stream, self.PULLED)
+    def start(self, stream: int, a_shard: torch.Tensor, capturing: bool):
+        self.signals.wait(stream, self.PULLED, capturing)
         memops.copy(stream, self.shard.data_ptr(), a_shard.data_ptr(), a_shard.numel() * a_shard.element_size())
         self.signals.signal(stream, self.READY)
-        self.signals.wait(stream, self.READY)
+        self.signals.wait(stream, self.READY, capturing)
 
     def pull(self, stream: int, gathered: torch.Tensor, lo: int, hi: int):
         """Rows [lo, hi) of every peer's shard into its region of `gathered` [t * rows, K] (contiguous)."""

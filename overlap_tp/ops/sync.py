@@ -26,7 +26,7 @@ class PeerSignals:
     """int32 words [slots, t] in symmetric memory: word (slot, p) of rank r is "p signalled r in `slot`".
 
     signal(stream, slot): on `stream`, after its prior work, raise (slot, rank) in every peer's memory.
-    wait(stream, slot):   on `stream`, wait until every peer raised (slot, p) here, then reset them to 0.
+    wait(stream, slot, capturing): on `stream`, wait until every peer raised (slot, p) here, then reset them to 0.
     `initial[slot]` (0 or 1) is every word's starting value (1: the first wait passes, as if a previous call
     had signalled). `describe` (the plan) and `names` (one per slot) name a wait that timed out in a graph
     replay. `graph_deadline=False` keeps the stream wait-value under capture too (no SM, no deadline): for
@@ -64,9 +64,10 @@ class PeerSignals:
         for p in self.peers:
             memops.write_value(stream, self.remote[p] + row, 1)
 
-    def wait(self, stream: int, slot: int):
+    def wait(self, stream: int, slot: int, capturing: bool):
+        """capturing: whether the caller's stream is being captured (the caller asks once per call)."""
         row = 4 * self.t * slot
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing() and self.graph_deadline:
+        if capturing and self.graph_deadline:
             for p in self.peers:
                 watchdog.graph_wait(stream, self.device, self.local[p] + row, 1, self.describe, self.what[slot, p])
             return

@@ -252,8 +252,8 @@ def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
     programs = {}
     for rank, op in enumerate(ranks):
         for call in range(calls):   # recorded once per call: the same ops a graph replays every time
-            op.store_half(rank, lambda r=rank, c=call: recorder.emit(r, ("store", r, c)))
-            op.reduce_half(rank, lambda r=rank, c=call: recorder.emit(r, ("sum", r, c)))
+            op.store_half(rank, lambda r=rank, c=call: recorder.emit(r, ("store", r, c)), False)
+            op.reduce_half(rank, lambda r=rank, c=call: recorder.emit(r, ("sum", r, c)), False)
         programs[rank] = recorder.take()[rank]
     slots = [[-1] * t for _ in range(t)]   # slots[owner][source]: the call whose partial is there
     summed = [-1] * t
@@ -288,7 +288,7 @@ def test_shard_pull_never_overwrites_a_shard_being_pulled(recorder, t, seed):
         for call in range(calls):
             source = torch.full((1, 4), call, dtype=torch.int32)
             recorder.emit(rank, ("publish", rank, call))
-            pull.start(rank, source)
+            pull.start(rank, source, False)
             pull.pull(rank, gathered[rank], 0, 1)
             recorder.emit(rank, ("check", rank, call))
             pull.finish(rank)
