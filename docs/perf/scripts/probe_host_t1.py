@@ -3,8 +3,10 @@
 # At t = 1 a plan runs every piece of its t = 2 call except the per-peer driver calls (the p2p GEMM+RS: 6
 # stream memory operations per call at t = 2; the AllGather+GEMM's pulls: 3 + 1 copy per peer), whose cost
 # is measured here too (`memop us`), so the t = 2 host time is estimated as the t = 1 time + 6 memops.
-# --ab: each plan's burst time again with its Triton kernels launched through CompiledKernel.run instead of the
-# DirectKernel path (kernels/launch.py), in the same process.
+# The burst figures interleave the variants round by round (the hosts' speed drifts up to 2x within a minute:
+# session 16 call 7), each with its median, quartiles and the median of its per-round ratio to a bare cuBLAS call.
+# --ab: the plan also with its Triton kernels launched through CompiledKernel.run instead of DirectKernels
+# (kernels/launch.py), in the same rounds.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
 import cProfile, gc, pstats, statistics, sys, time
 import torch, torch.distributed as dist
@@ -35,6 +37,10 @@ def host_us(fn, sets):
 def burst_us(fn, sets, burst=8, rounds=10):
     """Per call of `burst` calls back to back behind a 40 ms sleep (warm: as a layer's calls follow each other;
     few enough launches that the queue never fills)."""
+    return statistics.median(burst_samples(fn, sets, burst, rounds))
+
+
+def burst_samples(fn, sets, burst=8, rounds=10):
     cycles, times = sleep_cycles_per_ms(), []
     for r in range(rounds):
         torch.cuda.synchronize()
@@ -44,7 +50,25 @@ def burst_us(fn, sets, burst=8, rounds=10):
             fn(*sets[i % len(sets)])
         times.append((time.perf_counter() - t0) / burst * 1e6)
     torch.cuda.synchronize()
-    return statistics.median(times)
+    return times
+
+
+def interleaved(variants, sets, rounds=30):
+    """{name: (median us, 25th, 75th percentile, median of the per-round ratio to variants['matmul'])}: one burst
+    of each variant per round, in turn. A variant is fn or (fn, before): before() runs ahead of its burst."""
+    times = {name: [] for name in variants}
+    for _ in range(rounds):
+        for name, variant in variants.items():
+            fn, before = variant if isinstance(variant, tuple) else (variant, None)
+            if before is not None:
+                before()
+            times[name] += burst_samples(fn, sets, rounds=1)
+    out = {}
+    for name, values in times.items():
+        q = statistics.quantiles(values, n=4)
+        ratio = statistics.median(v / m for v, m in zip(values, times["matmul"]))
+        out[name] = (statistics.median(values), q[0], q[2], ratio)
+    return out
 
 
 def memop_us(n=200):
@@ -57,14 +81,6 @@ def memop_us(n=200):
                        ("wait_value", lambda: memops.wait_value(stream, word.data_ptr(), 1))):
         out[name] = burst_us(lambda: call(), [()], burst=n, rounds=5)
     return out
-
-
-def direct_launches(on: bool):
-    """Every DirectKernel of the process on the direct path (on) or through CompiledKernel.run; their count."""
-    kernels = [o for o in gc.get_objects() if isinstance(o, DirectKernel) and o._launch is not None]
-    for kernel in kernels:
-        kernel.direct = on
-    return len(kernels)
 
 
 def profile(fn, sets, n=60, top=22):
@@ -101,18 +117,25 @@ for op, m, n, k in CASES:
     err = float((got.float() - want.float()).norm() / want.float().norm())
     row = {"op": op, "M": m, "N": n, "K": k, "config": "p2p" if ours is P2P else "nccl", "rel_err": f"{err:.1e}",
            "host_plan_us": host_us(lambda a, w: plan(a, w), sets),
-           "burst_plan_us": burst_us(lambda a, w: plan(a, w), sets),
-           "burst_api_us": burst_us(lambda a, w: API[op](a, w, group, config=ours), sets),
-           "burst_off_us": burst_us(lambda a, w: API[op](a, w, group, config=OFF), sets),
-           "burst_matmul_us": burst_us(lambda a, w: a @ w.t(), sets),
            "host_api_us": host_us(lambda a, w: API[op](a, w, group, config=ours), sets),
            "host_off_us": host_us(lambda a, w: API[op](a, w, group, config=OFF), sets),
            "host_matmul_us": host_us(lambda a, w: a @ w.t(), sets)}
+    kernels = [o for o in gc.get_objects() if isinstance(o, DirectKernel) and o._launch is not None]
+
+    def direct(on):
+        def set_all():
+            for kernel in kernels:
+                kernel.direct = on
+        return set_all
+    variants = {"plan": (lambda a, w: plan(a, w), direct(True)),
+                "api": lambda a, w: API[op](a, w, group, config=ours),
+                "off": lambda a, w: API[op](a, w, group, config=OFF),
+                "matmul": lambda a, w: a @ w.t()}
     if "--ab" in sys.argv:
-        row["kernels"] = direct_launches(False)
-        row["burst_plan_run_us"] = burst_us(lambda a, w: plan(a, w), sets)
-        direct_launches(True)
-        row["burst_plan_direct_us"] = burst_us(lambda a, w: plan(a, w), sets)
+        variants["plan_run"] = (lambda a, w: plan(a, w), direct(False))
+        variants["matmul"] = (variants["matmul"], direct(True))
+    for name, (median, q1, q3, ratio) in interleaved(variants, sets).items():
+        row[f"burst_{name}_us"] = f"{median:.1f} [{q1:.1f}-{q3:.1f}] ({ratio:.2f}x matmul)"
     print(" ".join(f"{key}={value:.1f}" if isinstance(value, float) else f"{key}={value}"
                    for key, value in row.items()), flush=True)
     if "--profile" in sys.argv:
