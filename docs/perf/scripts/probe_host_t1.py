@@ -1,4 +1,5 @@
-# Host time per call of the op plans on ONE GPU (t = 1: the 2-GPU kinds were withheld in session 12), while
+# Host time per call of the op plans on ONE GPU (t = 1: the 2-GPU kinds were withheld in session 12; at t = 2 with
+# --nproc-per-node 2, rank 0 prints), while
 # the GPU is held busy so the host never waits for it (tune.timing.queued_ms), and a cProfile of the calls.
 # At t = 1 a plan runs every piece of its t = 2 call except the per-peer driver calls (the p2p GEMM+RS: 6
 # stream memory operations per call at t = 2; the AllGather+GEMM's pulls: 3 + 1 copy per peer), whose cost
@@ -8,7 +9,7 @@
 # --ab: the plan also with its Triton kernels launched through CompiledKernel.run instead of DirectKernels
 # (kernels/launch.py), in the same rounds.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
-import cProfile, gc, pstats, statistics, sys, time
+import cProfile, gc, os, pstats, statistics, sys, time
 import torch, torch.distributed as dist
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
 from overlap_tp.kernels.launch import DirectKernel
@@ -18,9 +19,10 @@ from overlap_tp.ops.gemm_ar import GemmAR
 from overlap_tp.ops.gemm_rs import GemmRS
 from overlap_tp.tune.timing import queued_ms, sleep_cycles_per_ms
 
-torch.cuda.set_device(0)
-dist.init_process_group("nccl", device_id=torch.device("cuda", 0))
-group, dev = dist.group.WORLD, torch.device("cuda", 0)
+dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))   # t = 1 here; the same probe runs at t = 2
+torch.cuda.set_device(dev)
+dist.init_process_group("nccl", device_id=dev)
+group, t, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
 P2P, NCCL, OFF = (OverlapConfig(method="signal", transport="p2p", comm_sms=0), OverlapConfig(method="signal"),
                   OverlapConfig(method="off"))
 # (op, M, N, K): l8b.proj GEMM+RS, l8b.qkv AllGather+GEMM, l8b.proj GEMM+AllReduce at s 8192 (shards at TP 2)
@@ -105,9 +107,11 @@ def profile(fn, sets, n=60, top=22):
     return "\n".join(lines)
 
 
-print(f"memop us (one stream memory operation through ctypes): {memop_us()}", flush=True)
+memops_us = memop_us()
+if rank == 0:
+    print(f"t = {t}; memop us (one stream memory operation through ctypes): {memops_us}", flush=True)
 for op, m, n, k in CASES:
-    rows = m if op != "ag" else m   # t = 1: the shard is every row
+    rows = m if op != "ag" else m // t   # ag_gemm's operand is this rank's shard
     sets = [(torch.randn(rows, k, device=dev, dtype=torch.bfloat16),
              torch.randn(n, k, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
     ours = NCCL if op == "ar" else P2P
@@ -136,8 +140,11 @@ for op, m, n, k in CASES:
         variants["matmul"] = (variants["matmul"], direct(True))
     for name, (median, q1, q3, ratio) in interleaved(variants, sets).items():
         row[f"burst_{name}_us"] = f"{median:.1f} [{q1:.1f}-{q3:.1f}] ({ratio:.2f}x matmul)"
-    print(" ".join(f"{key}={value:.1f}" if isinstance(value, float) else f"{key}={value}"
-                   for key, value in row.items()), flush=True)
+    if rank == 0:
+        print(" ".join(f"{key}={value:.1f}" if isinstance(value, float) else f"{key}={value}"
+                       for key, value in row.items()), flush=True)
     if "--profile" in sys.argv:
-        print(profile(lambda a, w: plan(a, w), sets), flush=True)
+        report = profile(lambda a, w: plan(a, w), sets)
+        if rank == 0:
+            print(report, flush=True)
 dist.destroy_process_group()
