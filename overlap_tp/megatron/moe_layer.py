@@ -207,8 +207,10 @@ class OverlapGroupedMLP(MegatronModule):
             _check_overlap_config(value, "overlap_config")
         super().__setattr__(name, value)
 
-    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """tokens [T, H] permuted by global expert, counts [ep, E] (host) -> expert outputs [T, H], same order."""
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor,
+                device_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens [T, H] permuted by global expert, counts [ep, E] (host) -> expert outputs [T, H], same order.
+        device_counts: the same counts on the GPU (OverlapMoELayer's), for the expert ops' tile tables."""
         config = self.overlap_config if self.overlap_config is not None else _default["config"]
         timer = None
         if config.method == "auto":   # off and signal tried in the first calls, the faster kept (moe_auto.py)
@@ -220,8 +222,10 @@ class OverlapGroupedMLP(MegatronModule):
             timer.record_start()
         # counts come from token_counts' all-gather (or the capacity, the same everywhere): equal on every rank by
         # construction, so the ops skip their per-routing cross-rank check (a round trip through the store)
-        fc1 = a2a_gemm(tokens, counts, self.weight1, self.ep_group, config=config, counts_agreed=True)
-        out = gemm_a2a(self.activation(fc1), counts, self.weight2, self.ep_group, config=config, counts_agreed=True)
+        fc1 = a2a_gemm(tokens, counts, self.weight1, self.ep_group, config=config, counts_agreed=True,
+                       device_counts=device_counts)
+        out = gemm_a2a(self.activation(fc1), counts, self.weight2, self.ep_group, config=config, counts_agreed=True,
+                       device_counts=device_counts)
         if timer is not None:
             timer.record_end()
         return out
@@ -369,7 +373,7 @@ class OverlapMoELayer(MoELayer):
         shared_expert_output = self.shared_experts_compute(hidden_states)
         probs, routing_map = self.route(hidden_states, padding_mask)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        counts = self.token_counts(routing_map, wait=False)
+        device_counts, counts = self._counts(routing_map)
         drop_and_pad = config.moe_pad_expert_input_to_capacity
         on_input = config.moe_apply_probs_on_input
         # The permute's row count without waiting for the counts where Megatron's dispatcher knows it too (dropless:
@@ -386,7 +390,7 @@ class OverlapMoELayer(MoELayer):
                                f"{out_rows} (tokens x moe_router_topk for a dropless router)")
         if on_input:
             permuted = (permuted_probs.unsqueeze(-1) * permuted).to(permuted.dtype)
-        expert_output = self.experts(permuted, counts)
+        expert_output = self.experts(permuted, counts, device_counts)
         output = unpermute(expert_output, sorted_indices, restore_shape=tokens.shape,
                            probs=None if on_input else probs, routing_map=routing_map,
                            fused=config.moe_permute_fusion, drop_and_pad=drop_and_pad)
@@ -399,10 +403,16 @@ class OverlapMoELayer(MoELayer):
         """counts [ep, E] (CPU int64, equal on every EP rank): rows rank r sends to global expert e. wait=False:
         a function returning them, the copy to the host queued now and waited for at its call (work queued in
         between runs on the GPU while the host waits)."""
+        host = self._counts(routing_map)[1]
+        return host() if wait else host
+
+    def _counts(self, routing_map: torch.Tensor):
+        """(the counts on the GPU, or None where they are made on the host; token_counts(wait=False)): the expert
+        ops build the dispatch's tile table from the GPU's copy, the host's arrives behind it."""
         counts = self._device_counts(routing_map)
         if not counts.is_cuda:
             counts = counts.cpu()
-            return counts if wait else (lambda: counts)
+            return None, (lambda: counts)
         host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
         host.copy_(counts, non_blocking=True)
         copied = torch.cuda.Event()
@@ -411,7 +421,7 @@ class OverlapMoELayer(MoELayer):
         def finish():
             copied.synchronize()
             return host
-        return finish() if wait else finish
+        return counts, finish
 
     def _device_counts(self, routing_map: torch.Tensor) -> torch.Tensor:
         """token_counts on routing_map's device (the capacity's on the host)."""

@@ -81,6 +81,7 @@ class Routing:
 
     def __init__(self, counts: torch.Tensor, rank: int, key):
         self.counts, self.key, self.layout = counts, key, layout(counts, rank)
+        self.device_counts = None   # the same counts on the GPU, where the caller has them (routing())
         self._parts = {}
 
     def parts(self, groups, row_bytes: int) -> int:
@@ -92,9 +93,11 @@ class Routing:
 _routings = OrderedDict()
 
 
-def routing(counts, ep: int, rank: int, op: str) -> Routing:
+def routing(counts, ep: int, rank: int, op: str, device_counts: Optional[torch.Tensor] = None) -> Routing:
     """counts checked (check_counts; values once per distinct routing) and this rank's Routing (cached, the 64
-    most recent)."""
+    most recent). device_counts: the same counts on the GPU (the caller guarantees the values; shape, dtype and
+    device are checked), kept on the Routing: the dispatch's tile table is then built from them on the GPU without
+    copying counts up (_ExpertState)."""
     check_counts(counts, ep, op)
     key = (counts.numpy().tobytes(), tuple(counts.shape))
 
@@ -103,7 +106,15 @@ def routing(counts, ep: int, rank: int, op: str) -> Routing:
         if min(map(min, route.layout.counts)) < 0:
             raise ValueError(f"{op}: counts has negative entries")
         return route
-    return _cached(_routings, key + (rank,), build, 64)
+    route = _cached(_routings, key + (rank,), build, 64)
+    if device_counts is not None:
+        if (device_counts.shape != counts.shape or device_counts.dtype != torch.int64 or not device_counts.is_cuda
+                or not device_counts.is_contiguous()):
+            raise ValueError(f"{op}: device_counts must be a contiguous CUDA int64 tensor shaped like counts "
+                             f"{tuple(counts.shape)}, got {device_counts.dtype} {tuple(device_counts.shape)} on "
+                             f"{device_counts.device}")
+        route.device_counts = device_counts
+    return route
 
 
 def check_inputs(op: str, a, w, counts, rows: int, rows_name: str, out_name: str):
@@ -234,7 +245,7 @@ class _ExpertState:
     the same counts (static routing: capacity factor with padding) reuse it, which is what lets them be captured
     in a CUDA graph."""
 
-    def __init__(self, kind, plan, op: _ExpertOp, device, config, counts, offsets=None):
+    def __init__(self, kind, plan, op: _ExpertOp, device, config, counts, offsets=None, device_counts=None):
         check_not_capturing(device, f"{kind} with new routing counts")
         self.plan, self.words, self.watched, self.gemm_first = plan, op.words, op.watched, op.gemm_first
         used = len(plan.exchanges) if kind == "a2a_gemm" else len(plan.group_tiles)
@@ -244,7 +255,9 @@ class _ExpertState:
             # the dispatch's table is needed at once (the GPU waits for its GEMM): built on the GPU from the counts,
             # one small copy and one launch, where the host's numpy build and the table's copy took ~0.3 ms
             n_tiles = -(-plan.n // plan.block_n)
-            self.tiles = dispatch_row_tiles(host_table_to(counts, device), plan.layout.rank, plan.layout.experts,
+            if device_counts is None or device_counts.device != device:
+                device_counts = host_table_to(counts, device)
+            self.tiles = dispatch_row_tiles(device_counts, plan.layout.rank, plan.layout.experts,
                                             plan.parts, plan.block_m, plan.num_tiles // n_tiles, n_tiles,
                                             EXPERT_RASTER_M)
         else:   # the combine's table: built while the GPU runs the dispatch's GEMM
@@ -330,7 +343,7 @@ def _state(kind, plan_fn, route: Routing, n, config, parts, group, device, offse
     key = (kind, group, route.key, n, config, parts, device, offsets)
     return _cached(_states, key, lambda: _ExpertState(
         kind, plan_fn(lay, n, config.block_m, config.block_n, parts), op, device, config, route.counts,
-        None if offsets is None else torch.tensor(offsets, dtype=torch.int64)), MAX_ROUTINGS)
+        None if offsets is None else torch.tensor(offsets, dtype=torch.int64), route.device_counts), MAX_ROUTINGS)
 
 
 # what the ranks of a group agreed on (comm.agree): ops by (kind, shape, config), routings by counts. Every rank
@@ -402,11 +415,11 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll):
     engine.transfers_then_gemm(transfers, gemm, state.flags, state.watched, gemm_first=state.gemm_first)
 
 
-def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None):
+def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None, device_counts=None):
     """a2a_gemm without autograd: (y [R, N], xr [R, H]). state: the signaled state of this call, prepared ahead
-    (_dispatch_state), else looked up or built now."""
+    (_dispatch_state), else looked up or built now. device_counts: as for routing()."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    route = routing(counts, ep, rank, "a2a_gemm")
+    route = routing(counts, ep, rank, "a2a_gemm", device_counts)
     lay = route.layout
     check_inputs("a2a_gemm", x, w, counts, lay.tokens, "sum of counts[rank]", "N")
     method = resolve_method("a2a_gemm", config, x, w)
@@ -475,10 +488,11 @@ def _combine_signaled(h, w, staging, z, state: _ExpertState, coll):
     engine.gemm_then_collectives(gemm, state.words, waited, exchange, state.watched)()
 
 
-def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None):
-    """gemm_a2a without autograd: z [T, H]. state: as for dispatch_gemm (_combine_state)."""
+def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None, device_counts=None):
+    """gemm_a2a without autograd: z [T, H]. state, device_counts: as for dispatch_gemm (_combine_state; the device
+    counts serve the dispatch state its backward builds)."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    route = routing(counts, ep, rank, "gemm_a2a")
+    route = routing(counts, ep, rank, "gemm_a2a", device_counts)
     lay = route.layout
     check_inputs("gemm_a2a", h, w, counts, lay.rows, "sum over sources of counts[:, this rank's experts]", "H")
     method = resolve_method("gemm_a2a", config, h, w)
@@ -537,8 +551,8 @@ def _backward_state(needed: bool, inp, build, counts, group, config, n: int, k: 
 
 class _A2AGemm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w, counts, group, config, counts_agreed):
-        y, xr = dispatch_gemm(x, counts, w, group, config, counts_agreed)
+    def forward(ctx, x, w, counts, group, config, counts_agreed, device_counts):
+        y, xr = dispatch_gemm(x, counts, w, group, config, counts_agreed, device_counts=device_counts)
         ctx.save_for_backward(xr, w)
         ctx.counts, ctx.group, ctx.config, ctx.counts_agreed = counts, group, config, counts_agreed
         ctx.mark_non_differentiable(xr)
@@ -559,15 +573,15 @@ class _A2AGemm(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = expert_wgrad(dy, xr, routing(ctx.counts, dist.get_world_size(ctx.group), dist.get_rank(ctx.group),
                                               "a2a_gemm").layout)
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 class _GemmA2A(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, w, counts, group, config, counts_agreed):
+    def forward(ctx, h, w, counts, group, config, counts_agreed, device_counts):
         ctx.save_for_backward(h, w)
         ctx.counts, ctx.group, ctx.config, ctx.counts_agreed = counts, group, config, counts_agreed
-        z = gemm_combine(h, counts, w, group, config, counts_agreed)
+        z = gemm_combine(h, counts, w, group, config, counts_agreed, device_counts=device_counts)
         # the backward's a2a_gemm (dz back to the experts, @ w[l]) prepared now, while the GPU runs this GEMM
         ctx.dh_state = _backward_state(ctx.needs_input_grad[0], h, _dispatch_state, counts, group, config,
                                        n=w.shape[2], k=w.shape[1])
@@ -587,21 +601,28 @@ class _GemmA2A(torch.autograd.Function):
             dzr = all_to_all_rows(dz, lay.rows, lay.xr_splits, lay.x_splits, ctx.group)
         if ctx.needs_input_grad[1]:
             dw = expert_wgrad(dzr, h, lay)
-        return dh, dw, None, None, None, None
+        return dh, dw, None, None, None, None, None
 
 
 def a2a_gemm(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None, *,
-             config: Optional[OverlapConfig] = None, return_received: bool = False, counts_agreed: bool = False):
+             config: Optional[OverlapConfig] = None, return_received: bool = False, counts_agreed: bool = False,
+             device_counts: Optional[torch.Tensor] = None):
     """Dispatch x's rows to their experts' ranks and apply fc1: y[R, N] (xr[R, H] too with return_received; with
     one rank, xr is x itself: nothing moves).
     counts_agreed=True: the caller guarantees counts equal on every rank (all-gathered), so the once-per-routing
-    cross-rank check is skipped (agree_routing)."""
-    y, xr = _A2AGemm.apply(x, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG, counts_agreed)
+    cross-rank check is skipped (agree_routing).
+    device_counts: the caller guarantees these equal counts, on the GPU (OverlapMoELayer has them there first):
+    the signaled method builds its tile table from them without copying counts up (one copy less on the host's
+    path from the routing to the first expert GEMM)."""
+    y, xr = _A2AGemm.apply(x, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG, counts_agreed,
+                           device_counts)
     return (y, xr) if return_received else y
 
 
 def gemm_a2a(h: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None, *,
-             config: Optional[OverlapConfig] = None, counts_agreed: bool = False) -> torch.Tensor:
+             config: Optional[OverlapConfig] = None, counts_agreed: bool = False,
+             device_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Apply fc2 to the received rows and send each back to its token's rank: z[T, H] in x's row order.
-    counts_agreed: as for a2a_gemm."""
-    return _GemmA2A.apply(h, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG, counts_agreed)
+    counts_agreed, device_counts: as for a2a_gemm (the device counts serve its backward's dispatch)."""
+    return _GemmA2A.apply(h, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG, counts_agreed,
+                          device_counts)

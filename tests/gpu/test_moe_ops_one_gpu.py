@@ -145,3 +145,48 @@ def test_dispatch_table_built_on_the_gpu_matches_the_host_table():
                                              sum(part_tiles(lay, block_m, parts)[0]), want.n_tiles, want.raster_m)
                     assert torch.equal(got.starts.cpu(), want.starts), (ep, experts, trial, rank, block_m, parts)
                     assert torch.equal(got.rows.cpu(), want.rows), (ep, experts, trial, rank, block_m, parts)
+
+
+def _check_device_counts(rank, world):
+    from overlap_tp.ops import expert
+    hidden, ffn, experts = 1024, 1024, 4
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w1 = (torch.randn(experts, 2 * ffn, hidden, device="cuda", generator=gen) / 32).bfloat16()
+    w2 = (torch.randn(experts, hidden, ffn, device="cuda", generator=gen) / 32).bfloat16()
+    copies = []
+    host_table_to = expert.host_table_to
+
+    def counted(table, device):
+        copies.append(tuple(table.shape))
+        return host_table_to(table, device)
+    expert.host_table_to = counted
+    try:
+        for seed in range(4):
+            counts = routing_counts(2048, experts, 1, "zipf", seed=50 + seed)
+            x = torch.randn(int(counts.sum()), hidden, device="cuda", generator=gen).bfloat16()
+            h = torch.randn(int(counts.sum()), ffn, device="cuda", generator=gen).bfloat16()
+            gy = torch.randn(int(counts.sum()), 2 * ffn, device="cuda", generator=gen).bfloat16()
+            gz = torch.randn(int(counts.sum()), hidden, device="cuda", generator=gen).bfloat16()
+            results, copied = [], []
+            for device_counts in (None, counts.cuda()):
+                expert._states.clear()
+                expert._routings.clear()
+                copies.clear()
+                results.append(fwd_bwd(lambda *a, **k: a2a_gemm(*a, device_counts=device_counts, **k), x, counts, w1,
+                                       gy, SIGNAL)
+                               + fwd_bwd(lambda *a, **k: gemm_a2a(*a, device_counts=device_counts, **k), h, counts, w2,
+                                         gz, SIGNAL))
+                copied.append(list(copies))
+            for i, (host_path, device_path) in enumerate(zip(*results)):
+                assert torch.equal(host_path, device_path), (seed, i)
+            # the counts' copy up, once per dispatch state (a2a_gemm's forward, gemm_a2a's backward), is gone
+            assert copied[1] == [c for c in copied[0] if c != tuple(counts.shape)], copied
+            assert len(copied[1]) == len(copied[0]) - 2, copied
+    finally:
+        expert.host_table_to = host_table_to
+
+
+def test_counts_on_the_gpu_build_the_same_dispatch_without_a_copy():
+    """a2a_gemm / gemm_a2a given the counts on the GPU too (device_counts, as OverlapMoELayer passes them): the same
+    bits forward and backward as with host counts alone, and the dispatch tables built without copying counts up."""
+    run_distributed(1, _check_device_counts, backend="nccl")

@@ -143,6 +143,8 @@ def _check_bad_input(rank, world):
         (lambda: gemm_a2a(h, counts, w2, config=OverlapConfig(method="signal", groups=(1, 2))), "parts per peer"),
         (lambda: gemm_a2a(torch.randn(len(h), 12).to(torch.bfloat16), counts, torch.randn(2, 32, 12).to(torch.bfloat16),
                           config=signal), "multiple of 8"),
+        (lambda: a2a_gemm(x, counts, w, device_counts=counts), "device_counts must be a contiguous CUDA int64"),
+        (lambda: gemm_a2a(h, counts, w2, device_counts=counts.int()), "device_counts must be a contiguous CUDA"),
     ]
     assert_each_raises(cases)
     with pytest.warns(UserWarning, match="method='auto' runs 'off'"):

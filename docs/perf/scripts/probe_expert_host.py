@@ -70,17 +70,21 @@ for local in (4, 32):
         x, h = inputs(counts)
         a2a_gemm(x, counts, w1, config=signal), gemm_a2a(h, counts, w2, config=signal)
     torch.cuda.synchronize()
-    for op, fn, which, w in (("a2a_gemm", a2a_gemm, 0, w1), ("gemm_a2a", gemm_a2a, 1, w2)):
+    for op, fn, which, w, on_gpu in (("a2a_gemm", a2a_gemm, 0, w1, False), ("gemm_a2a", gemm_a2a, 1, w2, False),
+                                     ("a2a_gemm, counts also on the GPU", a2a_gemm, 0, w1, True)):
         spent.clear()
+        expert._states.clear()      # every routing new to this pass
+        expert._routings.clear()
         total, to_launch = [], []
         for counts in routings[3:]:
             inp = inputs(counts)[which]
+            device_counts = counts.to(dev) if on_gpu else None   # OverlapMoELayer has them there already
             torch.cuda.synchronize()
             dist.barrier()
             torch.cuda._sleep(int(20 * cycles))
             marks.clear()
             t0 = time.perf_counter()
-            fn(inp, counts, w, config=signal)
+            fn(inp, counts, w, config=signal, device_counts=device_counts)
             total.append((time.perf_counter() - t0) * 1e6)
             to_launch.append((marks["SignaledGemm launch"] - t0) * 1e6)
             torch.cuda.synchronize()
