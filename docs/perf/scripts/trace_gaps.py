@@ -28,7 +28,8 @@ def main():
     args = p.parse_args()
     events = [e for e in load(args.trace) if e.get("ph") == "X"]
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
-    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") == "cuda_runtime"
+    # runtime calls (torch's launches) and driver calls (Triton's C launcher calls cuLaunchKernelEx itself)
+    launches = {e["args"].get("correlation"): e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
                 and "correlation" in e.get("args", {})}
     cpu_ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "python_function", "user_annotation")),
                      key=lambda e: e["ts"])
