@@ -47,7 +47,7 @@ import torch.distributed as dist
 from overlap_tp.kernels.expert_row_tiles import dispatch_row_tiles
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, tma_unsupported_reason, weight_layout
 from overlap_tp.ops import comm
-from overlap_tp.ops.common import check_not_capturing, gemm_programs, warn_once
+from overlap_tp.ops.common import check_not_capturing, device_properties, gemm_programs, warn_once
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
 from overlap_tp.ops.moe_tile_plan import EXPERT_RASTER_M, Layout, combine_plan, dispatch_plan, layout, parts_per_peer
 from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS
@@ -153,7 +153,7 @@ def resolve_method(op: str, config: OverlapConfig, a, w) -> str:
             raise ValueError(f"{op}: transport={config.transport!r} is not implemented for the expert ops; "
                              "use transport='nccl'")
         reason = tma_unsupported_reason(a, w)
-        if reason is None and a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
+        if reason is None and a.is_cuda and device_properties(a.device).major < 9:   # asked once per device
             reason = f"the signaled GEMM needs TMA (compute capability >= 9.0), {torch.cuda.get_device_name(a.device)} lacks it"
         if reason is not None:
             raise ValueError(f"{op}: method='signal' cannot run: {reason}")
