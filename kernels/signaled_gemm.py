@@ -406,8 +406,7 @@ class SignaledGemm:
                    dst.stride(0))
         found = self._variants.get(variant)
         if found is None:
-            grid, rest, options = _plain_args(a, w, dst, self.tiles, self.counters, self.num_programs, self.config,
-                                              bias, self.bias_rows, self.dst_offsets, self.flags, self.wait_target)
+            grid, rest, options = self._plain_args(a, w, dst, bias)
             key = specialization_key(self.device_index, a, w, rest, options)
             kernel = _shared.get(key)
             if kernel is None:   # compiled (or found in Triton's cache) and launched by the JIT
@@ -424,9 +423,13 @@ class SignaledGemm:
         w_args = (kernel.tma(1, w, box_kn, _kn_rows) if layout == "kn" else kernel.tma(1, w, box_nk, _nk_rows))
         kernel(grid, torch._C._cuda_getCurrentRawStream(self.device_index), *kernel.tma(0, a, box_a), *w_args, *rest)
 
+    def _plain_args(self, a, w, dst, bias):
+        return _plain_args(a, w, dst, self.tiles, self.counters, self.num_programs, self.config, bias, self.bias_rows,
+                           self.dst_offsets, self.flags, self.wait_target)
+
     def _launch_args(self, a, w, dst, bias):
-        return _launch_args(a, w, dst, self.tiles, self.counters, self.num_programs, self.config, bias,
-                            self.bias_rows, self.dst_offsets, self.flags, self.wait_target)
+        grid, rest, options = self._plain_args(a, w, dst, bias)
+        return grid, _descriptors(a, w, self.config) + rest, options
 
 
 def _nk_rows(w):

@@ -152,3 +152,24 @@ def test_row_tiles_run_the_tiles_of_their_expanded_table():
         assert torch.allclose(out.double(), ref, rtol=2 ** -7, atol=2 ** -7 * float(ref.abs().max()))
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_specialization_key_separates_what_triton_specializes():
+    """The compiled-kernel key of a launch (its GPU check against Triton's binder: tests/gpu/test_direct_launch_gpu.py)
+    separates integers equal to 1, divisible by 16 or wider than 32 bits, pointers' alignment and dtype, the
+    constexprs and the options; integers of one class share a key."""
+    from overlap_tp.kernels.signaled_gemm import _CONSTEXPRS, specialization_key
+    a, w = torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(48, 32, dtype=torch.bfloat16)
+    dst = torch.zeros(64, 48, dtype=torch.bfloat16)
+    constexprs = (0,) * len(_CONSTEXPRS)
+    options = dict(num_stages=3, num_warps=8)
+
+    def key(n, ptr=dst, consts=constexprs, opts=options, aa=a):
+        return specialization_key(0, aa, w, (ptr, n) + consts, opts)
+    assert key(17) == key(33) and key(32) == key(48)
+    assert len({key(1), key(2), key(16), key(2 ** 31 + 16)}) == 4
+    assert key(17) != key(17, ptr=dst.view(-1)[1:])                       # 16-byte alignment
+    assert key(17) != key(17, ptr=dst.half())                            # dtype
+    assert key(17) != key(17, consts=(1,) + constexprs[1:])              # a constexpr
+    assert key(17) != key(17, opts=dict(num_stages=4, num_warps=8))      # an option
+    assert key(17) != key(17, aa=torch.zeros(65, 32, dtype=torch.bfloat16))   # a descriptor's shape (safe side)
