@@ -45,6 +45,11 @@ run_recipe() {
       overlap_args+=(--overlap-tp-layers)
     fi
   fi
+  if [[ ${DRY_RUN:-0} != 1 && $impl == local ]] && ! _imports apex; then
+    # Megatron's persistent LayerNorm is Apex's kernel, and its default: without Apex the local spec's torch norm
+    # refuses it (seen at TP 1, where Megatron's own layers run: nothing to communicate)
+    env_args+=(--no-persist-layer-norm)
+  fi
   local graph_args=()
   case ${GRAPHS:-local} in
     none) ;;

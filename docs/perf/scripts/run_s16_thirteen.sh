@@ -4,7 +4,7 @@
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1
 workdir s16_thirteen
-train smoke-tp1-off 110 TP=1 NPROC=1 GRAPHS=full_iteration OVERLAP=off TRAIN_ITERS=40 -- $REPO/recipes/smoke.sh
-train smoke-tp1-signal 110 TP=1 NPROC=1 GRAPHS=full_iteration OVERLAP=signal TRAIN_ITERS=40 -- $REPO/recipes/smoke.sh
+train smoke-tp1-off 120 TP=1 NPROC=1 GRAPHS=full_iteration OVERLAP=off TRAIN_ITERS=40 -- $REPO/recipes/smoke.sh
+train smoke-tp1-signal 120 TP=1 NPROC=1 GRAPHS=full_iteration OVERLAP=signal TRAIN_ITERS=40 -- $REPO/recipes/smoke.sh
 python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 10 $W/smoke-tp1-*/train.log | tee $W/smoke_tp1.md
 grep -E "Error|error:|Traceback" $W/smoke-tp1-*.out | head -5
