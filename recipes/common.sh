@@ -46,9 +46,10 @@ run_recipe() {
     fi
   fi
   if [[ ${DRY_RUN:-0} != 1 && $impl == local ]] && ! _imports apex; then
-    # Megatron's persistent LayerNorm is Apex's kernel, and its default: without Apex the local spec's torch norm
-    # refuses it (seen at TP 1, where Megatron's own layers run: nothing to communicate)
-    env_args+=(--no-persist-layer-norm)
+    # Megatron's persistent LayerNorm and fused masked softmax are Apex's kernels, and on by default: without Apex
+    # its local spec's torch norm refuses the first and its attention fails to import the second (seen at TP 1,
+    # where Megatron's own layers run: nothing to communicate)
+    env_args+=(--no-persist-layer-norm --no-masked-softmax-fusion)
   fi
   local graph_args=()
   case ${GRAPHS:-local} in
