@@ -402,8 +402,9 @@ class SignaledGemm:
         if INTERPRET or layout is None:   # None: _launch_args' descriptor raises Triton's own error
             _jit_launch(*self._launch_args(a, w, dst, bias))
             return
-        variant = (bias is not None, layout, dst.data_ptr() % 16 == 0, bias is None or bias.data_ptr() % 16 == 0,
-                   dst.stride(0))
+        dst_ptr = dst.data_ptr()
+        bias_ptr = dst_ptr if bias is None else bias.data_ptr()   # the kernel's unused bias pointer: dst's
+        variant = (bias is not None, layout, dst_ptr % 16 == 0, bias_ptr % 16 == 0, dst.stride(0))
         found = self._variants.get(variant)
         if found is None:
             grid, rest, options = self._plain_args(a, w, dst, bias)
@@ -417,8 +418,7 @@ class SignaledGemm:
             found = self._variants[variant] = (kernel, grid, rest)
         kernel, grid, rest = found
         rest = rest.copy()
-        rest[0] = dst.data_ptr()
-        rest[3] = bias.data_ptr() if bias is not None else rest[0]
+        rest[0], rest[3] = dst_ptr, bias_ptr
         box_a, box_kn, box_nk = self._boxes
         w_args = (kernel.tma(1, w, box_kn, _kn_rows) if layout == "kn" else kernel.tma(1, w, box_nk, _nk_rows))
         kernel(grid, torch._C._cuda_getCurrentRawStream(self.device_index), *kernel.tma(0, a, box_a), *w_args, *rest)

@@ -218,9 +218,10 @@ def _exchange(coll, exchange, send_buf, recv_buf, stream):
 
 
 class _ExpertOp:
-    """What a signaled expert op keeps across routings, for one (op, output columns, config, group, device): the synchronisation words (dispatch: chunk ready flags, raised to 1 and lowered behind the GEMM;
-    combine: group counters, waited on and reset to 0 by the comm stream), sized for the most groups a plan of
-    this config can have, the persistent grid and the watchdog's record. Every call leaves the words as it found
+    """What a signaled expert op keeps across routings, for one (op, output columns, config, group, device): the
+    synchronisation words (dispatch: chunk ready flags, raised to 1 and lowered behind the GEMM; combine: group
+    counters, waited on and reset to 0 by the comm stream), sized for the most groups a plan of this config can
+    have, the persistent grid and the watchdog's record. Every call leaves the words as it found
     them and the calls are ordered on the streams, so one op's calls share them as a dense plan's calls do: a
     new routing (every step) then builds its plan and table only."""
 
