@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
-from overlap_tp.ops import comm
+from overlap_tp.ops import comm, memops
 from overlap_tp.ops.common import OpPlan, cached_plan, chunk_bounds, gemm_programs
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.p2p import ShardPull
@@ -61,6 +61,7 @@ class AgGemm(OpPlan):
             self.flags = torch.zeros(max(1, len(self.chunks)), dtype=torch.int32, device=device)
             self.gemm = SignaledGemm(self.tiles, gemm_programs(device, config), config, bias_rows=(0, t * m),
                                      flags=self.flags, wait_target=READY)
+            self.ready = comm.ReadyFlags(self.flags)
             if self.watched is not None:
                 self.watched.words = (("ready flags", self.flags),)
             self.engine = comm.comm_engine(device)
@@ -121,7 +122,11 @@ class AgGemm(OpPlan):
         """The persistent GEMM over the plan: local rows at once, each peer chunk behind its ready flag, which
         the comm stream raises after the chunk's transfer."""
         engine, p2p = self.engine, self.config.transport == "p2p"
-        gathered.narrow(0, self.rank * self.m, self.m).copy_(a_shard)
+        local = gathered.narrow(0, self.rank * self.m, self.m)
+        if engine.stream is None:
+            local.copy_(a_shard)
+        else:   # a copy-engine copy through the driver: a fraction of copy_'s host time (docs/perf/s17)
+            memops.copy(engine.current(), local.data_ptr(), a_shard.data_ptr(), a_shard.numel() * a_shard.element_size())
 
         def transfers(stream):
             if p2p:
@@ -131,12 +136,12 @@ class AgGemm(OpPlan):
                     self.pull.pull(stream, gathered, lo, hi)
                 else:
                     self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=stream)
-                engine.raise_flag(self.flags, c)
+                engine.raise_flag(self.ready, c)
             if p2p:
                 self.pull.finish(stream)
 
         # copy-engine pulls need no SM; NCCL needs SMs left free by the GEMM's grid (comm_sms)
-        engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.flags, self.watched,
+        engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
                                    gemm_first=p2p or self.config.comm_sms > 0)
 
 

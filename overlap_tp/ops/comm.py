@@ -211,50 +211,55 @@ class CommEngine:
         """The caller's stream waits for everything enqueued on the comm stream so far."""
         memops.stream_waits_for(current, self.raw, self._events[capturing][1])
 
-    def wait_counter(self, counters: torch.Tensor, index: int, target: int, capturing: bool, describe: str = ""):
-        """On the comm stream: wait until counters[index] == target (the GEMM stored that group's tiles), then
-        reset it to 0. Eager calls wait with a stream wait-value (no SM): the GEMM was launched before this wait
-        was enqueued, so nothing queued behind the wait can hold the GEMM back. A captured graph does not keep
-        that launch order (its scheduler sees no dependency between the GEMM and the wait, and with one
-        hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1, a wait at the head would block the GEMM's launch: a
+    def wait_counter(self, waits: "CounterWaits", index: int, capturing: bool, describe: str = ""):
+        """On the comm stream: wait until group `index`'s counter reaches its target (the GEMM stored that group's
+        tiles), then reset it to 0. Eager calls wait with a stream wait-value (no SM): the GEMM was launched
+        before this wait was enqueued, so nothing queued behind the wait can hold the GEMM back. A captured graph
+        does not keep that launch order (its scheduler sees no dependency between the GEMM and the wait, and with
+        one hardware queue, CUDA_DEVICE_MAX_CONNECTIONS=1, a wait at the head would block the GEMM's launch: a
         deadlock), so under capture a one-thread kernel spins instead: it holds a thread slot of one SM
         while it waits, and a kernel never blocks the launch of another stream's kernel. That kernel gives up
         after the watchdog's timeout and ends the process naming `describe` (the plan) and the counter
         (overlap_tp/ops/watchdog.py): an eager wait is watched through the plan's event instead."""
         if self.stream is None:
+            counters, target = waits.counters, waits.targets[index]
             got = int(counters[index])
             if got != target:
                 raise RuntimeError(f"overlap_tp: group {index} signaled {got} of {target} tiles")
             counters[index] = 0
         elif capturing:
-            watchdog.graph_wait(self.raw, self.device, counters.data_ptr() + 4 * index, target,
-                                describe or "an overlap_tp op",
+            target = waits.targets[index]
+            watchdog.graph_wait(self.raw, self.device, waits.addresses[index], target, describe or "an overlap_tp op",
                                 f"tile counter {index} to reach {target} (its GEMM's tiles of group {index})")
         else:
-            address = counters.data_ptr() + 4 * index
-            memops.wait_value(self.raw, address, target)
-            memops.write_value(self.raw, address, 0)
+            waits.eager[index].issue(self.raw)
 
-    def gemm_then_collectives(self, gemm, counters, group_tiles, collective, watched):
+    def gemm_then_collectives(self, gemm, waits: "CounterWaits", collective, watched):
         """The signaled GEMM+collective shape (GEMM+RS, GEMM+AR, GEMM+A2A): fork, the GEMM on the caller's
-        stream (it raises counters[g] per stored tile of group g), then on the comm stream per group: wait until
-        counters[g] == group_tiles[g], reset, collective(g, comm stream). Returns the join, which the caller runs
-        before reading what the collectives wrote (at once, or in Pending.wait())."""
+        stream (it raises counter g per stored tile of group g), then on the comm stream per group of `waits`:
+        wait until its counter reaches the group's tile count, reset, collective(g, comm stream). Returns the
+        join, which the caller runs before reading what the collectives wrote (at once, or in Pending.wait())."""
         if self.stream is None:   # CPU: the interpreter finishes the kernel before the collectives start
             gemm()
-            for g, tiles in enumerate(group_tiles):
-                self.wait_counter(counters, g, tiles, False)
+            for g in range(len(waits.targets)):
+                self.wait_counter(waits, g, False)
                 collective(g, None)
             return _no_join
         capturing = self.capturing()
         self.fork(self.current(), capturing)   # before the GEMM launch: inputs and buffers ready, no more
         gemm()
-        describe = "" if watched is None else watched.describe
-        for g, tiles in enumerate(group_tiles):
-            self.wait_counter(counters, g, tiles, capturing, describe)
-            collective(g, self.raw)
-        if not capturing and watched is not None:
-            watched.record(self.raw)
+        raw = self.raw
+        if capturing:
+            describe = "" if watched is None else watched.describe
+            for g in range(len(waits.targets)):
+                self.wait_counter(waits, g, True, describe)
+                collective(g, raw)
+        else:
+            for g, wait_and_reset in enumerate(waits.eager):
+                wait_and_reset.issue(raw)
+                collective(g, raw)
+            if watched is not None:
+                watched.record(raw)
 
         def join():
             self.join(self.current(), self.capturing())
@@ -297,20 +302,43 @@ class CommEngine:
         if self.stream is not None:
             watchdog.prepare_graph_waits(self.device)
 
-    def raise_flag(self, flags: torch.Tensor, index: int):
-        """flags[index] = 1 once everything the comm stream issued so far has completed."""
+    def raise_flag(self, flags: "ReadyFlags", index: int):
+        """Flag `index` = 1 once everything the comm stream issued so far has completed."""
         if self.stream is None:
-            flags[index] = 1
+            flags.words[index] = 1
         else:
-            memops.write_value(self.raw, flags.data_ptr() + 4 * index, 1)
+            memops.write_value(self.raw, flags.addresses[index], 1)
 
-    def lower_flags(self, flags: torch.Tensor, stream: int):
-        """flags = 0 on `stream` (the consumer's, after the kernel that waited on them)."""
+    def lower_flags(self, flags: "ReadyFlags", stream: int):
+        """Every flag = 0 on `stream` (the consumer's, after the kernel that waited on them)."""
         if self.stream is None:
-            flags.zero_()
+            flags.words.zero_()
         else:
-            for index in range(flags.numel()):
-                memops.write_value(stream, flags.data_ptr() + 4 * index, 0)
+            flags.lowering.issue(stream)
+
+
+class CounterWaits:
+    """The per-group waits of one signaled GEMM's counters, built once per plan: group g's collective starts
+    when counters[g] reached targets[g] (every tile of the group stored) and the wait resets the counter to 0.
+    Eagerly that is one driver call per group (a wait-value and a write-value batched, memops.MemOps: the
+    addresses and values never change, so the batch is built here, not per call)."""
+
+    def __init__(self, counters: torch.Tensor, targets):
+        self.counters, self.targets = counters, tuple(targets)
+        self.addresses = tuple(counters.data_ptr() + 4 * g for g in range(len(self.targets)))
+        self.eager = tuple(memops.MemOps([("wait", address, target), ("write", address, 0)])
+                           for address, target in zip(self.addresses, self.targets))
+
+
+class ReadyFlags:
+    """The ready words an AllGather-shaped GEMM's tiles wait on (value 1): chunk c's transfer raises word c on
+    the comm stream, and the caller's stream lowers them all behind the GEMM (one batched driver call, built
+    here once), so every call and every replay waits for the same value."""
+
+    def __init__(self, words: torch.Tensor):
+        self.words = words
+        self.addresses = tuple(words.data_ptr() + 4 * i for i in range(words.numel()))
+        self.lowering = memops.MemOps([("write", address, 0) for address in self.addresses])
 
 
 def _no_join():

@@ -251,7 +251,11 @@ class _ExpertState:
         self.plan, self.words, self.watched, self.gemm_first = plan, op.words, op.watched, op.gemm_first
         used = len(plan.exchanges) if kind == "a2a_gemm" else len(plan.group_tiles)
         assert used <= self.words.numel(), (kind, used, self.words.numel())
-        self.flags = self.words[:used]   # a2a_gemm: the flags this plan raises, lowered behind its GEMM
+        if kind == "a2a_gemm":   # the flags this plan raises, lowered behind its GEMM
+            self.flags = comm.ReadyFlags(self.words[:used])
+        else:   # the waits of the groups with an exchange (the last group's tiles, the local rows stored straight
+            # into z, are not waited on: its counter only counts)
+            self.waits = comm.CounterWaits(self.words, plan.group_tiles[:len(plan.exchanges)])
         if kind == "a2a_gemm" and device.type == "cuda":
             # the dispatch's table is needed at once (the GPU waits for its GEMM): built on the GPU from the counts,
             # one small copy and one launch, where the host's numpy build and the table's copy took ~0.3 ms
@@ -483,10 +487,7 @@ def _combine_signaled(h, w, staging, z, state: _ExpertState, coll):
     def exchange(g, stream):
         _exchange(coll, plan.exchanges[g], staging, z, stream)
 
-    # the groups with an exchange; the last group's tiles (the local rows, stored straight into z) are not
-    # waited on: its counter only counts
-    waited = plan.group_tiles[:len(plan.exchanges)]
-    engine.gemm_then_collectives(gemm, state.words, waited, exchange, state.watched)()
+    engine.gemm_then_collectives(gemm, state.waits, exchange, state.watched)()
 
 
 def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None, device_counts=None):

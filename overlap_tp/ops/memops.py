@@ -17,6 +17,8 @@ CU_STREAM_WAIT_VALUE_EQ = 0x1
 # stream): whoever observes the value also observes everything the stream wrote before it.
 CU_STREAM_WRITE_VALUE_DEFAULT = 0x0
 CU_EVENT_DISABLE_TIMING = 0x2
+CU_STREAM_MEM_OP_WAIT_VALUE_32 = 1
+CU_STREAM_MEM_OP_WRITE_VALUE_32 = 2
 
 _lib = None
 
@@ -31,6 +33,8 @@ def _driver():
         for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2"):
             getattr(lib, name).argtypes = [ptr, ctypes.c_uint64, u32, uint]
             getattr(lib, name).restype = ctypes.c_int
+        lib.cuStreamBatchMemOp_v2.argtypes = [ptr, uint, ptr, uint]
+        lib.cuStreamBatchMemOp_v2.restype = ctypes.c_int
         lib.cuEventCreate.argtypes = [ctypes.POINTER(ptr), uint]
         lib.cuEventRecord.argtypes = [ptr, ptr]
         lib.cuStreamWaitEvent.argtypes = [ptr, ptr, uint]
@@ -61,6 +65,40 @@ def write_value(stream: int, address: int, value: int):
     """The stream writes `value` to the word at `address` after all its prior work, fenced."""
     _check(_driver().cuStreamWriteValue32_v2(stream, address, value & 0xFFFFFFFF, CU_STREAM_WRITE_VALUE_DEFAULT),
            "cuStreamWriteValue32")
+
+
+class _MemOpParams(ctypes.Structure):
+    """CUstreamBatchMemOpParams (cuda.h): a 48-byte union whose wait-value and write-value members share this
+    layout (operation, address, value as a 64-bit union, flags, a driver-internal alias)."""
+    _fields_ = [("operation", ctypes.c_uint32), ("address", ctypes.c_uint64), ("value", ctypes.c_uint64),
+                ("flags", ctypes.c_uint32), ("alias", ctypes.c_uint64), ("pad", ctypes.c_uint64)]
+
+
+assert ctypes.sizeof(_MemOpParams) == 48
+
+
+class MemOps:
+    """A fixed sequence of stream memory operations on fixed words, enqueued in order with one driver call
+    (cuStreamBatchMemOp) instead of one call each: built once per plan, where the words live as long as the
+    plan does. ops: ("wait", address, value) waits until the word is >= value (cyclically, as wait_value),
+    ("write", address, value) writes it after all prior work, fenced (as write_value)."""
+
+    def __init__(self, ops):
+        self.count = len(ops)
+        self._params = (_MemOpParams * max(1, self.count))()
+        for params, (kind, address, value) in zip(self._params, ops):
+            if kind == "wait":
+                params.operation, params.flags = CU_STREAM_MEM_OP_WAIT_VALUE_32, CU_STREAM_WAIT_VALUE_GEQ
+            elif kind == "write":
+                params.operation, params.flags = CU_STREAM_MEM_OP_WRITE_VALUE_32, CU_STREAM_WRITE_VALUE_DEFAULT
+            else:
+                raise ValueError(f"MemOps: unknown operation {kind!r} (expected 'wait' or 'write')")
+            params.address, params.value = address, value & 0xFFFFFFFF
+        self._address = ctypes.addressof(self._params)
+
+    def issue(self, stream: int):
+        if self.count:
+            _check(_driver().cuStreamBatchMemOp_v2(stream, self.count, self._address, 0), "cuStreamBatchMemOp")
 
 
 class Event:

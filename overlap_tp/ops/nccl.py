@@ -93,6 +93,7 @@ class Communicator:
         self.comm = ctypes.c_void_p()
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device_index = device.index
+        self._reduce_scatter, self._all_reduce = lib.ncclReduceScatter, lib.ncclAllReduce
         with torch.cuda.device(device):
             _check(lib.ncclCommInitRankConfig(ctypes.byref(self.comm), dist.get_world_size(group), uid,
                                               dist.get_rank(group), ctypes.byref(config)), "ncclCommInitRankConfig")
@@ -111,6 +112,16 @@ class Communicator:
         """On `stream` (default: the current one): x = sum over ranks of x, in place."""
         _check(library().ncclAllReduce(x.data_ptr(), x.data_ptr(), x.numel(), NCCL_DTYPES[x.dtype], NCCL_SUM,
                                        self.comm, self._stream(stream)), "ncclAllReduce")
+
+    def reduce_scatter_at(self, dst: int, src: int, count: int, dtype: torch.dtype, stream: int):
+        """reduce_scatter on device addresses: `count` elements of this rank's block at dst, from t * count at src
+        (the signaled ops' per-group collectives: offsets made once per plan, no tensor view per call)."""
+        _check(self._reduce_scatter(src, dst, count, NCCL_DTYPES[dtype], NCCL_SUM, self.comm, stream),
+               "ncclReduceScatter")
+
+    def all_reduce_at(self, dst: int, src: int, count: int, dtype: torch.dtype, stream: int):
+        """all_reduce on device addresses: dst = sum over ranks of `count` elements at src (in place: src == dst)."""
+        _check(self._all_reduce(src, dst, count, NCCL_DTYPES[dtype], NCCL_SUM, self.comm, stream), "ncclAllReduce")
 
     def all_gather_rows(self, gathered: torch.Tensor, src: torch.Tensor, lo: int, hi: int, stream=None):
         """On `stream` (default: the current one): rows [lo, hi) of every rank's shard into the same rows of

@@ -38,8 +38,8 @@ def device_plan(schedule: str, m: int, n: int, world: int, config, elem_bytes: i
 
 
 class SignaledReduction:
-    """One tile plan on the device: its table, counters and TileOrder, the GEMM launcher, and the group
-    collectives as (group, tile count, output rows, staging rows)."""
+    """One tile plan on the device: its table, counters and TileOrder, the GEMM launcher, the counters' waits
+    and the group collectives as (output rows, staging rows)."""
 
     def __init__(self, plan: TilePlan, device: torch.device, config, programs: int, bias_rows, coll, collective: str,
                  engine=None):
@@ -48,9 +48,14 @@ class SignaledReduction:
         self.tiles, self.counters, self.order = on_device.tiles, on_device.counters, on_device.tile_order
         self.gemm = SignaledGemm(self.tiles, programs, config, counters=self.counters, bias_rows=bias_rows)
         self.engine = comm.comm_engine(device) if engine is None else engine
-        self.steps = tuple((g, plan.group_tiles[g], c.dst_lo, c.dst_hi, c.src_lo, c.src_hi)
-                           for g, c in enumerate(plan.collectives))
+        self.waits = comm.CounterWaits(self.counters, plan.group_tiles)
+        self.steps = tuple((c.dst_lo, c.dst_hi, c.src_lo, c.src_hi) for c in plan.collectives)
         self.collective = collective   # "reduce_scatter" | "all_reduce" (in place: source rows = output rows)
+        # a raw NCCL communicator takes addresses: group g's (output, staging, count) offsets in elements, made once
+        self.issue_at = getattr(coll, collective + "_at", None)
+        n, in_place = plan.out_shape[1], collective == "all_reduce"
+        self.spans = tuple((dst_lo * n, (dst_lo if in_place else src_lo) * n, (dst_hi - dst_lo) * n)
+                           for dst_lo, dst_hi, src_lo, _ in self.steps)
         if device.type == "cuda":
             default_offsets(device)       # the kernel's default offset table, made now rather than under capture
             self.engine.prepare_graph_waits()
@@ -58,15 +63,24 @@ class SignaledReduction:
     def run(self, a, w, bias, received, staging, watched) -> Callable[[], None]:
         """The GEMM into `staging` and every group's collective into `received`; returns the join (the caller's
         stream waits for the comm stream: call it before reading `received`)."""
-        def collective(g, stream):
-            _, _, dst_lo, dst_hi, src_lo, src_hi = self.steps[g]
-            if self.collective == "reduce_scatter":
-                self.coll.reduce_scatter(received[dst_lo:dst_hi], staging[src_lo:src_hi], stream=stream)
-            else:
-                self.coll.all_reduce(received[dst_lo:dst_hi], stream=stream)
+        if self.issue_at is not None:
+            dst, src, size, dtype, spans, issue_at = (received.data_ptr(), staging.data_ptr(),
+                                                      received.element_size(), received.dtype, self.spans,
+                                                      self.issue_at)
 
-        return self.engine.gemm_then_collectives(lambda: self.gemm(a, w, staging, bias), self.counters,
-                                                 self.plan.group_tiles, collective, watched)
+            def collective(g, stream):
+                dst_offset, src_offset, count = spans[g]
+                issue_at(dst + dst_offset * size, src + src_offset * size, count, dtype, stream)
+        else:
+            def collective(g, stream):
+                dst_lo, dst_hi, src_lo, src_hi = self.steps[g]
+                if self.collective == "reduce_scatter":
+                    self.coll.reduce_scatter(received[dst_lo:dst_hi], staging[src_lo:src_hi], stream=stream)
+                else:
+                    self.coll.all_reduce(received[dst_lo:dst_hi], stream=stream)
+
+        return self.engine.gemm_then_collectives(lambda: self.gemm(a, w, staging, bias), self.waits, collective,
+                                                 watched)
 
 
 def decomposed(device, out, compute_chunk, collective, bounds) -> list:

@@ -27,6 +27,7 @@ class PeerSignals:
 
     signal(stream, slot): on `stream`, after its prior work, raise (slot, rank) in every peer's memory.
     wait(stream, slot, capturing): on `stream`, wait until every peer raised (slot, p) here, then reset them to 0.
+    Eagerly each is one batched driver call, built once (build_batches).
     `initial[slot]` (0 or 1) is every word's starting value (1: the first wait passes, as if a previous call
     had signalled). `describe` (the plan) and `names` (one per slot) name a wait that timed out in a graph
     replay. `graph_deadline=False` keeps the stream wait-value under capture too (no SM, no deadline): for
@@ -50,6 +51,7 @@ class PeerSignals:
         self.remote = {p: handle.buffer_ptrs[p] + within + 4 * rank for p in self.peers}
         self.local = {p: self.words.data_ptr() + 4 * p for p in self.peers}
         self.handle = handle
+        self.build_batches()
         self.what = {(slot, p): f"rank {dist.get_global_rank(group, p)}'s {name} signal (peer {p} of group "
                                 f"{group.group_name}, word [{slot}, {p}])"
                      for slot, name in enumerate(names) for p in self.peers}
@@ -59,18 +61,25 @@ class PeerSignals:
         handle.barrier(channel=0)   # every rank's words hold their initial values before anyone signals
         torch.cuda.synchronize(device)
 
+    def build_batches(self):
+        """Per slot, the eager signal (a write-value into every peer's word) and wait (per peer: wait-value, reset)
+        as one batched driver call each (memops.MemOps): the addresses are fixed for the signals' lifetime."""
+        self.signals, self.waits = [], []
+        for slot in range(self.slots):
+            row = 4 * self.t * slot
+            self.signals.append(memops.MemOps([("write", self.remote[p] + row, 1) for p in self.peers]))
+            self.waits.append(memops.MemOps([op for p in self.peers
+                                             for op in (("wait", self.local[p] + row, 1),
+                                                        ("write", self.local[p] + row, 0))]))
+
     def signal(self, stream: int, slot: int):
-        row = 4 * self.t * slot
-        for p in self.peers:
-            memops.write_value(stream, self.remote[p] + row, 1)
+        self.signals[slot].issue(stream)
 
     def wait(self, stream: int, slot: int, capturing: bool):
         """capturing: whether the caller's stream is being captured (the caller asks once per call)."""
-        row = 4 * self.t * slot
         if capturing and self.graph_deadline:
+            row = 4 * self.t * slot
             for p in self.peers:
                 watchdog.graph_wait(stream, self.device, self.local[p] + row, 1, self.describe, self.what[slot, p])
             return
-        for p in self.peers:
-            memops.wait_value(stream, self.local[p] + row, 1)
-            memops.write_value(stream, self.local[p] + row, 0)
+        self.waits[slot].issue(stream)

@@ -152,11 +152,11 @@ def test_watchdog_turns_a_lost_signal_into_an_error(tmp_path):
     """A wait whose counter can never reach its target must end the process with a clear message."""
     script = textwrap.dedent("""
         import torch
-        from overlap_tp.ops.comm import comm_engine
+        from overlap_tp.ops.comm import CounterWaits, comm_engine
         from overlap_tp.ops.watchdog import Watched
         engine = comm_engine(torch.device("cuda", 0))
         counters = torch.zeros(2, dtype=torch.int32, device="cuda")
-        engine.wait_counter(counters, 1, 5, False)    # nothing will ever raise counter 1
+        engine.wait_counter(CounterWaits(counters, (0, 5)), 1, False)    # nothing will ever raise counter 1
         Watched("test op", (("counters", counters),)).record(engine.raw)
         torch.cuda.synchronize()
         print("NOT REACHED")

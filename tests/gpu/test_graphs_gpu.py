@@ -166,7 +166,7 @@ def test_a_replayed_wait_that_never_passes_ends_the_process():
     which ends the process naming the plan and the counter."""
     script = textwrap.dedent("""
         import torch
-        from overlap_tp.ops.comm import comm_engine
+        from overlap_tp.ops.comm import CounterWaits, comm_engine
         engine = comm_engine(torch.device("cuda", 0))
         engine.prepare_graph_waits()
         counters = torch.zeros(2, dtype=torch.int32, device="cuda")
@@ -174,7 +174,7 @@ def test_a_replayed_wait_that_never_passes_ends_the_process():
         with torch.cuda.graph(graph):
             current = engine.current()
             engine.fork(current, True)
-            engine.wait_counter(counters, 1, 5, True, "test op")    # nothing will ever raise counter 1
+            engine.wait_counter(CounterWaits(counters, (0, 5)), 1, True, "test op")    # nothing will ever raise counter 1
             engine.join(current, True)
         graph.replay()
         torch.cuda.synchronize()

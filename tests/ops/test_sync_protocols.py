@@ -45,6 +45,16 @@ class Recorder:
     def stream_waits_for(self, waiter, producer, event):
         self.emit(waiter, ("after", producer))
 
+    def MemOps(self, ops):
+        """memops.MemOps: a batch built once, whose issue() records its operations in order."""
+        recorder = self
+
+        class Batch:
+            def issue(self, stream):
+                for op in ops:
+                    recorder.emit(stream, tuple(op))
+        return Batch()
+
     def take(self):
         programs, self.programs = self.programs, {}
         return programs
@@ -208,13 +218,13 @@ def test_a_capture_that_never_runs_leaves_eager_calls_correct(recorder):
     _replay([reduction], [recorded], random.Random(0), [0] * 5)
 
 
-def test_the_simulator_catches_a_wait_without_reset(recorder, monkeypatch):
+def test_the_simulator_catches_a_wait_without_reset(recorder):
     """Mutation: the counter is waited on but not reset (targets that do not restart per call). The second
     replay's waits then pass on the first replay's counts, before its own tiles: the check must fire."""
-    def wait_without_reset(self, counters, index, target, capturing, describe=""):
-        recorder.wait_value(self.raw, counters.data_ptr() + 4 * index, target)
-    monkeypatch.setattr(FakeEngine, "wait_counter", wait_without_reset)
     reduction = _reduction(recorder, 0, groups=3)
+    waits = reduction.waits
+    waits.eager = tuple(recorder.MemOps([("wait", address, target)])
+                        for address, target in zip(waits.addresses, waits.targets))
     recorded = _record_call(recorder, reduction)
     with pytest.raises(AssertionError, match="collective after|counters|assert"):
         _replay([reduction], [recorded], random.Random(1), [0] * 20)
@@ -237,6 +247,7 @@ def _peer_signals(t, initial):
     for s in signals:
         s.remote = {p: signals[p].words.data_ptr() + 4 * s.rank for p in s.peers}
         s.local = {p: s.words.data_ptr() + 4 * p for p in s.peers}
+        s.build_batches()
     return signals
 
 

@@ -6,6 +6,8 @@
 # is measured here too (`memop us`), so the t = 2 host time is estimated as the t = 1 time + 6 memops.
 # The burst figures interleave the variants round by round (the hosts' speed drifts up to 2x within a minute:
 # session 16 call 7), each with its median, quartiles and the median of its per-round ratio to a bare cuBLAS call.
+# --rounds R: rounds of the interleaved bursts (30). --label TEXT: printed first on every line (A/B of two code
+# versions run one after the other: run_s17_one.sh).
 # --ab: the plan also with its Triton kernels launched through CompiledKernel.run instead of DirectKernels
 # (kernels/launch.py), in the same rounds.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
@@ -25,8 +27,10 @@ dist.init_process_group("nccl", device_id=dev)
 group, t, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
 P2P, NCCL, OFF = (OverlapConfig(method="signal", transport="p2p", comm_sms=0), OverlapConfig(method="signal"),
                   OverlapConfig(method="off"))
-# (op, M, N, K): l8b.proj GEMM+RS, l8b.qkv AllGather+GEMM, l8b.proj GEMM+AllReduce at s 8192 (shards at TP 2)
-CASES = [("rs", 8192, 4096, 2048), ("ag", 8192, 3072, 4096), ("ar", 8192, 4096, 2048)]
+# (op, M, N, K, config): l8b.proj GEMM+RS (p2p and nccl), l8b.qkv AllGather+GEMM, l8b.proj GEMM+AllReduce at
+# s 8192 (shards at TP 2)
+CASES = [("rs", 8192, 4096, 2048, P2P), ("rs", 8192, 4096, 2048, NCCL), ("ag", 8192, 3072, 4096, P2P),
+         ("ar", 8192, 4096, 2048, NCCL)]
 PLAN = {"rs": GemmRS, "ag": AgGemm, "ar": GemmAR}
 API = {"rs": gemm_rs, "ag": ag_gemm, "ar": gemm_ar}
 
@@ -55,7 +59,11 @@ def burst_samples(fn, sets, burst=8, rounds=10):
     return times
 
 
-def interleaved(variants, sets, rounds=30):
+ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 30
+LABEL = sys.argv[sys.argv.index("--label") + 1] + " " if "--label" in sys.argv else ""
+
+
+def interleaved(variants, sets, rounds=ROUNDS):
     """{name: (median us, 25th, 75th percentile, median of the per-round ratio to variants['matmul'])}: one burst
     of each variant per round, in turn. A variant is fn or (fn, before): before() runs ahead of its burst."""
     times = {name: [] for name in variants}
@@ -79,8 +87,12 @@ def memop_us(n=200):
     word = torch.ones(1, dtype=torch.int32, device=dev)
     stream = torch.cuda.current_stream().cuda_stream
     out = {}
-    for name, call in (("write_value", lambda: memops.write_value(stream, word.data_ptr(), 1)),
-                       ("wait_value", lambda: memops.wait_value(stream, word.data_ptr(), 1))):
+    calls = [("write_value", lambda: memops.write_value(stream, word.data_ptr(), 1)),
+             ("wait_value", lambda: memops.wait_value(stream, word.data_ptr(), 1))]
+    if hasattr(memops, "MemOps"):   # a wait and a write in one batched call (session 17 on)
+        batch = memops.MemOps([("wait", word.data_ptr(), 1), ("write", word.data_ptr(), 1)])
+        calls.append(("batch wait+write", lambda: batch.issue(stream)))
+    for name, call in calls:
         out[name] = burst_us(lambda: call(), [()], burst=n, rounds=5)
     return out
 
@@ -109,12 +121,11 @@ def profile(fn, sets, n=60, top=22):
 
 memops_us = memop_us()
 if rank == 0:
-    print(f"t = {t}; memop us (one stream memory operation through ctypes): {memops_us}", flush=True)
-for op, m, n, k in CASES:
+    print(f"{LABEL}t = {t}; memop us (one stream memory operation through ctypes): {memops_us}", flush=True)
+for op, m, n, k, ours in CASES:
     rows = m if op != "ag" else m // t   # ag_gemm's operand is this rank's shard
     sets = [(torch.randn(rows, k, device=dev, dtype=torch.bfloat16),
              torch.randn(n, k, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
-    ours = NCCL if op == "ar" else P2P
     plan = PLAN[op](group, rows, n, k, torch.bfloat16, dev, ours)
     want = API[op](*sets[0], group, config=OFF)
     got = plan(*sets[0])
@@ -141,7 +152,7 @@ for op, m, n, k in CASES:
     for name, (median, q1, q3, ratio) in interleaved(variants, sets).items():
         row[f"burst_{name}_us"] = f"{median:.1f} [{q1:.1f}-{q3:.1f}] ({ratio:.2f}x matmul)"
     if rank == 0:
-        print(" ".join(f"{key}={value:.1f}" if isinstance(value, float) else f"{key}={value}"
+        print(LABEL + " ".join(f"{key}={value:.1f}" if isinstance(value, float) else f"{key}={value}"
                        for key, value in row.items()), flush=True)
     if "--profile" in sys.argv:
         report = profile(lambda a, w: plan(a, w), sets)
