@@ -26,7 +26,6 @@ Rows always land at their standard position, so no reorder pass follows the tran
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
 from overlap_tp.ops import comm, memops
@@ -48,8 +47,8 @@ class AgGemm(OpPlan):
         super().__init__(group, m, n, k, dtype, device, config)
         config, device, t = self.config, self.device, self.t
         if self.method == "signal":
-            if config.transport == "p2p" and (device.type != "cuda" or dist.get_backend(self.group) != "nccl"):
-                raise ValueError("ag_gemm: transport='p2p' needs CUDA tensors and an NCCL group (symmetric memory)")
+            if config.transport == "p2p" and device.type != "cuda":   # symmetric memory (any backend's group)
+                raise ValueError("ag_gemm: transport='p2p' needs CUDA tensors (symmetric memory)")
             if config.transport == "nccl" and device.type == "cuda" and config.comm_sms < 1:
                 raise ValueError("ag_gemm: method='signal' with transport='nccl' needs comm_sms >= 1: the GEMM spins "
                                  "on ready flags that NCCL kernels raise, so NCCL must have SMs the GEMM does not "

@@ -22,7 +22,6 @@ Megatron overlaps its dgrad reduce-scatter) before `wait()`.
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
@@ -45,8 +44,8 @@ class GemmRS(OpPlan):
         config, device, t = self.config, self.device, self.t
         self.m_local = m // t
         if self.method == "signal" and config.transport == "p2p":
-            if device.type != "cuda" or dist.get_backend(self.group) != "nccl":
-                raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors and an NCCL group (symmetric memory)")
+            if device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
+                raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors (symmetric memory)")
             self.p2p = P2PReduceScatter(self.group, self.rank, t, m, n, dtype, device, config,
                                         gemm_programs(device, config), self.watched)
         elif self.method == "signal":
