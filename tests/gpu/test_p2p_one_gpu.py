@@ -3,11 +3,14 @@
 gloo). Everything else is the ops' own code: gemm_rs on the p2p transport (epilogue stores into the owner's
 slots, the peer signals, the slot sum), ag_gemm on it (the shard's copy and the copy-engine pulls behind the peer
 signals, the GEMM's tiles behind the ready flags), the fused add + RMSNorm summing the slots itself, each eager
-with fresh inputs every call and captured in a CUDA graph and replayed. Results against torch, or bit for bit
+with fresh inputs every call and captured in a CUDA graph and replayed (one rank late before some replays); a soak
+of randomly drawn calls (OVERLAP_TP_SOAK_CALLS, 1000); two OverlapTransformerLayer checks of test_layers_gpu.py. Results against torch, or bit for bit
 against the op's summed path. The two processes' contexts time-slice the GPU: these check the protocols and the
 bits, never speed. Two GPUs: test_gemm_rs_gpu.py, test_ag_gemm_gpu.py, test_graphs_gpu.py.
 Run: `pytest -m gpu tests/gpu/test_p2p_one_gpu.py`."""
+import functools
 import os
+import random
 
 import pytest
 import torch
@@ -98,6 +101,8 @@ def _check_replays(rank, world):
         for static, fresh in ((a_static, a), (w_static, w), (bias_static, bias), (shard_static, shards[rank]),
                               (wg_static, wg), (biasg_static, biasg)):
             static.copy_(fresh)
+        if rank == 1 and replay % 2:
+            torch.cuda._sleep(200_000_000)   # a late peer (~0.1 s on the GPU before its replay)
         graph.replay()
         torch.cuda.synchronize()
         assert rel_error(rs_out, _rs_reference(replay, m, n, k, rank, world)) < 1e-2, ("gemm_rs replay", replay)
@@ -138,7 +143,54 @@ def _check_norm_sums_the_slots(rank, world):
     dist.barrier()
 
 
-@pytest.mark.parametrize("check", [_check_ops, _check_replays, _check_norm_sums_the_slots],
-                         ids=["eager", "replayed", "norm_sums_the_slots"])
+SOAK_CALLS = int(os.environ.get("OVERLAP_TP_SOAK_CALLS", 1000))
+SOAK_SHAPES = [(1024, 1024, 512), (2048, 4096, 1024), (2 * 520, 1000, 512), (256, 128, 64), (4096, 2048, 2048)]
+SOAK_CONFIGS = {"rs": [RS, OverlapConfig(method="signal", transport="p2p", comm_sms=0, block_n=128)],
+                "ag": [AG, OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=1),
+                       OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=3)]}
+
+
+def _check_soak(rank, world):
+    """Back-to-back calls with randomly drawn ops, shapes and p2p configs (the same draws on both ranks), each
+    against the op's `off` path on the same inputs; errors read every 100 calls, so the calls run back to back."""
+    group, draw = dist.group.WORLD, random.Random(2026)
+    torch.manual_seed(100 + rank)
+    run, off = {"rs": gemm_rs, "ag": ag_gemm}, OverlapConfig(method="off")
+    pending = []
+    for call in range(SOAK_CALLS):
+        op = draw.choice(("rs", "ag"))
+        m, n, k = draw.choice(SOAK_SHAPES)
+        config = draw.choice(SOAK_CONFIGS[op])
+        a = torch.randn(m // world if op == "ag" else m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        got = run[op](a, w, group, config=config)
+        ref = run[op](a, w, group, config=off).float()
+        pending.append(((got.float() - ref).norm() / ref.norm(), (call, op, (m, n, k), config)))
+        if len(pending) == 100 or call == SOAK_CALLS - 1:
+            for error, (_, what) in zip(torch.stack([e for e, _ in pending]).tolist(), pending):
+                assert error < 1e-2, (what, error)
+            pending = []
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+@pytest.mark.parametrize("check", [_check_ops, _check_replays, _check_norm_sums_the_slots, _check_soak],
+                         ids=["eager", "replayed_late_peer", "norm_sums_the_slots", "soak"])
 def test_p2p_transports_at_t2_on_one_gpu(check):
     run_distributed(T, _on_one_gpu, check, backend="gloo")
+
+
+def _check_layer(rank, world, check):
+    """A test_layers_gpu.py check of OverlapTransformerLayers with both sequence-parallel collectives on the p2p
+    transports, run at TP 2 on this one GPU (its TP group is gloo: nothing but the p2p ops may communicate)."""
+    torch.cuda.set_device(0)
+    check(rank, world)
+
+
+@pytest.mark.parametrize("name", ["check_deferred_proj_sum", "check_mlp_boundary"])
+def test_transformer_layers_on_the_p2p_transports_at_t2_on_one_gpu(name):
+    """linear_proj's p2p sum left to the fused bda + norm, and the MLP boundary across two layers (the next layer's
+    norm and fc2's sum in one kernel): bit for bit their summed paths over 20 steps (test_layers_gpu.py)."""
+    import test_layers_gpu
+    run_distributed(T, _on_one_gpu, functools.partial(_check_layer, check=getattr(test_layers_gpu, name)),
+                    backend="gloo")
