@@ -141,7 +141,10 @@ class Watchdog:
                 self.poll(lambda item: lib.cuEventQuery(item.event.handle) != CUDA_ERROR_NOT_READY, time.monotonic())
 
     def _fail(self, item: Watched):
-        state = "".join(f"; {name} {_read(words)}" for name, words in item.words)
+        try:
+            state = "".join(f"; {name} {_read(words)}" for name, words in item.words)
+        except Exception as error:   # the report must never stop the process from ending
+            state = f"; its words unreadable ({type(error).__name__}: {error})"
         _end(f"overlap_tp watchdog: {item.describe} did not complete within {self.timeout_s:g} s "
              f"(set {WATCHDOG_ENV} to change){state}. A rank stopped issuing collectives, a peer "
              "died, or a signal was lost. Ending the process instead of hanging.")
@@ -170,7 +173,12 @@ def _read(words: torch.Tensor):
             if time.monotonic() > deadline:
                 return "unreadable"
             time.sleep(0.01)
-        return [v & 0xFFFFFFFF for v in host.tolist()]
+        return unsigned_words(host)
+
+
+def unsigned_words(words: torch.Tensor):
+    """int32 words of any shape as nested lists of their unsigned values (what the waits compare)."""
+    return (words.to(torch.int64) & 0xFFFFFFFF).tolist()
 
 
 def timeout_from_env() -> float:

@@ -11,6 +11,11 @@ Run: `pytest -m gpu tests/gpu/test_p2p_one_gpu.py`."""
 import functools
 import os
 import random
+import socket
+import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
@@ -194,3 +199,79 @@ def test_transformer_layers_on_the_p2p_transports_at_t2_on_one_gpu(name):
     import test_layers_gpu
     run_distributed(T, _on_one_gpu, functools.partial(_check_layer, check=getattr(test_layers_gpu, name)),
                     backend="gloo")
+
+
+_PEER_NEVER_CALLS = textwrap.dedent("""
+    import os, time
+    import torch
+    import torch.distributed as dist
+    from peers_on_one_gpu import install
+    from overlap_tp import OverlapConfig, gemm_rs
+    rank, captured = int(os.environ["RANK"]), os.environ["CAPTURED"] == "1"
+    torch.cuda.set_device(0)
+    install()
+    dist.init_process_group("gloo")
+    config = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    torch.manual_seed(rank)
+    a = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16) / 32
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):        # builds the plan, compiles the kernels, on both ranks
+        for _ in range(3):
+            gemm_rs(a, w, config=config)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    if captured:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gemm_rs(a, w, config=config)
+        torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 1:                        # alive, but never calls again: rank 0's wait for its signal never passes
+        time.sleep(90)
+        os._exit(0)
+    print(f"CALL AT {time.time()}", flush=True)
+    if captured:
+        graph.replay()
+    else:
+        gemm_rs(a, w, config=config)
+    torch.cuda.synchronize()
+    print("NOT REACHED", flush=True)
+    os._exit(0)
+""")
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "replayed"])
+def test_a_peer_that_never_calls_ends_the_waiting_rank(captured):
+    """gemm_rs on the p2p transport at t = 2 (one GPU); after three calls together only rank 0 calls again (eagerly,
+    or by replaying a captured call). Its wait for rank 1's signal must end the process within OVERLAP_TP_WATCHDOG_S
+    (5 s) and the poll, exit code 70, with a message naming the op and the transport (and, replayed, the signal),
+    instead of hanging (issue 24 item 3; the replayed case is test_graphs_gpu.py's two-GPU test)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="5", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+               CAPTURED=str(int(captured)), PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    ranks = [subprocess.Popen([sys.executable, "-c", _PEER_NEVER_CALLS], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        out, err = ranks[0].communicate(timeout=240)
+        ended = time.time()
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+    assert "CALL AT" in out, err[-3000:]
+    called = float(out.split("CALL AT ")[1].split()[0])
+    assert ranks[0].returncode == 70, err[-3000:]
+    op = "gemm_rs(M=2048, N=1024, K=1024, t=2, signal/p2p)"
+    if captured:
+        assert f"overlap_tp watchdog: {op} waited 5 s for rank 1's" in err and "in a CUDA graph replay" in err, \
+            err[-3000:]
+    else:
+        assert f"overlap_tp watchdog: {op} did not complete within 5 s" in err, err[-3000:]
+    assert "NOT REACHED" not in out
+    assert ended - called < 20, ended - called

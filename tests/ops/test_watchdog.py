@@ -34,6 +34,26 @@ def test_a_wait_is_registered_once_and_named_by_its_code():
     assert watchdog.WATCHDOG_ENV in message
 
 
+def test_the_words_report_any_shape_unsigned():
+    """A stuck plan's report reads its words: the p2p signals are [slots, t] (session 17: a 2-D read raised in the
+    watchdog's thread, which died, and the stuck rank hung instead of ending)."""
+    import torch
+    assert watchdog.unsigned_words(torch.tensor([3, -1], dtype=torch.int32)) == [3, 2 ** 32 - 1]
+    assert watchdog.unsigned_words(torch.tensor([[1, 0], [0, -2]], dtype=torch.int32)) == [[1, 0], [0, 2 ** 32 - 2]]
+
+
+def test_a_failing_report_still_ends_the_process(monkeypatch):
+    """Whatever goes wrong while the stuck plan's words are read, the process still ends with the message."""
+    ended = []
+    monkeypatch.setattr(watchdog, "_read", lambda words: 1 / 0)
+    monkeypatch.setattr(watchdog, "_end", ended.append)
+    watchdog.Watchdog(5.0)._fail(watchdog.Watched("gemm_rs(M=8, N=8, K=8, t=2, signal/p2p)", (("signals", None),),
+                                                  event=object()))
+    assert len(ended) == 1 and ended[0].startswith("overlap_tp watchdog: gemm_rs(M=8, N=8, K=8, t=2, signal/p2p) did "
+                                                   "not complete within 5 s")
+    assert "its words unreadable (ZeroDivisionError" in ended[0]
+
+
 def test_an_unknown_code_is_still_reported():
     message = watchdog.graph_wait_message(_record(10 ** 6, 7))
     assert "unregistered code 1000000" in message and "saw 7" in message
