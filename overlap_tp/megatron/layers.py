@@ -7,7 +7,8 @@ Same constructor keywords, parameters (names, shapes, initialisation through Meg
 helpers, so equal weights for the same seed), tensor-parallel attributes, `sharded_state_dict` and
 `forward(x[s, b, h]) -> (out, bias_or_None)` as Megatron's. What runs (DESIGN.md section 2):
 
-    column, sequence parallel:  fwd ag_gemm            dgrad gemm_rs(dY, W.T)   wgrad dY.T @ AG(X) (re-gathered)
+    column, sequence parallel:  fwd ag_gemm            dgrad gemm_rs(dY, W.T)   wgrad dY.T @ AG(X) (re-gathered beside
+                                                                                  the dgrad: copy engines with p2p)
     column, no SP:              fwd local GEMM          dgrad gemm_ar(dY, W.T)   wgrad dY.T @ X
     row, sequence parallel:     fwd gemm_rs             dgrad ag_gemm(dZ, W.T)   wgrad AG(dZ).T @ Y (the gathered dZ reused)
     row, no SP:                 fwd gemm_ar             dgrad local GEMM         wgrad dZ.T @ Y
@@ -37,9 +38,8 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
     raise ImportError("overlap_tp.megatron.layers needs megatron-core (pip install 'overlap_tp[megatron]' or "
                       "'megatron-core>=0.16')") from error
 
-from overlap_tp.ops import comm
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.ag_gemm import ag_gemm
+from overlap_tp.ops.ag_gemm import ag_gemm, gather_rows
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
 
@@ -257,9 +257,9 @@ class _ColumnParallelFn(torch.autograd.Function):
         args = ctx.args
         dy = dy.contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gathered, handle = x, None
-        if need_dw and args.sequence_parallel:
-            gathered, handle = comm.all_gather_rows(x, args.group, async_op=True)   # overlaps the dgrad below
+        gathered, gathering = x, None
+        if need_dw and args.sequence_parallel:   # runs beside the dgrad below (p2p: on the copy engines, no SM)
+            gathering = gather_rows(x, args.group, args.config("ag_gemm"))
         dx = reducing_dx = None
         if need_dx:
             # The dgrad's reduction (SP: reduce-scatter, else all-reduce) is left running behind the
@@ -270,8 +270,8 @@ class _ColumnParallelFn(torch.autograd.Function):
                 reducing_dx = gemm_ar(dy, weight.t(), args.group, config=args.config("gemm_ar"), async_op=True)
             else:
                 dx = dy.matmul(weight)
-        if handle is not None:
-            handle.wait()
+        if gathering is not None:
+            gathered = gathering.wait()
         dw = _weight_grad(ctx, weight, dy, gathered) if need_dw else None
         if reducing_dx is not None:
             dx = reducing_dx.wait()
@@ -316,7 +316,7 @@ class _RowParallelFn(torch.autograd.Function):
                 dy, dz_full = _observed("ag_gemm", lambda: ag_gemm(dz, weight.t(), args.group, config=args.config("ag_gemm"),
                                                                    return_gathered=True), dz, weight.t(), args.group)
             elif need_dw:
-                dz_full, _ = comm.all_gather_rows(dz, args.group)
+                dz_full = gather_rows(dz, args.group, args.config("ag_gemm")).wait()
         elif need_dy:
             dy = dz.matmul(weight)
         dw = _weight_grad(ctx, weight, dz_full, y) if need_dw else None

@@ -23,16 +23,20 @@ Methods (OverlapConfig.method):
   auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer.
 """
+from collections import OrderedDict
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
 from overlap_tp.ops import comm, memops
-from overlap_tp.ops.common import OpPlan, cached_plan, chunk_bounds, gemm_programs
+from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, check_not_capturing, gemm_programs
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.p2p import ShardPull
+from overlap_tp.ops.reduction import after_work, joined
 from overlap_tp.ops.tile_plan import ag_plan
+from overlap_tp.ops.watchdog import Watched
 
 READY = 1   # the value a chunk's flag is raised to; the GEMM's tiles wait for it
 
@@ -152,3 +156,63 @@ def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optiona
     plan = cached_plan(AgGemm, comm.resolve_group(group), a_shard.shape[0], w.shape[0], w.shape[1], a_shard.dtype,
                        a_shard.device, config)
     return plan(a_shard, w, bias, return_gathered=return_gathered)
+
+
+class RowGather:
+    """all_gather of row shards, a_shard [m, k] -> [t * m, k] in rank order, by copy-engine pulls (ShardPull), for
+    one (group, m, k, dtype, device): no SM spent. What it is for: the column-parallel backward re-gathers its input
+    for the wgrad while the dgrad GEMM runs; NCCL's all-gather there takes SMs from that GEMM (with the p2p
+    transports, this leaves no NCCL kernel in a sequence-parallel layer). Built collectively, once per shape."""
+
+    def __init__(self, group, m: int, k: int, dtype, device: torch.device):
+        check_not_capturing(device, "the copy-engine all-gather")
+        self.t, self.rank, self.m, self.k, self.dtype, self.device = (dist.get_world_size(group), dist.get_rank(group),
+                                                                      m, k, dtype, device)
+        describe = f"all_gather(M={m}, K={k}, t={self.t}, p2p)"
+        self.pull = ShardPull(group, self.rank, self.t, m, k, dtype, device, describe)
+        self.engine = comm.comm_engine(device)
+        self.watched = Watched(describe, (("peer signals [PULLED, READY] x rank", self.pull.signals.words),))
+
+    def __call__(self, a_shard: torch.Tensor) -> Pending:
+        """The gather issued on the comm stream; wait() makes the caller's stream wait for it and returns it."""
+        if (a_shard.shape != (self.m, self.k) or a_shard.dtype != self.dtype or a_shard.device != self.device
+                or not a_shard.is_contiguous()):
+            raise ValueError(f"overlap_tp all_gather: called with {tuple(a_shard.shape)} {a_shard.dtype} on "
+                             f"{a_shard.device}; built for a contiguous [{self.m}, {self.k}] {self.dtype} on "
+                             f"{self.device}")
+        engine, nbytes = self.engine, a_shard.numel() * a_shard.element_size()
+        gathered = torch.empty(self.t * self.m, self.k, dtype=self.dtype, device=self.device)
+        capturing = engine.capturing()
+        engine.fork(engine.current(), capturing)   # a_shard is ready; gathered is allocated
+        raw = engine.raw
+        memops.copy(raw, gathered.data_ptr() + self.rank * nbytes, a_shard.data_ptr(), nbytes)
+        self.pull.start(raw, a_shard, capturing)
+        self.pull.pull(raw, gathered, 0, self.m)
+        self.pull.finish(raw)
+        if not capturing:
+            self.watched.record(raw)
+        return Pending(joined(self.device, lambda: gathered), a_shard, gathered)
+
+
+_row_gathers = OrderedDict()
+MAX_ROW_GATHERS = 64
+
+
+def gather_rows(a_shard: torch.Tensor, group, config: Optional[OverlapConfig] = None) -> Pending:
+    """all_gather(a_shard) along rows, issued now; wait() returns it. With config's method 'signal' and transport
+    'p2p' on CUDA: the copy engines (RowGather, cached per shape); otherwise torch.distributed's all-gather."""
+    group = comm.resolve_group(group)
+    if (config is not None and config.method == "signal" and config.transport == "p2p" and a_shard.is_cuda
+            and dist.get_world_size(group) > 1):
+        key = (group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype, a_shard.device)
+        plan = _row_gathers.get(key)
+        if plan is None:
+            plan = _row_gathers[key] = RowGather(group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype,
+                                                 a_shard.device)
+            if len(_row_gathers) > MAX_ROW_GATHERS:
+                _row_gathers.popitem(last=False)
+        else:
+            _row_gathers.move_to_end(key)
+        return plan(a_shard)
+    gathered, work = comm.all_gather_rows(a_shard, group, async_op=True)
+    return Pending(after_work(work, lambda: gathered), gathered)

@@ -25,6 +25,7 @@ from distributed import run_distributed
 from gpu_checks import rel_error
 from overlap_tp import OverlapConfig, ag_gemm, gemm_rs
 from overlap_tp.megatron.norm import fused_add_rmsnorm
+from overlap_tp.ops.ag_gemm import gather_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -148,6 +149,78 @@ def _check_norm_sums_the_slots(rank, world):
     dist.barrier()
 
 
+def _check_gather(rank, world):
+    """gather_rows on the copy engines (the column-parallel backward's re-gather): every rank's rows in rank
+    order, bit for bit, eager with fresh shards every call (a GEMM queued between issue and wait), then captured
+    and replayed."""
+    group = dist.group.WORLD
+    for m, k in ((1024, 512), (520, 264)):
+        for call in range(4):
+            shards = [_operands(call, m, 8, k, r)[0] for r in range(world)]
+            pending = gather_rows(shards[rank], group, RS)
+            busy = shards[rank] @ shards[rank].t()   # the caller's stream works while the copy engines gather
+            got = pending.wait()
+            assert torch.equal(got, torch.cat(shards)), ("gather", m, k, call)
+            del busy
+        static = _operands(0, m, 8, k, rank)[0].clone()
+        for _ in range(2):
+            gather_rows(static, group, RS).wait()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gather_rows(static, group, RS).wait()
+        for replay in range(1, 5):
+            shards = [_operands(100 + replay, m, 8, k, r)[0] for r in range(world)]
+            static.copy_(shards[rank])
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, torch.cat(shards)), ("gather replay", m, k, replay)
+        del graph
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def _check_layer_captured(rank, world):
+    """An OverlapTransformerLayer at TP 2 (SP, both sequence-parallel collectives and the backward's re-gather on
+    the p2p transports: no other collective) captured forward + backward in one CUDA graph and replayed with fresh
+    inputs: output, input grad and every parameter grad bit for bit the eager step's on the same input (Megatron's
+    deterministic mode), one rank late before some replays (issue 21: the layer replayed at t = 2)."""
+    import test_layers_gpu as L
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layers import set_overlap_config
+    from overlap_tp.tune.timing import CapturedCalls
+    L._quiet()
+    L._deterministic()
+    ps = L._setup(world, "cuda")
+    config, p2p_configs = L._sp_p2p_config(world, num_layers=1, deterministic=True)
+    L._seed(79, "cuda")
+    layer = build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=1).cuda()
+    set_overlap_config(layer, p2p_configs)
+    steps = list(L._fresh_steps(9 + rank, 2048 // world, config.hidden_size, 4))
+    # detached: a kept output would keep its autograd graph, whose parameters' AccumulateGrad nodes remember the
+    # stream of this eager step (the legacy default stream), and the captured backward would then sync with it
+    eager = [[t.detach().clone() for t in L._fwd_bwd([layer], x, g)] for x, g in steps]
+    static_x, static_g = steps[0][0].clone(), steps[0][1].clone()
+
+    def step(x, g):
+        return L._fwd_bwd([layer], x, g)
+    captured = CapturedCalls(step, [(static_x, static_g)], warmup=2)
+    for replay in range(8):
+        i = replay % len(steps)
+        static_x.copy_(steps[i][0])
+        static_g.copy_(steps[i][1])
+        if rank == 1 and replay % 3 == 1:
+            torch.cuda._sleep(100_000_000)
+        captured.graph.replay()
+        torch.cuda.synchronize()
+        for j, (got, want) in enumerate(zip(captured.outputs[0], eager[i])):
+            assert torch.equal(got, want), f"replay {replay} rank {rank}: tensor {j} differs from the eager step"
+    del captured
+    torch.cuda.synchronize()
+    ps.destroy_model_parallel()
+
+
 SOAK_CALLS = int(os.environ.get("OVERLAP_TP_SOAK_CALLS", 1000))
 SOAK_SHAPES = [(1024, 1024, 512), (2048, 4096, 1024), (2 * 520, 1000, 512), (256, 128, 64), (4096, 2048, 2048)]
 SOAK_CONFIGS = {"rs": [RS, OverlapConfig(method="signal", transport="p2p", comm_sms=0, block_n=128)],
@@ -179,8 +252,10 @@ def _check_soak(rank, world):
     dist.barrier()
 
 
-@pytest.mark.parametrize("check", [_check_ops, _check_replays, _check_norm_sums_the_slots, _check_soak],
-                         ids=["eager", "replayed_late_peer", "norm_sums_the_slots", "soak"])
+@pytest.mark.parametrize("check", [_check_ops, _check_replays, _check_norm_sums_the_slots, _check_gather,
+                                   _check_layer_captured, _check_soak],
+                         ids=["eager", "replayed_late_peer", "norm_sums_the_slots", "gather_rows", "layer_captured",
+                              "soak"])
 def test_p2p_transports_at_t2_on_one_gpu(check):
     run_distributed(T, _on_one_gpu, check, backend="gloo")
 
