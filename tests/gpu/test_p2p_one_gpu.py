@@ -1,13 +1,18 @@
 """The p2p transports at t = 2 on ONE GPU: two processes share it, their buffers peer-mapped through CUDA IPC
 (peers_on_one_gpu.py stands in for PyTorch's symmetric memory, which refuses two ranks on one device; the group is
-gloo). Everything else is the ops' own code: gemm_rs on the p2p transport (epilogue stores into the owner's
-slots, the peer signals, the slot sum), ag_gemm on it (the shard's copy and the copy-engine pulls behind the peer
-signals, the GEMM's tiles behind the ready flags), the fused add + RMSNorm summing the slots itself, each eager
-with fresh inputs every call and captured in a CUDA graph and replayed (one rank late before some replays); a soak
-of randomly drawn calls (OVERLAP_TP_SOAK_CALLS, 1000); two OverlapTransformerLayer checks of test_layers_gpu.py. Results against torch, or bit for bit
-against the op's summed path. The two processes' contexts time-slice the GPU: these check the protocols and the
-bits, never speed. Two GPUs: test_gemm_rs_gpu.py, test_ag_gemm_gpu.py, test_graphs_gpu.py.
-Run: `pytest -m gpu tests/gpu/test_p2p_one_gpu.py`."""
+gloo). Everything else is the ops' own code:
+- gemm_rs on the p2p transport (epilogue stores into the owner's slots, the peer signals, the slot sum) and ag_gemm
+  on it (the shard's copy and the copy-engine pulls behind the peer signals, the GEMM's tiles behind the ready
+  flags), eager with fresh inputs every call, and captured in a CUDA graph and replayed (one rank late before some
+  replays); a soak of randomly drawn calls (OVERLAP_TP_SOAK_CALLS, 1000) against `off`;
+- the fused add + RMSNorm summing gemm_rs's slots itself, bit for bit the summed path;
+- gather_rows on the copy engines (the column-parallel backward's re-gather), eager and replayed;
+- OverlapTransformerLayers at TP 2 (test_layers_gpu.py's deferred proj sum and MLP boundary checks), and one layer
+  captured forward + backward and replayed bit for bit;
+- a peer that never calls again: the waiting rank ends (watchdog, exit 70), eager and replayed.
+The two processes' contexts time-slice the GPU: these check the protocols and the bits, never speed. Two GPUs:
+test_gemm_rs_gpu.py, test_ag_gemm_gpu.py, test_graphs_gpu.py, test_layers_gpu.py.
+Run: `pytest -m gpu tests/gpu/test_p2p_one_gpu.py` (about 2.5 minutes)."""
 import functools
 import os
 import random
