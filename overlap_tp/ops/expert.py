@@ -26,10 +26,14 @@ Methods (OverlapConfig.method):
              rows with every peer (ncclSend/ncclRecv in one group call), received straight into z;
              the local rows are stored into z by the GEMM. a2a_gemm: the comm stream exchanges chunk
              after chunk into xr and raises each chunk's ready flag; the GEMM computes the local rows
-             first, then each chunk's tiles after spinning on its flag (needs comm_sms >= 1: NCCL must
-             have SMs that the spinning GEMM does not hold). Transport: NCCL through the capped
-             communicator of overlap_tp/ops/nccl.py (`p2p` is refused); under gloo, torch.distributed's
-             batch_isend_irecv, with the kernel in the Triton CPU interpreter.
+             first, then each chunk's tiles after spinning on its flag (with nccl, needs comm_sms >= 1: NCCL must
+             have SMs that the spinning GEMM does not hold). Transport `nccl`: the capped communicator of
+             overlap_tp/ops/nccl.py; under gloo, torch.distributed's batch_isend_irecv, with the kernel in
+             the Triton CPU interpreter. Transport `p2p` (CUDA): the copy engines, no SM and no NCCL
+             (overlap_tp/ops/p2p.py): a2a_gemm pulls each chunk from the peers' symmetric copies of their x
+             (RowPull), gemm_a2a pushes each group's staged rows into the peers' receive buffers, which
+             each rank copies into z after the join (RowPush); the buffers belong to the op, sized for the
+             most tokens a rank has had (regrown, collectively, when a routing needs more).
   auto       `off`, with a warning: the ops alone cannot know whether the overlap pays on this routing and
              interconnect. The MoE layer (overlap_tp/megatron/moe_auto.py) resolves `auto` itself: it times
              off and signal in its first calls and keeps the faster.
@@ -50,6 +54,7 @@ from overlap_tp.ops import comm
 from overlap_tp.ops.common import check_not_capturing, device_properties, gemm_programs, warn_once
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
 from overlap_tp.ops.moe_tile_plan import EXPERT_RASTER_M, Layout, combine_plan, dispatch_plan, layout, parts_per_peer
+from overlap_tp.ops.p2p import RowPull, RowPush
 from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS
 from overlap_tp.ops.watchdog import Watched
 
@@ -149,15 +154,17 @@ def resolve_method(op: str, config: OverlapConfig, a, w) -> str:
                   f"resolves auto by timing both methods)")
         return "off"
     if config.method == "signal":
-        if config.transport != "nccl":
+        if config.transport not in ("nccl", "p2p"):
             raise ValueError(f"{op}: transport={config.transport!r} is not implemented for the expert ops; "
-                             "use transport='nccl'")
+                             "use transport='nccl' or 'p2p'")
+        if config.transport == "p2p" and not a.is_cuda:
+            raise ValueError(f"{op}: transport='p2p' needs CUDA tensors (symmetric memory)")
         reason = tma_unsupported_reason(a, w)
         if reason is None and a.is_cuda and device_properties(a.device).major < 9:   # asked once per device
             reason = f"the signaled GEMM needs TMA (compute capability >= 9.0), {torch.cuda.get_device_name(a.device)} lacks it"
         if reason is not None:
             raise ValueError(f"{op}: method='signal' cannot run: {reason}")
-        if op == "a2a_gemm" and a.is_cuda and config.comm_sms < 1:
+        if op == "a2a_gemm" and a.is_cuda and config.transport == "nccl" and config.comm_sms < 1:
             raise ValueError("a2a_gemm: method='signal' needs comm_sms >= 1: the GEMM spins on ready flags that "
                              "NCCL kernels raise, so NCCL must have SMs the GEMM does not hold")
     return config.method
@@ -230,14 +237,32 @@ class _ExpertOp:
             else MAX_AUTO_GROUPS
         self.words = torch.zeros(groups + 1, dtype=torch.int32, device=device)
         self.programs = gemm_programs(device, config)
-        # the dispatch's NCCL exchanges can run beside the GEMM only on SMs its grid leaves free
-        self.gemm_first = config.comm_sms > 0
+        # the dispatch's NCCL exchanges can run beside the GEMM only on SMs its grid leaves free; copy-engine pulls
+        # need none
+        self.gemm_first = config.comm_sms > 0 or config.transport == "p2p"
+        self.describe = describe
+        self.row_buffers = {}   # transport 'p2p': (cols, dtype) -> RowPull (dispatch) or RowPush (combine)
         if device.type == "cuda":
             default_offsets(device)
             if kind == "gemm_a2a":
                 comm.comm_engine(device).prepare_graph_waits()
         self.watched = Watched(describe, (("flags" if kind == "a2a_gemm" else "counters", self.words),)) \
             if device.type == "cuda" else None
+
+    def row_buffer(self, kind, group, lay: Layout, cols: int, dtype, device):
+        """The p2p transport's row buffer of this op for `cols` columns (RowPull for the dispatch, RowPush for the
+        combine), holding at least the most tokens any rank of this routing has. Built at the first use and
+        rebuilt larger when a routing needs more rows, to twice the old size at least: every rank sees the same
+        counts (agreed), so every rank rebuilds at the same call, as the build (a rendezvous) needs."""
+        needed = max(sum(row) for row in lay.counts)
+        current = self.row_buffers.get((cols, dtype))
+        if current is None or current.capacity < needed:
+            check_not_capturing(device, f"{kind} (p2p) with a routing larger than its buffers")
+            capacity = max(needed, 2 * current.capacity if current is not None else 0, 1)
+            cls = RowPull if kind == "a2a_gemm" else RowPush
+            current = self.row_buffers[cols, dtype] = cls(group, lay.rank, lay.ep, capacity, cols, dtype, device,
+                                                          self.describe + " (p2p)")
+        return current
 
 
 class _ExpertState:
@@ -248,7 +273,7 @@ class _ExpertState:
 
     def __init__(self, kind, plan, op: _ExpertOp, device, config, counts, offsets=None, device_counts=None):
         check_not_capturing(device, f"{kind} with new routing counts")
-        self.plan, self.words, self.watched, self.gemm_first = plan, op.words, op.watched, op.gemm_first
+        self.op, self.plan, self.words, self.watched, self.gemm_first = op, plan, op.words, op.watched, op.gemm_first
         used = len(plan.exchanges) if kind == "a2a_gemm" else len(plan.group_tiles)
         assert used <= self.words.numel(), (kind, used, self.words.numel())
         if kind == "a2a_gemm":   # the flags this plan raises, lowered behind its GEMM
@@ -400,13 +425,31 @@ def _dispatch_decomposed(x, w, xr, y, plan, coll):
         expert_mm(xr, w, pieces, (y,))
 
 
-def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll):
+def _x_starts(lay: Layout):
+    """X[s, rank] for every rank s: where the rows s routes to this rank's experts start in s's x (and in its z)."""
+    return [sum(lay.counts[s][:lay.rank * lay.experts]) for s in range(lay.ep)]
+
+
+def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll, pull=None):
     """The persistent GEMM over the dispatch plan: local rows at once, each chunk behind its ready flag,
-    which the comm stream raises after the chunk's exchange; the caller's stream lowers the flags after it."""
+    which the comm stream raises after the chunk's exchange; the caller's stream lowers the flags after it.
+    pull (transport 'p2p', a RowPull): the chunk is copy-engine copies of part c of every peer's block from the
+    peer's copy of its x (ShardPull's protocol), instead of NCCL's send / receive."""
     engine, plan = comm.comm_engine(x.device), state.plan
     lo, hi, dst = plan.local
 
     def transfers(stream):
+        if pull is not None:
+            lay = plan.layout
+            starts, base, row_bytes = _x_starts(lay), xr.data_ptr(), pull.row_bytes
+            pull.start(stream, x, engine.capturing())
+            for c, exchange in enumerate(plan.exchanges):
+                for peer, row, end in exchange.recvs:   # xr rows; the same rows of the block in the peer's x
+                    pull.copy_rows(stream, base + row * row_bytes, peer, starts[peer] + row - lay.xr_offsets[peer],
+                                   end - row)
+                engine.raise_flag(state.flags, c)
+            pull.finish(stream)
+            return
         for c, exchange in enumerate(plan.exchanges):
             _exchange(coll, exchange, x, xr, stream)
             engine.raise_flag(state.flags, c)
@@ -438,13 +481,15 @@ def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None, 
     # one rank: the received rows are x itself (the plan's local block is all of x, at row 0), not a copy
     xr = x if lay.ep == 1 else torch.empty(lay.rows, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
-    coll = comm.collectives(group, x.device, config.comm_sms)
+    p2p = method == "signal" and config.transport == "p2p"
+    coll = None if p2p else comm.collectives(group, x.device, config.comm_sms)
     if method == "decompose":
         parts = route.parts(config.groups, hidden * x.element_size())
         _dispatch_decomposed(x, w, xr, y, dispatch_plan(lay, n, config.block_m, config.block_n, parts), coll)
     else:
         state = state or _dispatch_state(route, n, hidden, x.dtype, config, group, x.device)
-        _dispatch_signaled(x, w, xr, y, state, coll)
+        pull = state.op.row_buffer("a2a_gemm", group, lay, hidden, x.dtype, x.device) if p2p and ep > 1 else None
+        _dispatch_signaled(x, w, xr, y, state, coll, pull)
     return y, xr
 
 
@@ -475,19 +520,46 @@ def _combine_decomposed(h, w, staging, z, plan, coll):
         engine.join(engine.current(), capturing)
 
 
-def _combine_signaled(h, w, staging, z, state: _ExpertState, coll):
+def _combine_signaled(h, w, staging, z, state: _ExpertState, coll, push=None):
     """The persistent GEMM over the combine plan; each group's exchange on the comm stream behind the
-    group's counter. Remote rows go to `staging` (DST_BUF 0), local rows straight into z (DST_BUF 1)."""
+    group's counter. Remote rows go to `staging` (DST_BUF 0), local rows straight into z (DST_BUF 1).
+    push (transport 'p2p', a RowPush): the group's exchange is copy-engine copies of the staged rows into each
+    peer's receive buffer, at the rows the peer's z holds them; after the join this rank copies what its peers
+    pushed into z (RowPush's protocol), instead of NCCL's send / receive."""
     engine, plan = comm.comm_engine(h.device), state.plan
 
     def gemm():
         if plan.num_tiles:
             state.gemm(h, w, staging)
 
-    def exchange(g, stream):
-        _exchange(coll, plan.exchanges[g], staging, z, stream)
+    if push is None:
+        def exchange(g, stream):
+            _exchange(coll, plan.exchanges[g], staging, z, stream)
+    else:
+        lay = plan.layout
+        rank, starts, base, row_bytes = lay.rank, _x_starts(lay), staging.data_ptr(), push.row_bytes
+        local_rows, last = lay.xr_splits[rank], len(plan.exchanges) - 1
+        # where peer d's block starts in the staging matrix (combine_plan's `staged`)
+        staged = [lay.xr_offsets[d] - (local_rows if d > rank else 0) for d in range(lay.ep)]
+        capturing = engine.capturing()
+
+        def exchange(g, stream):
+            if g == 0:
+                push.begin(stream, capturing)
+            for peer, row, end in plan.exchanges[g].sends:
+                push.push(stream, peer, starts[peer] + row - staged[peer], base + row * row_bytes, end - row)
+            if g == last:
+                push.end(stream)
 
     engine.gemm_then_collectives(gemm, state.waits, exchange, state.watched)()
+    if push is not None:   # the peers' rows for this rank's tokens, from its receive buffer into z
+        lay, z_base = plan.layout, z.data_ptr()
+        copies = [(z_base + lay.x_offsets[s] * push.row_bytes, lay.x_offsets[s], lay.x_splits[s])
+                  for s in range(lay.ep) if s != lay.rank and lay.x_splits[s]]
+        current, capturing = engine.current(), engine.capturing()
+        push.receive(current, copies, capturing)
+        if not capturing and state.watched is not None:
+            state.watched.record(current)
 
 
 def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None, device_counts=None):
@@ -507,14 +579,16 @@ def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None, d
     staging_rows = _staging_rows(lay, n)
     buf = torch.empty(staging_rows + lay.tokens, n, dtype=h.dtype, device=h.device)
     staging, z = buf[:staging_rows], buf[staging_rows:]
-    coll = comm.collectives(group, h.device, config.comm_sms)
+    p2p = method == "signal" and config.transport == "p2p"
+    coll = None if p2p else comm.collectives(group, h.device, config.comm_sms)
     if method == "decompose":
         parts = route.parts(config.groups, n * h.element_size())
         _combine_decomposed(h, w, staging, z, combine_plan(lay, n, config.block_m, config.block_n, parts),
                             coll)
     else:
         state = state or _combine_state(route, n, h.shape[1], h.dtype, config, group, h.device)
-        _combine_signaled(h, w, staging, z, state, coll)
+        push = state.op.row_buffer("gemm_a2a", group, lay, n, h.dtype, h.device) if p2p and ep > 1 else None
+        _combine_signaled(h, w, staging, z, state, coll, push)
     return z
 
 

@@ -5,7 +5,9 @@ owning rank's receive buffer, then every rank sums the t partial slots it receiv
 
 AllGather+GEMM (`ShardPull`): every rank copies its shard into a symmetric buffer and tells its peers; each
 rank then pulls the peers' rows chunk by chunk with copy-engine copies. No SM is spent on the transfer;
-waits and signals are stream memory operations.
+waits and signals are stream memory operations. The expert ops' exchanges, whose sizes change per routing, use the
+same two protocols over row buffers sized for the largest routing seen: the dispatch pulls (`RowPull`), the
+combine pushes (`RowPush`).
 
 What it removes against per-group NCCL reduce-scatters (shared/DEVICE.md, contention section): the
 collective's CTAs (no SM is taken from the GEMM), the partial's round trip through local HBM before
@@ -190,3 +192,62 @@ class ShardPull:
 
     def finish(self, stream: int):
         self.signals.signal(stream, self.PULLED)
+
+
+class RowPull(ShardPull):
+    """ShardPull over a buffer of `capacity` rows of which a call fills the first T (T changes per call: the expert
+    dispatch's tokens); which rows a rank pulls from which peer is the caller's (copy_rows). Protocol, order argument
+    and per-call steps: ShardPull's (start, then copy_rows, then finish)."""
+
+    def __init__(self, group, rank, t, capacity, cols, dtype, device, describe):
+        super().__init__(group, rank, t, capacity, cols, dtype, device, describe)
+        self.capacity = capacity
+        self.peer_ptrs = [None if shard is None else shard.data_ptr() for shard in self.peer_shards]
+
+    def copy_rows(self, stream: int, dst_ptr: int, peer: int, src_row: int, rows: int):
+        """Rows [src_row, src_row + rows) of `peer`'s buffer to dst_ptr (a copy-engine copy)."""
+        memops.copy(stream, dst_ptr, self.peer_ptrs[peer] + src_row * self.row_bytes, rows * self.row_bytes)
+
+
+class RowPush:
+    """Rows pushed by the copy engines into the peers' receive buffers (symmetric [capacity, cols] per rank) for one
+    (group, cols, dtype): the expert combine's exchange, whose sizes change per routing. Per call:
+        comm stream, before the first push: wait CONSUMED from every peer (it copied our previous rows out), reset
+        push:    rows of ours into a peer's buffer (copy engine, no SM), behind the GEMM's group counters
+        comm stream, after the last push: signal ARRIVED to every peer
+        the reader's stream: wait ARRIVED from every peer, reset; copy the received rows out; signal CONSUMED
+    Order argument: P2PReduceScatter's, with CONSUMED for SUMMED: a peer raises our CONSUMED word for call i+1 only
+    after its copy-out of call i+1, which waits for our ARRIVED of call i+1, raised after our reset of CONSUMED in
+    call i+1; a peer raises our ARRIVED word for call i+1 only after it waited for our CONSUMED of call i, raised
+    after our reset of ARRIVED in call i. CONSUMED starts raised: nothing was pushed before the first call."""
+
+    CONSUMED, ARRIVED = 0, 1
+
+    def __init__(self, group, rank, t, capacity, cols, dtype, device, describe):
+        from torch.distributed import _symmetric_memory as symm_mem
+        self.capacity = capacity
+        self.buf = symm_mem.empty(capacity, cols, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(self.buf, group)
+        within = self.buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
+        self.peer_ptrs = [handle.buffer_ptrs[p] + within for p in range(t)]
+        self.handle = handle
+        self.row_bytes = cols * self.buf.element_size()
+        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
+                                   names=("CONSUMED", "ARRIVED"))
+
+    def begin(self, stream: int, capturing: bool):
+        self.signals.wait(stream, self.CONSUMED, capturing)
+
+    def push(self, stream: int, peer: int, dst_row: int, src_ptr: int, rows: int):
+        memops.copy(stream, self.peer_ptrs[peer] + dst_row * self.row_bytes, src_ptr, rows * self.row_bytes)
+
+    def end(self, stream: int):
+        self.signals.signal(stream, self.ARRIVED)
+
+    def receive(self, stream: int, copies, capturing: bool):
+        """On the reader's stream: wait ARRIVED, copy out (dst_ptr, row, rows) of our buffer, signal CONSUMED."""
+        self.signals.wait(stream, self.ARRIVED, capturing)
+        base = self.buf.data_ptr()
+        for dst_ptr, row, rows in copies:
+            memops.copy(stream, dst_ptr, base + row * self.row_bytes, rows * self.row_bytes)
+        self.signals.signal(stream, self.CONSUMED)

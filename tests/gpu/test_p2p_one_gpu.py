@@ -355,3 +355,86 @@ def test_a_peer_that_never_calls_ends_the_waiting_rank(captured):
         assert f"overlap_tp watchdog: {op} did not complete within 5 s" in err, err[-3000:]
     assert "NOT REACHED" not in out
     assert ended - called < 20, ended - called
+
+
+# ---------------------------------------------------------------------------------------------------
+# The expert ops on the p2p transport (a2a_gemm pulls, gemm_a2a pushes) at EP 2
+# ---------------------------------------------------------------------------------------------------
+
+EXPERTS, HIDDEN, FFN = 2, 1024, 1408   # local experts per rank; FFN not a multiple of the 256-wide tile
+EXPERT_P2P = OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=2)
+
+
+def _expert_counts(world, seed):
+    """Routings with a hot expert, a rank that sends nothing and a rank that receives nothing, and growing ones
+    (the op's buffers must be rebuilt larger, on both ranks at the same call)."""
+    g = torch.Generator().manual_seed(seed)
+    E = world * EXPERTS
+    uniform = torch.randint(100, 400, (world, E), generator=g)
+    hot = torch.randint(0, 50, (world, E), generator=g)
+    hot[:, 0] = 1500
+    empty = torch.randint(0, 300, (world, E), generator=g)
+    empty[world - 1] = 0
+    empty[:, :EXPERTS] = 0
+    bigger = torch.randint(800, 1200, (world, E), generator=g)
+    return [uniform, hot, empty, uniform, bigger]
+
+
+def _expert_reference(counts, xs, w1, hs, w2, gys, gzs):
+    """fp32 y, z per rank and the grads of x, w1, h, w2 (every rank's data: one dense computation)."""
+    ep, E = counts.shape
+    starts = torch.cumsum(counts, 1) - counts
+    route = [[(s, int(starts[s, r * EXPERTS + l]) + i, r * EXPERTS + l) for s in range(ep) for l in range(EXPERTS)
+              for i in range(int(counts[s, r * EXPERTS + l]))] for r in range(ep)]
+    tokens = counts.sum(1).tolist()
+    offsets = [sum(tokens[:s]) for s in range(ep)]
+    x32, h32 = [[t.float().requires_grad_() for t in ts] for ts in (xs, hs)]
+    w1_32, w2_32 = w1.float().requires_grad_(), w2.float().requires_grad_()
+    every_x = torch.cat(x32)
+    rows = [torch.tensor([offsets[s] + i for s, i, _ in route[r]], dtype=torch.long, device="cuda") for r in range(ep)]
+    experts = [torch.tensor([e for _, _, e in route[r]], dtype=torch.long, device="cuda") for r in range(ep)]
+    ys = [torch.einsum("rh,rnh->rn", every_x[rows[r]], w1_32[experts[r]]) for r in range(ep)]
+    outs = [torch.einsum("rf,rhf->rh", h32[r], w2_32[experts[r]]) for r in range(ep)]
+    zs = torch.zeros(sum(tokens), HIDDEN, device="cuda").index_add(0, torch.cat(rows), torch.cat(outs)).split(tokens)
+    loss = sum((y * gy.float()).sum() for y, gy in zip(ys, gys)) + sum((z * gz.float()).sum() for z, gz in zip(zs, gzs))
+    loss.backward()
+    return dict(y=ys, z=zs, dx=[x.grad for x in x32], dw1=w1_32.grad, dh=[h.grad for h in h32], dw2=w2_32.grad)
+
+
+def _check_expert_ops(rank, world):
+    from overlap_tp import a2a_gemm, gemm_a2a
+    group = dist.group.WORLD
+    mine = slice(rank * EXPERTS, (rank + 1) * EXPERTS)
+    for m, counts in enumerate(_expert_counts(world, 7)):
+        gen = torch.Generator(device="cuda").manual_seed(31 + m)
+
+        def rand(*shape, scale=1.0):
+            return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+        tokens = counts.sum(1).tolist()
+        received = [int(counts[:, r * EXPERTS:(r + 1) * EXPERTS].sum()) for r in range(world)]
+        xs, gzs = [rand(t, HIDDEN) for t in tokens], [rand(t, HIDDEN) for t in tokens]
+        hs, gys = [rand(r, FFN) for r in received], [rand(r, FFN) for r in received]
+        w1 = rand(world * EXPERTS, FFN, HIDDEN, scale=HIDDEN ** -0.5)
+        w2 = rand(world * EXPERTS, HIDDEN, FFN, scale=FFN ** -0.5)
+        ref = _expert_reference(counts, xs, w1, hs, w2, gys, gzs)
+        x, w = xs[rank].clone().requires_grad_(), w1[mine].contiguous().requires_grad_()
+        y = a2a_gemm(x, counts, w, group, config=EXPERT_P2P)
+        y.backward(gys[rank])   # the backward's mirrored op: gemm_a2a's push
+        h, v = hs[rank].clone().requires_grad_(), w2[mine].contiguous().requires_grad_()
+        z = gemm_a2a(h, counts, v, group, config=EXPERT_P2P)
+        z.backward(gzs[rank])   # the backward's mirrored op: a2a_gemm's pull
+        for name, got, want in (("y", y, ref["y"][rank]), ("dx", x.grad, ref["dx"][rank]),
+                                ("dw1", w.grad, ref["dw1"][mine]), ("z", z, ref["z"][rank]),
+                                ("dh", h.grad, ref["dh"][rank]), ("dw2", v.grad, ref["dw2"][mine])):
+            assert not got.isnan().any(), (m, name)
+            if want.numel():
+                assert rel_error(got, want) < 1e-2, (m, name, rel_error(got, want))
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def test_expert_ops_on_the_p2p_transport_at_ep2_on_one_gpu():
+    """a2a_gemm (copy-engine pulls) and gemm_a2a (copy-engine pushes) at EP 2, forward and backward, over five
+    routings (a hot expert, a rank that sends nothing and one that receives nothing, one that needs larger
+    buffers) against one dense fp32 computation of every rank's data."""
+    run_distributed(T, _on_one_gpu, _check_expert_ops, backend="gloo")
