@@ -450,3 +450,16 @@ def test_expert_ops_on_the_p2p_transport_at_ep2_on_one_gpu():
     routings (a hot expert, a rank that sends nothing and one that receives nothing, one that needs larger
     buffers) against one dense fp32 computation of every rank's data."""
     run_distributed(T, _on_one_gpu, _check_expert_ops, backend="gloo")
+
+
+def _check_moe_layer_captured(rank, world):
+    import test_moe_layer_gpu as moe_tests
+    moe_tests.METHODS["signal"] = EXPERT_P2P   # this process's "signal" layer runs the expert ops on p2p
+    moe_tests._check_captured(rank, world)
+
+
+def test_moe_layer_on_the_p2p_transport_captured_at_ep2_on_one_gpu():
+    """test_moe_layer_gpu.py's captured check at EP 2 with the expert ops on p2p: OverlapMoELayer (static sizes:
+    capacity factor 1.0, padded) forward + backward in one CUDA graph, 50 replays with fresh inputs equal to the
+    eager steps, one rank late before some replays."""
+    run_distributed(T, _on_one_gpu, _check_moe_layer_captured, backend="gloo")
