@@ -19,6 +19,7 @@ rather than at its first use, mid-training.
     --no-overlap-tp-fused-norms                Megatron's TransformerLayer between overlap_tp's linears (A/B)
     --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
     --overlap-moe {off,signal,decompose,auto}  OverlapConfig.method for the MoE expert ops (off)
+    --overlap-moe-transport {nccl,p2p}         OverlapConfig.transport for the MoE expert ops (nccl)
 """
 import argparse
 import dataclasses
@@ -26,6 +27,8 @@ import os
 import warnings
 
 from overlap_tp.ops.config import EXPERT_OP_DEFAULTS, METHODS, TRANSPORTS, OverlapConfig
+
+MOE_TRANSPORTS = ("nccl", "p2p")   # --overlap-moe-transport
 from overlap_tp.ops.watchdog import timeout_from_env
 
 GROUP_TITLE = "overlap_tp"
@@ -112,8 +115,17 @@ def add_overlap_args(parser):
              "dispatch all-to-all is overlapped with the grouped fc1 GEMM (a2a_gemm) and whose fc2 "
              "GEMM with the combine all-to-all (gemm_a2a); methods as for --overlap-tp, but auto tries "
              "off and signal in each layer's first calls and keeps the faster one (the EP group's slowest "
-             "rank decides; a warning names the choice), transport always nccl, --overlap-tp-comm-sms applies. Needs --num-experts, "
+             "rank decides; a warning names the choice), transport per --overlap-moe-transport, "
+             "--overlap-tp-comm-sms applies. Needs --num-experts, "
              "--moe-token-dispatcher-type alltoall and --expert-tensor-parallel-size 1.")
+    group.add_argument(
+        "--overlap-moe-transport", choices=list(MOE_TRANSPORTS), default="nccl",
+        help="How the expert ops move tokens for --overlap-moe signal (and auto's signal). nccl (default): "
+             "NCCL send / receive per group of rows on a communicator capped at --overlap-tp-comm-sms CTAs. "
+             "p2p (CUDA, symmetric memory over NVLink): the copy engines, no SM and no NCCL kernel "
+             "(a2a_gemm pulls each chunk from the peers' copies of their tokens, gemm_a2a pushes each "
+             "group's rows into the peers' receive buffers); its GEMMs get every SM (comm_sms 0 unless "
+             "--overlap-tp-comm-sms says otherwise).")
     return parser
 
 
@@ -307,10 +319,14 @@ def _validate_moe(args, moe, comm_sms):
                 f"{flag} with {what}: that overlap runs inside Megatron's token dispatcher, which overlap_tp's "
                 f"MoE layer replaces (shared experts then run before routing, as in Megatron's MoELayer). "
                 f"Drop {what}, or use --overlap-moe off.")
-    if moe in ("signal", "auto") and comm_sms == 0:   # auto tries signal
+    transport = getattr(args, "overlap_moe_transport", "nccl")
+    if transport not in MOE_TRANSPORTS:
+        raise OverlapArgumentError(f"--overlap-moe-transport {transport!r}: expected one of {MOE_TRANSPORTS}")
+    if moe in ("signal", "auto") and comm_sms == 0 and transport == "nccl":   # auto tries signal
         raise OverlapArgumentError(
             f"{flag} with --overlap-tp-comm-sms 0: a2a_gemm's signaled GEMM spins on ready flags that NCCL "
-            "kernels raise, so NCCL needs SMs the GEMM does not hold. Give --overlap-tp-comm-sms >= 1.")
+            "kernels raise, so NCCL needs SMs the GEMM does not hold. Give --overlap-tp-comm-sms >= 1, or "
+            "--overlap-moe-transport p2p (the copy engines need none).")
 
 
 def _is_our_spec(spec):
@@ -344,10 +360,12 @@ def layer_configs(args):
 
 
 def moe_overlap_config_kwargs(args):
-    """The OverlapConfig fields of the MoE expert ops that the flags set: --overlap-moe's method and
-    --overlap-tp-comm-sms over the expert ops' defaults (config.EXPERT_OP_DEFAULTS; their transport is
-    nccl, whatever --overlap-tp-transport says)."""
+    """The OverlapConfig fields of the MoE expert ops that the flags set: --overlap-moe's method,
+    --overlap-moe-transport (p2p: comm_sms 0) and --overlap-tp-comm-sms over the expert ops' defaults
+    (config.EXPERT_OP_DEFAULTS), whatever --overlap-tp-transport says."""
     kwargs = dict(EXPERT_OP_DEFAULTS, method=getattr(args, "overlap_moe", "off"))
+    if getattr(args, "overlap_moe_transport", "nccl") == "p2p":
+        kwargs.update(transport="p2p", comm_sms=0)
     if getattr(args, "overlap_tp_comm_sms", None) is not None:
         kwargs["comm_sms"] = args.overlap_tp_comm_sms
     return kwargs

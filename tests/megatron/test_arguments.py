@@ -110,6 +110,22 @@ def test_overlap_moe_parses_into_its_own_overlap_config():
     assert (config.groups, config.comm_sms) == (2, 8)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--overlap-moe", "fast"])
+    # --overlap-moe-transport p2p: the copy engines, every SM to the GEMMs unless --overlap-tp-comm-sms says more
+    config = OverlapConfig(**moe_overlap_config_kwargs(build_parser().parse_args(
+        ["--overlap-moe", "signal", "--overlap-moe-transport", "p2p"])))
+    assert (config.transport, config.comm_sms, config.groups) == ("p2p", 0, 2)
+    config = OverlapConfig(**moe_overlap_config_kwargs(build_parser().parse_args(
+        ["--overlap-moe", "signal", "--overlap-moe-transport", "p2p", "--overlap-tp-comm-sms", "4"])))
+    assert (config.transport, config.comm_sms) == ("p2p", 4)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--overlap-moe-transport", "ib"])
+
+
+def test_overlap_moe_comm_sms_0_needs_the_p2p_transport():
+    """a2a_gemm's GEMM spins on flags that NCCL raises: no SM left to NCCL is refused with nccl, fine with p2p."""
+    with pytest.raises(OverlapArgumentError, match="--overlap-moe-transport p2p"):
+        validate_overlap_args(moe_like(overlap_tp_comm_sms=0, overlap_moe_transport="nccl"), warn=None)
+    assert validate_overlap_args(moe_like(overlap_tp_comm_sms=0, overlap_moe_transport="p2p"), warn=None) == []
 
 
 @pytest.mark.parametrize("tp", [1, 2])
