@@ -463,3 +463,17 @@ def test_moe_layer_on_the_p2p_transport_captured_at_ep2_on_one_gpu():
     capacity factor 1.0, padded) forward + backward in one CUDA graph, 50 replays with fresh inputs equal to the
     eager steps, one rank late before some replays."""
     run_distributed(T, _on_one_gpu, _check_moe_layer_captured, backend="gloo")
+
+
+def _check_moe_layer_parity(rank, world, routing):
+    import test_moe_layer_gpu as moe_tests
+    moe_tests.METHODS.clear()
+    moe_tests.METHODS["signal"] = EXPERT_P2P   # only ours on p2p against Megatron's MoELayer (its all-to-all on gloo)
+    moe_tests._check_parity(rank, world, routing, 4096, {})
+
+
+@pytest.mark.parametrize("routing", ["uniform", "zipf", "rank0_only"])
+def test_moe_layer_on_the_p2p_transport_matches_megatrons_at_ep2_on_one_gpu(routing):
+    """test_moe_layer_gpu.py's parity check at EP 2 with the expert ops on p2p: output, input grad and every
+    parameter grad against Megatron's MoELayer (whose all-to-all runs on the gloo group here)."""
+    run_distributed(T, _on_one_gpu, functools.partial(_check_moe_layer_parity, routing=routing), backend="gloo")
