@@ -41,7 +41,9 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="8192,16384", help="tokens per rank (before top-k)")
     p.add_argument("--routing", default="uniform,zipf", help="comma list of " + ",".join(ROUTINGS))
-    p.add_argument("--methods", default="signal,off", help="OverlapMoELayer methods to time (signal, off, decompose)")
+    p.add_argument("--methods", default="signal,off",
+                   help="OverlapMoELayer methods to time (signal, off, decompose, auto; signal-p2p: signal with the "
+                        "expert ops on the p2p transport, --overlap-moe-transport p2p)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336, help="expert FFN size (fc1 is 2 x ffn: SwiGLU)")
     p.add_argument("--experts", type=int, default=8, help="global experts E (EP = the number of processes)")
@@ -123,6 +125,14 @@ def force_routing(layer, *offsets):
     return calls   # calls[0] = 0 restarts the cycle
 
 
+def variant_config(name: str):
+    """The expert ops' config of a --methods entry: a method, or signal-p2p (signal on the p2p transport, whose
+    GEMMs get every SM: comm_sms 0, as --overlap-moe-transport p2p sets)."""
+    if name == "signal-p2p":
+        return dataclasses.replace(DEFAULT_EXPERT_CONFIG, method="signal", transport="p2p", comm_sms=0)
+    return dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=name)
+
+
 def bench_shape(tokens, routing, args, group):
     from overlap_tp.megatron.moe_layer import set_moe_overlap_config
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -131,7 +141,7 @@ def bench_shape(tokens, routing, args, group):
     variants = {"megatron": build_layer(False, config)}
     for method in args.methods.split(","):
         variants[method] = build_layer(True, config)
-        set_moe_overlap_config(variants[method], dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=method))
+        set_moe_overlap_config(variants[method], variant_config(method))
     cycles = {name: force_routing(layer, *offsets) for name, layer in variants.items()}
     sets = [(torch.randn(tokens, 1, args.hidden, device="cuda", dtype=torch.bfloat16).requires_grad_(True),
              torch.randn(tokens, 1, args.hidden, device="cuda", dtype=torch.bfloat16)) for _ in range(INPUT_SETS)]

@@ -5,13 +5,16 @@
 # then the expert ops' GPU tests after session 13's GEMM-first order (if run_s15_a.sh did not reach them). Session 15
 # (one GPU) cut the expert plans' host time 2-4.6x and reused compiled kernels across routings: the host probe at
 # EP 2 first (how long a2a_gemm's forward takes to launch its GEMM; EP 1: ~1.0 ms, ../s15/probe_expert_host.txt).
+# Session 17 added the expert ops' p2p transport (copy engines, no SM: --overlap-moe-transport p2p), correct at EP 2
+# on one GPU (../s17/): timed here as signal-p2p next to signal (NCCL), over NVLink and on the proxy (the proxy
+# disables NCCL's P2P only; the copy engines still use NVLink there, so signal-p2p is not a cross-node stand-in).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
 workdir s15_moe
 step host 90 torchrun --nproc-per-node 2 $REPO/docs/perf/scripts/probe_expert_host.py
 grep -E "forward|_dispatch_state|dispatch_plan|_ExpertState|SignaledGemm" $W/host.out
 step layer_nvlink 150 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 --routings 8 \
-  --methods signal,off,auto --out $W --name moe_layer_nvlink
+  --methods signal,signal-p2p,off,auto --out $W --name moe_layer_nvlink
 step layer_proxy 170 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 \
   --routings 8 --methods signal,off,auto --out $W --name moe_layer_proxy
 for f in $W/*.md; do echo "== $f"; grep -E "^\| " $f | head -8; done
