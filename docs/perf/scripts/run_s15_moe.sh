@@ -6,8 +6,8 @@
 # (one GPU) cut the expert plans' host time 2-4.6x and reused compiled kernels across routings: the host probe at
 # EP 2 first (how long a2a_gemm's forward takes to launch its GEMM; EP 1: ~1.0 ms, ../s15/probe_expert_host.txt).
 # Session 17 added the expert ops' p2p transport (copy engines, no SM: --overlap-moe-transport p2p), correct at EP 2
-# on one GPU (../s17/): timed here as signal-p2p next to signal (NCCL), over NVLink and on the proxy (the proxy
-# disables NCCL's P2P only; the copy engines still use NVLink there, so signal-p2p is not a cross-node stand-in).
+# on one GPU (../s17/): timed here as signal-p2p next to signal (NCCL) over NVLink; not on the proxy (it disables
+# NCCL's P2P only: the copy engines would still use NVLink, so signal-p2p is no cross-node stand-in).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
 workdir s15_moe
