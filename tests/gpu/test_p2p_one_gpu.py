@@ -9,10 +9,12 @@ gloo). Everything else is the ops' own code:
 - gather_rows on the copy engines (the column-parallel backward's re-gather), eager and replayed;
 - OverlapTransformerLayers at TP 2 (test_layers_gpu.py's deferred proj sum and MLP boundary checks), and one layer
   captured forward + backward and replayed bit for bit;
-- a peer that never calls again: the waiting rank ends (watchdog, exit 70), eager and replayed.
+- a peer that never calls again: the waiting rank ends (watchdog, exit 70), eager and replayed;
+- the expert ops on their p2p transport at EP 2 (a2a_gemm pulls, gemm_a2a pushes), forward and backward against a
+  dense fp32 computation; OverlapMoELayer on it against Megatron's MoELayer, and captured with static sizes.
 The two processes' contexts time-slice the GPU: these check the protocols and the bits, never speed. Two GPUs:
-test_gemm_rs_gpu.py, test_ag_gemm_gpu.py, test_graphs_gpu.py, test_layers_gpu.py.
-Run: `pytest -m gpu tests/gpu/test_p2p_one_gpu.py` (about 2.5 minutes)."""
+test_gemm_rs_gpu.py, test_ag_gemm_gpu.py, test_graphs_gpu.py, test_layers_gpu.py, test_moe_*_gpu.py.
+Run: `pytest -m gpu tests/gpu/test_p2p_one_gpu.py` (about 5 minutes)."""
 import functools
 import os
 import random
