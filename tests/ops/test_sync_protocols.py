@@ -8,8 +8,8 @@ interleavings that respect stream order and wait conditions, many times over, an
   group *in the same replay* is stored; counters are back at zero after each call; two plans interleaved
   keep their own counters; a capture that is recorded but never run (a failed capture) leaves the next
   eager call correct;
-- the peer protocols (P2PReduceScatter, ShardPull): no rank overwrites a buffer a peer has not consumed yet,
-  and no rank consumes a buffer before every peer's data of the same call is in it.
+- the peer protocols (P2PReduceScatter, ShardPull, and the expert combine's RowPush): no rank overwrites a buffer a
+  peer has not consumed yet, and no rank consumes a buffer before every peer's data of the same call is in it.
 A mutation check proves the simulator can fail: the counter wait without its reset passes stale targets.
 """
 import random
@@ -19,7 +19,7 @@ import torch
 
 from overlap_tp.ops import comm, p2p, sync
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.p2p import P2PReduceScatter, ShardPull
+from overlap_tp.ops.p2p import P2PReduceScatter, RowPush, ShardPull
 from overlap_tp.ops.reduction import SignaledReduction
 from overlap_tp.ops.tile_plan import GROUP, make_plan
 
@@ -329,6 +329,77 @@ def test_shard_pull_never_overwrites_a_shard_being_pulled(recorder, t, seed):
             assert all(pulled[rank][p] == call for p in range(t) if p != rank), (rank, call, pulled[rank])
 
     run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed))
+
+
+def _row_push_programs(recorder, t, rows, calls, begin=True):
+    """Every rank's recorded RowPush calls: push `rows` rows to every peer, then copy out what the peers pushed.
+    Returns (programs, receive buffers, outputs)."""
+    signals = _peer_signals(t, (1, 0))
+    bufs = [torch.zeros(t * rows, 4, dtype=torch.int32) for _ in range(t)]   # source s's rows at s * rows
+    outs = [torch.zeros(t * rows, 4, dtype=torch.int32) for _ in range(t)]
+    staging = [torch.zeros(rows, 4, dtype=torch.int32) for _ in range(t)]
+    programs = {}
+    for rank in range(t):
+        push = RowPush.__new__(RowPush)
+        push.signals, push.buf, push.row_bytes = signals[rank], bufs[rank], 4 * 4
+        push.peer_ptrs = [buf.data_ptr() for buf in bufs]
+        for call in range(calls):
+            recorder.emit(rank, ("call", rank, call))
+            if begin:
+                push.begin(rank, False)
+            for peer in range(t):
+                if peer != rank:
+                    push.push(rank, peer, rank * rows, staging[rank].data_ptr(), rows)
+            push.end(rank)
+            push.receive(rank, [(outs[rank].data_ptr() + s * rows * 16, s * rows, rows) for s in range(t) if s != rank],
+                         False)
+            recorder.emit(rank, ("check", rank, call))
+        programs[rank] = recorder.take()[rank]
+    return programs, signals, bufs
+
+
+def _run_row_push(programs, signals, bufs, t, rows, seed):
+    current = [0] * t
+    arrived = [[-1] * t for _ in range(t)]    # arrived[o][s]: the call of s's rows in o's receive buffer
+    consumed = [[-1] * t for _ in range(t)]   # consumed[o][s]: the call of s's rows that o copied out
+    region = {bufs[o].data_ptr() + s * rows * 16: (o, s) for o in range(t) for s in range(t)}
+
+    def act(stream, op):
+        if op[0] == "call":
+            current[op[1]] = op[2]
+        elif op[0] == "copy" and stream != region.get(op[1], (stream,))[0]:   # a push into a peer's buffer
+            owner, source = region[op[1]]
+            assert consumed[owner][source] == current[source] - 1, \
+                f"rank {source} call {current[source]} overwrote rows rank {owner} had not copied out"
+            arrived[owner][source] = current[source]
+        elif op[0] == "copy":                                                # a copy-out of our own buffer
+            owner, source = region[op[2]]
+            assert arrived[owner][source] == current[owner], \
+                f"rank {owner} copied out call {current[owner]} from {arrived[owner][source]}"
+            consumed[owner][source] = current[owner]
+        elif op[0] == "check":
+            _, rank, call = op
+            assert all(consumed[rank][s] == call for s in range(t) if s != rank), (rank, call, consumed[rank])
+
+    run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed))
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (3, 2), (4, 3)])
+def test_row_push_never_overwrites_unread_rows_or_reads_early(recorder, t, seed):
+    """The expert combine's p2p exchange (RowPush): a rank pushes call i+1's rows into a peer's receive buffer only
+    after the peer copied call i's out, and copies out only once every peer's rows of the same call are in."""
+    programs, signals, bufs = _row_push_programs(recorder, t, rows=2, calls=30)
+    _run_row_push(programs, signals, bufs, t, 2, seed)
+
+
+def test_the_simulator_catches_a_push_without_its_wait(recorder):
+    """Mutation: no wait for CONSUMED before pushing: some interleaving overwrites rows not yet copied out."""
+    programs, signals, bufs = _row_push_programs(recorder, 2, rows=2, calls=30, begin=False)
+    with pytest.raises(AssertionError, match="overwrote|copied out"):
+        for seed in range(20):
+            _run_row_push(programs, signals, bufs, 2, 2, seed)
+            for s in signals:   # the next seed starts from the initial words
+                s.words.copy_(torch.tensor([[1] * 2, [0] * 2], dtype=torch.int32))
 
 
 class _OrderEngine(comm.CommEngine):
