@@ -53,7 +53,8 @@ from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, tma_
 from overlap_tp.ops import comm
 from overlap_tp.ops.common import check_not_capturing, device_properties, gemm_programs, warn_once
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
-from overlap_tp.ops.moe_tile_plan import EXPERT_RASTER_M, Layout, combine_plan, dispatch_plan, layout, parts_per_peer
+from overlap_tp.ops.moe_tile_plan import (EXPERT_RASTER_M, Layout, combine_plan, dispatch_plan, layout, parts_per_peer,
+                                          pulled_rows, pushed_rows)
 from overlap_tp.ops.p2p import RowPull, RowPush
 from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS
 from overlap_tp.ops.watchdog import Watched
@@ -425,11 +426,6 @@ def _dispatch_decomposed(x, w, xr, y, plan, coll):
         expert_mm(xr, w, pieces, (y,))
 
 
-def _x_starts(lay: Layout):
-    """X[s, rank] for every rank s: where the rows s routes to this rank's experts start in s's x (and in its z)."""
-    return [sum(lay.counts[s][:lay.rank * lay.experts]) for s in range(lay.ep)]
-
-
 def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll, pull=None):
     """The persistent GEMM over the dispatch plan: local rows at once, each chunk behind its ready flag,
     which the comm stream raises after the chunk's exchange; the caller's stream lowers the flags after it.
@@ -437,16 +433,15 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll, pull=None):
     peer's copy of its x (ShardPull's protocol), instead of NCCL's send / receive."""
     engine, plan = comm.comm_engine(x.device), state.plan
     lo, hi, dst = plan.local
+    pulls = [] if pull is None else [pulled_rows(plan.layout, exchange) for exchange in plan.exchanges]
 
     def transfers(stream):
         if pull is not None:
-            lay = plan.layout
-            starts, base, row_bytes = _x_starts(lay), xr.data_ptr(), pull.row_bytes
+            base, row_bytes = xr.data_ptr(), pull.row_bytes
             pull.start(stream, x, engine.capturing())
-            for c, exchange in enumerate(plan.exchanges):
-                for peer, row, end in exchange.recvs:   # xr rows; the same rows of the block in the peer's x
-                    pull.copy_rows(stream, base + row * row_bytes, peer, starts[peer] + row - lay.xr_offsets[peer],
-                                   end - row)
+            for c, copies in enumerate(pulls):
+                for peer, src_row, dst_row, rows in copies:
+                    pull.copy_rows(stream, base + dst_row * row_bytes, peer, src_row, rows)
                 engine.raise_flag(state.flags, c)
             pull.finish(stream)
             return
@@ -536,18 +531,15 @@ def _combine_signaled(h, w, staging, z, state: _ExpertState, coll, push=None):
         def exchange(g, stream):
             _exchange(coll, plan.exchanges[g], staging, z, stream)
     else:
-        lay = plan.layout
-        rank, starts, base, row_bytes = lay.rank, _x_starts(lay), staging.data_ptr(), push.row_bytes
-        local_rows, last = lay.xr_splits[rank], len(plan.exchanges) - 1
-        # where peer d's block starts in the staging matrix (combine_plan's `staged`)
-        staged = [lay.xr_offsets[d] - (local_rows if d > rank else 0) for d in range(lay.ep)]
+        base, row_bytes, last = staging.data_ptr(), push.row_bytes, len(plan.exchanges) - 1
+        pushes = [pushed_rows(plan.layout, exchange) for exchange in plan.exchanges]
         capturing = engine.capturing()
 
         def exchange(g, stream):
             if g == 0:
                 push.begin(stream, capturing)
-            for peer, row, end in plan.exchanges[g].sends:
-                push.push(stream, peer, starts[peer] + row - staged[peer], base + row * row_bytes, end - row)
+            for peer, dst_row, src_row, rows in pushes[g]:
+                push.push(stream, peer, dst_row, base + src_row * row_bytes, rows)
             if g == last:
                 push.end(stream)
 

@@ -311,6 +311,27 @@ def _combine_table(lay: Layout, n: int, block_m: int, block_n: int, parts: int) 
                        np.full_like(tiles.lo, NO_WAIT), groups + 1, n, block_n)
 
 
+def x_starts(lay: Layout) -> List[int]:
+    """X[s, rank] for every rank s: where the rows s routes to this rank's experts start in s's x (and in s's z)."""
+    return [sum(lay.counts[s][:lay.rank * lay.experts]) for s in range(lay.ep)]
+
+
+def pulled_rows(lay: Layout, exchange: Exchange) -> List[Tuple[int, int, int, int]]:
+    """The p2p dispatch's copies for one chunk: (peer, row of the peer's x, row of this rank's xr, rows) for every
+    block part this rank receives; the peer's x rows are the ones its own exchange sends here (same part bounds on
+    both ends)."""
+    starts = x_starts(lay)
+    return [(peer, starts[peer] + lo - lay.xr_offsets[peer], lo, hi - lo) for peer, lo, hi in exchange.recvs]
+
+
+def pushed_rows(lay: Layout, exchange: Exchange) -> List[Tuple[int, int, int, int]]:
+    """The p2p combine's copies for one group: (peer, row of the peer's z, row of this rank's staging matrix, rows)
+    for every staged block part this rank sends; the peer's z rows are the ones its own exchange receives from here."""
+    starts, rank, local = x_starts(lay), lay.rank, lay.xr_splits[lay.rank]
+    staged = [lay.xr_offsets[d] - (local if d > rank else 0) for d in range(lay.ep)]   # combine_plan's `staged`
+    return [(peer, starts[peer] + lo - staged[peer], lo, hi - lo) for peer, lo, hi in exchange.sends]
+
+
 def _exchange(sends, recvs) -> Exchange:
     """Part c of every listed block: (peer, block start in the buffer, the block's part bounds, c)."""
     def ranges(blocks):

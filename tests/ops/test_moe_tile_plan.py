@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from overlap_tp.ops.moe_tile_plan import (EXPERT_RASTER_M, OUTPUT, STAGING, combine_plan, dispatch_plan, layout,
-                                         part_bounds, parts_per_peer)
+                                          part_bounds, parts_per_peer, pulled_rows, pushed_rows)
 from overlap_tp.kernels.signaled_gemm import RowTiles
 from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, MAX_AUTO_GROUPS, NO_WAIT, RASTER_GROUP_M,
                                       SRC_ROW, SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, EXPERT, WAIT, raster)
@@ -249,3 +249,28 @@ def test_layout_segments():
     assert (lay.tokens, lay.rows, lay.x_splits, lay.xr_splits, lay.x_offsets, lay.xr_offsets) == \
         (26, 22, (11, 15), (7, 15), (0, 11), (0, 7))
     assert [(p.src_lo, p.src_hi, p.expert) for p in lay.segments] == [(0, 3, 0), (3, 7, 1), (7, 14, 0), (14, 22, 1)]
+
+
+@pytest.mark.parametrize("ep, experts", [(2, 2), (3, 1), (4, 3), (8, 2)])
+def test_p2p_copies_are_the_rows_each_peer_sends_and_receives(ep, experts):
+    """The expert ops' p2p transport addresses the peer's memory from its own plan alone: a pulled part (dispatch) must
+    be, row for row, what the peer's exchange sends here, and a pushed part (combine) what the peer's exchange
+    receives from here; and, brute force, the pulled rows are the tokens this rank's xr holds at those rows."""
+    for m, counts in enumerate(count_matrices(ep, experts, seed=ep * 10 + experts)):
+        for parts in (1, 2, 3):
+            lays = [layout(counts, r) for r in range(ep)]
+            dispatch = [dispatch_plan(lays[r], 64, 16, 32, parts) for r in range(ep)]
+            combine = [combine_plan(lays[r], 64, 16, 32, parts) for r in range(ep)]
+            for r in range(ep):
+                received = routed(counts, r)
+                for c, exchange in enumerate(dispatch[r].exchanges):
+                    for peer, src, dst, rows in pulled_rows(lays[r], exchange):
+                        assert (r, src, src + rows) in dispatch[peer].exchanges[c].sends, (m, parts, r, c, peer)
+                        assert received[dst:dst + rows] == [peer * 10 ** 6 + src + i for i in range(rows)], \
+                            (m, parts, r, c, peer)
+                for g, exchange in enumerate(combine[r].exchanges):
+                    for peer, dst, src, rows in pushed_rows(lays[r], exchange):
+                        assert (r, dst, dst + rows) in combine[peer].exchanges[g].recvs, (m, parts, r, g, peer)
+                # every part is copied once: the pulls cover every row received from the peers
+                pulled = sum(rows for exchange in dispatch[r].exchanges for *_, rows in pulled_rows(lays[r], exchange))
+                assert pulled == lays[r].rows - lays[r].xr_splits[r], (m, parts, r)
