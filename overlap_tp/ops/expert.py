@@ -282,6 +282,10 @@ class _ExpertState:
         else:   # the waits of the groups with an exchange (the last group's tiles, the local rows stored straight
             # into z, are not waited on: its counter only counts)
             self.waits = comm.CounterWaits(self.words, plan.group_tiles[:len(plan.exchanges)])
+        # transport 'p2p': per chunk / group, the copies of the exchange (moe_tile_plan.pulled_rows / pushed_rows)
+        rows = pulled_rows if kind == "a2a_gemm" else pushed_rows
+        self.copies = [rows(plan.layout, exchange) for exchange in plan.exchanges] \
+            if config.transport == "p2p" else None
         if kind == "a2a_gemm" and device.type == "cuda":
             # the dispatch's table is needed at once (the GPU waits for its GEMM): built on the GPU from the counts,
             # one small copy and one launch, where the host's numpy build and the table's copy took ~0.3 ms
@@ -433,13 +437,12 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll, pull=None):
     peer's copy of its x (ShardPull's protocol), instead of NCCL's send / receive."""
     engine, plan = comm.comm_engine(x.device), state.plan
     lo, hi, dst = plan.local
-    pulls = [] if pull is None else [pulled_rows(plan.layout, exchange) for exchange in plan.exchanges]
 
     def transfers(stream):
         if pull is not None:
             base, row_bytes = xr.data_ptr(), pull.row_bytes
             pull.start(stream, x, engine.capturing())
-            for c, copies in enumerate(pulls):
+            for c, copies in enumerate(state.copies):
                 for peer, src_row, dst_row, rows in copies:
                     pull.copy_rows(stream, base + dst_row * row_bytes, peer, src_row, rows)
                 engine.raise_flag(state.flags, c)
@@ -531,8 +534,7 @@ def _combine_signaled(h, w, staging, z, state: _ExpertState, coll, push=None):
         def exchange(g, stream):
             _exchange(coll, plan.exchanges[g], staging, z, stream)
     else:
-        base, row_bytes, last = staging.data_ptr(), push.row_bytes, len(plan.exchanges) - 1
-        pushes = [pushed_rows(plan.layout, exchange) for exchange in plan.exchanges]
+        base, row_bytes, last, pushes = staging.data_ptr(), push.row_bytes, len(plan.exchanges) - 1, state.copies
         capturing = engine.capturing()
 
         def exchange(g, stream):

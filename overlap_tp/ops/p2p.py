@@ -169,6 +169,7 @@ class ShardPull:
         offset = (self.shard.data_ptr() - handle.buffer_ptrs[rank]) // self.shard.element_size()
         self.peer_shards = [None if p == rank else handle.get_buffer(p, tuple(self.shard.shape), dtype, offset)
                             for p in range(t)]
+        self.peer_ptrs = [None if shard is None else shard.data_ptr() for shard in self.peer_shards]
         self.handle = handle
         self.row_bytes = k * self.shard.element_size()
         # stream wait-values under capture too: the AllGather+GEMM's tiles wait behind these (PeerSignals says why)
@@ -185,10 +186,10 @@ class ShardPull:
         """Rows [lo, hi) of every peer's shard into its region of `gathered` [t * rows, K] (contiguous)."""
         region_rows = gathered.shape[0] // self.world
         base = gathered.data_ptr()
-        for p, shard in enumerate(self.peer_shards):
-            if shard is not None:
-                memops.copy(stream, base + (p * region_rows + lo) * self.row_bytes,
-                            shard.data_ptr() + lo * self.row_bytes, (hi - lo) * self.row_bytes)
+        for p, peer in enumerate(self.peer_ptrs):
+            if peer is not None:
+                memops.copy(stream, base + (p * region_rows + lo) * self.row_bytes, peer + lo * self.row_bytes,
+                            (hi - lo) * self.row_bytes)
 
     def finish(self, stream: int):
         self.signals.signal(stream, self.PULLED)
@@ -202,7 +203,6 @@ class RowPull(ShardPull):
     def __init__(self, group, rank, t, capacity, cols, dtype, device, describe):
         super().__init__(group, rank, t, capacity, cols, dtype, device, describe)
         self.capacity = capacity
-        self.peer_ptrs = [None if shard is None else shard.data_ptr() for shard in self.peer_shards]
 
     def copy_rows(self, stream: int, dst_ptr: int, peer: int, src_row: int, rows: int):
         """Rows [src_row, src_row + rows) of `peer`'s buffer to dst_ptr (a copy-engine copy)."""

@@ -1,5 +1,10 @@
-"""What the GPU tests share: how many ranks they run on, NaN-poisoned allocator memory, the relative error."""
+"""What the GPU tests share: how many ranks they run on, NaN-poisoned allocator memory, the relative error, two
+ranks run as scripts."""
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -24,3 +29,24 @@ def poison_allocator(nbytes=1 << 30):
 
 def rel_error(got, ref):
     return float((got.float() - ref).norm() / ref.norm())
+
+
+def run_two_ranks(script: str, env: dict, timeout_s: float = 240):
+    """`script` as ranks 0 and 1 of a two-process job (RANK, WORLD_SIZE, MASTER_ADDR / PORT set, on top of `env`);
+    waits for rank 0 only, then kills whatever is left. Returns (rank 0's exit code, its stdout, its stderr, the
+    time it ended)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, "-c", script], env=dict(env, RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        out, err = ranks[0].communicate(timeout=timeout_s)
+        ended = time.time()
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
+    return ranks[0].returncode, out, err, ended

@@ -10,7 +10,6 @@ never be satisfied (a lost counter signal; a peer that never replays) ends its p
 OVERLAP_TP_WATCHDOG_S with exit code 70 and a message naming the op and the wait.
 """
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from gpu_checks import gpu_world
+from gpu_checks import gpu_world, run_two_ranks
 from overlap_tp import OverlapConfig, a2a_gemm, ag_gemm, gemm_a2a, gemm_ar, gemm_rs
 
 pytestmark = pytest.mark.gpu
@@ -247,24 +246,10 @@ def test_a_peer_that_never_replays_ends_the_waiting_rank():
     must end the process within OVERLAP_TP_WATCHDOG_S (5 s) plus the kernel's report, exit code 70, with a
     message naming the op, the transport and the signal, instead of hanging forever."""
     gpu_world()   # skips below 2 GPUs
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
-    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="5", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               WORLD_SIZE="2")
-    ranks = [subprocess.Popen([sys.executable, "-c", _PEER_NEVER_REPLAYS], env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        out, err = ranks[0].communicate(timeout=240)
-        ended = time.time()
-    finally:
-        for proc in ranks:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+    returncode, out, err, ended = run_two_ranks(_PEER_NEVER_REPLAYS, dict(os.environ, OVERLAP_TP_WATCHDOG_S="5"))
     assert "REPLAY AT" in out, err[-3000:]
     replayed = float(out.split("REPLAY AT ")[1].split()[0])
-    assert ranks[0].returncode == 70, err[-3000:]
+    assert returncode == 70, err[-3000:]
     assert "overlap_tp watchdog: gemm_rs(M=4096, N=4096, K=2048, t=2, signal/p2p) waited 5 s for rank 1's" in err, \
         err[-3000:]
     assert "in a CUDA graph replay" in err

@@ -18,18 +18,14 @@ Run: `pytest -m gpu tests/gpu/test_p2p_one_gpu.py` (about 5 minutes)."""
 import functools
 import os
 import random
-import socket
-import subprocess
-import sys
 import textwrap
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from gpu_checks import rel_error
+from gpu_checks import rel_error, run_two_ranks
 from overlap_tp import OverlapConfig, ag_gemm, gemm_rs
 from overlap_tp.megatron.norm import fused_add_rmsnorm
 from overlap_tp.ops.ag_gemm import gather_rows
@@ -330,25 +326,13 @@ def test_a_peer_that_never_calls_ends_the_waiting_rank(captured):
     or by replaying a captured call). Its wait for rank 1's signal must end the process within OVERLAP_TP_WATCHDOG_S
     (5 s) and the poll, exit code 70, with a message naming the op and the transport (and, replayed, the signal),
     instead of hanging (issue 24 item 3; the replayed case is test_graphs_gpu.py's two-GPU test)."""
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="5", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
-               CAPTURED=str(int(captured)), PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
-    ranks = [subprocess.Popen([sys.executable, "-c", _PEER_NEVER_CALLS], env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    try:
-        out, err = ranks[0].communicate(timeout=240)
-        ended = time.time()
-    finally:
-        for proc in ranks:
-            if proc.poll() is None:
-                proc.kill()
-            proc.communicate()
+    env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="5", CAPTURED=str(int(captured)),
+               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    returncode, out, err, ended = run_two_ranks(_PEER_NEVER_CALLS, env)
     assert "CALL AT" in out, err[-3000:]
     called = float(out.split("CALL AT ")[1].split()[0])
-    assert ranks[0].returncode == 70, err[-3000:]
+    assert returncode == 70, err[-3000:]
     op = "gemm_rs(M=2048, N=1024, K=1024, t=2, signal/p2p)"
     if captured:
         assert f"overlap_tp watchdog: {op} waited 5 s for rank 1's" in err and "in a CUDA graph replay" in err, \

@@ -295,6 +295,7 @@ def test_shard_pull_never_overwrites_a_shard_being_pulled(recorder, t, seed):
         pull = ShardPull.__new__(ShardPull)
         pull.rank, pull.world, pull.signals, pull.shard = rank, t, signals[rank], shards[rank]
         pull.peer_shards = [None if p == rank else shards[p] for p in range(t)]
+        pull.peer_ptrs = [None if shard is None else shard.data_ptr() for shard in pull.peer_shards]
         pull.row_bytes = 4 * 4
         for call in range(calls):
             source = torch.full((1, 4), call, dtype=torch.int32)
