@@ -11,6 +11,7 @@
 # --ab: the plan also with its Triton kernels launched through CompiledKernel.run instead of DirectKernels
 # (kernels/launch.py), in the same rounds.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
+#   torchrun --nproc-per-node 2 docs/perf/scripts/probe_host_t1.py --one-gpu [--profile]     (t = 2 on ONE GPU)
 import cProfile, gc, os, pstats, statistics, sys, time
 import torch, torch.distributed as dist
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
@@ -21,9 +22,20 @@ from overlap_tp.ops.gemm_ar import GemmAR
 from overlap_tp.ops.gemm_rs import GemmRS
 from overlap_tp.tune.timing import queued_ms, sleep_cycles_per_ms
 
-dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))   # t = 1 here; the same probe runs at t = 2
+# --one-gpu (with --nproc-per-node 2 on a machine with ONE GPU): both ranks on cuda:0, a gloo group, the p2p
+# transports' symmetric memory replaced by CUDA IPC (tests/gpu/peers_on_one_gpu.py), the p2p cases only and no `off`
+# (gloo has no reduce-scatter): the host's side of a t = 2 call (every peer signal, wait and copy is enqueued), not
+# the GPU's (the two contexts time-slice it).
+ONE_GPU = "--one-gpu" in sys.argv
+dev = torch.device("cuda", 0 if ONE_GPU else int(os.environ.get("LOCAL_RANK", 0)))
 torch.cuda.set_device(dev)
-dist.init_process_group("nccl", device_id=dev)
+if ONE_GPU:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "tests", "gpu"))
+    from peers_on_one_gpu import install
+    install()
+    dist.init_process_group("gloo")
+else:
+    dist.init_process_group("nccl", device_id=dev)
 group, t, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
 P2P, NCCL, OFF = (OverlapConfig(method="signal", transport="p2p", comm_sms=0), OverlapConfig(method="signal"),
                   OverlapConfig(method="off"))
@@ -31,6 +43,8 @@ P2P, NCCL, OFF = (OverlapConfig(method="signal", transport="p2p", comm_sms=0), O
 # s 8192 (shards at TP 2)
 CASES = [("rs", 8192, 4096, 2048, P2P), ("rs", 8192, 4096, 2048, NCCL), ("ag", 8192, 3072, 4096, P2P),
          ("ar", 8192, 4096, 2048, NCCL)]
+if ONE_GPU:
+    CASES = [case for case in CASES if case[4] is P2P]
 PLAN = {"rs": GemmRS, "ag": AgGemm, "ar": GemmAR}
 API = {"rs": gemm_rs, "ag": ag_gemm, "ar": gemm_ar}
 
@@ -127,14 +141,26 @@ for op, m, n, k, ours in CASES:
     sets = [(torch.randn(rows, k, device=dev, dtype=torch.bfloat16),
              torch.randn(n, k, device=dev, dtype=torch.bfloat16)) for _ in range(3)]
     plan = PLAN[op](group, rows, n, k, torch.bfloat16, dev, ours)
-    want = API[op](*sets[0], group, config=OFF)
     got = plan(*sets[0])
-    err = float((got.float() - want.float()).norm() / want.float().norm())
+    if ONE_GPU:   # against the sequential result computed from every rank's operands (the same seeds: sets differ
+        # per rank only through the generator's state, so gather them)
+        everyone = [None] * t
+        dist.all_gather_object(everyone, [x.cpu() for x in sets[0]], group=group)
+        if op == "rs":
+            full = sum(a.float() @ w.float().t() for a, w in everyone)
+            want = full.chunk(t)[rank]
+        else:
+            want = torch.cat([a for a, _ in everyone]).float() @ sets[0][1].float().cpu().t()
+        err = float((got.float().cpu() - want).norm() / want.norm())
+    else:
+        want = API[op](*sets[0], group, config=OFF)
+        err = float((got.float() - want.float()).norm() / want.float().norm())
     row = {"op": op, "M": m, "N": n, "K": k, "config": "p2p" if ours is P2P else "nccl", "rel_err": f"{err:.1e}",
            "host_plan_us": host_us(lambda a, w: plan(a, w), sets),
-           "host_api_us": host_us(lambda a, w: API[op](a, w, group, config=ours), sets),
-           "host_off_us": host_us(lambda a, w: API[op](a, w, group, config=OFF), sets),
-           "host_matmul_us": host_us(lambda a, w: a @ w.t(), sets)}
+           "host_api_us": host_us(lambda a, w: API[op](a, w, group, config=ours), sets)}
+    if not ONE_GPU:
+        row["host_off_us"] = host_us(lambda a, w: API[op](a, w, group, config=OFF), sets)
+    row["host_matmul_us"] = host_us(lambda a, w: a @ w.t(), sets)
     kernels = [o for o in gc.get_objects() if isinstance(o, DirectKernel) and o._launch is not None]
 
     def direct(on):
@@ -144,8 +170,9 @@ for op, m, n, k, ours in CASES:
         return set_all
     variants = {"plan": (lambda a, w: plan(a, w), direct(True)),
                 "api": lambda a, w: API[op](a, w, group, config=ours),
-                "off": lambda a, w: API[op](a, w, group, config=OFF),
                 "matmul": lambda a, w: a @ w.t()}
+    if not ONE_GPU:
+        variants["off"] = lambda a, w: API[op](a, w, group, config=OFF)
     if "--ab" in sys.argv:
         variants["plan_run"] = (lambda a, w: plan(a, w), direct(False))
         variants["matmul"] = (variants["matmul"], direct(True))
