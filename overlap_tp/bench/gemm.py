@@ -12,7 +12,7 @@ the grid the op gives it (--comm-sms: the SMs the collective keeps; 0 = every SM
 no communication and no waits. cuBLAS: torch.matmul on the same operands (it transposes for free).
 `ratio` = cuBLAS time / ours (above 1: ours is faster); `rule's tile` marks the tile that OverlapConfig's
 tile_by_shape rule (ops/config.py tile_for_shape) gives the plan of that GEMM with the default config. --configs adds tile configurations
-(BMxBNxBK/stages/warps). Every configuration's output is checked against cuBLAS before it is timed.
+(BMxBNxBK/stages/warps; one that does not fit the GPU's resources is named and left out). Every configuration's output is checked against cuBLAS before it is timed.
 Times: cuBLAS and every variant of a GEMM are timed in --rounds interleaved rounds of --reps calls each, replayed
 from one CUDA graph per variant (CUDA events per replay of 4 x --input-sets calls; inputs rotated over the sets,
 no L2 flush, as in a layer; --eager: back-to-back eager calls, which at the smoke recipe's shapes measure the
@@ -26,6 +26,7 @@ import statistics
 import sys
 
 import torch
+import triton
 
 from overlap_tp import OverlapConfig
 from overlap_tp.tune import report
@@ -138,7 +139,11 @@ def bench_gemm(name, op, m, k, n, layout, args, configs, comm_sms_list):
                 signaled_gemm(a, w, out, tiles, None, programs, grid_config)
 
             out.fill_(float("nan"))
-            ours(*sets[0])
+            try:
+                ours(*sets[0])
+            except triton.runtime.errors.OutOfResources as error:   # e.g. shared memory: a sweep goes on
+                print(f"{name} {label(config)}: left out, it does not fit: {error}", file=sys.stderr, flush=True)
+                continue
             torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2 * want.abs().mean().item(),
                                        msg=lambda msg: f"{name} {label(config)} comm_sms={comm_sms}: {msg}")
             variants.append((config, comm_sms, programs))
