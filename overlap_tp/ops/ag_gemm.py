@@ -4,7 +4,9 @@
     out = plan(a_shard[M/t, K], w[N, K], bias)              # [M, N], rows in the standard order (rank k's
                                                             # shard is rows [k*M/t, (k+1)*M/t))
     out, gathered = plan(a_shard, w, return_gathered=True)  # also the gathered [M, K] input (a row-parallel
-                                                            # layer's backward reuses it for wgrad)
+                                                            # layer's backward reuses it for wgrad); with the p2p
+                                                            # transport it is the shape's shared buffer, valid
+                                                            # until the next AllGather of the shape (GatherBuffer)
     out = ag_gemm(a_shard, w, group, bias=..., config=...)  # the same through a cached plan
 
 Methods (OverlapConfig.method):
@@ -18,8 +20,9 @@ Methods (OverlapConfig.method):
              flags again (0), so every call and every graph replay waits for the same value. Transports:
                nccl  per chunk, one ncclBroadcast per rank in a group call, straight into place; the GEMM
                      leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it).
-               p2p   copy-engine pulls from the peers' symmetric-memory copies of their shards (ops/p2p.py):
-                     no SM spent on communication (ConCCL/FiCCO).
+               p2p   copy-engine pulls from the peers' regions of their symmetric gathered buffers into ours
+                     (ops/p2p.py GatherBuffer, one per shard shape): no SM spent on communication (ConCCL/FiCCO),
+                     and the shard is copied once, into our region, where the GEMM and the peers read it.
   auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer.
 """
@@ -33,7 +36,7 @@ from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, chec
 from overlap_tp.ops import comm, memops
 from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, check_not_capturing, gemm_programs
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.p2p import ShardPull
+from overlap_tp.ops.p2p import GatherBuffer
 from overlap_tp.ops.reduction import after_work, joined
 from overlap_tp.ops.tile_plan import ag_plan
 from overlap_tp.ops.watchdog import Watched
@@ -71,7 +74,7 @@ class AgGemm(OpPlan):
             if device.type == "cuda":
                 default_offsets(device)
             if config.transport == "p2p":
-                self.pull = ShardPull(self.group, self.rank, t, m, k, dtype, device, self.describe())
+                self.gather = row_gather(self.group, m, k, dtype, device).buffer
             else:
                 self.coll = comm.collectives(self.group, device, config.comm_sms)
         elif self.method == "decompose":
@@ -87,6 +90,9 @@ class AgGemm(OpPlan):
         if self.method == "off":
             gathered, _ = comm.all_gather_rows(a_shard, self.group)
             torch.mm(gathered, w.t(), out=out)
+        elif self.method == "signal" and self.config.transport == "p2p":
+            gathered = self._pulled(a_shard, w, bias, out)
+            bias = None   # added in the epilogue
         else:
             gathered = torch.empty(m, k, dtype=a_shard.dtype, device=a_shard.device)
             if self.method == "decompose":
@@ -123,29 +129,43 @@ class AgGemm(OpPlan):
 
     def _signaled(self, a_shard, w, bias, gathered, out):
         """The persistent GEMM over the plan: local rows at once, each peer chunk behind its ready flag, which
-        the comm stream raises after the chunk's transfer."""
-        engine, p2p = self.engine, self.config.transport == "p2p"
-        local = gathered.narrow(0, self.rank * self.m, self.m)
+        the comm stream raises after the chunk's NCCL broadcasts."""
+        engine = self.engine
         if engine.stream is None:
-            local.copy_(a_shard)
+            gathered.narrow(0, self.rank * self.m, self.m).copy_(a_shard)
         else:   # a copy-engine copy through the driver: a fraction of copy_'s host time (docs/perf/s17)
-            memops.copy(engine.current(), local.data_ptr(), a_shard.data_ptr(), a_shard.numel() * a_shard.element_size())
+            nbytes = a_shard.numel() * a_shard.element_size()
+            memops.copy(engine.current(), gathered.data_ptr() + self.rank * nbytes, a_shard.data_ptr(), nbytes)
 
         def transfers(stream):
-            if p2p:
-                self.pull.start(stream, a_shard, engine.capturing())
             for c, (lo, hi) in enumerate(self.chunks):
-                if p2p:
-                    self.pull.pull(stream, gathered, lo, hi)
-                else:
-                    self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=stream)
+                self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=stream)
                 engine.raise_flag(self.ready, c)
-            if p2p:
-                self.pull.finish(stream)
 
-        # copy-engine pulls need no SM; NCCL needs SMs left free by the GEMM's grid (comm_sms)
+        # NCCL needs SMs left free by the GEMM's grid (comm_sms) to run beside it
         engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
-                                   gemm_first=p2p or self.config.comm_sms > 0)
+                                   gemm_first=self.config.comm_sms > 0)
+
+    def _pulled(self, a_shard, w, bias, out):
+        """The signaled GEMM on the p2p transport: the shard staged into its region of the shape's gathered buffer
+        on the caller's stream (the GEMM's local rows read it there), each peer chunk pulled by the copy engines on
+        the comm stream behind the peers' READY, raising its flag; the GEMM enqueued first (the pulls need no SM).
+        Returns the gathered buffer."""
+        engine, gather = self.engine, self.gather
+        capturing = engine.capturing()
+        gather.stage(engine.current(), a_shard, capturing)
+        gathered = gather.gathered()
+
+        def transfers(stream):
+            gather.ready(stream, capturing)
+            for c, (lo, hi) in enumerate(self.chunks):
+                gather.pull(stream, lo, hi)
+                engine.raise_flag(self.ready, c)
+            gather.finish(stream)
+
+        engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
+                                   gemm_first=True)
+        return gathered
 
 
 def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
@@ -159,36 +179,38 @@ def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optiona
 
 
 class RowGather:
-    """all_gather of row shards, a_shard [m, k] -> [t * m, k] in rank order, by copy-engine pulls (ShardPull), for
-    one (group, m, k, dtype, device): no SM spent. What it is for: the column-parallel backward re-gathers its input
-    for the wgrad while the dgrad GEMM runs; NCCL's all-gather there takes SMs from that GEMM (with the p2p
-    transports, this leaves no NCCL kernel in a sequence-parallel layer). Built collectively, once per shape."""
+    """all_gather of row shards, a_shard [m, k] -> [t * m, k] in rank order, by copy-engine pulls into the shape's
+    gathered buffer (GatherBuffer), for one (group, m, k, dtype, device): no SM spent. Built collectively, once per
+    shape (row_gather); the AgGemm plans of the shape on the p2p transport pull into the same buffer.
+    What it is for alone (gather_rows): the column-parallel backward re-gathers its input for the wgrad while the dgrad
+    GEMM runs; NCCL's all-gather there takes SMs from that GEMM (with the p2p transports, this leaves no NCCL kernel
+    in a sequence-parallel layer)."""
 
     def __init__(self, group, m: int, k: int, dtype, device: torch.device):
         check_not_capturing(device, "the copy-engine all-gather")
-        self.t, self.rank, self.m, self.k, self.dtype, self.device = (dist.get_world_size(group), dist.get_rank(group),
-                                                                      m, k, dtype, device)
+        self.t, self.m, self.k, self.dtype, self.device = dist.get_world_size(group), m, k, dtype, device
         describe = f"all_gather(M={m}, K={k}, t={self.t}, p2p)"
-        self.pull = ShardPull(group, self.rank, self.t, m, k, dtype, device, describe)
+        self.buffer = GatherBuffer(group, dist.get_rank(group), self.t, m, k, dtype, device, describe)
         self.engine = comm.comm_engine(device)
-        self.watched = Watched(describe, (("peer signals [PULLED, READY] x rank", self.pull.signals.words),))
+        self.watched = Watched(describe, (("peer signals [PULLED, READY] x rank", self.buffer.signals.words),))
 
     def __call__(self, a_shard: torch.Tensor) -> Pending:
-        """The gather issued on the comm stream; wait() makes the caller's stream wait for it and returns it."""
+        """The gather issued on the comm stream; wait() makes the caller's stream wait for it and returns the gathered
+        rows: the shape's buffer, valid until the next AllGather of the shape (GatherBuffer)."""
         if (a_shard.shape != (self.m, self.k) or a_shard.dtype != self.dtype or a_shard.device != self.device
                 or not a_shard.is_contiguous()):
             raise ValueError(f"overlap_tp all_gather: called with {tuple(a_shard.shape)} {a_shard.dtype} on "
                              f"{a_shard.device}; built for a contiguous [{self.m}, {self.k}] {self.dtype} on "
                              f"{self.device}")
-        engine, nbytes = self.engine, a_shard.numel() * a_shard.element_size()
-        gathered = torch.empty(self.t * self.m, self.k, dtype=self.dtype, device=self.device)
+        engine, buffer = self.engine, self.buffer
         capturing = engine.capturing()
-        engine.fork(engine.current(), capturing)   # a_shard is ready; gathered is allocated
+        engine.fork(engine.current(), capturing)   # a_shard is ready
         raw = engine.raw
-        memops.copy(raw, gathered.data_ptr() + self.rank * nbytes, a_shard.data_ptr(), nbytes)
-        self.pull.start(raw, a_shard, capturing)
-        self.pull.pull(raw, gathered, 0, self.m)
-        self.pull.finish(raw)
+        buffer.stage(raw, a_shard, capturing)
+        gathered = buffer.gathered()
+        buffer.ready(raw, capturing)
+        buffer.pull(raw, 0, self.m)
+        buffer.finish(raw)
         if not capturing:
             self.watched.record(raw)
         return Pending(joined(self.device, lambda: gathered), a_shard, gathered)
@@ -198,21 +220,26 @@ _row_gathers = OrderedDict()
 MAX_ROW_GATHERS = 64
 
 
+def row_gather(group, m: int, k: int, dtype, device) -> RowGather:
+    """The RowGather of this shape (built at its first use, collectively; the 64 most recent kept)."""
+    key = (group, m, k, dtype, device)
+    plan = _row_gathers.get(key)
+    if plan is None:
+        plan = _row_gathers[key] = RowGather(group, m, k, dtype, device)
+        if len(_row_gathers) > MAX_ROW_GATHERS:
+            _row_gathers.popitem(last=False)
+    else:
+        _row_gathers.move_to_end(key)
+    return plan
+
+
 def gather_rows(a_shard: torch.Tensor, group, config: Optional[OverlapConfig] = None) -> Pending:
     """all_gather(a_shard) along rows, issued now; wait() returns it. With config's method 'signal' and transport
-    'p2p' on CUDA: the copy engines (RowGather, cached per shape); otherwise torch.distributed's all-gather."""
+    'p2p' on CUDA: the copy engines (RowGather, whose result is the shape's shared buffer: valid until the next
+    AllGather of the shape); otherwise torch.distributed's all-gather."""
     group = comm.resolve_group(group)
     if (config is not None and config.method == "signal" and config.transport == "p2p" and a_shard.is_cuda
             and dist.get_world_size(group) > 1):
-        key = (group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype, a_shard.device)
-        plan = _row_gathers.get(key)
-        if plan is None:
-            plan = _row_gathers[key] = RowGather(group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype,
-                                                 a_shard.device)
-            if len(_row_gathers) > MAX_ROW_GATHERS:
-                _row_gathers.popitem(last=False)
-        else:
-            _row_gathers.move_to_end(key)
-        return plan(a_shard)
+        return row_gather(group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype, a_shard.device)(a_shard)
     gathered, work = comm.all_gather_rows(a_shard, group, async_op=True)
     return Pending(after_work(work, lambda: gathered), gathered)

@@ -434,7 +434,7 @@ def _dispatch_signaled(x, w, xr, y, state: _ExpertState, coll, pull=None):
     """The persistent GEMM over the dispatch plan: local rows at once, each chunk behind its ready flag,
     which the comm stream raises after the chunk's exchange; the caller's stream lowers the flags after it.
     pull (transport 'p2p', a RowPull): the chunk is copy-engine copies of part c of every peer's block from the
-    peer's copy of its x (ShardPull's protocol), instead of NCCL's send / receive."""
+    peer's copy of its x (RowPull's protocol), instead of NCCL's send / receive."""
     engine, plan = comm.comm_engine(x.device), state.plan
     lo, hi, dst = plan.local
 

@@ -3,9 +3,9 @@
 GEMM+ReduceScatter (`P2PReduceScatter`): the GEMM epilogue stores each region's tiles straight into the
 owning rank's receive buffer, then every rank sums the t partial slots it received.
 
-AllGather+GEMM (`ShardPull`): every rank copies its shard into a symmetric buffer and tells its peers; each
-rank then pulls the peers' rows chunk by chunk with copy-engine copies. No SM is spent on the transfer;
-waits and signals are stream memory operations. The expert ops' exchanges, whose sizes change per routing, use the
+AllGather+GEMM (`GatherBuffer`): every rank copies its shard into its own region of a symmetric gathered buffer and
+tells its peers; each rank then pulls the peers' rows chunk by chunk from their buffers into its own with copy-engine
+copies. No SM is spent on the transfer; waits and signals are stream memory operations. The expert ops' exchanges, whose sizes change per routing, use the
 same two protocols over row buffers sized for the largest routing seen: the dispatch pulls (`RowPull`), the
 combine pushes (`RowPush`).
 
@@ -16,7 +16,8 @@ over the received slots (read t x M/t x N, write M/t x N).
 
 Both use one buffer and one-shot signals (overlap_tp/ops/sync.py: raised by the producer, reset by the
 waiter), so every call, eager or a replay of a captured graph, runs the same protocol; each protocol's order
-argument is written next to it. Buffers belong to their plan and live as long as it does.
+argument is written next to it. Buffers belong to their plan and live as long as it does, except the AllGather's
+gathered buffer, which the plans of one shard shape share (GatherBuffer).
 """
 import torch
 
@@ -146,67 +147,116 @@ class DeferredSum:
         self._take().finish(kernel)
 
 
-class ShardPull:
-    """AllGather by copy-engine pulls for one (group, shard shape): a symmetric copy of this rank's shard.
+class GatherBuffer:
+    """AllGather by copy-engine pulls into one symmetric gathered buffer [t * m, k] for one (group, shard shape,
+    dtype): rank r's own region (rows [r*m, (r+1)*m)) holds its shard, and is what its peers pull rank r's rows from,
+    so a shard is copied once (the GEMM reads the local rows in place too) and no SM is spent.
 
-    Per call, on the comm stream:
-        start:  wait PULLED from every peer (it finished pulling our previous shard), reset; copy our shard into
-                the symmetric buffer; signal READY to every peer; wait READY from every peer, reset
-        pull:   rows [lo, hi) of every peer's shard into its region of `gathered` (chunk by chunk)
-        finish: signal PULLED to every peer (our pulls of its shard are complete)
+    Per call:
+        stage (caller's stream): wait PULLED from every peer (it finished pulling our region of the previous
+                 call), reset; copy our shard into our region
+        ready (comm stream, forked after stage): signal READY to every peer, wait READY from every peer, reset
+                 (one batched driver call)
+        pull:    rows [lo, hi) of every peer's region of its buffer into the same rows of ours (chunk by chunk)
+        finish:  signal PULLED to every peer (our pulls of its region are complete)
     Order argument for the resets: a peer raises our READY word for call i+1 only after it waited for our
     PULLED of call i, raised after our reset of READY in call i; a peer raises our PULLED word for call i
-    only after pulling our shard of call i, which waits for our READY of call i, raised after our reset of
-    PULLED in call i. PULLED starts raised: nobody reads the buffer before the first call."""
+    only after pulling our region of call i, which waits for our READY of call i, raised after our reset of
+    PULLED in call i. PULLED starts raised: nobody reads the buffer before the first call. Our peers' regions of our
+    buffer are written by our own pulls only, behind our previous reads of them (stream order: every call forks
+    from and joins into the caller's stream).
+
+    The buffer is what a call returns as the gathered input (gathered()), so it is valid until the next call on
+    this buffer, which every AllGather of this shape shares (the AgGemm plans and gather_rows of the shape: one
+    buffer per shape, as Transformer Engine's userbuffers). A call while the previous call's gathered tensor (or a
+    view of it) is still referenced is a RuntimeError, not an overwrite of data the caller may still read."""
 
     PULLED, READY = 0, 1
 
-    def __init__(self, group, rank, t, m_local, k, dtype, device, describe):
+    def __init__(self, group, rank, t, m, k, dtype, device, describe):
         from torch.distributed import _symmetric_memory as symm_mem
-        self.rank, self.world = rank, t
-        self.shard = symm_mem.empty(m_local, k, dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(self.shard, group)
-        offset = (self.shard.data_ptr() - handle.buffer_ptrs[rank]) // self.shard.element_size()
-        self.peer_shards = [None if p == rank else handle.get_buffer(p, tuple(self.shard.shape), dtype, offset)
-                            for p in range(t)]
-        self.peer_ptrs = [None if shard is None else shard.data_ptr() for shard in self.peer_shards]
+        self.rank, self.world, self.m, self.describe = rank, t, m, describe
+        self.buf = symm_mem.empty(t * m, k, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(self.buf, group)
+        within = self.buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
+        self.row_bytes = k * self.buf.element_size()
+        self.region_bytes = m * self.row_bytes
+        # where each rank's own rows start: ours in our buffer, a peer's in its buffer (the pulls' sources)
+        self.own = [handle.buffer_ptrs[p] + within + p * self.region_bytes for p in range(t)]
+        self.base = self.buf.data_ptr()
         self.handle = handle
-        self.row_bytes = k * self.shard.element_size()
         # stream wait-values under capture too: the AllGather+GEMM's tiles wait behind these (PeerSignals says why)
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
                                    names=("PULLED", "READY"), graph_deadline=False)
+        self._unreferenced = self._references()
 
-    def start(self, stream: int, a_shard: torch.Tensor, capturing: bool):
+    def _references(self) -> int:
+        """The tensors that use the buffer's storage (the count of its storage's users, less the storage object
+        asked): the buffer itself alone once every gathered tensor a call handed out, and every view of one, is gone."""
+        return torch._C._storage_Use_Count(self.buf.untyped_storage()._cdata)
+
+    def gathered(self) -> torch.Tensor:
+        """This call's gathered [t * m, k]: a new view of the buffer (so that the next stage can tell whether it, or a
+        view of it, is still referenced)."""
+        return self.buf.view(self.buf.shape)
+
+    def stage(self, stream: int, a_shard: torch.Tensor, capturing: bool):
+        if self._references() > self._unreferenced:
+            raise RuntimeError(f"overlap_tp {self.describe}: the previous call's gathered input is still referenced, "
+                               "and it is this shape's shared buffer, which this call overwrites; use it before the "
+                               "next AllGather of the shape, or keep a copy (.clone())")
         self.signals.wait(stream, self.PULLED, capturing)
-        memops.copy(stream, self.shard.data_ptr(), a_shard.data_ptr(), a_shard.numel() * a_shard.element_size())
-        self.signals.signal(stream, self.READY)
-        self.signals.wait(stream, self.READY, capturing)
+        memops.copy(stream, self.own[self.rank], a_shard.data_ptr(), self.region_bytes)
 
-    def pull(self, stream: int, gathered: torch.Tensor, lo: int, hi: int):
-        """Rows [lo, hi) of every peer's shard into its region of `gathered` [t * rows, K] (contiguous)."""
-        region_rows = gathered.shape[0] // self.world
-        base = gathered.data_ptr()
-        for p, peer in enumerate(self.peer_ptrs):
-            if peer is not None:
-                memops.copy(stream, base + (p * region_rows + lo) * self.row_bytes, peer + lo * self.row_bytes,
-                            (hi - lo) * self.row_bytes)
+    def ready(self, stream: int, capturing: bool):
+        self.signals.signal_then_wait(stream, self.READY, capturing)
+
+    def pull(self, stream: int, lo: int, hi: int):
+        """Rows [lo, hi) of every peer's region into ours."""
+        offset, nbytes = lo * self.row_bytes, (hi - lo) * self.row_bytes
+        for p, src in enumerate(self.own):
+            if p != self.rank:
+                memops.copy(stream, self.base + p * self.region_bytes + offset, src + offset, nbytes)
 
     def finish(self, stream: int):
         self.signals.signal(stream, self.PULLED)
 
 
-class RowPull(ShardPull):
-    """ShardPull over a buffer of `capacity` rows of which a call fills the first T (T changes per call: the expert
-    dispatch's tokens); which rows a rank pulls from which peer is the caller's (copy_rows). Protocol, order argument
-    and per-call steps: ShardPull's (start, then copy_rows, then finish)."""
+class RowPull:
+    """The expert dispatch's pulls: a symmetric copy of this rank's rows (a buffer of `capacity` rows of which a call
+    fills the first T: T changes per call), from which the peers pull the rows the caller names (copy_rows), copy
+    engines only. Per call, on the comm stream:
+        start:     wait PULLED from every peer (it finished pulling our previous rows), reset; copy our rows into
+                   the symmetric buffer; signal READY to every peer, wait READY from every peer, reset
+        copy_rows: rows of a peer's buffer into ours (chunk by chunk)
+        finish:    signal PULLED to every peer
+    Order argument: GatherBuffer's."""
+
+    PULLED, READY = 0, 1
 
     def __init__(self, group, rank, t, capacity, cols, dtype, device, describe):
-        super().__init__(group, rank, t, capacity, cols, dtype, device, describe)
+        from torch.distributed import _symmetric_memory as symm_mem
         self.capacity = capacity
+        self.buf = symm_mem.empty(capacity, cols, dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(self.buf, group)
+        within = self.buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
+        self.peer_ptrs = [None if p == rank else handle.buffer_ptrs[p] + within for p in range(t)]
+        self.handle = handle
+        self.row_bytes = cols * self.buf.element_size()
+        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
+                                   names=("PULLED", "READY"), graph_deadline=False)
+
+    def start(self, stream: int, x: torch.Tensor, capturing: bool):
+        self.signals.wait(stream, self.PULLED, capturing)
+        memops.copy(stream, self.buf.data_ptr(), x.data_ptr(), x.numel() * x.element_size())
+        self.signals.signal_then_wait(stream, self.READY, capturing)
 
     def copy_rows(self, stream: int, dst_ptr: int, peer: int, src_row: int, rows: int):
         """Rows [src_row, src_row + rows) of `peer`'s buffer to dst_ptr (a copy-engine copy)."""
         memops.copy(stream, dst_ptr, self.peer_ptrs[peer] + src_row * self.row_bytes, rows * self.row_bytes)
+
+    def finish(self, stream: int):
+        self.signals.signal(stream, self.PULLED)
 
 
 class RowPush:

@@ -27,11 +27,12 @@ class PeerSignals:
 
     signal(stream, slot): on `stream`, after its prior work, raise (slot, rank) in every peer's memory.
     wait(stream, slot, capturing): on `stream`, wait until every peer raised (slot, p) here, then reset them to 0.
+    signal_then_wait(stream, slot, capturing): both, in that order.
     Eagerly each is one batched driver call, built once (build_batches).
     `initial[slot]` (0 or 1) is every word's starting value (1: the first wait passes, as if a previous call
     had signalled). `describe` (the plan) and `names` (one per slot) name a wait that timed out in a graph
     replay. `graph_deadline=False` keeps the stream wait-value under capture too (no SM, no deadline): for
-    waits that may run while a GEMM which depends on them holds every SM (ShardPull: the AllGather+GEMM's
+    waits that may run while a GEMM which depends on them holds every SM (GatherBuffer, RowPull: the AllGather+GEMM's
     tiles spin on flags raised behind these waits; a one-warp kernel would need a free slot next to the
     persistent GEMM's CTAs, which their registers need not leave). Built collectively by the group's
     ranks; the build synchronizes (never under capture)."""
@@ -64,16 +65,25 @@ class PeerSignals:
     def build_batches(self):
         """Per slot, the eager signal (a write-value into every peer's word) and wait (per peer: wait-value, reset)
         as one batched driver call each (memops.MemOps): the addresses are fixed for the signals' lifetime."""
-        self.signals, self.waits = [], []
+        self.signals, self.waits, self.exchanges = [], [], []
         for slot in range(self.slots):
             row = 4 * self.t * slot
-            self.signals.append(memops.MemOps([("write", self.remote[p] + row, 1) for p in self.peers]))
-            self.waits.append(memops.MemOps([op for p in self.peers
-                                             for op in (("wait", self.local[p] + row, 1),
-                                                        ("write", self.local[p] + row, 0))]))
+            signal = [("write", self.remote[p] + row, 1) for p in self.peers]
+            wait = [op for p in self.peers for op in (("wait", self.local[p] + row, 1), ("write", self.local[p] + row, 0))]
+            self.signals.append(memops.MemOps(signal))
+            self.waits.append(memops.MemOps(wait))
+            self.exchanges.append(memops.MemOps(signal + wait))   # signal_then_wait
 
     def signal(self, stream: int, slot: int):
         self.signals[slot].issue(stream)
+
+    def signal_then_wait(self, stream: int, slot: int, capturing: bool):
+        """signal(slot), then wait(slot): eagerly (and under capture without a deadline) one batched driver call."""
+        if capturing and self.graph_deadline:
+            self.signal(stream, slot)
+            self.wait(stream, slot, capturing)
+        else:
+            self.exchanges[slot].issue(stream)
 
     def wait(self, stream: int, slot: int, capturing: bool):
         """capturing: whether the caller's stream is being captured (the caller asks once per call)."""

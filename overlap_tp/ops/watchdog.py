@@ -20,7 +20,7 @@ plan, the wait and the value, and ends the process (exit 70); the kernel traps a
 whose thread cannot report still fails instead of hanging.
 What the deadline kernels cannot bound: the NCCL kernels of the methods that call NCCL (a peer that never
 replays leaves this rank's collective waiting inside NCCL; PyTorch's NCCL watchdog does not see the raw
-communicators either), and the AllGather+GEMM's copy-engine handshake (ShardPull keeps stream wait-values
+communicators either), and the AllGather+GEMM's copy-engine handshake (GatherBuffer keeps stream wait-values
 under capture: the GEMM's tiles spin on flags raised behind those waits while it holds every SM, so a wait
 kernel might find no slot; PeerSignals says more). For those, every graph replay is watched whole
 (watch_graph_replays): an event behind the replay, judged like an eager call's, so a replay that never

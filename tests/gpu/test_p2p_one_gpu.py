@@ -6,7 +6,8 @@ gloo). Everything else is the ops' own code:
   flags), eager with fresh inputs every call, and captured in a CUDA graph and replayed (one rank late before some
   replays); a soak of randomly drawn calls (OVERLAP_TP_SOAK_CALLS, 1000) against `off`;
 - the fused add + RMSNorm summing gemm_rs's slots itself, bit for bit the summed path;
-- gather_rows on the copy engines (the column-parallel backward's re-gather), eager and replayed;
+- gather_rows on the copy engines (the column-parallel backward's re-gather), eager and replayed; its result and
+  ag_gemm's gathered input are the shape's one buffer, refused while held;
 - OverlapTransformerLayers at TP 2 (test_layers_gpu.py's deferred proj sum and MLP boundary checks), and one layer
   captured forward + backward and replayed bit for bit;
 - a peer that never calls again: the waiting rank ends (watchdog, exit 70), eager and replayed;
@@ -165,6 +166,19 @@ def _check_gather(rank, world):
             got = pending.wait()
             assert torch.equal(got, torch.cat(shards)), ("gather", m, k, call)
             del busy
+            if call == 1:   # the result is the shape's shared buffer: a call while it is held is refused, not run
+                with pytest.raises(RuntimeError, match="still referenced"):
+                    gather_rows(shards[rank], group, RS)
+            del got
+        # ag_gemm's gathered input on p2p is the same buffer (one per shard shape), refused alike while held
+        shards = [_operands(7, m, 8, k, r)[0] for r in range(world)]
+        w = _operands(7, 8, 16, k, 0)[1]
+        out, gathered = ag_gemm(shards[rank], w, group, config=AG, return_gathered=True)
+        assert torch.equal(gathered, torch.cat(shards)), ("ag_gemm gathered", m, k)
+        with pytest.raises(RuntimeError, match="still referenced"):
+            gather_rows(shards[rank], group, RS)
+        del gathered
+        assert torch.equal(gather_rows(shards[rank], group, RS).wait(), torch.cat(shards)), ("after ag_gemm", m, k)
         static = _operands(0, m, 8, k, rank)[0].clone()
         for _ in range(2):
             gather_rows(static, group, RS).wait()

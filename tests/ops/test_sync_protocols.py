@@ -8,7 +8,7 @@ interleavings that respect stream order and wait conditions, many times over, an
   group *in the same replay* is stored; counters are back at zero after each call; two plans interleaved
   keep their own counters; a capture that is recorded but never run (a failed capture) leaves the next
   eager call correct;
-- the peer protocols (P2PReduceScatter, ShardPull, and the expert combine's RowPush): no rank overwrites a buffer a
+- the peer protocols (P2PReduceScatter, GatherBuffer, and the expert combine's RowPush): no rank overwrites a buffer a
   peer has not consumed yet, and no rank consumes a buffer before every peer's data of the same call is in it.
 A mutation check proves the simulator can fail: the counter wait without its reset passes stale targets.
 """
@@ -19,7 +19,7 @@ import torch
 
 from overlap_tp.ops import comm, p2p, sync
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.p2p import P2PReduceScatter, RowPush, ShardPull
+from overlap_tp.ops.p2p import P2PReduceScatter, RowPush
 from overlap_tp.ops.reduction import SignaledReduction
 from overlap_tp.ops.tile_plan import GROUP, make_plan
 
@@ -284,52 +284,88 @@ def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
     assert summed == [calls - 1] * t
 
 
-@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (3, 2)])
-def test_shard_pull_never_overwrites_a_shard_being_pulled(recorder, t, seed):
+def _gather_buffers(t, signals):
+    """GatherBuffers of t ranks over CPU buffers [t regions, 4] int32 (one row per region), wired as the rendezvous
+    would: rank p's own region in its own buffer is what the others pull p's rows from."""
+    bufs = [torch.zeros(t, 4, dtype=torch.int32) for _ in range(t)]
+    gathers = []
+    for rank in range(t):
+        g = p2p.GatherBuffer.__new__(p2p.GatherBuffer)
+        g.rank, g.world, g.m, g.describe, g.signals = rank, t, 1, "all_gather(test)", signals[rank]
+        g.buf, g.base, g.row_bytes, g.region_bytes = bufs[rank], bufs[rank].data_ptr(), 16, 16
+        g._unreferenced = g._references()
+        g.own = [bufs[p].data_ptr() + p * 16 for p in range(t)]
+        gathers.append(g)
+    return gathers, bufs
+
+
+def _run_gather(recorder, t, seed, stage_waits=True):
+    """30 calls per rank of GatherBuffer's steps (stage, ready, pull, finish: one stream per rank, the order the caller's
+    stream and the forked comm stream give them), run in a random interleaving: a rank's staging copy must not land
+    before every peer pulled its previous shard, and a rank's GEMM (check) must see every peer's shard of its call."""
     signals = _peer_signals(t, (1, 0))
-    shards = [torch.zeros(4, dtype=torch.int32) for _ in range(t)]   # shards[r][0]: the call published
-    gathered = [torch.zeros(t, 4, dtype=torch.int32) for _ in range(t)]
+    gathers, bufs = _gather_buffers(t, signals)
     calls = 30
     programs = {}
-    for rank in range(t):
-        pull = ShardPull.__new__(ShardPull)
-        pull.rank, pull.world, pull.signals, pull.shard = rank, t, signals[rank], shards[rank]
-        pull.peer_shards = [None if p == rank else shards[p] for p in range(t)]
-        pull.peer_ptrs = [None if shard is None else shard.data_ptr() for shard in pull.peer_shards]
-        pull.row_bytes = 4 * 4
+    for rank, g in enumerate(gathers):
+        if not stage_waits:   # the mutation: the stage without its PULLED wait
+            g.signals = type("NoPulledWait", (), {"wait": lambda self, *a: None,
+                                                  "signal_then_wait": signals[rank].signal_then_wait,
+                                                  "signal": signals[rank].signal})()
         for call in range(calls):
-            source = torch.full((1, 4), call, dtype=torch.int32)
-            recorder.emit(rank, ("publish", rank, call))
-            pull.start(rank, source, False)
-            pull.pull(rank, gathered[rank], 0, 1)
+            g.stage(rank, torch.full((1, 4), call, dtype=torch.int32), False)
+            g.ready(rank, False)
+            g.pull(rank, 0, 1)
             recorder.emit(rank, ("check", rank, call))
-            pull.finish(rank)
+            g.finish(rank)
         programs[rank] = recorder.take()[rank]
     published = [-1] * t
-    pulled = [[-1] * t for _ in range(t)]   # pulled[r][p]: the call of p's shard that r holds
-    by_address = {}
-    for r in range(t):
-        for p in range(t):
-            by_address[gathered[r].data_ptr() + p * gathered[r].shape[1] * 4] = (r, p)
-    shard_owner = {shards[p].data_ptr(): p for p in range(t)}
+    pulled = [[-1] * t for _ in range(t)]   # pulled[r][p]: the call of p's shard that r's buffer holds
+    region = {bufs[r].data_ptr() + p * 16: (r, p) for r in range(t) for p in range(t)}
 
     def act(stream, op):
-        if op[0] == "publish":
-            return
-        if op[0] == "copy" and op[1] in shard_owner:   # our shard into the symmetric buffer
-            owner = shard_owner[op[1]]
-            for r in range(t):
-                assert r == owner or pulled[r][owner] == published[owner], \
-                    f"rank {owner} overwrote its shard before rank {r} pulled call {published[owner]}"
-            published[owner] += 1
-        elif op[0] == "copy":                            # a pull of peer p's shard by rank r
-            r, p = by_address[op[1]]
-            pulled[r][p] = published[p]
+        if op[0] == "copy":
+            r, p = region[op[1]]
+            if r == p:   # rank p stages its shard into its own region, which its peers pull from
+                for q in range(t):
+                    assert q == p or pulled[q][p] == published[p], \
+                        f"rank {p} overwrote its region before rank {q} pulled call {published[p]}"
+                published[p] += 1
+            else:        # rank r pulls peer p's region
+                assert op[2] == gathers[p].own[p], "a pull reads the peer's own region"
+                pulled[r][p] = published[p]
         elif op[0] == "check":
             _, rank, call = op
-            assert all(pulled[rank][p] == call for p in range(t) if p != rank), (rank, call, pulled[rank])
+            assert published[rank] == call and all(pulled[rank][p] == call for p in range(t) if p != rank), \
+                (rank, call, pulled[rank])
 
     run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed))
+    assert published == [calls - 1] * t
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (2, 2), (3, 3), (4, 4)])
+def test_gather_buffer_never_overwrites_a_region_being_pulled_or_reads_early(recorder, t, seed):
+    _run_gather(recorder, t, seed)
+
+
+def test_the_simulator_catches_a_stage_without_its_pulled_wait(recorder):
+    with pytest.raises(AssertionError, match="overwrote its region"):
+        for seed in range(20):
+            _run_gather(recorder, 2, seed, stage_waits=False)
+
+
+def test_gather_buffer_refuses_a_call_while_the_last_gathered_tensor_is_referenced(recorder):
+    """The gathered tensor is the shape's shared buffer: the next stage would overwrite what the caller still holds."""
+    g = _gather_buffers(2, _peer_signals(2, (1, 0)))[0][0]
+    shard = torch.zeros(1, 4, dtype=torch.int32)
+    g.stage(0, shard, False)
+    kept = g.gathered()[:1]   # a view of it keeps it referenced too
+    with pytest.raises(RuntimeError, match="still referenced"):
+        g.stage(0, shard, False)
+    del kept
+    g.stage(0, shard, False)   # released: the next call goes on
+    g.gathered()
+    g.stage(0, shard, False)   # a result nobody kept
 
 
 def _row_push_programs(recorder, t, rows, calls, begin=True):
