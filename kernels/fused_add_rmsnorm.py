@@ -67,6 +67,19 @@ def _offsets(order_ptr, row, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TI
 
 
 @triton.jit
+def _load_summed(ptr, offs, mask, slot_stride, SLOTS: tl.constexpr):
+    """ptr[offs], or with SLOTS = t > 0 the sum of the t slots slot_stride elements apart (a p2p reduce-scatter's
+    received partials), added in fp32 in slot order and rounded to the element type once: the bits
+    kernels/sum_slots.py would have stored."""
+    if SLOTS > 0:
+        total = tl.zeros(offs.shape, dtype=tl.float32)
+        for slot in tl.static_range(SLOTS):
+            total += tl.load(ptr + slot * slot_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        return total.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    return tl.load(ptr + offs, mask=mask, other=0.0)
+
+
+@triton.jit
 def _dropout_keep(seed, row, p, TILE_N: tl.constexpr, N_TILES: tl.constexpr):
     """Keep mask of `row`'s [N_TILES, TILE_N] block: Philox counter (row, c // 4), word c % 4."""
     quad = tl.arange(0, N_TILES)[:, None] * (TILE_N // 4) + tl.arange(0, TILE_N // 4)[None, :]
@@ -95,13 +108,7 @@ def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + offs, mask=mask, other=0.0)
     x_offs = _offsets(x_order_ptr, row, N, X_BLOCK_M, X_BLOCK_N, TILE_N, N_TILES, X_ORDERED)
-    if X_SLOTS > 0:
-        s = tl.zeros((N_TILES, TILE_N), dtype=tl.float32)
-        for slot in tl.static_range(X_SLOTS):
-            s += tl.load(x_ptr + slot * slot_stride + x_offs, mask=mask, other=0.0).to(tl.float32)
-        s = s.to(x_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
-    else:
-        s = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    s = _load_summed(x_ptr, x_offs, mask, slot_stride, X_SLOTS).to(tl.float32)
     if HAS_BIAS:
         s += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
@@ -122,14 +129,16 @@ def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed
 @triton.jit
 def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, weight_ptr, seed_ptr,
                      ds_ptr, dx_ptr, dx_order_ptr, partials_ptr,
-                     M, N, rows_per_program, weight_offset, dropout_p,
-                     DY_BLOCK_M: tl.constexpr, DY_BLOCK_N: tl.constexpr, DY_ORDERED: tl.constexpr,
+                     M, N, rows_per_program, weight_offset, dropout_p, dy_slot_stride,
+                     DY_BLOCK_M: tl.constexpr, DY_BLOCK_N: tl.constexpr, DY_ORDERED: tl.constexpr, DY_SLOTS: tl.constexpr,
                      DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_ORDERED: tl.constexpr,
                      TILE_N: tl.constexpr, N_TILES: tl.constexpr,
                      HAS_D_RESIDUAL_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr,
                      HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
     """A contiguous run of rows per program, in one pass: ds (and dx) per row; dw (and dbias) as one fp32
-    partial row per program: partials[0, pid] (and partials[1, pid]).
+    partial row per program: partials[0, pid] (and partials[1, pid]). With DY_SLOTS = t > 0, dy is the sum of t
+    slots dy_slot_stride elements apart (_load_summed: the next column-parallel layer's p2p dgrad reduce-scatter,
+    left unsummed to this kernel).
 
     The loads of row i + 1 are issued before row i's reduction and stores (software pipelining by
     hand): without it each program has one row's reads in flight and waits out the full memory latency
@@ -153,8 +162,8 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
     next_rstd = tl.load(rstd_ptr + first_row)
     if HAS_D_RESIDUAL_OUT:
         next_d_res = tl.load(d_residual_out_ptr + first_row * N + cols, mask=mask, other=0.0)
-    next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, first_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
-                                        DY_ORDERED), mask=mask, other=0.0)
+    next_dy = _load_summed(dy_ptr, _offsets(dy_order_ptr, first_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
+                                            DY_ORDERED), mask, dy_slot_stride, DY_SLOTS)
     for i in range(0, num_rows):
         row = first_row + i
         offs = row * N + cols
@@ -174,8 +183,8 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
         next_rstd = tl.load(rstd_ptr + next_row)
         if HAS_D_RESIDUAL_OUT:
             next_d_res = tl.load(d_residual_out_ptr + next_row * N + cols, mask=next_mask, other=0.0)
-        next_dy = tl.load(dy_ptr + _offsets(dy_order_ptr, next_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
-                                            DY_ORDERED), mask=next_mask, other=0.0)
+        next_dy = _load_summed(dy_ptr, _offsets(dy_order_ptr, next_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES,
+                                                DY_ORDERED), next_mask, dy_slot_stride, DY_SLOTS)
 
         dx_hat = dy * g
         ds = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat) / N))
@@ -342,7 +351,7 @@ def backward_grid(m, n, device, programs_per_sm=None, num_warps=None, orders=())
 
 def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centered_gamma=False, dropout_p=0.0,
                     seed=None, dy_order=None, dx_order=None, bias_grad=False, programs_per_sm=None, num_warps=None,
-                    pdl=None):
+                    pdl=None, dy_slots=None):
     """One pass over the rows; returns the fp32 column sums (dweight, dbias or None). No checks.
 
     Reads dy (in dy_order), d_residual_out (or None: zero), the saved s and rstd. Writes ds (the grad of
@@ -351,7 +360,9 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
     partial row (programs x N fp32) that a second kernel sums (`_sum_partials_kernel`; at 2048 x 4096
     torch's `sum(0)` took 4 us longer, git show 27bec54:docs/perf/s9/README.md). pdl: launch that kernel with
     programmatic dependent launch, so it is resident and waiting when the backward ends (None: where the
-    GPU has it, Hopper on). programs_per_sm, num_warps: the benchmark sweeps them; it also times pdl=False."""
+    GPU has it, Hopper on). programs_per_sm, num_warps: the benchmark sweeps them; it also times pdl=False.
+    dy_slots: a contiguous [t, ...] tensor, t stacked tensors of dy's elements whose sum is dy (dy itself is then not
+    read; the standard layout only)."""
     m, n = rstd.shape[0], weight.shape[0]
     if m == 0:   # the kernel loads each program's first row before its loop: launch none
         zeros = torch.zeros(n, dtype=torch.float32, device=s.device)
@@ -364,10 +375,11 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
     dy_slot_of, dy_block_m, dy_block_n, dy_ordered = _order_args(dy_order)
     dx_slot_of, dx_block_m, dx_block_n, dx_ordered = _order_args(dx_order)
     _backward[(programs,)](
-        dy, dy_slot_of, d_residual_out, s, rstd, weight, seed if dropout_p > 0 else None,
-        ds, dx, dx_slot_of, partials,
-        m, n, rows_per_program, 1.0 if zero_centered_gamma else 0.0, dropout_p,
+        dy if dy_slots is None else dy_slots, dy_slot_of, d_residual_out, s, rstd, weight,
+        seed if dropout_p > 0 else None, ds, dx, dx_slot_of, partials,
+        m, n, rows_per_program, 1.0 if zero_centered_gamma else 0.0, dropout_p, dy.numel(),
         DY_BLOCK_M=dy_block_m, DY_BLOCK_N=dy_block_n, DY_ORDERED=dy_ordered,
+        DY_SLOTS=0 if dy_slots is None else dy_slots.shape[0],
         DX_BLOCK_M=dx_block_m, DX_BLOCK_N=dx_block_n, DX_ORDERED=dx_ordered, TILE_N=tile_n, N_TILES=n_tiles,
         HAS_D_RESIDUAL_OUT=d_residual_out is not None, HAS_DROPOUT=dropout_p > 0, STORE_DX=dx is not None,
         HAS_BIAS=bias_grad, PDL=pdl, num_warps=num_warps)
@@ -463,6 +475,66 @@ def _check_slots(slots, x):
     return slots
 
 
+class DeferredGrad:
+    """The link between a norm's output y and the one layer that consumes it (the next column-parallel linear, whose
+    dgrad reduce-scatter on the p2p transport may leave its sum to the norm's backward kernel: the backward mirror of
+    x_sum). Made in the consumer's forward (accept_deferred_grad). In its backward the consumer either returns dy
+    summed, as always, or calls `defer(placeholder, deferred_sum)`: `placeholder` (unwritten, y's element count)
+    then stands for dy in autograd, and the norm's backward sums the slots in its kernel. The norm checks that the
+    gradient it receives is that placeholder (or a view of it): a gradient combined with another one on the way
+    (a second consumer of y) is a RuntimeError, never a read of the unwritten placeholder."""
+
+    __slots__ = ("deferred", "placeholder", "shared")
+
+    def __init__(self):
+        self.deferred, self.placeholder, self.shared = None, None, False
+
+    def defer(self, placeholder: torch.Tensor, deferred_sum):
+        # Holding the placeholder also keeps autograd from adding another gradient into it in place (it does so only
+        # into a tensor whose storage nothing else uses): a sum with it is a new tensor, which take() refuses.
+        self.deferred, self.placeholder = deferred_sum, placeholder
+
+    def take(self, dy: torch.Tensor):
+        """The deferred sum dy stands for (None: dy is the gradient itself)."""
+        deferred, placeholder, self.deferred, self.placeholder = self.deferred, self.placeholder, None, None
+        if deferred is None:
+            return None
+        if dy.data_ptr() != placeholder.data_ptr() or dy.numel() != placeholder.numel():
+            raise RuntimeError("overlap_tp RMSNorm backward: the output's gradient was left unsummed by the next "
+                               "column-parallel layer, but what arrived is another tensor (the output has a second "
+                               "consumer whose gradient was added to it); only a norm whose output feeds that layer "
+                               "alone may take it unsummed")
+        return deferred
+
+
+def accept_deferred_grad(y: torch.Tensor):
+    """For the consumer of a norm's output y (a column-parallel linear's forward): a DeferredGrad linking its backward
+    to the norm's, or None where y is not a norm output of this module or already has a consumer that asked (then
+    neither defers)."""
+    ctx = y.grad_fn
+    if not isinstance(ctx, (FusedAddRMSNormFunction._backward_cls, RMSNormFunction._backward_cls)):
+        return None
+    link = getattr(ctx, "deferred_grad", None)
+    if link is not None:   # a second consumer: the gradients will be added, so nobody may defer
+        link.shared = True
+        return None
+    link = ctx.deferred_grad = DeferredGrad()
+    return link
+
+
+def _backward_summing(ctx, dy, launch, dy_order=None):
+    """launch(dy_slots) with dy's deferred slots where the consumer left them (DeferredGrad), else launch(None)."""
+    link = getattr(ctx, "deferred_grad", None)
+    deferred = None if link is None else link.take(dy)
+    if deferred is None:
+        return launch(None)
+    if dy_order is not None:
+        raise ValueError("a deferred output gradient is read in the standard layout; the norm expected grad_order")
+    result = []
+    deferred.consume(lambda slots: result.append(launch(_check_slots(slots, dy))))
+    return result[0]
+
+
 class FusedAddRMSNormFunction(torch.autograd.Function):
     """(y, residual_out) = RMSNorm(residual + dropout(x + bias)), see the module docstring.
 
@@ -507,10 +579,12 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
         d_residual = torch.empty_like(residual_out, dtype=residual_dtype)
         dx_is_d_residual = dropout_p == 0 and x_order is None and x_dtype == residual_dtype
         dx = None if dx_is_d_residual else torch.empty(x_shape, dtype=x_dtype, device=d_residual.device)
-        d_weight, d_bias = launch_backward(
-            dy.contiguous(), None if d_residual_out is None else d_residual_out.contiguous(), residual_out, rstd,
-            weight, d_residual, dx, zero_centered_gamma=zero_centered_gamma, dropout_p=dropout_p, seed=seed,
-            dy_order=grad_order, dx_order=x_order, bias_grad=bias_dtype is not None and ctx.needs_input_grad[3])
+        d_residual_out = None if d_residual_out is None else d_residual_out.contiguous()
+        d_weight, d_bias = _backward_summing(ctx, dy, lambda dy_slots: launch_backward(
+            dy.contiguous(), d_residual_out, residual_out, rstd, weight, d_residual, dx,
+            zero_centered_gamma=zero_centered_gamma, dropout_p=dropout_p, seed=seed, dy_order=grad_order,
+            dx_order=x_order, bias_grad=bias_dtype is not None and ctx.needs_input_grad[3], dy_slots=dy_slots),
+            grad_order)
         return (d_residual if dx_is_d_residual else dx, d_residual, d_weight.to(weight.dtype),
                 None if d_bias is None else d_bias.to(bias_dtype), None, None, None, None, None, None, None)
 
@@ -531,8 +605,9 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         x, rstd, weight = ctx.saved_tensors
         dx = torch.empty_like(x)
-        d_weight, _ = launch_backward(dy.contiguous(), None, x, rstd, weight, dx, None,
-                                      zero_centered_gamma=ctx.zero_centered_gamma)
+        d_weight, _ = _backward_summing(ctx, dy, lambda dy_slots: launch_backward(
+            dy.contiguous(), None, x, rstd, weight, dx, None, zero_centered_gamma=ctx.zero_centered_gamma,
+            dy_slots=dy_slots))
         return dx, d_weight.to(weight.dtype), None, None
 
 

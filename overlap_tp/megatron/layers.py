@@ -38,6 +38,7 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
     raise ImportError("overlap_tp.megatron.layers needs megatron-core (pip install 'overlap_tp[megatron]' or "
                       "'megatron-core>=0.16')") from error
 
+from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.ag_gemm import ag_gemm, gather_rows
 from overlap_tp.ops.gemm_ar import gemm_ar
@@ -198,10 +199,10 @@ class _LinearArgs:
     """What a layer's autograd Function needs besides tensors."""
 
     __slots__ = ("group", "sequence_parallel", "allreduce_dgrad", "gradient_accumulation_fusion", "layer_config",
-                 "defer_sum", "deferred_sum")
+                 "defer_sum", "deferred_sum", "dgrad_link")
 
     def __init__(self, group, sequence_parallel, allreduce_dgrad, gradient_accumulation_fusion, layer_config,
-                 defer_sum=False):
+                 defer_sum=False, dgrad_link=None):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.allreduce_dgrad = allreduce_dgrad
@@ -209,6 +210,7 @@ class _LinearArgs:
         self.layer_config = layer_config
         self.defer_sum = defer_sum      # row, SP: leave a p2p reduce-scatter's sum to the output's consumer
         self.deferred_sum = None        # ... and here is what it left (ops.p2p.DeferredSum), for the module
+        self.dgrad_link = dgrad_link    # column, SP: the input norm's DeferredGrad (the dgrad's p2p sum left to it)
 
     def config(self, op):
         return _resolve_config(self.layer_config, op)
@@ -273,7 +275,14 @@ class _ColumnParallelFn(torch.autograd.Function):
         if gathering is not None:
             gathered = gathering.wait()
         dw = _weight_grad(ctx, weight, dy, gathered) if need_dw else None
-        if reducing_dx is not None:
+        link = args.dgrad_link
+        if (reducing_dx is not None and reducing_dx.deferred_sum is not None and link is not None
+                and not link.shared):
+            # the input norm's backward kernel sums the t received partials itself (p2p transport): dx only stands
+            # for the gradient in autograd, unwritten (kernels/fused_add_rmsnorm.py DeferredGrad)
+            dx = torch.empty(x.shape, dtype=dy.dtype, device=dy.device)
+            link.defer(dx, reducing_dx.deferred_sum)
+        elif reducing_dx is not None:
             dx = reducing_dx.wait()
         db = dy.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None
@@ -437,7 +446,15 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
     Sequence parallel: forward ag_gemm (all-gather of the sequence shards + GEMM); backward dgrad
     gemm_rs(dY, W.T) and wgrad dY.T @ AG(X) with X re-gathered (asynchronously, behind the dgrad).
     Without SP: forward is the local GEMM (identity on the input); backward dgrad gemm_ar(dY, W.T).
+
+    sum_dgrad_in_norm: set by the module whose norm output is this layer's only input consumer
+    (OverlapTransformerLayer: linear_qkv, a dense MLP's linear_fc1). The dgrad's p2p reduce-scatter then leaves its
+    t partials to the norm's backward kernel, which sums them as it reads them (one pass over the input gradient and
+    one launch less; kernels/fused_add_rmsnorm.py DeferredGrad, the backward mirror of defer_sum_next); an input
+    that is not an overlap_tp norm's output, or a norm output with a second consumer, runs the sum as before.
     """
+
+    sum_dgrad_in_norm = False
 
     def __init__(self, input_size, output_size, *, config, init_method: Callable, bias=True, gather_output=False,
                  stride=1, keep_master_weight_for_test=False, skip_bias_add=False,
@@ -502,8 +519,10 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
             raise ValueError("OverlapColumnParallelLinear: gather_output=True with sequence_parallel is not supported")
         bias = self.bias if not self.skip_bias_add else None
         x2d = _flatten_input(input_, self.input_size, type(self).__name__)
+        link = (accept_deferred_grad(input_) if self.sum_dgrad_in_norm and self.sequence_parallel
+                and torch.is_grad_enabled() else None)
         args = _LinearArgs(self.tp_group, self.sequence_parallel, self.allreduce_dgrad,
-                           self.gradient_accumulation_fusion, self.overlap_config)
+                           self.gradient_accumulation_fusion, self.overlap_config, dgrad_link=link)
         _check_main_grad(weight, self.gradient_accumulation_fusion)
         out2d = _ColumnParallelFn.apply(x2d, weight, bias, args)
         rows = input_.shape[0] * (get_pg_size(self.tp_group) if self.sequence_parallel else 1)

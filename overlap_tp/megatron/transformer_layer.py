@@ -31,6 +31,11 @@ recompute or anything between the layers that makes a new tensor simply runs the
 block, whose output goes to the final norm or the next pipeline stage, keeps Megatron's bda. Not under
 Megatron's per-layer CUDA graphs (captured_per_layer): there each layer is a graph of its own, and the rows
 handed over would live in the first graph's private memory; one graph over the whole iteration is fine.
+
+Backward, the mirror of the deferred sums: linear_qkv and a dense MLP's linear_fc1 take a norm's output as their
+only input, so their dgrad reduce-scatter on the p2p transport leaves its t partials to that norm's backward kernel,
+which sums them as it reads them (OverlapColumnParallelLinear.sum_dgrad_in_norm; the norm checks that what reaches it
+is the unsummed placeholder, so a second consumer of the norm's output is an error, never a silent read).
 """
 import warnings
 import weakref
@@ -38,9 +43,10 @@ from typing import Optional
 
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from overlap_tp.megatron.layers import OverlapRowParallelLinear
+from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
 from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
 
 __all__ = ["OverlapTransformerLayer"]
@@ -111,6 +117,12 @@ class OverlapTransformerLayer(TransformerLayer):
         self.takes_input_handover = (type(self.input_layernorm) is OverlapRMSNorm
                                      and not getattr(self, "recompute_input_layernorm", False)
                                      and not getattr(self, "offload_attn_norm", False))
+        # the backward mirror: the column-parallel layers whose input is a norm's output and nothing else's (qkv, a
+        # dense MLP's fc1) leave their dgrad's p2p sum to that norm's backward kernel
+        for linear in (getattr(self.self_attention, "linear_qkv", None),
+                       getattr(self.mlp, "linear_fc1", None) if type(self.mlp) is MLP else None):
+            if isinstance(linear, OverlapColumnParallelLinear):
+                linear.sum_dgrad_in_norm = True
 
     def _unfusable_reason(self) -> Optional[str]:
         if type(self.pre_mlp_layernorm) is not OverlapRMSNorm:

@@ -214,3 +214,54 @@ def test_x_sum_through_autograd_is_bitwise_the_summed_input(rows, hidden):
     assert deferred.calls == 1
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+class _DeferringConsumer(torch.autograd.Function):
+    """The next column-parallel layer as the norm sees it: identity forward; backward hands the norm's output
+    gradient over as slots through the norm's DeferredGrad (the p2p dgrad reduce-scatter left unsummed) when linked."""
+
+    @staticmethod
+    def forward(ctx, y, link, slots, summed):
+        ctx.link, ctx.slots, ctx.summed = link, slots, summed
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.link is None:
+            return ctx.summed, None, None, None
+        placeholder = poisoned(torch.empty_like(ctx.summed))
+        ctx.link.defer(placeholder, SlotsDeferredSum(ctx.slots))
+        return placeholder, None, None, None
+
+
+@pytest.mark.parametrize("t, rows, hidden", [(2, 4096, 4096), (2, 2048, 8192), (4, 37, 4096)])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_add_rmsnorm", "rmsnorm"])
+def test_deferred_dgrad_slots_backward_is_bitwise_the_summed_gradient(t, rows, hidden, fused):
+    """The norms' backward kernels with their output gradient left as slots (DeferredGrad, the compiled dy_slots
+    path: round to nearest even) give every gradient of the path fed with SumSlots' sum, bit for bit."""
+    from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
+    from overlap_tp.kernels.sum_slots import SumSlots
+    from overlap_tp.megatron.norm import rmsnorm
+    slots = stacked_slots(t, rows, hidden, torch.bfloat16, seed=rows + t)
+    summed = torch.empty(rows, hidden, dtype=torch.bfloat16, device="cuda")
+    SumSlots(t, summed.numel())(slots.view(t, -1), summed)
+    x, residual, weight, bias, gen = inputs(rows, hidden, seed=hidden + t)
+    d_res = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+
+    def run(defer):
+        torch.manual_seed(3)
+        leaves = [v.clone().requires_grad_() for v in (x, residual, weight, bias)]
+        if fused:
+            y, carried = fused_add_rmsnorm(*leaves, eps=1e-5, dropout_p=0.1)
+        else:
+            y, carried = rmsnorm(leaves[0], leaves[2], eps=1e-5), None
+        link = accept_deferred_grad(y) if defer else None
+        out = _DeferringConsumer.apply(y, link, slots, summed)
+        torch.autograd.backward([out] + ([carried] if fused else []),
+                                [torch.zeros_like(out)] + ([d_res] if fused else []))
+        return [leaf.grad for leaf in leaves if leaf.grad is not None]
+
+    want, got = run(False), run(True)
+    assert len(got) == len(want) == (4 if fused else 2)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -326,11 +326,24 @@ def _fwd_bwd(stack, x, g):
     return [out, xi.grad] + [p.grad for layer in stack for _, p in layer.named_parameters()]
 
 
+def _count_deferred_dgrads():
+    """A list that grows by one per dgrad sum left to a norm's backward (DeferredGrad.defer), for this process."""
+    from overlap_tp.kernels.fused_add_rmsnorm import DeferredGrad
+    calls, defer = [], DeferredGrad.defer
+
+    def counted(self, placeholder, deferred_sum):
+        calls.append(placeholder.shape)
+        return defer(self, placeholder, deferred_sum)
+    DeferredGrad.defer = counted
+    return calls
+
+
 def check_deferred_proj_sum(rank, world):
     """OverlapTransformerLayer (SP, p2p transports) with linear_proj's reduce-scatter sum left to the fused
-    bias-dropout-add + norm kernel (the default) against the same layer summing first (fused_proj_sum off):
+    bias-dropout-add + norm kernel, and linear_qkv's and linear_fc1's dgrad sums left to the input and pre-MLP norms'
+    backward kernels (the defaults), against the same layer summing first (fused_proj_sum, sum_dgrad_in_norm off):
     output, input grad and every parameter grad bit for bit, over 20 back-to-back steps with fresh inputs
-    (the p2p protocol's second half run by the norm's kernel every time)."""
+    (the p2p protocol's second half run by the norms' kernels every time)."""
     _quiet()
     _deterministic()
     from megatron.core.transformer.spec_utils import build_module
@@ -345,9 +358,15 @@ def check_deferred_proj_sum(rank, world):
         set_overlap_config(layer, p2p_configs)
         assert layer.fused_proj_sum, "the deferred sum should be on by default here"
         layer.fused_proj_sum = fused
+        for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
+            assert linear.sum_dgrad_in_norm, "the deferred dgrad sums should be on by default here"
+            linear.sum_dgrad_in_norm = fused
         layers.append(layer)
+    deferred = _count_deferred_dgrads()
     for step, (x, g) in enumerate(_fresh_steps(5 + rank, 4096 // world, config.hidden_size, 20)):
+        deferred.clear()
         results = [_fwd_bwd([layer], x, g) for layer in layers]
+        assert len(deferred) == 2, f"step {step}: {len(deferred)} dgrad sums left to the norms, expected 2"
         assert torch.isfinite(results[0][0]).all()
         for i, (a, b) in enumerate(zip(*results)):
             assert torch.equal(a, b), f"step {step} rank {rank}: tensor {i} differs from the summed path"
@@ -361,9 +380,10 @@ def test_transformer_layer_p2p_sum_in_the_norm_kernel_is_bitwise_the_summed_path
 
 def check_mlp_boundary(rank, world):
     """Two OverlapTransformerLayers in a row (SP, p2p transports): from the second step the first layer's mlp bda
-    runs the second layer's input norm and sums fc2's p2p partials in the same kernel (the default). Against the
-    linked pair summing fc2 first (fused_fc2_sum off): bit for bit over 20 steps; against the unlinked pair
-    (Megatron's bda, then the norm): within bf16 rounding."""
+    runs the second layer's input norm and sums fc2's p2p partials in the same kernel, and the column-parallel dgrads'
+    sums are left to the norms' backward kernels (the defaults; the second layer's qkv dgrad to the first layer's fused
+    mlp bda). Against the linked pair summing fc2 and the dgrads first (fused_fc2_sum, sum_dgrad_in_norm off): bit for
+    bit over 20 steps; against the unlinked pair (Megatron's bda, then the norm): within bf16 rounding."""
     _quiet()
     _deterministic()
     from megatron.core.transformer.spec_utils import build_module
@@ -380,6 +400,9 @@ def check_mlp_boundary(rank, world):
         assert pair[0].fused_mlp_boundary, "the MLP boundary should be on by default here"
         pair[0].fused_fc2_sum = variant == "fused"
         pair[0].fused_mlp_boundary = variant != "unlinked"
+        for layer in pair:   # the dgrad sums left to the norms' backward kernels in the fused pair only
+            for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
+                linear.sum_dgrad_in_norm = variant == "fused"
         pairs.append(pair)
     for step, (x, g) in enumerate(_fresh_steps(6 + rank, 4096 // world, config.hidden_size, 20)):
         results = [_fwd_bwd(pair, x, g) for pair in pairs]

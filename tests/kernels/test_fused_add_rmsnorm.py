@@ -410,3 +410,81 @@ def test_x_sum_refuses_bad_slots_and_an_x_order():
         order = random_order(4, 64, 2, 32)
         fused_add_rmsnorm(x.view(4, 64), residual.view(4, 64), weight, x_order=order,
                           x_sum=FakeDeferredSum(torch.zeros(2, 4, 64, dtype=torch.bfloat16)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# dy as the unsummed slots of the next layer's p2p dgrad reduce-scatter (dy_slots / DeferredGrad)
+# ---------------------------------------------------------------------------------------------------
+
+class _DeferringLinear(torch.autograd.Function):
+    """A stand-in for the column-parallel linear: identity forward; its backward returns the gradient unsummed
+    (slots whose sum is it) through the norm's DeferredGrad when `link` is given, else the summed gradient."""
+
+    @staticmethod
+    def forward(ctx, y, link, slots, summed):
+        ctx.link, ctx.slots, ctx.summed = link, slots, summed
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.link is None:
+            return ctx.summed, None, None, None
+        placeholder = torch.full(ctx.summed.shape, float("nan"), dtype=ctx.summed.dtype)
+        ctx.link.defer(placeholder, FakeDeferredSum(ctx.slots))
+        return placeholder, None, None, None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, shape", [(2, (16, 2, 128)), (3, (11, 2, 96)), (1, (4, 1, 64))])
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_add_rmsnorm", "rmsnorm"])
+def test_the_backward_kernel_sums_the_deferred_dgrad_slots_like_the_slot_sum(dtype, t, shape, fused):
+    """The norm's backward with its output's gradient left as slots (the consumer's DeferredGrad) gives the bits of
+    kernels/sum_slots.py's sum followed by the backward on it: every input and parameter gradient, bias and dropout."""
+    from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
+    from overlap_tp.kernels.sum_slots import SumSlots
+    slots = _slots(t, shape, dtype, seed=t * 5 + shape[0])
+    summed = torch.empty(shape, dtype=dtype)
+    SumSlots(t, summed.numel())(slots.view(t, -1), summed)
+    x, residual, weight, b = make_inputs(dtype, dtype, True, None, shape)
+    d_res = _slots(1, shape, dtype, seed=3)[0]
+
+    def run(defer):
+        torch.manual_seed(1)
+        leaves = [x.clone().requires_grad_(), residual.clone().requires_grad_(), weight.clone().requires_grad_(),
+                  b.clone().requires_grad_()]
+        if fused:
+            y, carried = fused_add_rmsnorm(*leaves, dropout_p=0.1)
+        else:
+            y, carried = rmsnorm(leaves[0], leaves[2]), None
+        link = accept_deferred_grad(y) if defer else None
+        assert (link is not None) == defer
+        out = _DeferringLinear.apply(y, link, slots, summed)
+        torch.autograd.backward([out] + ([carried] if fused else []), [torch.zeros_like(out)] + ([d_res] if fused else []))
+        return [leaf.grad for leaf in leaves if leaf.grad is not None]
+
+    want, got = run(False), run(True)
+    assert len(got) == len(want) == (4 if fused else 2)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_a_deferred_dgrad_that_meets_a_second_consumer_is_an_error_not_a_read():
+    """y feeding the deferring linear and something else: autograd adds the two gradients into a new tensor, so the
+    norm's backward finds another tensor than the placeholder and refuses it. A second linear asking for the link
+    gets none, and the first then sums (shared)."""
+    from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
+    shape = (4, 1, 64)
+    x, _, weight, _ = make_inputs(torch.float32, torch.float32, False, None, shape)
+    slots = _slots(2, shape, torch.float32, seed=2)
+    for second_first in (False, True):   # either gradient may reach the norm first (the other is added to it)
+        y = rmsnorm(x.clone().requires_grad_(), weight)
+        link = accept_deferred_grad(y)
+        out = _DeferringLinear.apply(y, link, slots, slots.sum(0))
+        other = (y * 3).exp()   # a dense gradient of y's shape
+        with pytest.raises(RuntimeError, match="another tensor"):
+            torch.autograd.backward([other, out] if second_first else [out, other],
+                                    [torch.ones_like(other), torch.ones_like(out)])
+    y = rmsnorm(x.clone().requires_grad_(), weight)
+    first, second = accept_deferred_grad(y), accept_deferred_grad(y)
+    assert first is not None and second is None and first.shared
+    assert accept_deferred_grad(x) is None   # not a norm's output

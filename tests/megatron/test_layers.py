@@ -426,9 +426,10 @@ def _deferring(real_gemm_rs, consumed):
 
 
 def _check_deferred_proj_sum(rank, world):
-    """linear_proj's reduce-scatter sum left to the fused bda + norm kernel (what the p2p transport does on GPUs,
-    faked here on gloo): the layer's output, input grad and every parameter grad are bit for bit those of the
-    summed path; an attention block whose bda is not the fused one gets an error, not the unwritten output."""
+    """linear_proj's reduce-scatter sum left to the fused bda + norm kernel, and the column-parallel dgrads' sums left
+    to the norms' backward kernels (what the p2p transport does on GPUs, faked here on gloo): the layer's output,
+    input grad and every parameter grad are bit for bit those of the summed path; an attention block whose bda is not
+    the fused one gets an error, not the unwritten output."""
     _quiet()
     ps = _init_megatron(world)
     from megatron.core.transformer.spec_utils import build_module
@@ -458,7 +459,8 @@ def _check_deferred_proj_sum(rank, world):
 
     want = run(False)
     got = run(True)
-    assert consumed == [torch.Size([2, SEQ // world * BATCH, H])], consumed   # the forward's proj only
+    # the forward's proj, then in the backward fc1's and qkv's dgrads (left to the pre-MLP and the input norm)
+    assert consumed == [torch.Size([2, SEQ // world * BATCH, H])] * 3, consumed
     for a, b in zip(got, want):
         assert torch.equal(a, b)
 
@@ -528,7 +530,9 @@ def _check_mlp_boundary(rank, world):
         _close(a.float(), b.float(), "linked vs unlinked", 2e-2)
     deferred = run(True, True)
     rows = torch.Size([2, SEQ // world * BATCH, H])
-    assert consumed == [rows, rows, rows], consumed          # first's proj and fc2, second's proj
+    # forward: the first's proj and fc2, the second's proj; backward: each layer's fc1 and qkv dgrads, left to the
+    # pre-MLP and input norms (the second's input norm is the first's fused mlp bda: the handover's backward)
+    assert consumed == [rows] * 7, consumed
     for a, b in zip(deferred, linked):
         assert torch.equal(a, b)
     ps.destroy_model_parallel()
