@@ -80,25 +80,6 @@ def _load_summed(ptr, offs, mask, slot_stride, SLOTS: tl.constexpr):
 
 
 @triton.jit
-def _load_slot_block(ptr, offs, mask, slot_stride, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr):
-    """The t slots of ptr[offs], slot_stride elements apart, as one [SLOTS_P2, ...] block load (rows past t masked
-    off): issued now, summed where it is used (_sum_slot_block), so a prefetch keeps them in flight."""
-    slot = tl.arange(0, SLOTS_P2)[:, None, None]
-    return tl.load(ptr + slot * slot_stride + offs[None, :, :], mask=(slot < SLOTS) & mask[None, :, :], other=0.0)
-
-
-@triton.jit
-def _sum_slot_block(block, dtype, SLOTS: tl.constexpr, SLOTS_P2: tl.constexpr, N_TILES: tl.constexpr,
-                    TILE_N: tl.constexpr):
-    """The fp32 sum of _load_slot_block's slots in slot order, rounded to `dtype` once (_load_summed's bits)."""
-    slot = tl.arange(0, SLOTS_P2)[:, None, None]
-    total = tl.zeros((N_TILES, TILE_N), dtype=tl.float32)
-    for k in tl.static_range(SLOTS):
-        total += tl.sum(tl.where(slot == k, block.to(tl.float32), 0.0), axis=0)
-    return total.to(dtype, fp_downcast_rounding="rtne")
-
-
-@triton.jit
 def _dropout_keep(seed, row, p, TILE_N: tl.constexpr, N_TILES: tl.constexpr):
     """Keep mask of `row`'s [N_TILES, TILE_N] block: Philox counter (row, c // 4), word c % 4."""
     quad = tl.arange(0, N_TILES)[:, None] * (TILE_N // 4) + tl.arange(0, TILE_N // 4)[None, :]
@@ -150,7 +131,6 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
                      ds_ptr, dx_ptr, dx_order_ptr, partials_ptr,
                      M, N, rows_per_program, weight_offset, dropout_p, dy_slot_stride,
                      DY_BLOCK_M: tl.constexpr, DY_BLOCK_N: tl.constexpr, DY_ORDERED: tl.constexpr, DY_SLOTS: tl.constexpr,
-                     DY_SLOTS_P2: tl.constexpr,
                      DX_BLOCK_M: tl.constexpr, DX_BLOCK_N: tl.constexpr, DX_ORDERED: tl.constexpr,
                      TILE_N: tl.constexpr, N_TILES: tl.constexpr,
                      HAS_D_RESIDUAL_OUT: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_DX: tl.constexpr,
@@ -158,8 +138,9 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
     """A contiguous run of rows per program, in one pass: ds (and dx) per row; dw (and dbias) as one fp32
     partial row per program: partials[0, pid] (and partials[1, pid]). With DY_SLOTS = t > 0, dy is the sum of t
     slots dy_slot_stride elements apart (the next column-parallel layer's p2p dgrad reduce-scatter, left unsummed to
-    this kernel): prefetched as one block and summed at the row's use, so the slots' loads stay in flight as dy's
-    would (summing them at the prefetch waited out their latency there: no faster than a separate sum kernel).
+    this kernel). At t = 2 both slots are prefetched and summed at the row's use, so their loads stay in flight as
+    dy's would; summed at the prefetch (t > 2 here) they wait out their latency there, and the kernel gains little
+    over a separate sum (docs/perf/s18, probe_norm_slots.py).
 
     The loads of row i + 1 are issued before row i's reduction and stores (software pipelining by
     hand): without it each program has one row's reads in flight and waits out the full memory latency
@@ -184,16 +165,17 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
     if HAS_D_RESIDUAL_OUT:
         next_d_res = tl.load(d_residual_out_ptr + first_row * N + cols, mask=mask, other=0.0)
     dy_offs = _offsets(dy_order_ptr, first_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES, DY_ORDERED)
-    if DY_SLOTS > 0:
-        next_dy = _load_slot_block(dy_ptr, dy_offs, mask, dy_slot_stride, DY_SLOTS, DY_SLOTS_P2)
-    else:
+    if DY_SLOTS == 2:   # slot 0 in next_dy, slot 1 in next_dy1, summed at use
         next_dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0)
+        next_dy1 = tl.load(dy_ptr + dy_slot_stride + dy_offs, mask=mask, other=0.0)
+    else:
+        next_dy = _load_summed(dy_ptr, dy_offs, mask, dy_slot_stride, DY_SLOTS)
     for i in range(0, num_rows):
         row = first_row + i
         offs = row * N + cols
-        if DY_SLOTS > 0:
-            dy = _sum_slot_block(next_dy, dy_ptr.dtype.element_ty, DY_SLOTS, DY_SLOTS_P2, N_TILES,
-                                 TILE_N).to(tl.float32)
+        if DY_SLOTS == 2:   # the fp32 sum in slot order, rounded once (_load_summed's bits)
+            dy = (next_dy.to(tl.float32) + next_dy1.to(tl.float32)).to(
+                dy_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
         else:
             dy = next_dy.to(tl.float32)
         x_hat = next_s.to(tl.float32) * next_rstd
@@ -212,10 +194,11 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
         if HAS_D_RESIDUAL_OUT:
             next_d_res = tl.load(d_residual_out_ptr + next_row * N + cols, mask=next_mask, other=0.0)
         dy_offs = _offsets(dy_order_ptr, next_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES, DY_ORDERED)
-        if DY_SLOTS > 0:
-            next_dy = _load_slot_block(dy_ptr, dy_offs, next_mask, dy_slot_stride, DY_SLOTS, DY_SLOTS_P2)
-        else:
+        if DY_SLOTS == 2:
             next_dy = tl.load(dy_ptr + dy_offs, mask=next_mask, other=0.0)
+            next_dy1 = tl.load(dy_ptr + dy_slot_stride + dy_offs, mask=next_mask, other=0.0)
+        else:
+            next_dy = _load_summed(dy_ptr, dy_offs, next_mask, dy_slot_stride, DY_SLOTS)
 
         dx_hat = dy * g
         ds = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat) / N))
@@ -411,7 +394,6 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
         m, n, rows_per_program, 1.0 if zero_centered_gamma else 0.0, dropout_p, dy.numel(),
         DY_BLOCK_M=dy_block_m, DY_BLOCK_N=dy_block_n, DY_ORDERED=dy_ordered,
         DY_SLOTS=0 if dy_slots is None else dy_slots.shape[0],
-        DY_SLOTS_P2=1 if dy_slots is None else triton.next_power_of_2(dy_slots.shape[0]),
         DX_BLOCK_M=dx_block_m, DX_BLOCK_N=dx_block_n, DX_ORDERED=dx_ordered, TILE_N=tile_n, N_TILES=n_tiles,
         HAS_D_RESIDUAL_OUT=d_residual_out is not None, HAS_DROPOUT=dropout_p > 0, STORE_DX=dx is not None,
         HAS_BIAS=bias_grad, PDL=pdl, num_warps=num_warps)
