@@ -234,7 +234,8 @@ class _DeferringConsumer(torch.autograd.Function):
         return placeholder, None, None, None
 
 
-@pytest.mark.parametrize("t, rows, hidden", [(2, 4096, 4096), (2, 2048, 8192), (4, 37, 4096)])
+@pytest.mark.parametrize("t, rows, hidden", [(2, 4096, 4096), (2, 2048, 8192), (3, 1000, 4096), (4, 37, 4096),
+                                             (8, 512, 4096)])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_add_rmsnorm", "rmsnorm"])
 def test_deferred_dgrad_slots_backward_is_bitwise_the_summed_gradient(t, rows, hidden, fused):
     """The norms' backward kernels with their output gradient left as slots (DeferredGrad, the compiled dy_slots

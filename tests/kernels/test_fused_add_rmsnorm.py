@@ -435,7 +435,8 @@ class _DeferringLinear(torch.autograd.Function):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t, shape", [(2, (16, 2, 128)), (3, (11, 2, 96)), (1, (4, 1, 64))])
+@pytest.mark.parametrize("t, shape", [(2, (16, 2, 128)), (3, (11, 2, 96)), (4, (6, 2, 64)), (1, (4, 1, 64)),
+                                      (5, (3, 1, 64))])   # t = 2-4: each slot prefetched; 1 and 5: summed at once
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_add_rmsnorm", "rmsnorm"])
 def test_the_backward_kernel_sums_the_deferred_dgrad_slots_like_the_slot_sum(dtype, t, shape, fused):
     """The norm's backward with its output's gradient left as slots (the consumer's DeferredGrad) gives the bits of
