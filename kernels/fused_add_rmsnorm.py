@@ -138,10 +138,10 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
     """A contiguous run of rows per program, in one pass: ds (and dx) per row; dw (and dbias) as one fp32
     partial row per program: partials[0, pid] (and partials[1, pid]). With DY_SLOTS = t > 0, dy is the sum of t
     slots dy_slot_stride elements apart (the next column-parallel layer's p2p dgrad reduce-scatter, left unsummed to
-    this kernel). For t = 2-4 every slot is prefetched as its own load and summed at the row's use, so the loads stay
-    in flight as dy's would; summed at the prefetch (t > 4 here) they wait out their latency there, and the kernel
-    gains little over a separate sum (docs/perf/s18, probe_norm_slots.py; a one-block load of the slots, summed at
-    use, compiled to other bits on Triton 3.6).
+    this kernel). At t = 2 both slots are prefetched and summed at the row's use, so their loads stay in flight as
+    dy's would (summed at the prefetch they waited out their latency there: no gain over a separate sum). For t > 2
+    they are summed at the prefetch: four slots prefetched as four loads measured 12 us slower than the separate sum
+    at 2048 x 4096, summed at the prefetch 6 us faster (docs/perf/s18, probe_norm_slots.py).
 
     The loads of row i + 1 are issued before row i's reduction and stores (software pipelining by
     hand): without it each program has one row's reads in flight and waits out the full memory latency
@@ -157,7 +157,6 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
     if HAS_DROPOUT:
         seed = tl.load(seed_ptr)
 
-    SLOTS_AT_USE: tl.constexpr = DY_SLOTS >= 2 and DY_SLOTS <= 4
     first_row = pid.to(tl.int64) * rows_per_program
     num_rows = tl.minimum(rows_per_program, M - first_row)
     # Row first_row's inputs (a program always has at least one row). Here and in the prefetch below dy comes
@@ -167,25 +166,17 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
     if HAS_D_RESIDUAL_OUT:
         next_d_res = tl.load(d_residual_out_ptr + first_row * N + cols, mask=mask, other=0.0)
     dy_offs = _offsets(dy_order_ptr, first_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES, DY_ORDERED)
-    if SLOTS_AT_USE:   # slot k in next_dy (k = 0), next_dy1, next_dy2, next_dy3: summed at the row's use
+    if DY_SLOTS == 2:   # slot 0 in next_dy, slot 1 in next_dy1, summed at use
         next_dy = tl.load(dy_ptr + dy_offs, mask=mask, other=0.0)
         next_dy1 = tl.load(dy_ptr + dy_slot_stride + dy_offs, mask=mask, other=0.0)
-        if DY_SLOTS >= 3:
-            next_dy2 = tl.load(dy_ptr + 2 * dy_slot_stride + dy_offs, mask=mask, other=0.0)
-        if DY_SLOTS >= 4:
-            next_dy3 = tl.load(dy_ptr + 3 * dy_slot_stride + dy_offs, mask=mask, other=0.0)
     else:
         next_dy = _load_summed(dy_ptr, dy_offs, mask, dy_slot_stride, DY_SLOTS)
     for i in range(0, num_rows):
         row = first_row + i
         offs = row * N + cols
-        if SLOTS_AT_USE:   # the fp32 sum in slot order, rounded once (_load_summed's bits)
-            dy = next_dy.to(tl.float32) + next_dy1.to(tl.float32)
-            if DY_SLOTS >= 3:
-                dy += next_dy2.to(tl.float32)
-            if DY_SLOTS >= 4:
-                dy += next_dy3.to(tl.float32)
-            dy = dy.to(dy_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+        if DY_SLOTS == 2:   # the fp32 sum in slot order, rounded once (_load_summed's bits)
+            dy = (next_dy.to(tl.float32) + next_dy1.to(tl.float32)).to(
+                dy_ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
         else:
             dy = next_dy.to(tl.float32)
         x_hat = next_s.to(tl.float32) * next_rstd
@@ -204,13 +195,9 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
         if HAS_D_RESIDUAL_OUT:
             next_d_res = tl.load(d_residual_out_ptr + next_row * N + cols, mask=next_mask, other=0.0)
         dy_offs = _offsets(dy_order_ptr, next_row, N, DY_BLOCK_M, DY_BLOCK_N, TILE_N, N_TILES, DY_ORDERED)
-        if SLOTS_AT_USE:
+        if DY_SLOTS == 2:
             next_dy = tl.load(dy_ptr + dy_offs, mask=next_mask, other=0.0)
             next_dy1 = tl.load(dy_ptr + dy_slot_stride + dy_offs, mask=next_mask, other=0.0)
-            if DY_SLOTS >= 3:
-                next_dy2 = tl.load(dy_ptr + 2 * dy_slot_stride + dy_offs, mask=next_mask, other=0.0)
-            if DY_SLOTS >= 4:
-                next_dy3 = tl.load(dy_ptr + 3 * dy_slot_stride + dy_offs, mask=next_mask, other=0.0)
         else:
             next_dy = _load_summed(dy_ptr, dy_offs, next_mask, dy_slot_stride, DY_SLOTS)
 
