@@ -1,4 +1,4 @@
-# The next 2-GPU session's FIRST call (nvidia-h200-x2), written in session 16 (one GPU only): what this session
+# The next 2-GPU session's SECOND call (nvidia-h200-x2; run_s18_x2.sh first), written in session 16 (one GPU only): what this session
 # changed, at t = 2. Then run_s15_b.sh, run_s15_e2e.sh, run_s15_moe.sh, run_s15_a.sh, in that order.
 # - GPU tests at t = 2 of the launch path (kernels/launch.py: DirectKernel, JitLauncher) and of the p2p plans'
 #   per-call changes (one capture query per call passed to PeerSignals.wait, slot views made at build, ag_gemm's
