@@ -75,6 +75,8 @@ class AgGemm(OpPlan):
                 default_offsets(device)
             if config.transport == "p2p":
                 self.gather = row_gather(self.group, m, k, dtype, device).buffer
+                if self.watched is not None:   # a stuck call names the stage's and the pulls' signals too
+                    self.watched.words += (("peer signals [PULLED, READY] x rank", self.gather.signals.words),)
             else:
                 self.coll = comm.collectives(self.group, device, config.comm_sms)
         elif self.method == "decompose":
