@@ -7,6 +7,7 @@ import torch
 from overlap_tp.kernels.fused_add_rmsnorm import (
     ForwardOutputs, TileOrder, dropout_keep_mask, dropout_seed, empty_forward_outputs, launch_backward,
     launch_forward, reference_add_rmsnorm)
+from deferred_sums import DeferringConsumer, FakeDeferredSum
 from overlap_tp.megatron.norm import fused_add_rmsnorm
 
 pytestmark = pytest.mark.gpu
@@ -180,17 +181,6 @@ def test_x_slots_forward_is_bitwise_the_slot_sum_then_the_kernel(t, rows, hidden
         assert torch.equal(g, w)
 
 
-class SlotsDeferredSum:
-    """ops.p2p.DeferredSum's contract on one GPU: consume(kernel) runs kernel(slots) once."""
-
-    def __init__(self, slots):
-        self.slots, self.calls = slots, 0
-
-    def consume(self, kernel):
-        self.calls += 1
-        kernel(self.slots)
-
-
 @pytest.mark.parametrize("rows, hidden", [(4096, 4096), (2048, 8192)])
 def test_x_sum_through_autograd_is_bitwise_the_summed_input(rows, hidden):
     """fused_add_rmsnorm(x_sum=...) forward and every gradient equal the path fed with the summed x."""
@@ -209,29 +199,11 @@ def test_x_sum_through_autograd_is_bitwise_the_summed_input(rows, hidden):
         return (y, carried) + tuple(leaf.grad for leaf in leaves)
 
     want = run(x_summed, None)
-    deferred = SlotsDeferredSum(slots)
+    deferred = FakeDeferredSum(slots)
     got = run(poisoned(torch.empty_like(x_summed)), deferred)
     assert deferred.calls == 1
     for g, w in zip(got, want):
         assert torch.equal(g, w)
-
-
-class _DeferringConsumer(torch.autograd.Function):
-    """The next column-parallel layer as the norm sees it: identity forward; backward hands the norm's output
-    gradient over as slots through the norm's DeferredGrad (the p2p dgrad reduce-scatter left unsummed) when linked."""
-
-    @staticmethod
-    def forward(ctx, y, link, slots, summed):
-        ctx.link, ctx.slots, ctx.summed = link, slots, summed
-        return y.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.link is None:
-            return ctx.summed, None, None, None
-        placeholder = poisoned(torch.empty_like(ctx.summed))
-        ctx.link.defer(placeholder, SlotsDeferredSum(ctx.slots))
-        return placeholder, None, None, None
 
 
 @pytest.mark.parametrize("t, rows, hidden", [(2, 4096, 4096), (2, 2048, 8192), (3, 1000, 4096), (4, 37, 4096),
@@ -257,7 +229,7 @@ def test_deferred_dgrad_slots_backward_is_bitwise_the_summed_gradient(t, rows, h
         else:
             y, carried = rmsnorm(leaves[0], leaves[2], eps=1e-5), None
         link = accept_deferred_grad(y) if defer else None
-        out = _DeferringConsumer.apply(y, link, slots, summed)
+        out = DeferringConsumer.apply(y, link, slots, summed)
         torch.autograd.backward([out] + ([carried] if fused else []),
                                 [torch.zeros_like(out)] + ([d_res] if fused else []))
         return [leaf.grad for leaf in leaves if leaf.grad is not None]

@@ -8,6 +8,7 @@ import torch
 from overlap_tp.kernels.fused_add_rmsnorm import (
     ForwardOutputs, FusedAddRMSNormFunction, TileOrder, _sum_partials_kernel, check_forward, dropout_keep_mask,
     dropout_seed, empty_forward_outputs, launch_forward, reference_add_rmsnorm)
+from deferred_sums import DeferringConsumer, FakeDeferredSum
 from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm, rmsnorm
 
 # The interpreter turns the backward kernel's runtime loop bound (a 1-element array) into an int; numpy
@@ -336,17 +337,6 @@ def test_zero_rows_give_empty_outputs_and_zero_weight_grad():
 # x as the unsummed slots of a p2p reduce-scatter (x_slots / x_sum)
 # ---------------------------------------------------------------------------------------------------
 
-class FakeDeferredSum:
-    """ops.p2p.DeferredSum's contract on plain tensors: consume(kernel) runs kernel(slots) once."""
-
-    def __init__(self, slots):
-        self.slots, self.calls = slots, 0
-
-    def consume(self, kernel):
-        self.calls += 1
-        kernel(self.slots)
-
-
 def _slots(t, shape, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn((t,) + shape, generator=gen) * 2).to(dtype)
@@ -416,24 +406,6 @@ def test_x_sum_refuses_bad_slots_and_an_x_order():
 # dy as the unsummed slots of the next layer's p2p dgrad reduce-scatter (dy_slots / DeferredGrad)
 # ---------------------------------------------------------------------------------------------------
 
-class _DeferringLinear(torch.autograd.Function):
-    """A stand-in for the column-parallel linear: identity forward; its backward returns the gradient unsummed
-    (slots whose sum is it) through the norm's DeferredGrad when `link` is given, else the summed gradient."""
-
-    @staticmethod
-    def forward(ctx, y, link, slots, summed):
-        ctx.link, ctx.slots, ctx.summed = link, slots, summed
-        return y.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.link is None:
-            return ctx.summed, None, None, None
-        placeholder = torch.full(ctx.summed.shape, float("nan"), dtype=ctx.summed.dtype)
-        ctx.link.defer(placeholder, FakeDeferredSum(ctx.slots))
-        return placeholder, None, None, None
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t, shape", [(2, (16, 2, 128)), (3, (11, 2, 96)), (4, (6, 2, 64)), (1, (4, 1, 64)),
                                       (5, (3, 1, 64))])   # t = 2-4: each slot prefetched; 1 and 5: summed at once
@@ -459,7 +431,7 @@ def test_the_backward_kernel_sums_the_deferred_dgrad_slots_like_the_slot_sum(dty
             y, carried = rmsnorm(leaves[0], leaves[2]), None
         link = accept_deferred_grad(y) if defer else None
         assert (link is not None) == defer
-        out = _DeferringLinear.apply(y, link, slots, summed)
+        out = DeferringConsumer.apply(y, link, slots, summed)
         torch.autograd.backward([out] + ([carried] if fused else []), [torch.zeros_like(out)] + ([d_res] if fused else []))
         return [leaf.grad for leaf in leaves if leaf.grad is not None]
 
@@ -480,7 +452,7 @@ def test_a_deferred_dgrad_that_meets_a_second_consumer_is_an_error_not_a_read():
     for second_first in (False, True):   # either gradient may reach the norm first (the other is added to it)
         y = rmsnorm(x.clone().requires_grad_(), weight)
         link = accept_deferred_grad(y)
-        out = _DeferringLinear.apply(y, link, slots, slots.sum(0))
+        out = DeferringConsumer.apply(y, link, slots, slots.sum(0))
         other = (y * 3).exp()   # a dense gradient of y's shape
         with pytest.raises(RuntimeError, match="another tensor"):
             torch.autograd.backward([other, out] if second_first else [out, other],
