@@ -24,6 +24,9 @@ process on the same inputs and the same weights:
   signal-agp2p  signal with ag_gemm on the copy-engine p2p transport (comm_sms 0), gemm_rs on NCCL
   signal-p2p    signal with ag_gemm and gemm_rs both on the p2p transports (comm_sms 0; what
                 `--overlap-tp signal` runs: --overlap-tp-transport auto)
+  decompose-p2p cuBLAS over the same p2p transports: gemm_rs one GEMM per owner's region into its buffer,
+                ag_gemm the local rows' GEMM while the copy engines pull the peers' rows in 2 chunks
+                (`--overlap-tp decompose --overlap-tp-transport p2p`)
   auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
@@ -63,7 +66,7 @@ MODELS = {
     "smoke": dict(hidden=1024, heads=16, groups=4, ffn=2816),   # recipes/smoke.sh's layer (--seq 2048 --micro-batch 2)
     "tiny": dict(hidden=64, heads=4, groups=2, ffn=128),      # --tiny: CPU plumbing
 }
-DEFAULT_CONFIGS = "megatron,nocomm,off,signal,decompose,signal-agp2p,signal-p2p"
+DEFAULT_CONFIGS = "megatron,nocomm,off,signal,decompose,signal-agp2p,signal-p2p,decompose-p2p"
 CPU_CONFIGS = "megatron,nocomm,off,signal,decompose"
 SMALL_TILES = dict(block_m=16, block_n=32, block_k=16)         # Triton's interpreter on the CPU
 TARGET_VS_MEGATRON = 0.95
@@ -76,6 +79,7 @@ def configurations(device_type):
     tiles = SMALL_TILES if device_type == "cpu" else {}
     signal = OverlapConfig(method="signal", **tiles)
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    decompose_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=2)
     return {
         "megatron": ("megatron", None, False),
         "nocomm": ("megatron", None, True),
@@ -84,6 +88,7 @@ def configurations(device_type):
         "decompose": ("ours", OverlapConfig(method="decompose", chunks=4), False),
         "signal-agp2p": ("ours", {"ag_gemm": p2p, "gemm_rs": signal, "gemm_ar": signal}, False),
         "signal-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
+        "decompose-p2p": ("ours", {"ag_gemm": decompose_p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal}, False),
         "auto": ("ours", OverlapConfig(method="auto"), False),
     }
 

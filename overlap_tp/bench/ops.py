@@ -69,12 +69,14 @@ def agree(got, ref, what):
 def ours_variants(op, sweep):
     """`ours` is what the Megatron layers run by default (`--overlap-tp signal`, transport auto): GEMM+RS and
     AllGather+GEMM on the p2p transports with their GEMMs on every SM, GEMM+AllReduce on NCCL per-group
-    collectives. `nccl` (GEMM+RS: the signaled GEMM + per-group NCCL reduce-scatters, 16 SMs to NCCL) is always
-    timed next to it; --sweep adds the schedule x groups x comm_sms corners that won in earlier runs
+    collectives. `nccl` (GEMM+RS: the signaled GEMM + per-group NCCL reduce-scatters, 16 SMs to NCCL) and
+    `cublas-p2p` (method decompose over the same p2p transports: cuBLAS GEMMs, no Triton GEMM) are always timed
+    next to it; --sweep adds the schedule x groups x comm_sms corners that won in earlier runs
     (docs/perf/) and, for AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    cublas_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=2)
     if op == "ag":
-        variants = {"ours": p2p}
+        variants = {"ours": p2p, "cublas-p2p": cublas_p2p}
         if sweep:
             for groups in (2, 4, 8):
                 variants[f"p2p/g{groups}"] = OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=groups)
@@ -82,7 +84,7 @@ def ours_variants(op, sweep):
                 variants[f"nccl/g{groups}/sm{comm_sms}"] = OverlapConfig(method="signal", groups=groups,
                                                                          comm_sms=comm_sms)
         return variants
-    variants = {"ours": p2p, "nccl": OverlapConfig(method="signal")} if op == "rs" else \
+    variants = {"ours": p2p, "nccl": OverlapConfig(method="signal"), "cublas-p2p": cublas_p2p} if op == "rs" else \
         {"ours": OverlapConfig(method="signal")}
     if sweep:
         for schedule, groups, comm_sms in (("row_slice", 2, 0), ("row_slice", 4, 0), ("row_slice", 2, 16),
@@ -176,9 +178,11 @@ def bench_shape(op, name, m, k, n, args, group):
     if variants:
         row["best_variant"], row["best"] = min(variants.items(), key=lambda kv: kv[1])
         row["S_best"] = row["seq"] / row["best"]
-        if "nccl" in variants:
-            row["nccl"] = variants["nccl"]
-            row["S_nccl"] = row["seq"] / row["nccl"]
+        for name in ("nccl", "cublas-p2p"):
+            if name in variants:
+                key = name.replace("-", "_")
+                row[key] = variants[name]
+                row[f"S_{key}"] = row["seq"] / row[key]
 
     if args.auto:
         from overlap_tp.tune import choose, label
@@ -216,6 +220,7 @@ COLUMNS = [
     ("async_tp", "async-TP", "{:.3f}"), ("ours", "ours", "{:.3f}"), ("S", "S", "{:.2f}"),
     ("pct_ideal", "%ideal", "{:.0f}"), ("fo_bound", "FO bound", "{:.3f}"), ("best", "best variant", "{:.3f}"),
     ("best_variant", "which", "{}"), ("nccl", "nccl", "{:.3f}"), ("S_nccl", "S nccl", "{:.2f}"),
+    ("cublas_p2p", "cuBLAS p2p", "{:.3f}"), ("S_cublas_p2p", "S cuBLAS p2p", "{:.2f}"),
     ("sgemm_vs_cublas", "sgemm/cuBLAS", "{:.3f}"), ("auto", "auto", "{:.3f}"), ("auto_vs_seq", "seq/auto", "{:.2f}"),
     ("auto_pick", "auto pick", "{}"), ("host_plan_us", "host us (plan)", "{:.0f}"),
     ("host_api_us", "host us (gemm_rs/...)", "{:.0f}"), ("host_seq_us", "host us (seq)", "{:.0f}"),

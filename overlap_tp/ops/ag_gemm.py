@@ -12,7 +12,9 @@
 Methods (OverlapConfig.method):
   off        torch.distributed's all-gather, then cuBLAS (Megatron's path; the reference under gloo).
   decompose  the local rows' GEMM first, while the comm stream gathers the peers' rows in `chunks`
-             row ranges; each chunk's cuBLAS GEMM waits for its chunk only.
+             row ranges; each chunk's cuBLAS GEMM waits for its chunk only. Transports: `nccl` (in-place
+             broadcasts, as below) or `p2p` (the copy engines' pulls, as below; the local GEMM reads the shard
+             itself, so it waits for no copy, and no SM or Triton GEMM is involved).
   signal     one persistent Triton GEMM (kernels/signaled_gemm.py) over a tile plan (tile_plan.ag_plan) that
              computes the local rows first, with no wait, then every chunk of the peers' rows; before a
              chunk's first load a CTA spins (acquire) on the chunk's ready flag, which the comm stream
@@ -74,15 +76,24 @@ class AgGemm(OpPlan):
             if device.type == "cuda":
                 default_offsets(device)
             if config.transport == "p2p":
-                self.gather = row_gather(self.group, m, k, dtype, device).buffer
-                if self.watched is not None:   # a stuck call names the stage's and the pulls' signals too
-                    self.watched.words += (("peer signals [PULLED, READY] x rank", self.gather.signals.words),)
+                self._pull_into_gather_buffer()
             else:
                 self.coll = comm.collectives(self.group, device, config.comm_sms)
         elif self.method == "decompose":
-            self.coll = comm.collectives(self.group, device, config.comm_sms)
+            if config.transport == "p2p":
+                if device.type != "cuda":
+                    raise ValueError("ag_gemm: transport='p2p' needs CUDA tensors (symmetric memory)")
+                self._pull_into_gather_buffer()
+            else:
+                self.coll = comm.collectives(self.group, device, config.comm_sms)
             self.bounds = chunk_bounds(m, config.chunks)
             self.engine = comm.comm_engine(device)
+
+    def _pull_into_gather_buffer(self):
+        """The p2p transport's state: the shape's gathered buffer (shared with the other AllGathers of the shape)."""
+        self.gather = row_gather(self.group, self.m, self.k, self.dtype, self.device).buffer
+        if self.watched is not None:   # a stuck call names the stage's and the pulls' signals too
+            self.watched.words += (("peer signals [PULLED, READY] x rank", self.gather.signals.words),)
 
     def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  return_gathered: bool = False):
@@ -95,6 +106,9 @@ class AgGemm(OpPlan):
         elif self.method == "signal" and self.config.transport == "p2p":
             gathered = self._pulled(a_shard, w, bias, out)
             bias = None   # added in the epilogue
+        elif self.method == "decompose" and self.config.transport == "p2p":
+            gathered = self._pulled_decomposed(a_shard, w, bias, out)
+            bias = None   # added in cuBLAS's epilogue
         else:
             gathered = torch.empty(m, k, dtype=a_shard.dtype, device=a_shard.device)
             if self.method == "decompose":
@@ -170,6 +184,44 @@ class AgGemm(OpPlan):
         return gathered
 
 
+    def _pulled_decomposed(self, a_shard, w, bias, out):
+        """cuBLAS over the p2p transport: the local rows' GEMM from the shard itself, enqueued first (with one hardware
+        queue a wait enqueued ahead of it would hold its launch: CommEngine.transfers_then_gemm), then on the comm
+        stream the shard's copy into its region of the gathered buffer (where the peers pull it from; beside the
+        GEMM, on the copy engines) and each chunk of the peers' rows pulled; each chunk's GEMMs once the caller's
+        stream joined that far. Returns the gathered buffer."""
+        engine, gather, t, rank = self.engine, self.gather, self.t, self.rank
+        capturing = engine.capturing()
+        current, raw = engine.current(), engine.raw
+        engine.fork(current, capturing)   # the shard is ready
+        wt = w.t()
+        out_regions = out.chunk(t)
+        _mm(a_shard, wt, out_regions[rank], bias)
+        gather.stage(raw, a_shard, capturing)
+        gathered = gather.gathered()
+        regions = gathered.chunk(t)
+        gather.ready(raw, capturing)
+        for lo, hi in self.bounds:
+            gather.pull(raw, lo, hi)
+            engine.join(current, capturing)
+            for p in range(t):
+                if p != rank:
+                    _mm(regions[p][lo:hi], wt, out_regions[p][lo:hi], bias)
+        gather.finish(raw)
+        engine.join(current, capturing)   # the comm stream's last work (PULLED) joins the caller's stream too
+        if not capturing and self.watched is not None:
+            self.watched.record(current)
+        return gathered
+
+
+def _mm(x, wt, out, bias):
+    """out = x @ wt (+ bias, in cuBLAS's epilogue)."""
+    if bias is None:
+        torch.mm(x, wt, out=out)
+    else:
+        torch.addmm(bias, x, wt, out=out)
+
+
 def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
             config: Optional[OverlapConfig] = None, return_gathered: bool = False):
     """all_gather(a_shard) @ w.T + bias; with return_gathered=True returns (out, gathered). Runs the cached
@@ -236,12 +288,12 @@ def row_gather(group, m: int, k: int, dtype, device) -> RowGather:
 
 
 def gather_rows(a_shard: torch.Tensor, group, config: Optional[OverlapConfig] = None) -> Pending:
-    """all_gather(a_shard) along rows, issued now; wait() returns it. With config's method 'signal' and transport
-    'p2p' on CUDA: the copy engines (RowGather, whose result is the shape's shared buffer: valid until the next
-    AllGather of the shape); otherwise torch.distributed's all-gather."""
+    """all_gather(a_shard) along rows, issued now; wait() returns it. With config's transport 'p2p' (method 'signal'
+    or 'decompose') on CUDA: the copy engines (RowGather, whose result is the shape's shared buffer: valid until the
+    next AllGather of the shape); otherwise torch.distributed's all-gather."""
     group = comm.resolve_group(group)
-    if (config is not None and config.method == "signal" and config.transport == "p2p" and a_shard.is_cuda
-            and dist.get_world_size(group) > 1):
+    if (config is not None and config.method in ("signal", "decompose") and config.transport == "p2p"
+            and a_shard.is_cuda and dist.get_world_size(group) > 1):
         return row_gather(group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype, a_shard.device)(a_shard)
     gathered, work = comm.all_gather_rows(a_shard, group, async_op=True)
     return Pending(after_work(work, lambda: gathered), gathered)

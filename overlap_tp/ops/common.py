@@ -121,7 +121,8 @@ class OpPlan:
 
     def describe(self, config=None) -> str:
         config = config or self.config
-        how = config.method + (f"/{config.transport}" if config.method == "signal" else "")
+        p2p_decompose = config.method == "decompose" and config.transport == "p2p"
+        how = config.method + (f"/{config.transport}" if config.method == "signal" or p2p_decompose else "")
         return f"{self.op}(M={self.m}, N={self.n}, K={self.k}, t={self.t}, {how})"
 
     def _resolve(self, config: OverlapConfig) -> OverlapConfig:

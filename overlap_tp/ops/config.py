@@ -16,7 +16,11 @@ class OverlapConfig:
       signal     the persistent Triton GEMM signals per group of tiles; each group's collective starts
                  on the comm stream as soon as its tiles are stored.
       decompose  the GEMM split along M into `chunks` cuBLAS calls, each chunk's collective on the comm
-                 stream (what Megatron/TE call pipelining); a baseline and a fallback.
+                 stream (what Megatron/TE call pipelining); a baseline and a fallback. With transport 'p2p'
+                 (gemm_rs and ag_gemm, CUDA): cuBLAS GEMMs over the p2p transports below, no SM spent on
+                 communication and no Triton GEMM (gemm_rs: one GEMM per owner's region, written straight
+                 into its symmetric buffer; ag_gemm: the local rows' GEMM from the shard itself while the copy
+                 engines pull the peers' rows in `chunks`, then each chunk's GEMM).
       off        cuBLAS then the collective, on one stream (Megatron's default path).
       auto       the wave-group tuner's choice for the shape (overlap_tp.tune.choose, docs/tuner.md): read
                  from the tuning cache, else measured once on every rank of the group together at the
@@ -30,15 +34,15 @@ class OverlapConfig:
                  near-equal groups) or a tuple of per-group sizes in schedule units (row_slice: row-slices
                  of block_m rows of every rank's region; tile_exact: tile positions of a rank's region;
                  ag_gemm: the chunks in which the peers' rows arrive, in row-slices of the local rows).
-    transport:   how `signal` moves a reduce-scatter's partials. `nccl`: one NCCL collective per group on
-                 the comm stream. `p2p` (gemm_rs on CUDA only): no collective; the epilogue stores each
-                 region's tiles straight into the owner's symmetric-memory buffer over NVLink, then a
-                 barrier and one add per rank (schedule and groups do not apply). For ag_gemm, `nccl`
-                 broadcasts each chunk in place (needs comm_sms >= 1); `p2p` pulls the peers' rows with
-                 copy-engine copies from their symmetric-memory shard buffers (no SM).
+    transport:   how `signal` and `decompose` move the data. `nccl`: one NCCL collective per group (chunk)
+                 on the comm stream. `p2p` (gemm_rs and ag_gemm, CUDA only): no collective. gemm_rs: the
+                 GEMM's epilogue stores each region's rows straight into the owner's symmetric-memory buffer
+                 over NVLink, then a barrier and one add per rank (schedule and groups do not apply). ag_gemm:
+                 `nccl` broadcasts each chunk in place (signal needs comm_sms >= 1); `p2p` pulls the peers'
+                 rows with copy-engine copies from their symmetric gathered buffers (no SM).
     comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a
                  communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
-    chunks:      M-chunks of the `decompose` method.
+    chunks:      M-chunks of the `decompose` method (gemm_rs over p2p: one GEMM per region, chunks unused).
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
     tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
                  tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much

@@ -30,9 +30,10 @@ class GemmAR(OpPlan):
                  config: Optional[OverlapConfig] = None):
         super().__init__(group, m, n, k, dtype, device, config)
         config, device = self.config, self.device
+        if self.method in ("signal", "decompose") and config.transport != "nccl":
+            raise ValueError(f"gemm_ar: transport={config.transport!r} is implemented for gemm_rs and ag_gemm only; "
+                             f"use 'nccl'")
         if self.method == "signal":
-            if config.transport != "nccl":
-                raise ValueError(f"gemm_ar: transport={config.transport!r} is implemented for gemm_rs only; use 'nccl'")
             if config.schedule == "tile_exact" and (m % config.block_m or n % config.block_n):
                 raise ValueError(f"gemm_ar: method='signal' cannot run: schedule 'tile_exact' needs M={m} % "
                                  f"block_m={config.block_m} == 0 and N={n} % block_n={config.block_n} == 0")

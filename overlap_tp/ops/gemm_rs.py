@@ -6,8 +6,9 @@
 
 Methods (OverlapConfig.method): `signal` (persistent Triton GEMM + per-group collectives on the comm stream,
 ops/reduction.py; or, with transport 'p2p', epilogue stores into the owners' symmetric buffers,
-ops/p2p.py), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream), both through a raw
-NCCL communicator (ops/nccl.py); `off` (cuBLAS then torch.distributed's reduce-scatter: Megatron's path and,
+ops/p2p.py), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream; or, with transport 'p2p',
+one cuBLAS GEMM per owner's region writing straight into that owner's symmetric buffer, ops/p2p.py RegionGemms),
+the collectives through a raw NCCL communicator (ops/nccl.py); `off` (cuBLAS then torch.distributed's reduce-scatter: Megatron's path and,
 on CPU tensors under gloo, the reference); `auto` (the tuner's choice, resolved when the plan is built).
 On CPU tensors `signal` runs its Triton kernel in the interpreter and the same per-group collectives, so the
 whole signaled data path is tested without a GPU.
@@ -43,7 +44,7 @@ class GemmRS(OpPlan):
         super().__init__(group, m, n, k, dtype, device, config)
         config, device, t = self.config, self.device, self.t
         self.m_local = m // t
-        if self.method == "signal" and config.transport == "p2p":
+        if self.method in ("signal", "decompose") and config.transport == "p2p":
             if device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
                 raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors (symmetric memory)")
             self.p2p = P2PReduceScatter(self.group, self.rank, t, m, n, dtype, device, config,
@@ -69,7 +70,7 @@ class GemmRS(OpPlan):
                  async_op: bool = False):
         self.check_call(a, w, bias)
         n, m_local = self.n, self.m_local
-        if self.method == "signal" and self.config.transport == "p2p":
+        if self.method in ("signal", "decompose") and self.config.transport == "p2p":
             # the sum (after the wait for every peer's stores) runs on the stream current at wait(): with
             # async_op, work queued before wait() hides the wait for the slowest peer. pending.deferred_sum lets
             # the kernel that reads the output sum the slots itself instead (the fused add + RMSNorm).

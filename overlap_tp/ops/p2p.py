@@ -1,7 +1,9 @@
 """Peer-to-peer transports through PyTorch symmetric memory (peer-mapped over NVLink), no collective.
 
-GEMM+ReduceScatter (`P2PReduceScatter`): the GEMM epilogue stores each region's tiles straight into the
-owning rank's receive buffer, then every rank sums the t partial slots it received.
+GEMM+ReduceScatter (`P2PReduceScatter`): the GEMM's epilogue stores each region's rows straight into the
+owning rank's receive buffer, then every rank sums the t partial slots it received. The GEMM is the signaled
+Triton kernel (method 'signal', one persistent launch over a tile plan) or cuBLAS, one call per region
+(method 'decompose': `RegionGemms`).
 
 AllGather+GEMM (`GatherBuffer`): every rank copies its shard into its own region of a symmetric gathered buffer and
 tells its peers; each rank then pulls the peers' rows chunk by chunk from their buffers into its own with copy-engine
@@ -38,8 +40,8 @@ class P2PReduceScatter:
     Per call, on the caller's stream, in two halves (the second may be queued after other work, which then
     hides the wait for the slowest peer's GEMM):
         store half:  wait SUMMED from every peer (it has summed our previous partials out of its buffer),
-                     reset; GEMM: region k's tiles into rank k's buffer, slot `rank`; signal ARRIVED to every
-                     peer (our stores are complete: the write is fenced behind the kernel)
+                     reset; GEMM: region k's rows into rank k's buffer, slot `rank`; signal ARRIVED to every
+                     peer (our stores are complete: the write is fenced behind the kernels)
         reduce half: wait ARRIVED from every peer, reset; sum the t slots; signal SUMMED to every peer
     Order argument for the resets: a peer raises our SUMMED word for call i+1 only after its sum of call i+1,
     which waits for our ARRIVED of call i+1, which we raise after our reset of SUMMED in call i+1; a peer
@@ -49,10 +51,10 @@ class P2PReduceScatter:
     SUMMED, ARRIVED = 0, 1
 
     def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched):
+        """config.method 'signal': the signaled GEMM stores the tiles (programs: its grid); 'decompose': cuBLAS
+        (RegionGemms)."""
         from torch.distributed import _symmetric_memory as symm_mem
         self.t, self.m_local, self.n, self.watched = t, m // t, n, watched
-        plan = p2p_plan(m, n, t, rank, config.block_m, config.block_n)
-        self.tiles = plan.tiles.to(device)
         self.buf = symm_mem.empty(t * self.m_local, n, dtype=dtype, device=device)
         handle = symm_mem.rendezvous(self.buf, group)
         within = self.buf.data_ptr() - handle.buffer_ptrs[rank]        # the same on every rank
@@ -61,11 +63,17 @@ class P2PReduceScatter:
             raise RuntimeError(f"overlap_tp: symmetric buffers are not {OFFSET_ALIGNMENT}-element aligned: "
                                f"{byte_offsets}")
         self.handle = handle
-        offsets = torch.tensor([off // self.buf.element_size() for off in byte_offsets], dtype=torch.int64,
-                               device=device)
-        default_offsets(device)
-        self.gemm = SignaledGemm(self.tiles, programs, config, bias_rows=(rank * self.m_local, (rank + 1) * self.m_local),
-                                 dst_offsets=offsets)
+        if config.method == "decompose":
+            self.store = RegionGemms(handle, self.buf, rank, t, within // self.buf.element_size())
+        else:
+            tiles = p2p_plan(m, n, t, rank, config.block_m, config.block_n).tiles.to(device)
+            offsets = torch.tensor([off // self.buf.element_size() for off in byte_offsets], dtype=torch.int64,
+                                   device=device)
+            default_offsets(device)
+            gemm = SignaledGemm(tiles, programs, config, dst_offsets=offsets,
+                                bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
+            buf = self.buf
+            self.store = lambda a, w, bias: gemm(a, w, buf, bias)
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=watched.describe,
                                    names=("SUMMED", "ARRIVED"))
         self.sum = SumSlots(t, self.m_local * n)
@@ -90,7 +98,7 @@ class P2PReduceScatter:
             raise RuntimeError("overlap_tp gemm_rs (p2p): the plan was called again before the previous call's "
                                "result was waited for (Pending.wait()); wait for it first")
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        self.store_half(stream, lambda: self.gemm(a, w, self.buf, bias), capturing)
+        self.store_half(stream, lambda: self.store(a, w, bias), capturing)
         self.outstanding = "capture" if capturing else "eager"
         return DeferredSum(self)
 
@@ -114,6 +122,32 @@ class P2PReduceScatter:
         self.signals.wait(stream, self.ARRIVED, capturing)
         reduce()
         self.signals.signal(stream, self.SUMMED)
+
+
+class RegionGemms:
+    """The decompose method's stores into the owners' receive buffers: rows [k*M/t, (k+1)*M/t) of a @ w.T by one
+    cuBLAS GEMM per region k, written straight into slot `rank` of rank k's buffer (peer-mapped: cuBLAS's own
+    epilogue stores go over NVLink, as the signaled kernel's do), so the GEMMs run at cuBLAS's speed and no SM or
+    copy engine moves anything afterwards. The next rank's region first and our own last: at t > 2 the ranks write
+    into different owners at any time. The bias (added once, after the sum, in Megatron) goes into our own region
+    only, in cuBLAS's epilogue (addmm)."""
+
+    def __init__(self, handle, buf, rank, t, within_elems):
+        m_local, n = buf.shape[0] // t, buf.shape[1]
+        self.rank, self.m_local = rank, m_local
+        self.order = [(rank + i) % t for i in range(1, t + 1)]
+        # slot `rank` of every owner's buffer, as a tensor (a peer's through its mapping), made once
+        self.slots = [buf.view(t, m_local, n)[rank] if k == rank else
+                      handle.get_buffer(k, (t, m_local, n), buf.dtype, within_elems)[rank] for k in range(t)]
+
+    def __call__(self, a, w, bias):
+        wt = w.t()
+        for k in self.order:
+            rows = a.narrow(0, k * self.m_local, self.m_local)
+            if k == self.rank and bias is not None:
+                torch.addmm(bias, rows, wt, out=self.slots[k])
+            else:
+                torch.mm(rows, wt, out=self.slots[k])
 
 
 class DeferredSum:

@@ -3,11 +3,12 @@
 Per op:
   rs (gemm_rs), ar (gemm_ar)
       off; decompose with chunks in {2, 4, 8} x comm_sms in {0, 16}; signal/nccl with schedule in
-      {row_slice, tile_exact} x comm_sms in {0, 8, 16} x group partitions; signal/p2p (rs only: no
-      groups, comm_sms 0).
+      {row_slice, tile_exact} x comm_sms in {0, 8, 16} x group partitions; signal/p2p and decompose/p2p
+      (rs only: no groups or chunks, comm_sms 0; CUDA only).
   ag (ag_gemm)
-      off; decompose as above; signal with transport nccl (comm_sms in {8, 16}: a GEMM that spins on
-      a chunk's flag on every SM would starve NCCL) or p2p (copy engine, comm_sms 0) x chunk partitions.
+      off; decompose as above, and over p2p with chunks in {1, 2, 4} (CUDA only); signal with transport
+      nccl (comm_sms in {8, 16}: a GEMM that spins on a chunk's flag on every SM would starve NCCL) or p2p
+      (copy engine, comm_sms 0) x chunk partitions.
 
 Partitions (FlashOverlap Alg. 1, adapted). Group sizes are in schedule units, as OverlapConfig.groups
 and overlap_tp.ops.tile_plan.split_units take them: row_slice = row-slices of block_m rows (of every rank's
@@ -35,6 +36,7 @@ COMM_SMS = (0, 8, 16)
 AG_NCCL_COMM_SMS = (8, 16)
 DECOMPOSE_CHUNKS = (2, 4, 8)
 DECOMPOSE_COMM_SMS = (0, 16)
+DECOMPOSE_P2P_CHUNKS = (1, 2, 4)   # ag_gemm's pulls per peer region (gemm_rs over p2p: one GEMM per region)
 MAX_GROUPS = 8
 FIRST_WAVES = 2
 LAST_WAVES = 4
@@ -206,6 +208,8 @@ def label(config: OverlapConfig) -> str:
     """A short, unique, stable name of a candidate (used as a key in measurements and reports)."""
     if config.method == "off":
         return "off"
+    if config.method == "decompose" and config.transport == "p2p":
+        return f"decompose-p2p/c{config.chunks}"
     if config.method == "decompose":
         return f"decompose/c{config.chunks}/sm{config.comm_sms}"
     groups = config.groups
@@ -231,6 +235,7 @@ def candidates(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig(), *,
     for cs in DECOMPOSE_COMM_SMS:
         for chunks in DECOMPOSE_CHUNKS:
             out.append(OverlapConfig(method="decompose", chunks=chunks, comm_sms=cs, **fix))
+    out += decompose_p2p(shape, fix)
     if shape.op == "ag":
         lay = layout(shape, "row_slice", base.block_m, base.block_n)
         for transport, sms_options in (("nccl", [c for c in AG_NCCL_COMM_SMS if c in comm_sms or not comm_sms]),
@@ -256,11 +261,19 @@ def candidates(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig(), *,
     return out
 
 
+def decompose_p2p(shape: Shape, fix) -> List[OverlapConfig]:
+    """cuBLAS over the p2p transports (measured end to end: no model): gemm_rs one GEMM per region, ag_gemm the
+    pulls in DECOMPOSE_P2P_CHUNKS chunks; gemm_ar has no p2p transport."""
+    chunks = {"rs": (1,), "ag": DECOMPOSE_P2P_CHUNKS}.get(shape.op, ())
+    return [OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=c, **fix) for c in chunks]
+
+
 def space_size(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig()) -> Dict[str, int]:
-    """Candidates per kind (off / decompose / signal-nccl / p2p) for the docs and the CLI."""
+    """Candidates per kind (off / decompose / decompose/p2p / signal/nccl / signal/p2p) for the docs and the CLI."""
     counts: Dict[str, int] = {}
     for c in candidates(shape, sms, base):
-        kind = c.method if c.method != "signal" else f"signal/{c.transport}"
+        kind = "off" if c.method == "off" else c.method if c.method == "decompose" and c.transport == "nccl" else \
+            f"{c.method}/{c.transport}"
         counts[kind] = counts.get(kind, 0) + 1
     counts["total"] = sum(counts.values())
     return counts

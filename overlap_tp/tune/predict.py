@@ -289,6 +289,8 @@ def predict(shape: Shape, config: OverlapConfig, meas: Measurements, progress: s
             return None
         eb = shape.elem_bytes
         return meas.cublas + curve(shape.m * (shape.k if shape.op == "ag" else shape.n) * eb)
+    if config.method == "decompose" and config.transport == "p2p":
+        return None   # measured end to end only (candidates.decompose_p2p)
     if config.method == "decompose":
         return _decompose(shape, config, meas)
     if config.method != "signal":

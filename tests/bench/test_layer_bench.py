@@ -216,6 +216,16 @@ def test_bench_cli_arguments():
             layer.parse_args(bad)
     from overlap_tp.bench.__main__ import SUBCOMMANDS
     assert SUBCOMMANDS["layer"] == "overlap_tp.bench.layer"
+    # the p2p transports under both GEMMs; GEMM+AllReduce stays on NCCL (it has no p2p transport)
+    configs = layer.configurations("cuda")
+    for name, method in (("signal-p2p", "signal"), ("decompose-p2p", "decompose")):
+        spec, ops, counterfactual = configs[name]
+        assert spec == "ours" and not counterfactual
+        assert all((ops[op].method, ops[op].transport, ops[op].comm_sms) == (method, "p2p", 0)
+                   for op in ("ag_gemm", "gemm_rs")), name
+        assert ops["gemm_ar"].transport == "nccl"
+    assert "decompose-p2p" in layer.DEFAULT_CONFIGS.split(",")
+    assert layer.parse_args(["--configs", "megatron,decompose-p2p"]).configs == "megatron,decompose-p2p"
 
 
 def test_layer_gpu_checks_on_cpu():

@@ -57,12 +57,19 @@ RATIO, SLACK, DIRECT = 1.5, 1e-3, 1e-2
 CPU_RATIO = 3.0   # Triton's CPU interpreter rounds its dot products worse than a GPU's fp32 accumulation
 
 
+P2P_METHODS = ("signal", "decompose")
+
+
+def _p2p_configs(method):
+    """The layers' op configs with both sequence-parallel collectives on the p2p transports under `method`."""
+    p2p = OverlapConfig(method=method, transport="p2p", comm_sms=0, chunks=2)
+    return {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")}
+
+
 def methods(device_type, p2p=False):
     tiles = SMALL_TILES if device_type == "cpu" else {}
-    if p2p:
-        p2p_config = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
-        return {"signal-p2p": {"ag_gemm": p2p_config, "gemm_rs": p2p_config,
-                               "gemm_ar": OverlapConfig(method="signal")}}
+    if p2p:   # the p2p transports under the signaled GEMM and under cuBLAS (decompose)
+        return {f"{method}-p2p": _p2p_configs(method) for method in P2P_METHODS}
     return {"off": OverlapConfig(method="off"), "signal": OverlapConfig(method="signal", **tiles),
             "decompose": OverlapConfig(method="decompose", chunks=4)}
 
@@ -284,18 +291,17 @@ def test_linears_match_megatron_p2p():
     run_distributed(_gpu_world(), check_layers, "cuda", GPU_SHAPES, methods("cuda", p2p=True), backend="nccl")
 
 
-def _sp_p2p_config(world, num_layers, deterministic=False):
+def _sp_p2p_config(world, num_layers, deterministic=False, method="signal"):
     """A small Llama-like TransformerConfig (SP where TP > 1, no bias, no dropout; Megatron's deterministic_mode
-    if asked) and the layers' op configs with both sequence-parallel collectives on the p2p transports (the
-    default of --overlap-tp signal)."""
+    if asked) and the layers' op configs with both sequence-parallel collectives on the p2p transports under
+    `method` (signal: the default of --overlap-tp signal; decompose: cuBLAS)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
     config = TransformerConfig(num_layers=num_layers, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
                                ffn_hidden_size=2816, params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
                                tensor_model_parallel_size=world, sequence_parallel=world > 1, hidden_dropout=0.0,
                                attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
                                init_method_std=0.02, deterministic_mode=deterministic)
-    p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
-    return config, {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")}
+    return config, _p2p_configs(method)
 
 
 def _deterministic():
@@ -338,7 +344,7 @@ def _count_deferred_dgrads():
     return calls
 
 
-def check_deferred_proj_sum(rank, world):
+def check_deferred_proj_sum(rank, world, method="signal"):
     """OverlapTransformerLayer (SP, p2p transports) with linear_proj's reduce-scatter sum left to the fused
     bias-dropout-add + norm kernel, and linear_qkv's and linear_fc1's dgrad sums left to the input and pre-MLP norms'
     backward kernels (the defaults), against the same layer summing first (fused_proj_sum, sum_dgrad_in_norm off):
@@ -350,7 +356,7 @@ def check_deferred_proj_sum(rank, world):
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
     ps = _setup(world, "cuda")
-    config, p2p_configs = _sp_p2p_config(world, num_layers=1, deterministic=True)
+    config, p2p_configs = _sp_p2p_config(world, num_layers=1, deterministic=True, method=method)
     layers = []
     for fused in (True, False):
         _seed(77, "cuda")
@@ -374,11 +380,12 @@ def check_deferred_proj_sum(rank, world):
     ps.destroy_model_parallel()
 
 
-def test_transformer_layer_p2p_sum_in_the_norm_kernel_is_bitwise_the_summed_path():
-    run_distributed(_gpu_world(), check_deferred_proj_sum, backend="nccl")
+@pytest.mark.parametrize("method", P2P_METHODS)
+def test_transformer_layer_p2p_sum_in_the_norm_kernel_is_bitwise_the_summed_path(method):
+    run_distributed(_gpu_world(), check_deferred_proj_sum, method, backend="nccl")
 
 
-def check_mlp_boundary(rank, world):
+def check_mlp_boundary(rank, world, method="signal"):
     """Two OverlapTransformerLayers in a row (SP, p2p transports): from the second step the first layer's mlp bda
     runs the second layer's input norm and sums fc2's p2p partials in the same kernel, and the column-parallel dgrads'
     sums are left to the norms' backward kernels (the defaults; the second layer's qkv dgrad to the first layer's fused
@@ -390,7 +397,7 @@ def check_mlp_boundary(rank, world):
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
     ps = _setup(world, "cuda")
-    config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True)
+    config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method)
     pairs = []
     for variant in ("fused", "summed fc2", "unlinked"):
         _seed(78, "cuda")
@@ -415,8 +422,9 @@ def check_mlp_boundary(rank, world):
     ps.destroy_model_parallel()
 
 
-def test_mlp_boundary_next_norm_and_fc2_sum_in_one_kernel():
-    run_distributed(_gpu_world(), check_mlp_boundary, backend="nccl")
+@pytest.mark.parametrize("method", P2P_METHODS)
+def test_mlp_boundary_next_norm_and_fc2_sum_in_one_kernel(method):
+    run_distributed(_gpu_world(), check_mlp_boundary, method, backend="nccl")
 
 
 def test_mlp_boundary_on_one_gpu():

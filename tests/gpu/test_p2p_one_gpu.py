@@ -4,7 +4,9 @@ gloo). Everything else is the ops' own code:
 - gemm_rs on the p2p transport (epilogue stores into the owner's slots, the peer signals, the slot sum) and ag_gemm
   on it (the shard's copy and the copy-engine pulls behind the peer signals, the GEMM's tiles behind the ready
   flags), eager with fresh inputs every call, and captured in a CUDA graph and replayed (one rank late before some
-  replays); a soak of randomly drawn calls (OVERLAP_TP_SOAK_CALLS, 1000) against `off`;
+  replays); the same with cuBLAS's GEMMs over those transports (method decompose: the stores into the owners'
+  slots by cuBLAS, the pulled chunks' GEMMs behind the caller stream's joins); a soak of randomly drawn calls of
+  both (OVERLAP_TP_SOAK_CALLS, 1000) against `off`;
 - the fused add + RMSNorm summing gemm_rs's slots itself, bit for bit the summed path;
 - gather_rows on the copy engines (the column-parallel backward's re-gather), eager and replayed; its result and
   ag_gemm's gathered input are the shape's one buffer, refused while held;
@@ -36,6 +38,8 @@ pytestmark = pytest.mark.gpu
 T = 2
 RS = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
 AG = OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=4)
+RS_CUBLAS = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)
+AG_CUBLAS = OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=2)
 SHAPES = [(2048, 1024, 512), (1000, 1408, 264)]   # (M, N, K): M = the gathered rows; the second: no tile multiple
 
 
@@ -74,37 +78,37 @@ def _ag_operands(seed, m, n, k, rank, world):
     return shards, w, bias
 
 
-def _check_ops(rank, world):
+def _check_ops(rank, world, rs=RS, ag=AG):
     group = dist.group.WORLD
     for m, n, k in SHAPES:
         if m % world:
             continue
         for call in range(4):
             a, w, bias = _operands(call, m, n, k, rank)
-            got = gemm_rs(a, w, group, bias=bias, config=RS)
+            got = gemm_rs(a, w, group, bias=bias, config=rs)
             assert rel_error(got, _rs_reference(call, m, n, k, rank, world)) < 1e-2, ("gemm_rs", m, n, k, call)
             shards, w, bias = _ag_operands(call, m, n, k, rank, world)
-            got = ag_gemm(shards[rank], w, group, bias=bias, config=AG)
+            got = ag_gemm(shards[rank], w, group, bias=bias, config=ag)
             want = torch.cat(shards).float() @ w.float().t() + bias.float()
             assert rel_error(got, want) < 1e-2, ("ag_gemm", m, n, k, call)
         torch.cuda.synchronize()
         dist.barrier()
 
 
-def _check_replays(rank, world):
+def _check_replays(rank, world, rs=RS, ag=AG):
     group = dist.group.WORLD
     m, n, k = SHAPES[0]
     a_static, w_static, bias_static = _operands(0, m, n, k, rank)
     shards, wg_static, biasg_static = _ag_operands(0, m, n, k, rank, world)
     shard_static = shards[rank].clone()
     for _ in range(2):   # the plans built, every kernel compiled, before the capture
-        gemm_rs(a_static, w_static, group, bias=bias_static, config=RS)
-        ag_gemm(shard_static, wg_static, group, bias=biasg_static, config=AG)
+        gemm_rs(a_static, w_static, group, bias=bias_static, config=rs)
+        ag_gemm(shard_static, wg_static, group, bias=biasg_static, config=ag)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        rs_out = gemm_rs(a_static, w_static, group, bias=bias_static, config=RS)
-        ag_out = ag_gemm(shard_static, wg_static, group, bias=biasg_static, config=AG)
+        rs_out = gemm_rs(a_static, w_static, group, bias=bias_static, config=rs)
+        ag_out = ag_gemm(shard_static, wg_static, group, bias=biasg_static, config=ag)
     for replay in range(1, 6):
         a, w, bias = _operands(replay, m, n, k, rank)
         shards, wg, biasg = _ag_operands(replay, m, n, k, rank, world)
@@ -123,7 +127,7 @@ def _check_replays(rank, world):
     dist.barrier()
 
 
-def _check_norm_sums_the_slots(rank, world):
+def _check_norm_sums_the_slots(rank, world, rs=RS):
     """gemm_rs's second half left to the fused add + RMSNorm (x_sum: the kernel reads the t slots): bit for bit the
     summed output through the same norm, forward and the gradients of x and the residual."""
     group = dist.group.WORLD
@@ -135,12 +139,12 @@ def _check_norm_sums_the_slots(rank, world):
         weight = torch.randn(n, device="cuda", generator=gen).bfloat16()
         grad = torch.randn(m // world, n, device="cuda", generator=gen).bfloat16()
 
-        summed = gemm_rs(a, w, group, config=RS).requires_grad_()
+        summed = gemm_rs(a, w, group, config=rs).requires_grad_()
         res_a = residual.clone().requires_grad_()
         want, want_res = fused_add_rmsnorm(summed, res_a, weight)
         torch.autograd.backward((want, want_res), (grad, grad))
 
-        pending = gemm_rs(a, w, group, config=RS, async_op=True)
+        pending = gemm_rs(a, w, group, config=rs, async_op=True)
         x = torch.empty(m // world, n, device="cuda", dtype=torch.bfloat16).requires_grad_()
         res_b = residual.clone().requires_grad_()
         got, got_res = fused_add_rmsnorm(x, res_b, weight, x_sum=pending.deferred_sum)
@@ -178,6 +182,12 @@ def _check_gather(rank, world):
         with pytest.raises(RuntimeError, match="still referenced"):
             gather_rows(shards[rank], group, RS)
         del gathered
+        # and so is the cuBLAS path's (decompose over p2p), and gather_rows with its config pulls too
+        out, gathered = ag_gemm(shards[rank], w, group, config=AG_CUBLAS, return_gathered=True)
+        assert torch.equal(gathered, torch.cat(shards)), ("ag_gemm cuBLAS gathered", m, k)
+        with pytest.raises(RuntimeError, match="still referenced"):
+            gather_rows(shards[rank], group, AG_CUBLAS)
+        del gathered
         assert torch.equal(gather_rows(shards[rank], group, RS).wait(), torch.cat(shards)), ("after ag_gemm", m, k)
         static = _operands(0, m, 8, k, rank)[0].clone()
         for _ in range(2):
@@ -197,7 +207,7 @@ def _check_gather(rank, world):
     dist.barrier()
 
 
-def _check_layer_captured(rank, world):
+def _check_layer_captured(rank, world, method="signal"):
     """An OverlapTransformerLayer at TP 2 (SP, both sequence-parallel collectives and the backward's re-gather on
     the p2p transports: no other collective) captured forward + backward in one CUDA graph and replayed with fresh
     inputs: output, input grad and every parameter grad bit for bit the eager step's on the same input (Megatron's
@@ -210,7 +220,7 @@ def _check_layer_captured(rank, world):
     L._quiet()
     L._deterministic()
     ps = L._setup(world, "cuda")
-    config, p2p_configs = L._sp_p2p_config(world, num_layers=1, deterministic=True)
+    config, p2p_configs = L._sp_p2p_config(world, num_layers=1, deterministic=True, method=method)
     L._seed(79, "cuda")
     layer = build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=1).cuda()
     set_overlap_config(layer, p2p_configs)
@@ -240,9 +250,10 @@ def _check_layer_captured(rank, world):
 
 SOAK_CALLS = int(os.environ.get("OVERLAP_TP_SOAK_CALLS", 1000))
 SOAK_SHAPES = [(1024, 1024, 512), (2048, 4096, 1024), (2 * 520, 1000, 512), (256, 128, 64), (4096, 2048, 2048)]
-SOAK_CONFIGS = {"rs": [RS, OverlapConfig(method="signal", transport="p2p", comm_sms=0, block_n=128)],
+SOAK_CONFIGS = {"rs": [RS, OverlapConfig(method="signal", transport="p2p", comm_sms=0, block_n=128), RS_CUBLAS],
                 "ag": [AG, OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=1),
-                       OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=3)]}
+                       OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=3), AG_CUBLAS,
+                       OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=1)]}
 
 
 def _check_soak(rank, world):
@@ -269,10 +280,18 @@ def _check_soak(rank, world):
     dist.barrier()
 
 
+CUBLAS = functools.partial   # the same check with cuBLAS's GEMMs over the p2p transports (method decompose)
+
+
 @pytest.mark.parametrize("check", [_check_ops, _check_replays, _check_norm_sums_the_slots, _check_gather,
-                                   _check_layer_captured, _check_soak],
+                                   _check_layer_captured, _check_soak,
+                                   CUBLAS(_check_ops, rs=RS_CUBLAS, ag=AG_CUBLAS),
+                                   CUBLAS(_check_replays, rs=RS_CUBLAS, ag=AG_CUBLAS),
+                                   CUBLAS(_check_norm_sums_the_slots, rs=RS_CUBLAS),
+                                   CUBLAS(_check_layer_captured, method="decompose")],
                          ids=["eager", "replayed_late_peer", "norm_sums_the_slots", "gather_rows", "layer_captured",
-                              "soak"])
+                              "soak", "cublas_eager", "cublas_replayed_late_peer", "cublas_norm_sums_the_slots",
+                              "cublas_layer_captured"])
 def test_p2p_transports_at_t2_on_one_gpu(check):
     run_distributed(T, _on_one_gpu, check, backend="gloo")
 
@@ -284,13 +303,15 @@ def _check_layer(rank, world, check):
     check(rank, world)
 
 
+@pytest.mark.parametrize("method", ["signal", "decompose"])
 @pytest.mark.parametrize("name", ["check_deferred_proj_sum", "check_mlp_boundary"])
-def test_transformer_layers_on_the_p2p_transports_at_t2_on_one_gpu(name):
+def test_transformer_layers_on_the_p2p_transports_at_t2_on_one_gpu(name, method):
     """linear_proj's p2p sum left to the fused bda + norm, and the MLP boundary across two layers (the next layer's
-    norm and fc2's sum in one kernel): bit for bit their summed paths over 20 steps (test_layers_gpu.py)."""
+    norm and fc2's sum in one kernel): bit for bit their summed paths over 20 steps (test_layers_gpu.py), with the
+    signaled GEMMs and with cuBLAS's over the same transports."""
     import test_layers_gpu
-    run_distributed(T, _on_one_gpu, functools.partial(_check_layer, check=getattr(test_layers_gpu, name)),
-                    backend="gloo")
+    check = functools.partial(getattr(test_layers_gpu, name), method=method)
+    run_distributed(T, _on_one_gpu, functools.partial(_check_layer, check=check), backend="gloo")
 
 
 _PEER_NEVER_CALLS = textwrap.dedent("""

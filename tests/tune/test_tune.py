@@ -14,7 +14,7 @@ from overlap_tp.ops.tile_plan import make_plan
 from overlap_tp.tune import choose, clear_memo, decide, refit
 from overlap_tp.tune.cache import TuneCache, cache_key, config_to_dict, default_path
 from overlap_tp.tune.candidates import (MAX_PARTITIONS, Shape, candidates, config_from_label, label, layout,
-                                        partitions, wave_boundaries, wave_tiles)
+                                        partitions, space_size, wave_boundaries, wave_tiles)
 from overlap_tp.tune.predict import (NO_CONTENTION, CommCurve, Contention, Measurements, comm_then_gemm, gemm_finish,
                                      gemm_then_comm, interp_linear, overlap_timeline, predict, predict_max_over_ranks)
 from distributed import run_distributed
@@ -82,9 +82,11 @@ def test_candidates_counts_and_validity():
     configs = candidates(shape, 132)
     labels = [label(c) for c in configs]
     assert len(labels) == len(set(labels))
-    methods = [c.method for c in configs]
-    assert methods.count("off") == 1 and methods.count("decompose") == 6
-    assert sum(c.transport == "p2p" for c in configs) == 1
+    kinds = [(c.method, c.transport) for c in configs]
+    assert kinds.count(("off", "nccl")) == 1 and kinds.count(("decompose", "nccl")) == 6
+    # the p2p transports: the signaled GEMM's epilogue stores and cuBLAS's (one GEMM per region: one candidate)
+    assert kinds.count(("signal", "p2p")) == 1 and kinds.count(("decompose", "p2p")) == 1
+    assert space_size(shape, 132)["decompose/p2p"] == 1
     signal = [c for c in configs if c.method == "signal" and c.transport == "nccl"]
     assert {c.comm_sms for c in signal} == {0, 8, 16} and {c.schedule for c in signal} == {"row_slice", "tile_exact"}
     assert len(signal) <= 6 * MAX_PARTITIONS
@@ -98,6 +100,11 @@ def test_candidates_counts_and_validity():
     ag = candidates(Shape("ag", 8192, 3072, 4096, 2), 132)
     assert {c.comm_sms for c in ag if c.method == "signal" and c.transport == "nccl"} == {8, 16}
     assert {c.comm_sms for c in ag if c.method == "signal" and c.transport == "p2p"} == {0}
+    ag_cublas_p2p = [c for c in ag if c.method == "decompose" and c.transport == "p2p"]
+    assert sorted(c.chunks for c in ag_cublas_p2p) == [1, 2, 4] and {c.comm_sms for c in ag_cublas_p2p} == {0}
+    assert "decompose-p2p/c2" in {label(c) for c in ag_cublas_p2p}
+    # gemm_ar has no p2p transport
+    assert not [c for c in candidates(Shape("ar", 8192, 4096, 2048, 2), 132) if c.transport == "p2p"]
     assert all(c.schedule == "row_slice" for c in ag)
 
 
