@@ -1,4 +1,4 @@
-# The next 2-GPU session's call 1 (nvidia-h200-x2), written at the end of session 13 for what its device time did
+# A later 2-GPU call (after run_s19_x2_{1,2,3}.sh and run_s15_moe.sh; nvidia-h200-x2), written at the end of session 13 for what its device time did
 # not cover (session 14 had one GPU only: it ran nothing of this):
 # - the expert ops' and the AllGather+GEMM's GPU tests after 2a6c592 (the GEMM enqueued before the transfers):
 #   session 13's run reached only the expert ops' four cases before its step limit (fresh machine, cold Triton

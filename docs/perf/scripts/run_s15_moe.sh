@@ -1,4 +1,4 @@
-# The next 2-GPU session's MoE call (nvidia-h200-x2), written in session 14 (one GPU only): --overlap-moe auto
+# A later 2-GPU call (after run_s19_x2_{1,2,3}.sh; nvidia-h200-x2), written in session 14 (one GPU only): --overlap-moe auto
 # (each layer times off and signal in its first calls and keeps the faster) against off, signal and Megatron's
 # MoELayer, over NVLink (session 13: signal 0.97 / 0.96x, so auto should keep off) and on the cross-node proxy
 # (NCCL_P2P_DISABLE=1: signal 1.16 / 1.12x, auto should keep signal); a new routing every step (--routings 8);
