@@ -9,7 +9,10 @@ interleavings that respect stream order and wait conditions, many times over, an
   keep their own counters; a capture that is recorded but never run (a failed capture) leaves the next
   eager call correct;
 - the peer protocols (P2PReduceScatter, GatherBuffer, and the expert combine's RowPush): no rank overwrites a buffer a
-  peer has not consumed yet, and no rank consumes a buffer before every peer's data of the same call is in it.
+  peer has not consumed yet, and no rank consumes a buffer before every peer's data of the same call is in it;
+- the AllGather+GEMM's cuBLAS path over the copy engines (AgGemm._pulled_decomposed: each rank's caller stream and
+  comm stream, with their forks and joins): no chunk's GEMM reads rows before this call's pull of them, and the local
+  rows' GEMM waits for nothing.
 A mutation check proves the simulator can fail: the counter wait without its reset passes stale targets.
 """
 import random
@@ -29,9 +32,11 @@ class Recorder:
 
     def __init__(self):
         self.programs = {}
+        self.sequence = []   # (stream, op) in the order the host enqueued them, across streams
 
     def emit(self, stream, op):
         self.programs.setdefault(stream, []).append(op)
+        self.sequence.append((stream, op))
 
     def wait_value(self, stream, address, value, equal=False):
         self.emit(stream, ("wait", address, value))
@@ -40,10 +45,11 @@ class Recorder:
         self.emit(stream, ("write", address, value))
 
     def copy(self, stream, dst, src, nbytes):
-        self.emit(stream, ("copy", dst, src))
+        self.emit(stream, ("copy", dst, src, nbytes))
 
     def stream_waits_for(self, waiter, producer, event):
-        self.emit(waiter, ("after", producer))
+        """The waiter waits for everything enqueued on the producer so far (an event recorded there, then waited on)."""
+        self.emit(waiter, ("after", producer, len(self.programs.get(producer, ()))))
 
     def MemOps(self, ops):
         """memops.MemOps: a batch built once, whose issue() records its operations in order."""
@@ -56,7 +62,7 @@ class Recorder:
         return Batch()
 
     def take(self):
-        programs, self.programs = self.programs, {}
+        programs, self.programs, self.sequence = self.programs, {}, []
         return programs
 
 
@@ -78,10 +84,11 @@ class Memory:
         tensor[i] = value
 
 
-def run(programs, memory, act, rng, max_steps=100000):
+def run(programs, memory, act, rng, max_steps=100000, joins=False):
     """Run every stream's program to its end in a random interleaving: a wait runs once its word is >= its
     value (cyclic compare, as cuStreamWaitValue32 GEQ), a write sets the word, anything else calls act(op).
-    Raises on a deadlock (no stream can move)."""
+    joins: an ("after", producer, n) op runs once the producer ran its first n ops (an event wait); otherwise
+    it is skipped (the programs of one stream per rank). Raises on a deadlock (no stream can move)."""
     position = {stream: 0 for stream in programs}
     for _ in range(max_steps):
         runnable = []
@@ -90,6 +97,8 @@ def run(programs, memory, act, rng, max_steps=100000):
                 continue
             op = program[position[stream]]
             if op[0] == "wait" and ((memory[op[1]] - op[2]) & 0xFFFFFFFF) >= 0x80000000:
+                continue
+            if joins and op[0] == "after" and position[op[1]] < op[2]:
                 continue
             runnable.append(stream)
         if not runnable:
@@ -284,17 +293,17 @@ def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
     assert summed == [calls - 1] * t
 
 
-def _gather_buffers(t, signals):
-    """GatherBuffers of t ranks over CPU buffers [t regions, 4] int32 (one row per region), wired as the rendezvous
-    would: rank p's own region in its own buffer is what the others pull p's rows from."""
-    bufs = [torch.zeros(t, 4, dtype=torch.int32) for _ in range(t)]
+def _gather_buffers(t, signals, m=1):
+    """GatherBuffers of t ranks over CPU buffers [t regions of m rows, 4] int32, wired as the rendezvous would: rank
+    p's own region in its own buffer is what the others pull p's rows from."""
+    bufs = [torch.zeros(t * m, 4, dtype=torch.int32) for _ in range(t)]
     gathers = []
     for rank in range(t):
         g = p2p.GatherBuffer.__new__(p2p.GatherBuffer)
-        g.rank, g.world, g.m, g.describe, g.signals = rank, t, 1, "all_gather(test)", signals[rank]
-        g.buf, g.base, g.row_bytes, g.region_bytes = bufs[rank], bufs[rank].data_ptr(), 16, 16
+        g.rank, g.world, g.m, g.describe, g.signals = rank, t, m, "all_gather(test)", signals[rank]
+        g.buf, g.base, g.row_bytes, g.region_bytes = bufs[rank], bufs[rank].data_ptr(), 16, 16 * m
         g._unreferenced = g._references()
-        g.own = [bufs[p].data_ptr() + p * 16 for p in range(t)]
+        g.own = [bufs[p].data_ptr() + p * 16 * m for p in range(t)]
         gathers.append(g)
     return gathers, bufs
 
@@ -521,3 +530,103 @@ def test_decomposed_dispatch_forks_once_so_no_exchange_waits_for_a_matmul(monkey
     assert log == ["fork", "matmuls local", "exchange on comm", "join", "matmuls chunk 0", "exchange on comm", "join",
                    "matmuls chunk 1"]
     assert torch.equal(xr[0:2], x[2:4])
+
+
+class _RankEngine(comm.CommEngine):
+    """The real CommEngine's eager fork and join (recorded event waits) between one rank's named streams."""
+
+    def __init__(self, rank):
+        self.device, self.stream, self.raw = torch.device("cpu"), f"comm{rank}", f"comm{rank}"
+        self.main = f"main{rank}"
+        self._events = {False: (None, None), True: (None, None)}
+
+    def capturing(self):
+        return False
+
+    def current(self):
+        return self.main
+
+
+def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_chunk=True):
+    """30 calls per rank of AgGemm._pulled_decomposed (the cuBLAS path over the copy engines), each rank's caller
+    stream and comm stream recorded with their forks and joins, the GEMMs recorded as reads of their rows; run in a
+    random interleaving that respects every wait and every join. Checks: a GEMM of peer rows reads this call's rows,
+    every pulled; a rank restages its shard only after every peer pulled the previous one; the local rows' GEMM is
+    enqueued before any comm-stream wait on a peer (one hardware queue would otherwise hold its launch behind it)."""
+    from overlap_tp.ops import ag_gemm as ag
+    m, calls = 4, 30
+    signals = _peer_signals(t, (1, 0))
+    gathers, bufs = _gather_buffers(t, signals, m)
+    programs, first_order = {}, []
+    for rank in range(t):
+        plan = object.__new__(ag.AgGemm)
+        plan.t, plan.rank, plan.gather, plan.watched = t, rank, gathers[rank], None
+        plan.engine = _RankEngine(rank)
+        plan.bounds = [(lo, min(m, lo + m // chunks)) for lo in range(0, m, m // chunks)]
+        if not joins_per_chunk:   # the mutation: only the final join
+            final = plan.engine.join
+            plan.engine.join = lambda current, capturing, n=[0]: (n.__setitem__(0, n[0] + 1),
+                                                                  n[0] % (chunks + 1) == 0 and final(current, capturing))
+        main = plan.engine.main
+        monkeypatch.setattr(ag, "_mm", lambda x, wt, out, bias, main=main: recorder.emit(
+            main, ("mm", x.data_ptr(), x.shape[0])))
+        for call in range(calls):
+            recorder.emit(main, ("call", rank, call))
+            shard = torch.full((m, 4), call, dtype=torch.int32)
+            out = torch.empty(t * m, 2)
+            plan._pulled_decomposed(shard, torch.zeros(2, 4), None, out)
+            if call == 0:
+                first_order = [(stream, op[0]) for stream, op in recorder.sequence]
+                first_mm = first_order.index((main, "mm"))
+                # (the fork's event wait may come first: it waits for what the caller's stream runs before the GEMM)
+                first_wait = min(i for i, (stream, kind) in enumerate(first_order)
+                                 if stream == plan.engine.raw and kind == "wait")
+                assert first_mm < first_wait, first_order
+        programs.update(recorder.take())
+    current = [0] * t
+    published = [-1] * t                                      # the call of p's shard in p's own region
+    pulled = [[[-1] * m for _ in range(t)] for _ in range(t)]   # pulled[r][p][row]: the call of p's row in r's buffer
+    where = {}                                                  # address of row i of region p of rank r's buffer
+    for r in range(t):
+        for p in range(t):
+            for row in range(m):
+                where[bufs[r].data_ptr() + (p * m + row) * 16] = (r, p, row)
+
+    def act(stream, op):
+        if op[0] == "call":
+            current[op[1]] = op[2]
+        elif op[0] == "copy" and op[1] in where:
+            r, p, row = where[op[1]]
+            rows = op[3] // 16
+            if r == p:   # rank p stages its shard into its own region
+                assert row == 0 and rows == m
+                for q in range(t):
+                    assert q == p or pulled[q][p] == [published[p]] * m, \
+                        f"rank {p} restaged before rank {q} pulled call {published[p]}: {pulled[q][p]}"
+                published[p] += 1
+            else:        # rank r pulls rows [row, row + rows) of peer p's region
+                assert op[2] == gathers[p].own[p] + row * 16, "a pull reads the peer's own region"
+                for i in range(row, row + rows):
+                    pulled[r][p][i] = published[p]
+        elif op[0] == "mm" and op[1] in where:   # a GEMM of peer rows (the local GEMM reads the shard itself)
+            r, p, row = where[op[1]]
+            assert p != r, "the local rows' GEMM reads the shard, not the gathered buffer"
+            got = pulled[r][p][row:row + op[2]]
+            assert got == [current[r]] * op[2], f"rank {r} call {current[r]}: a GEMM read peer {p}'s rows of {got}"
+
+    run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed), joins=True)
+    assert published == [calls - 1] * t
+
+
+@pytest.mark.parametrize("t, seed, chunks", [(2, 0, 2), (2, 1, 4), (2, 2, 1), (3, 3, 2), (4, 4, 2)])
+def test_pulled_decomposed_gemms_read_only_rows_pulled_in_the_same_call(recorder, monkeypatch, t, seed, chunks):
+    _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks)
+
+
+def test_the_simulator_catches_a_chunk_gemm_without_its_join(recorder, monkeypatch):
+    """Mutation: the caller's stream joins the comm stream only at the end, so a chunk's GEMMs may read rows not yet
+    pulled in this call."""
+    with pytest.raises(AssertionError, match="a GEMM read peer"):
+        for seed in range(20):
+            _run_pulled_decomposed(recorder, monkeypatch, 2, seed, chunks=2, joins_per_chunk=False)
+            recorder.take()
