@@ -168,6 +168,9 @@ def resolve_method(op: str, config: OverlapConfig, a, w) -> str:
         if op == "a2a_gemm" and a.is_cuda and config.transport == "nccl" and config.comm_sms < 1:
             raise ValueError("a2a_gemm: method='signal' needs comm_sms >= 1: the GEMM spins on ready flags that "
                              "NCCL kernels raise, so NCCL must have SMs the GEMM does not hold")
+    if config.method == "decompose" and config.transport != "nccl":   # not a silent fallback to NCCL
+        raise ValueError(f"{op}: method='decompose' exchanges through NCCL only (transport={config.transport!r} is "
+                         f"implemented for the expert ops' signal method); use transport='nccl'")
     return config.method
 
 

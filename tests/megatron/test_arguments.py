@@ -130,6 +130,14 @@ def test_overlap_moe_comm_sms_0_needs_the_p2p_transport():
     assert validate_overlap_args(moe_like(overlap_tp_comm_sms=0, overlap_moe_transport="p2p"), warn=None) == []
 
 
+def test_overlap_moe_decompose_has_no_p2p_transport():
+    """The expert ops' decompose method exchanges through NCCL: asking it for p2p stops the run at start, not at the
+    first MoE layer's call (and never falls back to NCCL silently)."""
+    with pytest.raises(OverlapArgumentError, match="decompose method exchanges through NCCL only"):
+        validate_overlap_args(moe_like(overlap_moe="decompose", overlap_moe_transport="p2p"), warn=None)
+    assert validate_overlap_args(moe_like(overlap_moe="decompose", overlap_moe_transport="nccl"), warn=None) == []
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_overlap_moe_alone_is_accepted(tp):
     args = moe_like(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
