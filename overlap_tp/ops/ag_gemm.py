@@ -183,7 +183,6 @@ class AgGemm(OpPlan):
                                    gemm_first=True)
         return gathered
 
-
     def _pulled_decomposed(self, a_shard, w, bias, out):
         """cuBLAS over the p2p transport: the local rows' GEMM from the shard itself, enqueued first (with one hardware
         queue a wait enqueued ahead of it would hold its launch: CommEngine.transfers_then_gemm), then on the comm
