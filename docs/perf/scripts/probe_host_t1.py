@@ -1,6 +1,7 @@
 # Host time per call of the op plans on ONE GPU (t = 1: the 2-GPU kinds were withheld in session 12; at t = 2 with
 # --nproc-per-node 2, rank 0 prints), while
-# the GPU is held busy so the host never waits for it (tune.timing.queued_ms), and a cProfile of the calls.
+# the GPU is held busy so the host never waits for it (tune.timing.queued_ms), and a cProfile of the calls; from
+# session 19 also the cuBLAS-over-p2p plans (method decompose, transport p2p).
 # At t = 1 a plan runs every piece of its t = 2 call except the per-peer driver calls (the p2p GEMM+RS: 6
 # stream memory operations per call at t = 2; the AllGather+GEMM's pulls: 3 + 1 copy per peer), whose cost
 # is measured here too (`memop us`), so the t = 2 host time is estimated as the t = 1 time + 6 memops.
@@ -39,12 +40,14 @@ else:
 group, t, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
 P2P, NCCL, OFF = (OverlapConfig(method="signal", transport="p2p", comm_sms=0), OverlapConfig(method="signal"),
                   OverlapConfig(method="off"))
-# (op, M, N, K, config): l8b.proj GEMM+RS (p2p and nccl), l8b.qkv AllGather+GEMM, l8b.proj GEMM+AllReduce at
-# s 8192 (shards at TP 2)
+CUBLAS_P2P = OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=2)   # session 19
+# (op, M, N, K, config): l8b.proj GEMM+RS (p2p, nccl, cuBLAS over p2p), l8b.qkv AllGather+GEMM (p2p, cuBLAS over
+# p2p), l8b.proj GEMM+AllReduce at s 8192 (shards at TP 2)
 CASES = [("rs", 8192, 4096, 2048, P2P), ("rs", 8192, 4096, 2048, NCCL), ("ag", 8192, 3072, 4096, P2P),
-         ("ar", 8192, 4096, 2048, NCCL)]
+         ("ar", 8192, 4096, 2048, NCCL), ("rs", 8192, 4096, 2048, CUBLAS_P2P), ("ag", 8192, 3072, 4096, CUBLAS_P2P)]
+NAMES = {id(P2P): "p2p", id(NCCL): "nccl", id(CUBLAS_P2P): "cublas-p2p"}
 if ONE_GPU:
-    CASES = [case for case in CASES if case[4] is P2P]
+    CASES = [case for case in CASES if case[4].transport == "p2p"]
 PLAN = {"rs": GemmRS, "ag": AgGemm, "ar": GemmAR}
 API = {"rs": gemm_rs, "ag": ag_gemm, "ar": gemm_ar}
 
@@ -155,7 +158,7 @@ for op, m, n, k, ours in CASES:
     else:
         want = API[op](*sets[0], group, config=OFF)
         err = float((got.float() - want.float()).norm() / want.float().norm())
-    row = {"op": op, "M": m, "N": n, "K": k, "config": "p2p" if ours is P2P else "nccl", "rel_err": f"{err:.1e}",
+    row = {"op": op, "M": m, "N": n, "K": k, "config": NAMES[id(ours)], "rel_err": f"{err:.1e}",
            "host_plan_us": host_us(lambda a, w: plan(a, w), sets),
            "host_api_us": host_us(lambda a, w: API[op](a, w, group, config=ours), sets)}
     if not ONE_GPU:
