@@ -9,6 +9,7 @@ builds, allocates beyond the outputs or synchronizes with the host, so a call ca
 Building one needs the host (collectives, allocations, copies): under capture it is an error, so build plans
 (or run one eager step) before capturing.
 """
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -198,3 +199,17 @@ def cached_plan(cls, group, m, n, k, dtype, device, config):
 def clear_plans():
     """Forget the functional API's plans (tests; after destroying a process group)."""
     _plans.clear()
+
+
+@contextlib.contextmanager
+def transient_plans():
+    """The plans the functional API builds inside the block are dropped from its cache at the end (the plans cached
+    before stay). For the tuner's candidates: each holds its buffers (on the p2p transports an [M, N] symmetric
+    receive buffer: 64 MB at the 8B proj's shape, 128 MB at the 70B's), and a run keeps one config per shape, so the
+    ones it does not pick would otherwise sit in the cache until 256 newer plans pushed them out."""
+    before = set(_plans)
+    try:
+        yield
+    finally:
+        for key in [key for key in _plans if key not in before]:
+            del _plans[key]

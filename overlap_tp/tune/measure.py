@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from overlap_tp.ops import comm
 from overlap_tp.ops.ag_gemm import ag_gemm
+from overlap_tp.ops.common import transient_plans
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
@@ -61,6 +62,11 @@ def end_to_end(shape: Shape, configs: Iterable[OverlapConfig], group, device, *,
     method='off' (relative error >= 1e-2 on any rank) is left out and named in `errors`."""
     sets = sets or _inputs(shape, device)
     run = _run(shape)
+    with transient_plans():   # the candidates' plans (and their buffers) do not outlive the measurement
+        return _end_to_end(shape, configs, group, device, reps, sets, errors, run)
+
+
+def _end_to_end(shape, configs, group, device, reps, sets, errors, run):
     ref = run(*sets[0], group, config=OverlapConfig(method="off")).float()
     out = {}
     for config in configs:

@@ -507,6 +507,29 @@ def test_choose_writes_no_file_unless_told(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def _end_to_end_leaves_no_candidate_plan(rank, world):
+    from overlap_tp import gemm_rs
+    from overlap_tp.ops import common
+    from overlap_tp.tune import measure
+    measure._timed = lambda fn, sets, reps, group: (fn(*sets[0]), 1.0)[1]   # a call, no CUDA events
+    group = dist.group.WORLD
+    a, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(48, 32, dtype=torch.bfloat16)
+    kept = OverlapConfig(method="decompose", chunks=4)
+    gemm_rs(a, w, group, config=kept)        # a plan the run built before tuning: it stays
+    before = set(common._plans)
+    configs = [OverlapConfig(method="off"), OverlapConfig(method="decompose", chunks=2), kept]
+    got = measure.end_to_end(Shape("rs", 64, 48, 32, world), configs, group, torch.device("cpu"), reps=1,
+                             sets=[(a, w)])
+    assert set(got) == {label(c) for c in configs}
+    assert set(common._plans) == before, "the candidates' plans outlived the measurement"
+
+
+def test_end_to_end_drops_the_candidates_plans():
+    """The tuner's candidate plans (on the p2p transports each holds an [M, N] symmetric buffer) are dropped from the
+    functional API's cache after the measurement; plans built before it stay."""
+    run_distributed(2, _end_to_end_leaves_no_candidate_plan)
+
+
 def test_cli_needs_a_cache_to_record_into(monkeypatch, tmp_path, capsys):
     from overlap_tp.tune.__main__ import parse_args
     monkeypatch.delenv("OVERLAP_TP_TUNE_CACHE", raising=False)
