@@ -25,8 +25,8 @@ process on the same inputs and the same weights:
   signal-p2p    signal with ag_gemm and gemm_rs both on the p2p transports (comm_sms 0; what
                 `--overlap-tp signal` runs: --overlap-tp-transport auto)
   decompose-p2p cuBLAS over the same p2p transports: gemm_rs one GEMM per owner's region into its buffer,
-                ag_gemm the local rows' GEMM while the copy engines pull the peers' rows in 2 chunks
-                (`--overlap-tp decompose --overlap-tp-transport p2p`)
+                ag_gemm the local rows' GEMM while the copy engines pull the peers' rows in 4 chunks (the
+                default; `--overlap-tp decompose --overlap-tp-transport p2p`)
   auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
@@ -79,7 +79,7 @@ def configurations(device_type):
     tiles = SMALL_TILES if device_type == "cpu" else {}
     signal = OverlapConfig(method="signal", **tiles)
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
-    decompose_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=2)
+    decompose_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # chunks: the flag's default
     return {
         "megatron": ("megatron", None, False),
         "nocomm": ("megatron", None, True),

@@ -74,7 +74,7 @@ def ours_variants(op, sweep):
     next to it; --sweep adds the schedule x groups x comm_sms corners that won in earlier runs
     (docs/perf/) and, for AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
-    cublas_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=2)
+    cublas_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # 4 chunks, as the flags give
     if op == "ag":
         variants = {"ours": p2p, "cublas-p2p": cublas_p2p}
         if sweep:

@@ -40,7 +40,7 @@ else:
 group, t, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
 P2P, NCCL, OFF = (OverlapConfig(method="signal", transport="p2p", comm_sms=0), OverlapConfig(method="signal"),
                   OverlapConfig(method="off"))
-CUBLAS_P2P = OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=2)   # session 19
+CUBLAS_P2P = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # session 19 (4 chunks, as the flags)
 # (op, M, N, K, config): l8b.proj GEMM+RS (p2p, nccl, cuBLAS over p2p), l8b.qkv AllGather+GEMM (p2p, cuBLAS over
 # p2p), l8b.proj GEMM+AllReduce at s 8192 (shards at TP 2)
 CASES = [("rs", 8192, 4096, 2048, P2P), ("rs", 8192, 4096, 2048, NCCL), ("ag", 8192, 3072, 4096, P2P),
