@@ -42,8 +42,8 @@ def parse_args(argv):
     p.add_argument("--tokens", default="8192,16384", help="tokens per rank (before top-k)")
     p.add_argument("--routing", default="uniform,zipf", help="comma list of " + ",".join(ROUTINGS))
     p.add_argument("--methods", default="signal,off",
-                   help="OverlapMoELayer methods to time (signal, off, decompose, auto; signal-p2p: signal with the "
-                        "expert ops on the p2p transport, --overlap-moe-transport p2p)")
+                   help="OverlapMoELayer methods to time (signal, off, decompose, auto; signal-p2p / decompose-p2p: "
+                        "the method with the expert ops on the p2p transport, --overlap-moe-transport p2p)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336, help="expert FFN size (fc1 is 2 x ffn: SwiGLU)")
     p.add_argument("--experts", type=int, default=8, help="global experts E (EP = the number of processes)")
@@ -126,10 +126,10 @@ def force_routing(layer, *offsets):
 
 
 def variant_config(name: str):
-    """The expert ops' config of a --methods entry: a method, or signal-p2p (signal on the p2p transport, whose
-    GEMMs get every SM: comm_sms 0, as --overlap-moe-transport p2p sets)."""
-    if name == "signal-p2p":
-        return dataclasses.replace(DEFAULT_EXPERT_CONFIG, method="signal", transport="p2p", comm_sms=0)
+    """The expert ops' config of a --methods entry: a method, or signal-p2p / decompose-p2p (the method on the p2p
+    transport, whose GEMMs get every SM: comm_sms 0, as --overlap-moe-transport p2p sets)."""
+    if name in ("signal-p2p", "decompose-p2p"):
+        return dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=name.split("-")[0], transport="p2p", comm_sms=0)
     return dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=name)
 
 

@@ -322,11 +322,6 @@ def _validate_moe(args, moe, comm_sms):
     transport = getattr(args, "overlap_moe_transport", "nccl")
     if transport not in MOE_TRANSPORTS:
         raise OverlapArgumentError(f"--overlap-moe-transport {transport!r}: expected one of {MOE_TRANSPORTS}")
-    if moe == "decompose" and transport == "p2p":
-        raise OverlapArgumentError(
-            "--overlap-moe decompose with --overlap-moe-transport p2p: the expert ops' decompose method exchanges "
-            "through NCCL only (the p2p transport is their signal method's). Use --overlap-moe signal with p2p, or "
-            "decompose with --overlap-moe-transport nccl.")
     if moe in ("signal", "auto") and comm_sms == 0 and transport == "nccl":   # auto tries signal
         raise OverlapArgumentError(
             f"{flag} with --overlap-tp-comm-sms 0: a2a_gemm's signaled GEMM spins on ready flags that NCCL "

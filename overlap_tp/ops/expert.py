@@ -19,7 +19,8 @@ Methods (OverlapConfig.method):
              per (source rank, expert) segment (Megatron's path; the reference under gloo).
   decompose  the plan's parts (overlap_tp/ops/moe_tile_plan.py) with cuBLAS: gemm_a2a computes group g and sends
              it on the comm stream while group g+1 is computed; a2a_gemm computes the local rows, then
-             each chunk as soon as the comm stream received it.
+             each chunk as soon as the comm stream received it. Transports as for signal below: `nccl`, or
+             `p2p` (the same copy-engine pulls and pushes, so cuBLAS's matmuls and no SM on communication).
   signal     one persistent Triton GEMM (kernels/signaled_gemm.py) over every local expert (tiles name
              their expert, plan field EXPERT). gemm_a2a: each group's tiles raise its
              counter; the comm stream waits on it (cuStreamWaitValue32, no SM) and exchanges the group's
@@ -154,12 +155,13 @@ def resolve_method(op: str, config: OverlapConfig, a, w) -> str:
         warn_once(f"overlap_tp {op}: method='auto' runs 'off' (the expert ops alone do not tune; OverlapMoELayer "
                   f"resolves auto by timing both methods)")
         return "off"
-    if config.method == "signal":
+    if config.method in ("signal", "decompose"):
         if config.transport not in ("nccl", "p2p"):
             raise ValueError(f"{op}: transport={config.transport!r} is not implemented for the expert ops; "
                              "use transport='nccl' or 'p2p'")
         if config.transport == "p2p" and not a.is_cuda:
             raise ValueError(f"{op}: transport='p2p' needs CUDA tensors (symmetric memory)")
+    if config.method == "signal":
         reason = tma_unsupported_reason(a, w)
         if reason is None and a.is_cuda and device_properties(a.device).major < 9:   # asked once per device
             reason = f"the signaled GEMM needs TMA (compute capability >= 9.0), {torch.cuda.get_device_name(a.device)} lacks it"
@@ -168,9 +170,6 @@ def resolve_method(op: str, config: OverlapConfig, a, w) -> str:
         if op == "a2a_gemm" and a.is_cuda and config.transport == "nccl" and config.comm_sms < 1:
             raise ValueError("a2a_gemm: method='signal' needs comm_sms >= 1: the GEMM spins on ready flags that "
                              "NCCL kernels raise, so NCCL must have SMs the GEMM does not hold")
-    if config.method == "decompose" and config.transport != "nccl":   # not a silent fallback to NCCL
-        raise ValueError(f"{op}: method='decompose' exchanges through NCCL only (transport={config.transport!r} is "
-                         f"implemented for the expert ops' signal method); use transport='nccl'")
     return config.method
 
 
@@ -372,12 +371,17 @@ MAX_OPS = 64
 _ops = OrderedDict()
 
 
+def _op(kind, group, n, config, device, lay: Layout) -> _ExpertOp:
+    """The op's _ExpertOp (built once per (kind, group, N, config, device))."""
+    return _cached(_ops, (kind, group, n, config, device), lambda: _ExpertOp(
+        kind, config, device, f"{kind}(N={n}, ep={lay.ep}, L={lay.experts})"), MAX_OPS)
+
+
 def _state(kind, plan_fn, route: Routing, n, config, parts, group, device, offsets=None) -> _ExpertState:
     """The _ExpertState of this routing, built at its first call (the least recently used dropped past
     MAX_ROUTINGS: dynamic routing builds one per step), on the op's _ExpertOp (built once)."""
     lay = route.layout
-    op = _cached(_ops, (kind, group, n, config, device), lambda: _ExpertOp(
-        kind, config, device, f"{kind}(N={n}, ep={lay.ep}, L={lay.experts})"), MAX_OPS)
+    op = _op(kind, group, n, config, device, lay)
     key = (kind, group, route.key, n, config, parts, device, offsets)
     return _cached(_states, key, lambda: _ExpertState(
         kind, plan_fn(lay, n, config.block_m, config.block_n, parts), op, device, config, route.counts,
@@ -412,10 +416,13 @@ def agree_routing(group, op: str, route: Routing, n: int, k: int, dtype, config:
 # a2a_gemm: dispatch + fc1
 # ---------------------------------------------------------------------------------------------------
 
-def _dispatch_decomposed(x, w, xr, y, plan, coll):
+def _dispatch_decomposed(x, w, xr, y, plan, coll, pull=None, watched=None):
     """The local rows' matmuls at once; chunk c's exchange on the comm stream, then its matmuls. One fork,
     before the local matmuls: the exchanges read only x, so none of them waits for a matmul (a fork per chunk
-    made chunk c's exchange wait for chunk c-1's matmuls: no overlap at all)."""
+    made chunk c's exchange wait for chunk c-1's matmuls: no overlap at all).
+    pull (transport 'p2p', a RowPull): chunk c is copy-engine copies from the peers' symmetric copies of their x,
+    enqueued after the local matmuls (their peer waits would otherwise hold the matmuls' launch in one hardware
+    queue); watched: the op's watchdog record, for an eager call's wait on its peers."""
     engine = comm.comm_engine(x.device)
     capturing = comm.capturing(x.device)
     lo, hi, dst = plan.local
@@ -424,6 +431,19 @@ def _dispatch_decomposed(x, w, xr, y, plan, coll):
     if engine.stream is not None:
         engine.fork(engine.current(), capturing)
     expert_mm(xr, w, plan.gemm_groups[0], (y,))
+    if pull is not None:
+        current, raw, base, row_bytes = engine.current(), engine.raw, xr.data_ptr(), pull.row_bytes
+        pull.start(raw, x, capturing)
+        for exchange, pieces in zip(plan.exchanges, plan.gemm_groups[1:]):
+            for peer, src_row, dst_row, rows in pulled_rows(plan.layout, exchange):
+                pull.copy_rows(raw, base + dst_row * row_bytes, peer, src_row, rows)
+            engine.join(current, capturing)
+            expert_mm(xr, w, pieces, (y,))
+        pull.finish(raw)
+        engine.join(current, capturing)
+        if not capturing and watched is not None:
+            watched.record(current)
+        return
     for exchange, pieces in zip(plan.exchanges, plan.gemm_groups[1:]):
         if engine.stream is None:
             _exchange(coll, exchange, x, xr, None)
@@ -482,11 +502,14 @@ def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None, 
     # one rank: the received rows are x itself (the plan's local block is all of x, at row 0), not a copy
     xr = x if lay.ep == 1 else torch.empty(lay.rows, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
-    p2p = method == "signal" and config.transport == "p2p"
+    p2p = config.transport == "p2p"
     coll = None if p2p else comm.collectives(group, x.device, config.comm_sms)
     if method == "decompose":
         parts = route.parts(config.groups, hidden * x.element_size())
-        _dispatch_decomposed(x, w, xr, y, dispatch_plan(lay, n, config.block_m, config.block_n, parts), coll)
+        op = _op("a2a_gemm", group, n, config, x.device, lay) if p2p and ep > 1 else None
+        pull = None if op is None else op.row_buffer("a2a_gemm", group, lay, hidden, x.dtype, x.device)
+        _dispatch_decomposed(x, w, xr, y, dispatch_plan(lay, n, config.block_m, config.block_n, parts), coll, pull,
+                             None if op is None else op.watched)
     else:
         state = state or _dispatch_state(route, n, hidden, x.dtype, config, group, x.device)
         pull = state.op.row_buffer("a2a_gemm", group, lay, hidden, x.dtype, x.device) if p2p and ep > 1 else None
@@ -504,21 +527,35 @@ def _dispatch_state(route: Routing, n: int, hidden: int, dtype, config, group, d
 # gemm_a2a: fc2 + combine
 # ---------------------------------------------------------------------------------------------------
 
-def _combine_decomposed(h, w, staging, z, plan, coll):
+def _combine_decomposed(h, w, staging, z, plan, coll, push=None, watched=None):
     """Group g's matmuls, then its exchange on the comm stream while group g+1 is computed; the local
-    rows' matmuls last, straight into z."""
+    rows' matmuls last, straight into z.
+    push (transport 'p2p', a RowPush): group g's exchange is copy-engine copies of its staged rows into the peers'
+    receive buffers (RowPush's protocol, as _combine_signaled), and after the join this rank copies what its peers
+    pushed into z; watched: the op's watchdog record, for an eager call's wait on its peers."""
     engine = comm.comm_engine(h.device)
     capturing = comm.capturing(h.device)
-    for pieces, exchange in zip(plan.gemm_groups, plan.exchanges):
+    last = len(plan.exchanges) - 1
+    for g, (pieces, exchange) in enumerate(zip(plan.gemm_groups, plan.exchanges)):
         expert_mm(h, w, pieces, (staging, z))
         if engine.stream is None:
             _exchange(coll, exchange, staging, z, None)
             continue
         engine.fork(engine.current(), capturing)
-        _exchange(coll, exchange, staging, z, engine.raw)
+        if push is None:
+            _exchange(coll, exchange, staging, z, engine.raw)
+            continue
+        if g == 0:
+            push.begin(engine.raw, capturing)
+        for peer, dst_row, src_row, rows in pushed_rows(plan.layout, exchange):
+            push.push(engine.raw, peer, dst_row, staging.data_ptr() + src_row * push.row_bytes, rows)
+        if g == last:
+            push.end(engine.raw)
     expert_mm(h, w, plan.gemm_groups[-1], (staging, z))
     if engine.stream is not None:
         engine.join(engine.current(), capturing)
+    if push is not None:
+        _receive_pushed(push, plan.layout, z, engine, watched)
 
 
 def _combine_signaled(h, w, staging, z, state: _ExpertState, coll, push=None):
@@ -549,14 +586,20 @@ def _combine_signaled(h, w, staging, z, state: _ExpertState, coll, push=None):
                 push.end(stream)
 
     engine.gemm_then_collectives(gemm, state.waits, exchange, state.watched)()
-    if push is not None:   # the peers' rows for this rank's tokens, from its receive buffer into z
-        lay, z_base = plan.layout, z.data_ptr()
-        copies = [(z_base + lay.x_offsets[s] * push.row_bytes, lay.x_offsets[s], lay.x_splits[s])
-                  for s in range(lay.ep) if s != lay.rank and lay.x_splits[s]]
-        current, capturing = engine.current(), engine.capturing()
-        push.receive(current, copies, capturing)
-        if not capturing and state.watched is not None:
-            state.watched.record(current)
+    if push is not None:
+        _receive_pushed(push, plan.layout, z, engine, state.watched)
+
+
+def _receive_pushed(push: RowPush, lay: Layout, z, engine, watched):
+    """The peers' rows for this rank's tokens, from its receive buffer into z (RowPush.receive, on the caller's
+    stream), and the eager call's watchdog record."""
+    z_base = z.data_ptr()
+    copies = [(z_base + lay.x_offsets[s] * push.row_bytes, lay.x_offsets[s], lay.x_splits[s])
+              for s in range(lay.ep) if s != lay.rank and lay.x_splits[s]]
+    current, capturing = engine.current(), engine.capturing()
+    push.receive(current, copies, capturing)
+    if not capturing and watched is not None:
+        watched.record(current)
 
 
 def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None, device_counts=None):
@@ -576,12 +619,14 @@ def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None, d
     staging_rows = _staging_rows(lay, n)
     buf = torch.empty(staging_rows + lay.tokens, n, dtype=h.dtype, device=h.device)
     staging, z = buf[:staging_rows], buf[staging_rows:]
-    p2p = method == "signal" and config.transport == "p2p"
+    p2p = config.transport == "p2p"
     coll = None if p2p else comm.collectives(group, h.device, config.comm_sms)
     if method == "decompose":
         parts = route.parts(config.groups, n * h.element_size())
-        _combine_decomposed(h, w, staging, z, combine_plan(lay, n, config.block_m, config.block_n, parts),
-                            coll)
+        op = _op("gemm_a2a", group, n, config, h.device, lay) if p2p and ep > 1 else None
+        push = None if op is None else op.row_buffer("gemm_a2a", group, lay, n, h.dtype, h.device)
+        _combine_decomposed(h, w, staging, z, combine_plan(lay, n, config.block_m, config.block_n, parts), coll,
+                            push, None if op is None else op.watched)
     else:
         state = state or _combine_state(route, n, h.shape[1], h.dtype, config, group, h.device)
         push = state.op.row_buffer("gemm_a2a", group, lay, n, h.dtype, h.device) if p2p and ep > 1 else None

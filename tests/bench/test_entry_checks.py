@@ -46,6 +46,8 @@ def test_moe_layer_bench_variants_name_their_expert_config():
     from overlap_tp.bench.moe_layer import variant_config
     p2p = variant_config("signal-p2p")
     assert (p2p.method, p2p.transport, p2p.comm_sms) == ("signal", "p2p", 0)
+    cublas = variant_config("decompose-p2p")
+    assert (cublas.method, cublas.transport, cublas.comm_sms) == ("decompose", "p2p", 0)
     nccl = variant_config("signal")
     assert (nccl.method, nccl.transport) == ("signal", "nccl") and nccl.comm_sms > 0
     assert variant_config("off").method == "off"

@@ -5,7 +5,8 @@ top-2, 8192 tokens per rank) with uniform and Zipf(s = 1.2 over experts) routing
 receives no token, plus an odd shape (N, F not multiples of 256, 24 experts: 12, 6 or 3 per rank at EP 2, 4, 8). Checked with fresh
 random inputs and outputs allocated over NaN-poisoned memory:
 - forward output, input grad and weight grad: relative error against an fp32 reference no worse than the
-  sequential path's (`off`: NCCL all_to_all_single + cuBLAS), for `signal` (two chunkings) and `decompose`;
+  sequential path's (`off`: NCCL all_to_all_single + cuBLAS), for `signal` (two chunkings) and `decompose`, each also
+  over the p2p transport (the copy engines);
 - a2a_gemm's signaled output bitwise equal to the same kernel over the same tiles once every row is in
   place (overlap must not change a bit);
 - 200 back-to-back forward calls of each op and 50 forward + backward steps without a sync, a hang or a
@@ -40,6 +41,9 @@ CONFIGS = {
     "signal": OverlapConfig(method="signal"),
     "signal/g2": OverlapConfig(method="signal", groups=2, comm_sms=8),
     "decompose": OverlapConfig(method="decompose", groups=4),
+    # the copy engines (p2p transport) under the signaled grouped GEMM and under cuBLAS
+    "signal-p2p": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=2),
+    "decompose-p2p": OverlapConfig(method="decompose", transport="p2p", comm_sms=0, groups=2),
 }
 OFF = OverlapConfig(method="off")
 

@@ -13,8 +13,9 @@ gloo). Everything else is the ops' own code:
 - OverlapTransformerLayers at TP 2 (test_layers_gpu.py's deferred proj sum and MLP boundary checks), and one layer
   captured forward + backward and replayed bit for bit;
 - a peer that never calls again: the waiting rank ends (watchdog, exit 70), eager and replayed;
-- the expert ops on their p2p transport at EP 2 (a2a_gemm pulls, gemm_a2a pushes), forward and backward against a
-  dense fp32 computation; OverlapMoELayer on it against Megatron's MoELayer, and captured with static sizes.
+- the expert ops on their p2p transport at EP 2 (a2a_gemm pulls, gemm_a2a pushes), with the signaled grouped GEMM
+  and with cuBLAS (method decompose), forward and backward against a dense fp32 computation; OverlapMoELayer on it
+  against Megatron's MoELayer, and captured with static sizes.
 The two processes' contexts time-slice the GPU: these check the protocols and the bits, never speed. Two GPUs:
 test_gemm_rs_gpu.py, test_ag_gemm_gpu.py, test_graphs_gpu.py, test_layers_gpu.py, test_moe_*_gpu.py.
 Run: `pytest -m gpu tests/gpu/test_p2p_one_gpu.py` (about 5 minutes)."""
@@ -384,6 +385,7 @@ def test_a_peer_that_never_calls_ends_the_waiting_rank(captured):
 
 EXPERTS, HIDDEN, FFN = 2, 1024, 1408   # local experts per rank; FFN not a multiple of the 256-wide tile
 EXPERT_P2P = OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=2)
+EXPERT_CUBLAS_P2P = OverlapConfig(method="decompose", transport="p2p", comm_sms=0, groups=2)
 
 
 def _expert_counts(world, seed):
@@ -432,7 +434,7 @@ def _expert_reference(counts, xs, w1, hs, w2, gys, gzs):
     return dict(y=ys, z=zs, dx=[grad(x) for x in x32], dw1=grad(w1_32), dh=[grad(h) for h in h32], dw2=grad(w2_32))
 
 
-def _check_expert_ops(rank, world):
+def _check_expert_ops(rank, world, config=EXPERT_P2P):
     from overlap_tp import a2a_gemm, gemm_a2a
     group = dist.group.WORLD
     mine = slice(rank * EXPERTS, (rank + 1) * EXPERTS)
@@ -449,10 +451,10 @@ def _check_expert_ops(rank, world):
         w2 = rand(world * EXPERTS, HIDDEN, FFN, scale=FFN ** -0.5)
         ref = _expert_reference(counts, xs, w1, hs, w2, gys, gzs)
         x, w = xs[rank].clone().requires_grad_(), w1[mine].contiguous().requires_grad_()
-        y = a2a_gemm(x, counts, w, group, config=EXPERT_P2P)
+        y = a2a_gemm(x, counts, w, group, config=config)
         y.backward(gys[rank])   # the backward's mirrored op: gemm_a2a's push
         h, v = hs[rank].clone().requires_grad_(), w2[mine].contiguous().requires_grad_()
-        z = gemm_a2a(h, counts, v, group, config=EXPERT_P2P)
+        z = gemm_a2a(h, counts, v, group, config=config)
         z.backward(gzs[rank])   # the backward's mirrored op: a2a_gemm's pull
         for name, got, want in (("y", y, ref["y"][rank]), ("dx", x.grad, ref["dx"][rank]),
                                 ("dw1", w.grad, ref["dw1"][mine]), ("z", z, ref["z"][rank]),
@@ -466,11 +468,12 @@ def _check_expert_ops(rank, world):
     dist.barrier()
 
 
-def test_expert_ops_on_the_p2p_transport_at_ep2_on_one_gpu():
+@pytest.mark.parametrize("config", [EXPERT_P2P, EXPERT_CUBLAS_P2P], ids=["signal", "cublas"])
+def test_expert_ops_on_the_p2p_transport_at_ep2_on_one_gpu(config):
     """a2a_gemm (copy-engine pulls) and gemm_a2a (copy-engine pushes) at EP 2, forward and backward, over five
     routings (a hot expert, a rank that sends nothing and one that receives nothing, one that needs larger
-    buffers) against one dense fp32 computation of every rank's data."""
-    run_distributed(T, _on_one_gpu, _check_expert_ops, backend="gloo")
+    buffers) against one dense fp32 computation of every rank's data; the grouped signaled GEMM and cuBLAS."""
+    run_distributed(T, _on_one_gpu, functools.partial(_check_expert_ops, config=config), backend="gloo")
 
 
 def _check_moe_layer_captured(rank, world):
@@ -486,15 +489,19 @@ def test_moe_layer_on_the_p2p_transport_captured_at_ep2_on_one_gpu():
     run_distributed(T, _on_one_gpu, _check_moe_layer_captured, backend="gloo")
 
 
-def _check_moe_layer_parity(rank, world, routing):
+def _check_moe_layer_parity(rank, world, routing, config=EXPERT_P2P):
     import test_moe_layer_gpu as moe_tests
     moe_tests.METHODS.clear()
-    moe_tests.METHODS["signal"] = EXPERT_P2P   # only ours on p2p against Megatron's MoELayer (its all-to-all on gloo)
+    moe_tests.METHODS["signal"] = config   # only ours on p2p against Megatron's MoELayer (its all-to-all on gloo)
     moe_tests._check_parity(rank, world, routing, 4096, {})
 
 
-@pytest.mark.parametrize("routing", ["uniform", "zipf", "rank0_only"])
-def test_moe_layer_on_the_p2p_transport_matches_megatrons_at_ep2_on_one_gpu(routing):
+@pytest.mark.parametrize("routing, config", [("uniform", EXPERT_P2P), ("zipf", EXPERT_P2P), ("rank0_only", EXPERT_P2P),
+                                             ("zipf", EXPERT_CUBLAS_P2P)],
+                         ids=["uniform", "zipf", "rank0_only", "zipf_cublas"])
+def test_moe_layer_on_the_p2p_transport_matches_megatrons_at_ep2_on_one_gpu(routing, config):
     """test_moe_layer_gpu.py's parity check at EP 2 with the expert ops on p2p: output, input grad and every
-    parameter grad against Megatron's MoELayer (whose all-to-all runs on the gloo group here)."""
-    run_distributed(T, _on_one_gpu, functools.partial(_check_moe_layer_parity, routing=routing), backend="gloo")
+    parameter grad against Megatron's MoELayer (whose all-to-all runs on the gloo group here); the signaled grouped
+    GEMM on three routings, cuBLAS (method decompose) on one."""
+    run_distributed(T, _on_one_gpu, functools.partial(_check_moe_layer_parity, routing=routing, config=config),
+                    backend="gloo")

@@ -130,12 +130,15 @@ def test_overlap_moe_comm_sms_0_needs_the_p2p_transport():
     assert validate_overlap_args(moe_like(overlap_tp_comm_sms=0, overlap_moe_transport="p2p"), warn=None) == []
 
 
-def test_overlap_moe_decompose_has_no_p2p_transport():
-    """The expert ops' decompose method exchanges through NCCL: asking it for p2p stops the run at start, not at the
-    first MoE layer's call (and never falls back to NCCL silently)."""
-    with pytest.raises(OverlapArgumentError, match="decompose method exchanges through NCCL only"):
-        validate_overlap_args(moe_like(overlap_moe="decompose", overlap_moe_transport="p2p"), warn=None)
-    assert validate_overlap_args(moe_like(overlap_moe="decompose", overlap_moe_transport="nccl"), warn=None) == []
+def test_overlap_moe_decompose_runs_on_either_transport():
+    """The expert ops' decompose method exchanges through NCCL or the copy engines (p2p), neither needing SMs left
+    free (its matmuls are not spinning on flags)."""
+    for transport in ("nccl", "p2p"):
+        assert validate_overlap_args(moe_like(overlap_moe="decompose", overlap_moe_transport=transport,
+                                              overlap_tp_comm_sms=0), warn=None) == []
+    config = OverlapConfig(**moe_overlap_config_kwargs(build_parser().parse_args(
+        ["--overlap-moe", "decompose", "--overlap-moe-transport", "p2p"])))
+    assert (config.method, config.transport, config.comm_sms) == ("decompose", "p2p", 0)
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -10,9 +10,10 @@ interleavings that respect stream order and wait conditions, many times over, an
   eager call correct;
 - the peer protocols (P2PReduceScatter, GatherBuffer, and the expert combine's RowPush): no rank overwrites a buffer a
   peer has not consumed yet, and no rank consumes a buffer before every peer's data of the same call is in it;
-- the AllGather+GEMM's cuBLAS path over the copy engines (AgGemm._pulled_decomposed: each rank's caller stream and
-  comm stream, with their forks and joins): no chunk's GEMM reads rows before this call's pull of them, and the local
-  rows' GEMM waits for nothing.
+- the cuBLAS paths over the copy engines (method decompose, transport p2p; each rank's caller stream and comm stream,
+  with their forks and joins): AgGemm._pulled_decomposed and the expert dispatch's chunks read only rows pulled in
+  the same call, their local GEMMs enqueued before any peer wait; the expert combine pushes only rows its matmuls
+  already wrote and copies out only rows pushed in the same call.
 A mutation check proves the simulator can fail: the counter wait without its reset passes stale targets.
 """
 import random
@@ -623,10 +624,191 @@ def test_pulled_decomposed_gemms_read_only_rows_pulled_in_the_same_call(recorder
     _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks)
 
 
+def _some_seed_fails(recorder, match, run):
+    """A mutation check: run(seed) fails with `match` for one of 20 seeds (random interleavings)."""
+    with pytest.raises(AssertionError, match=match):
+        for seed in range(20):
+            run(seed)
+            recorder.take()
+
+
 def test_the_simulator_catches_a_chunk_gemm_without_its_join(recorder, monkeypatch):
     """Mutation: the caller's stream joins the comm stream only at the end, so a chunk's GEMMs may read rows not yet
     pulled in this call."""
-    with pytest.raises(AssertionError, match="a GEMM read peer"):
-        for seed in range(20):
-            _run_pulled_decomposed(recorder, monkeypatch, 2, seed, chunks=2, joins_per_chunk=False)
-            recorder.take()
+    _some_seed_fails(recorder, "a GEMM read peer", lambda seed: _run_pulled_decomposed(
+        recorder, monkeypatch, 2, seed, chunks=2, joins_per_chunk=False))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The expert ops' cuBLAS path over the copy engines (method decompose, transport p2p)
+# ---------------------------------------------------------------------------------------------------
+
+def _expert_counts_for(t, seed, experts=2):
+    """counts[ep, E] with empty and skewed entries (a rank receiving nothing from someone, an expert getting most)."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 6, (t, t * experts), generator=g)
+    counts[0, 0] += 9
+    counts[t - 1, -experts:] = 0
+    return counts
+
+
+def _row_addresses(tensors):
+    """address of row i of tensor k -> (k, i), for [rows, 4] int32 tensors."""
+    return {tensor.data_ptr() + 16 * i: (k, i) for k, tensor in tensors.items() for i in range(tensor.shape[0])}
+
+
+def _run_expert_dispatch_decomposed(recorder, monkeypatch, t, seed, joins_per_chunk=True):
+    """30 calls per rank of the dispatch's cuBLAS path over the copy engines (expert._dispatch_decomposed with a
+    RowPull), each rank's caller and comm streams recorded with their forks and joins and the matmuls recorded as
+    reads of their xr rows, a new routing every call; run in a random interleaving. Checks: a chunk's matmuls read only
+    rows pulled in the same call, from the peer's x of that call; the local matmuls are enqueued before any peer wait."""
+    from overlap_tp.ops import expert
+    from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout
+    calls, capacity, parts = 30, 64, 2
+    signals = _peer_signals(t, (1, 0))
+    bufs = [torch.zeros(capacity, 4, dtype=torch.int32) for _ in range(t)]
+    pulls = []
+    for rank in range(t):
+        pull = p2p.RowPull.__new__(p2p.RowPull)
+        pull.capacity, pull.buf, pull.row_bytes, pull.signals = capacity, bufs[rank], 16, signals[rank]
+        pull.peer_ptrs = [None if p == rank else bufs[p].data_ptr() for p in range(t)]
+        pulls.append(pull)
+    programs, xrs, xs, local_rows = {}, {}, {}, {}
+    for rank in range(t):
+        engine = _RankEngine(rank)
+        if not joins_per_chunk:   # the mutation: the chunks' joins dropped (the final one kept)
+            engine.join = lambda current, capturing, final=engine.join, n=[0]: (
+                n.__setitem__(0, n[0] + 1), n[0] % (parts + 1) == 0 and final(current, capturing))
+        monkeypatch.setattr(comm, "comm_engine", lambda device, engine=engine: engine)
+        monkeypatch.setattr(expert, "expert_mm", lambda a, w, pieces, outs, main=engine.main: recorder.emit(
+            main, ("mm", a.data_ptr(), tuple((p.src_lo, p.src_hi) for p in pieces if p.src_lo < p.src_hi))))
+        for call in range(calls):
+            counts = _expert_counts_for(t, 1000 * seed + call)
+            lay = layout(counts, rank)
+            plan = dispatch_plan(lay, 8, 16, 16, parts)
+            x = torch.full((lay.tokens, 4), call, dtype=torch.int32)
+            xr = torch.zeros(max(lay.rows, 1), 4, dtype=torch.int32)
+            xs[rank, call], xrs[rank, call] = x, xr
+            local_rows[rank, call] = set(range(plan.local[2], plan.local[2] + plan.local[1] - plan.local[0]))
+            recorder.emit(engine.main, ("call", rank, call))
+            expert._dispatch_decomposed(x, None, xr, None, plan, None, pulls[rank])
+            if call == 0:
+                order = [(stream, op[0]) for stream, op in recorder.sequence]
+                first_wait = min(i for i, (stream, kind) in enumerate(order) if stream == engine.raw and kind == "wait")
+                assert order.index((engine.main, "mm")) < first_wait, order
+        programs.update(recorder.take())
+    staged = [-1] * t                                   # the call of rank p's x in its symmetric buffer
+    pulled = {}                                         # (rank, call, xr row) -> the call of the rows pulled there
+    xr_rows, x_of = _row_addresses(xrs), {x.data_ptr(): key for key, x in xs.items()}
+    current = [0] * t
+
+    def act(stream, op):
+        if op[0] == "call":
+            current[op[1]] = op[2]
+        elif op[0] == "copy" and op[2] in x_of:          # RowPull.start: rank p's x into its symmetric buffer
+            p, call = x_of[op[2]]
+            assert op[1] == bufs[p].data_ptr()
+            staged[p] = call
+        elif op[0] == "copy":                            # a chunk's pull: peer rows into this rank's xr
+            (rank, call), row = xr_rows[op[1]]
+            peer = next(p for p in range(t) if p != rank and bufs[p].data_ptr() <= op[2] < bufs[p].data_ptr()
+                        + capacity * 16)
+            for i in range(op[3] // 16):
+                pulled[rank, call, row + i] = staged[peer]
+        elif op[0] == "mm":
+            rank = int(stream[4:])
+            call = current[rank]
+            assert op[1] == xrs[rank, call].data_ptr()
+            for lo, hi in op[2]:
+                for i in range(lo, hi):
+                    if i not in local_rows[rank, call]:
+                        got = pulled.get((rank, call, i))
+                        assert got == call, f"rank {rank} call {call}: a matmul read xr row {i} holding {got}"
+
+    run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed), joins=True)
+    assert staged == [calls - 1] * t
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (3, 2), (4, 3)])
+def test_expert_dispatch_decomposed_over_p2p_reads_only_rows_of_its_call(recorder, monkeypatch, t, seed):
+    _run_expert_dispatch_decomposed(recorder, monkeypatch, t, seed)
+
+
+def test_the_simulator_catches_a_dispatch_chunk_without_its_join(recorder, monkeypatch):
+    _some_seed_fails(recorder, "a matmul read xr row", lambda seed: _run_expert_dispatch_decomposed(
+        recorder, monkeypatch, 2, seed, joins_per_chunk=False))
+
+
+def _run_expert_combine_decomposed(recorder, monkeypatch, t, seed, fork=True):
+    """30 calls per rank of the combine's cuBLAS path over the copy engines (expert._combine_decomposed with a
+    RowPush), as the dispatch's above. Checks: a push reads staging rows this call's matmuls already wrote (the fork
+    after each group's matmuls); the rows copied into z were pushed in the same call."""
+    from overlap_tp.ops import expert
+    from overlap_tp.ops.moe_tile_plan import combine_plan, layout
+    calls, capacity, parts = 30, 64, 2
+    signals = _peer_signals(t, (1, 0))
+    bufs = [torch.zeros(capacity, 4, dtype=torch.int32) for _ in range(t)]
+    pushes = []
+    for rank in range(t):
+        push = RowPush.__new__(RowPush)
+        push.capacity, push.buf, push.row_bytes, push.signals = capacity, bufs[rank], 16, signals[rank]
+        push.peer_ptrs = [buf.data_ptr() for buf in bufs]
+        pushes.append(push)
+    programs, stagings, zs = {}, {}, {}
+    for rank in range(t):
+        engine = _RankEngine(rank)
+        if not fork:   # the mutation: the pushes do not wait for the matmuls that wrote their rows
+            engine.fork = lambda current, capturing: None
+        monkeypatch.setattr(comm, "comm_engine", lambda device, engine=engine: engine)
+        monkeypatch.setattr(expert, "expert_mm", lambda a, w, pieces, outs, main=engine.main: recorder.emit(
+            main, ("mm", outs[0].data_ptr(), tuple((p.dst_lo, p.dst_lo + p.src_hi - p.src_lo) for p in pieces
+                                                   if p.dst_buf == 0 and p.src_lo < p.src_hi))))
+        for call in range(calls):
+            lay = layout(_expert_counts_for(t, 1000 * seed + call), rank)
+            plan = combine_plan(lay, 8, 16, 16, parts)
+            staging = torch.zeros(max(plan.staging_rows, 1), 4, dtype=torch.int32)
+            z = torch.zeros(max(lay.tokens, 1), 4, dtype=torch.int32)
+            stagings[rank, call], zs[rank, call] = staging, z
+            recorder.emit(engine.main, ("call", rank, call))
+            expert._combine_decomposed(torch.zeros(1), None, staging, z, plan, None, pushes[rank])
+        programs.update(recorder.take())
+    written = {}                                         # (rank, call, staging row): written by its matmul
+    received = {}                                        # (owner, buffer row) -> (source, call) pushed there
+    staging_rows, z_rows = _row_addresses(stagings), _row_addresses(zs)
+    current = [0] * t
+
+    def act(stream, op):
+        if op[0] == "call":
+            current[op[1]] = op[2]
+        elif op[0] == "mm":
+            (rank, call), _ = staging_rows[op[1]]
+            for lo, hi in op[2]:
+                for i in range(lo, hi):
+                    written[rank, call, i] = True
+        elif op[0] == "copy" and op[2] in staging_rows:   # a push: staged rows into a peer's receive buffer
+            (rank, call), row = staging_rows[op[2]]
+            owner = next(o for o in range(t) if bufs[o].data_ptr() <= op[1] < bufs[o].data_ptr() + capacity * 16)
+            dst_row = (op[1] - bufs[owner].data_ptr()) // 16
+            for i in range(op[3] // 16):
+                assert written.get((rank, call, row + i)), \
+                    f"rank {rank} call {call}: pushed staging row {row + i} before its matmul wrote it"
+                received[owner, dst_row + i] = call
+        elif op[0] == "copy" and op[1] in z_rows:          # the copy-out of the peers' rows into z
+            (rank, call), _ = z_rows[op[1]]
+            row = (op[2] - bufs[rank].data_ptr()) // 16
+            for i in range(op[3] // 16):
+                assert received.get((rank, row + i)) == call, \
+                    f"rank {rank} call {call}: copied out row {row + i} pushed in call {received.get((rank, row + i))}"
+
+    run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed), joins=True)
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (3, 2), (4, 3)])
+def test_expert_combine_decomposed_over_p2p_pushes_written_rows_and_copies_out_its_call(recorder, monkeypatch, t,
+                                                                                        seed):
+    _run_expert_combine_decomposed(recorder, monkeypatch, t, seed)
+
+
+def test_the_simulator_catches_a_push_without_its_fork(recorder, monkeypatch):
+    _some_seed_fails(recorder, "before its matmul wrote it", lambda seed: _run_expert_combine_decomposed(
+        recorder, monkeypatch, 2, seed, fork=False))

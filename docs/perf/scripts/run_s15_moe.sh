@@ -7,14 +7,15 @@
 # EP 2 first (how long a2a_gemm's forward takes to launch its GEMM; EP 1: ~1.0 ms, ../s15/probe_expert_host.txt).
 # Session 17 added the expert ops' p2p transport (copy engines, no SM: --overlap-moe-transport p2p), correct at EP 2
 # on one GPU (../s17/): timed here as signal-p2p next to signal (NCCL) over NVLink; not on the proxy (it disables
-# NCCL's P2P only: the copy engines would still use NVLink, so signal-p2p is no cross-node stand-in).
+# NCCL's P2P only: the copy engines would still use NVLink, so signal-p2p is no cross-node stand-in). Session 19 added
+# decompose-p2p (cuBLAS per expert over the same copy engines, no per-routing Triton state): timed next to them.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT=
 workdir s15_moe
 step host 90 torchrun --nproc-per-node 2 $REPO/docs/perf/scripts/probe_expert_host.py
 grep -E "forward|_dispatch_state|dispatch_plan|_ExpertState|SignaledGemm" $W/host.out
-step layer_nvlink 150 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 --routings 8 \
-  --methods signal,signal-p2p,off,auto --out $W --name moe_layer_nvlink
+step layer_nvlink 190 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 --routings 8 \
+  --methods signal,signal-p2p,decompose-p2p,off,auto --out $W --name moe_layer_nvlink
 step layer_proxy 170 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 \
   --routings 8 --methods signal,off,auto --out $W --name moe_layer_proxy
 for f in $W/*.md; do echo "== $f"; grep -E "^\| " $f | head -8; done
