@@ -114,7 +114,7 @@ def add_overlap_args(parser):
              "layer, untouched. signal / decompose / auto: overlap_tp's OverlapMoELayer, whose "
              "dispatch all-to-all is overlapped with the grouped fc1 GEMM (a2a_gemm) and whose fc2 "
              "GEMM with the combine all-to-all (gemm_a2a); methods as for --overlap-tp, but auto tries "
-             "off and signal in each layer's first calls and keeps the faster one (the EP group's slowest "
+             "off, signal and decompose in each layer's first calls and keeps the fastest (the EP group's slowest "
              "rank decides; a warning names the choice), transport per --overlap-moe-transport, "
              "--overlap-tp-comm-sms applies. Needs --num-experts, "
              "--moe-token-dispatcher-type alltoall and --expert-tensor-parallel-size 1.")

@@ -1,14 +1,15 @@
-"""method='auto' for one MoE layer's expert ops: try both, keep the faster, agree over the EP group.
+"""method='auto' for one MoE layer's expert ops: try each method, keep the fastest, agree over the EP group.
 
 The dense ops' tuner measures a shape once before training; an MoE layer's sizes change with the routing every
 step, and whether the overlap pays depends on the interconnect (at EP 2 over NVLink the all-to-all is 3-10% of the
 grouped GEMMs and `signal` ran 0.96-0.97x of Megatron's MoELayer; on the cross-node proxy 1.12-1.16x,
 docs/perf/s13/README.md). So `auto` measures in training itself, as Tutel switches its parallelism online: the
-layer's first calls alternate `off` and `signal` (WARMUP untimed calls each, then TRIALS timed ones each), each
-timed on the GPU by CUDA events around the experts' forward (fc1 + dispatch, activation, fc2 + combine). At the
-call after the last trial every rank waits for its events (once), the EP group takes each method's largest median
-over the ranks (one all-reduce: the step waits for its slowest rank), and the layer keeps `signal` if it is faster than
-`off` by more than SIGNAL_MARGIN, else `off`, for the rest of the run, named in a warning. With one EP rank there
+layer's first calls take `off`, `signal` and `decompose` in turn (WARMUP untimed calls each, then TRIALS timed ones
+each; both overlapped methods on the layer's transport), each timed on the GPU by CUDA events around the experts'
+forward (fc1 + dispatch, activation, fc2 + combine). At the call after the last trial every rank waits for its events
+(once), the EP group takes each method's largest median over the ranks (one all-reduce: the step waits for its
+slowest rank), and the layer keeps the faster overlapped method if it beats `off` by more than MARGIN, else `off`,
+for the rest of the run, named in a warning. With one EP rank there
 is nothing to overlap: `off` at once, no trial. The schedule is a function of the call count alone, so every rank runs
 the same method at every call and decides at the same call (the all-to-alls stay matched).
 
@@ -24,13 +25,13 @@ import torch.distributed as dist
 
 from overlap_tp.ops import comm
 
-METHODS = ("off", "signal")
+METHODS = ("off", "signal", "decompose")   # off first: the baseline the others must beat
 WARMUP = 1   # per method: plan builds, Triton compiles
 TRIALS = 5   # per method
-# signal is kept only if its median beats off's by this fraction: off is Megatron's path, and two trials of the same
-# method differ by a few percent from call to call (at EP 1, where signal cannot win, a 3-call trial once kept it:
-# docs/perf/s15/README.md)
-SIGNAL_MARGIN = 0.02
+# an overlapped method is kept only if its median beats off's by this fraction: off is Megatron's path, and two trials
+# of the same method differ by a few percent from call to call (at EP 1, where signal cannot win, a 3-call trial once
+# kept it: docs/perf/s15/README.md)
+MARGIN = 0.02
 
 
 def _warn_on_rank0(message: str):
@@ -76,8 +77,10 @@ class MethodTrial:
 
     def __init__(self, group, device: torch.device, what: str = "MoE layer", warn: Callable[[str], None] = None,
                  warmup: int = WARMUP, trials: int = TRIALS, timer_factory: Optional[Callable] = None,
-                 margin: float = SIGNAL_MARGIN):
-        self.group, self.device, self.what = group, device, what
+                 margin: float = MARGIN, methods: Tuple[str, ...] = METHODS):
+        if methods[0] != "off":
+            raise ValueError(f"MethodTrial: the methods start with 'off', the baseline; got {methods}")
+        self.group, self.device, self.what, self.methods = group, device, what, tuple(methods)
         self.warn = warn or _warn_on_rank0
         self.warmup, self.trials, self.margin = warmup, trials, margin
         self.timer_factory = timer_factory or (_EventTimer if device.type == "cuda" else _WallTimer)
@@ -89,7 +92,7 @@ class MethodTrial:
 
     @property
     def schedule_length(self) -> int:
-        return len(METHODS) * (self.warmup + self.trials)
+        return len(self.methods) * (self.warmup + self.trials)
 
     def next_call(self):
         """(method, timer or None) for this call."""
@@ -109,21 +112,22 @@ class MethodTrial:
         if self.chosen is not None:
             return self.chosen, None
         index, self.calls = self.calls, self.calls + 1
-        method = METHODS[index % len(METHODS)]
-        if index < len(METHODS) * self.warmup:
+        method = self.methods[index % len(self.methods)]
+        if index < len(self.methods) * self.warmup:
             return method, None
         timer = self.timer_factory()
         self.timed.append((method, timer))
         return method, timer
 
     def _decide(self):
-        mine = [statistics.median(t.ms() for m, t in self.timed if m == method) for method in METHODS]
+        mine = [statistics.median(t.ms() for m, t in self.timed if m == method) for method in self.methods]
         agreed = torch.tensor(mine, dtype=torch.float64, device=self.device if self.device.type == "cuda" else None)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
-        self.medians = dict(zip(METHODS, agreed.tolist()))
-        self.chosen = "signal" if self.medians["signal"] < self.medians["off"] * (1 - self.margin) else "off"
+        self.medians = dict(zip(self.methods, agreed.tolist()))
+        best = min(self.methods[1:], key=lambda method: self.medians[method])   # the first of equal ones
+        self.chosen = best if self.medians[best] < self.medians["off"] * (1 - self.margin) else "off"
         self.timed = []
         times = ", ".join(f"{method} {ms:.3f} ms" for method, ms in self.medians.items())
         self.warn(f"overlap_tp {self.what} (method auto): runs '{self.chosen}' from now on (forward of the "
-                  f"experts, median of {self.trials} calls each, the slowest rank's: {times}; signal must win by "
-                  f"{self.margin:.0%})")
+                  f"experts, median of {self.trials} calls each, the slowest rank's: {times}; an overlapped method "
+                  f"must win by {self.margin:.0%})")

@@ -213,7 +213,7 @@ class OverlapGroupedMLP(MegatronModule):
         device_counts: the same counts on the GPU (OverlapMoELayer's), for the expert ops' tile tables."""
         config = self.overlap_config if self.overlap_config is not None else _default["config"]
         timer = None
-        if config.method == "auto":   # off and signal tried in the first calls, the faster kept (moe_auto.py)
+        if config.method == "auto":   # off, signal, decompose tried in the first calls, the fastest kept (moe_auto.py)
             if self._trial is None:
                 self._trial = MethodTrial(self.ep_group, tokens.device, what=self.layer_name)
             method, timer = self._trial.next_call()

@@ -37,7 +37,7 @@ Methods (OverlapConfig.method):
              most tokens a rank has had (regrown, collectively, when a routing needs more).
   auto       `off`, with a warning: the ops alone cannot know whether the overlap pays on this routing and
              interconnect. The MoE layer (overlap_tp/megatron/moe_auto.py) resolves `auto` itself: it times
-             off and signal in its first calls and keeps the faster.
+             off, signal and decompose in its first calls and keeps the fastest.
 `groups` is the number of parts per peer (an int, or "auto": about 16 MB per group on the busiest
 rank); `schedule` does not apply. The backward runs the mirrored op with each expert's weight
 transposed as a view (`transposed`: the kernel reads it in place, no copy) and the grouped wgrad with

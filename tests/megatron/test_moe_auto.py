@@ -27,20 +27,21 @@ class _SetTimer:
 def _check_decision(rank, world):
     import torch.distributed as dist
 
-    from overlap_tp.megatron.moe_auto import METHODS, MethodTrial
+    from overlap_tp.megatron.moe_auto import MethodTrial
     # rank 0: off 1 ms, signal 2 ms; rank 1: off 3 ms, signal 2.5 ms -> the slowest ranks' medians: off 3, signal
     # 2.5: signal, although rank 0 alone would pick off
+    methods = ("off", "signal")
     times = {0: {"off": 1.0, "signal": 2.0}, 1: {"off": 3.0, "signal": 2.5}}[rank]
     made = []
 
     def factory():
-        method = METHODS[(2 + len(made)) % 2]   # timed calls come after one untimed call per method
+        method = methods[(2 + len(made)) % 2]   # timed calls come after one untimed call per method
         made.append(_SetTimer(times[method] + 0.01 * len(made)))
         return made[-1]
 
     said = []
     trial = MethodTrial(dist.group.WORLD, torch.device("cpu"), warn=said.append, warmup=1, trials=3,
-                        timer_factory=factory)
+                        timer_factory=factory, methods=methods)
     seen = []
     for _ in range(trial.schedule_length):
         method, timer = trial.next_call()
@@ -77,12 +78,17 @@ def _check_margin(rank, world):
     import torch.distributed as dist
 
     from overlap_tp.megatron.moe_auto import METHODS, MethodTrial
-    for signal_ms, want in ((0.99, "off"), (0.97, "signal")):   # 1% faster is within the margin, 3% is not
+    assert METHODS == ("off", "signal", "decompose")
+    # (signal ms, decompose ms, the pick) against off's 1 ms: 1% faster is within the margin, 3% is not; the faster
+    # overlapped method is the candidate
+    for signal_ms, decompose_ms, want in ((0.99, 0.995, "off"), (0.97, 1.2, "signal"), (0.97, 0.95, "decompose"),
+                                          (1.3, 0.99, "off")):
         made = []
+        times = {"off": 1.0, "signal": signal_ms, "decompose": decompose_ms}
 
         def factory():
-            method = METHODS[len(made) % 2]
-            made.append(_SetTimer(1.0 if method == "off" else signal_ms))
+            method = METHODS[len(made) % len(METHODS)]
+            made.append(_SetTimer(times[method]))
             return made[-1]
 
         said = []
@@ -92,12 +98,18 @@ def _check_margin(rank, world):
             timer = trial.next_call()[1]
             timer.record_start()
             timer.record_end()
-        assert trial.next_call() == (want, None), (signal_ms, trial.medians)
+        assert trial.next_call() == (want, None), (signal_ms, decompose_ms, trial.medians)
         assert "must win by 2%" in said[0]
 
 
-def test_signal_must_beat_off_by_the_margin():
+def test_the_fastest_overlapped_method_must_beat_off_by_the_margin():
     run_distributed(2, _check_margin)
+
+
+def test_the_trial_starts_with_the_baseline():
+    from overlap_tp.megatron.moe_auto import MethodTrial
+    with pytest.raises(ValueError, match="start with 'off'"):
+        MethodTrial(None, torch.device("cpu"), methods=("signal", "off"))
 
 
 def _check_one_rank(rank, world):

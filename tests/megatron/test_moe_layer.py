@@ -258,7 +258,7 @@ def _check_transformer_layer(rank, world):
 
 
 def _check_auto(rank, world):
-    """method auto: the trial calls (off and signal in turn) and the calls after the decision all give Megatron's
+    """method auto: the trial calls (off, signal and decompose in turn) and the calls after the decision all give Megatron's
     results, and every rank keeps the same method."""
     import torch.distributed as dist
 
@@ -270,7 +270,7 @@ def _check_auto(rank, world):
     x = torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
     g = torch.randn(SEQ, BATCH, H, generator=gen).to(torch.bfloat16)
     out_ref, dx_ref = _run(ref, x, g)
-    for call in range(2 * (WARMUP + TRIALS) + 1):   # the default schedule, then the call that decides
+    for call in range(len(METHODS) * (WARMUP + TRIALS) + 1):   # the default schedule, then the call that decides
         ours.zero_grad(set_to_none=True)
         out, dx = _run(ours, x, g)
         _close(out, out_ref, f"auto call {call} output")
