@@ -1,7 +1,8 @@
 # A later 2-GPU call (after run_s19_x2_{1,2,3}.sh; nvidia-h200-x2), written in session 14 (one GPU only): --overlap-moe auto
-# (each layer times off and signal in its first calls and keeps the faster) against off, signal and Megatron's
-# MoELayer, over NVLink (session 13: signal 0.97 / 0.96x, so auto should keep off) and on the cross-node proxy
-# (NCCL_P2P_DISABLE=1: signal 1.16 / 1.12x, auto should keep signal); a new routing every step (--routings 8);
+# (each layer times off and signal in its first calls and keeps the faster; from session 19 off, signal and
+# decompose, the fastest) against off, signal and Megatron's MoELayer, over NVLink (session 13: signal 0.97 / 0.96x,
+# so auto should keep off unless decompose wins) and on the cross-node proxy (NCCL_P2P_DISABLE=1: signal 1.16 /
+# 1.12x, auto should keep signal or decompose); a new routing every step (--routings 8);
 # then the expert ops' GPU tests after session 13's GEMM-first order (if run_s15_a.sh did not reach them). Session 15
 # (one GPU) cut the expert plans' host time 2-4.6x and reused compiled kernels across routings: the host probe at
 # EP 2 first (how long a2a_gemm's forward takes to launch its GEMM; EP 1: ~1.0 ms, ../s15/probe_expert_host.txt).
