@@ -377,6 +377,15 @@ def _op(kind, group, n, config, device, lay: Layout) -> _ExpertOp:
         kind, config, device, f"{kind}(N={n}, ep={lay.ep}, L={lay.experts})"), MAX_OPS)
 
 
+def _decomposed_rows(kind, group, n, cols, dtype, config, device, lay: Layout):
+    """The decompose method's p2p row buffer of `cols` columns (RowPull for the dispatch, RowPush for the combine)
+    and its op's watchdog record; (None, None) on NCCL or with one rank (nothing moves)."""
+    if config.transport != "p2p" or lay.ep == 1:
+        return None, None
+    op = _op(kind, group, n, config, device, lay)
+    return op.row_buffer(kind, group, lay, cols, dtype, device), op.watched
+
+
 def _state(kind, plan_fn, route: Routing, n, config, parts, group, device, offsets=None) -> _ExpertState:
     """The _ExpertState of this routing, built at its first call (the least recently used dropped past
     MAX_ROUTINGS: dynamic routing builds one per step), on the op's _ExpertOp (built once)."""
@@ -506,10 +515,9 @@ def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None, 
     coll = None if p2p else comm.collectives(group, x.device, config.comm_sms)
     if method == "decompose":
         parts = route.parts(config.groups, hidden * x.element_size())
-        op = _op("a2a_gemm", group, n, config, x.device, lay) if p2p and ep > 1 else None
-        pull = None if op is None else op.row_buffer("a2a_gemm", group, lay, hidden, x.dtype, x.device)
+        pull, watched = _decomposed_rows("a2a_gemm", group, n, hidden, x.dtype, config, x.device, lay)
         _dispatch_decomposed(x, w, xr, y, dispatch_plan(lay, n, config.block_m, config.block_n, parts), coll, pull,
-                             None if op is None else op.watched)
+                             watched)
     else:
         state = state or _dispatch_state(route, n, hidden, x.dtype, config, group, x.device)
         pull = state.op.row_buffer("a2a_gemm", group, lay, hidden, x.dtype, x.device) if p2p and ep > 1 else None
@@ -623,10 +631,9 @@ def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None, d
     coll = None if p2p else comm.collectives(group, h.device, config.comm_sms)
     if method == "decompose":
         parts = route.parts(config.groups, n * h.element_size())
-        op = _op("gemm_a2a", group, n, config, h.device, lay) if p2p and ep > 1 else None
-        push = None if op is None else op.row_buffer("gemm_a2a", group, lay, n, h.dtype, h.device)
+        push, watched = _decomposed_rows("gemm_a2a", group, n, n, h.dtype, config, h.device, lay)
         _combine_decomposed(h, w, staging, z, combine_plan(lay, n, config.block_m, config.block_n, parts), coll,
-                            push, None if op is None else op.watched)
+                            push, watched)
     else:
         state = state or _combine_state(route, n, h.shape[1], h.dtype, config, group, h.device)
         push = state.op.row_buffer("gemm_a2a", group, lay, n, h.dtype, h.device) if p2p and ep > 1 else None

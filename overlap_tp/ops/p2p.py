@@ -256,6 +256,16 @@ class GatherBuffer:
         self.signals.signal(stream, self.PULLED)
 
 
+def _symmetric_rows(group, rank, t, capacity, cols, dtype, device):
+    """A symmetric [capacity, cols] row buffer of the expert exchanges, rendezvoused over the group: (capacity, the
+    buffer, its handle, every rank's address of it, the bytes of a row)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+    buf = symm_mem.empty(capacity, cols, dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(buf, group)
+    within = buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
+    return capacity, buf, handle, [handle.buffer_ptrs[p] + within for p in range(t)], cols * buf.element_size()
+
+
 class RowPull:
     """The expert dispatch's pulls: a symmetric copy of this rank's rows (a buffer of `capacity` rows of which a call
     fills the first T: T changes per call), from which the peers pull the rows the caller names (copy_rows), copy
@@ -269,14 +279,9 @@ class RowPull:
     PULLED, READY = 0, 1
 
     def __init__(self, group, rank, t, capacity, cols, dtype, device, describe):
-        from torch.distributed import _symmetric_memory as symm_mem
-        self.capacity = capacity
-        self.buf = symm_mem.empty(capacity, cols, dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(self.buf, group)
-        within = self.buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
-        self.peer_ptrs = [None if p == rank else handle.buffer_ptrs[p] + within for p in range(t)]
-        self.handle = handle
-        self.row_bytes = cols * self.buf.element_size()
+        self.capacity, self.buf, self.handle, self.peer_ptrs, self.row_bytes = _symmetric_rows(
+            group, rank, t, capacity, cols, dtype, device)
+        self.peer_ptrs[rank] = None   # never pulled from
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
                                    names=("PULLED", "READY"), graph_deadline=False)
 
@@ -308,14 +313,8 @@ class RowPush:
     CONSUMED, ARRIVED = 0, 1
 
     def __init__(self, group, rank, t, capacity, cols, dtype, device, describe):
-        from torch.distributed import _symmetric_memory as symm_mem
-        self.capacity = capacity
-        self.buf = symm_mem.empty(capacity, cols, dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(self.buf, group)
-        within = self.buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
-        self.peer_ptrs = [handle.buffer_ptrs[p] + within for p in range(t)]
-        self.handle = handle
-        self.row_bytes = cols * self.buf.element_size()
+        self.capacity, self.buf, self.handle, self.peer_ptrs, self.row_bytes = _symmetric_rows(
+            group, rank, t, capacity, cols, dtype, device)
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
                                    names=("CONSUMED", "ARRIVED"))
 
