@@ -8,7 +8,7 @@
 # The burst figures interleave the variants round by round (the hosts' speed drifts up to 2x within a minute:
 # session 16 call 7), each with its median, quartiles and the median of its per-round ratio to a bare cuBLAS call.
 # --rounds R: rounds of the interleaved bursts (30). --label TEXT: printed first on every line (A/B of two code
-# versions run one after the other: run_s17_one.sh).
+# versions run one after the other: run_s17_one.sh, in git at aa14ff3).
 # --ab: the plan also with its Triton kernels launched through CompiledKernel.run instead of DirectKernels
 # (kernels/launch.py), in the same rounds.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
