@@ -23,6 +23,8 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
   set it, else `overlap_tp_tune.json` in Megatron's `--save` folder
   (`overlap_tp.megatron.arguments.tune_cache_path`); with none of them it stays unset and the tuner
   writes nothing.
+- the tuner's timing regime (`overlap_tp.tune.timing.set_regime`): under `--cuda-graph-impl local` or
+  `full_iteration`, `method='auto'` times its candidates as CUDA graph replays, as the run executes them.
 
 Applying twice changes nothing more (the second report lists no change). With `--overlap-tp off`,
 `--overlap-moe off` and no `--overlap-tp-layers` nothing is touched. Run `validate_overlap_args(args)` first.
@@ -33,6 +35,7 @@ import os
 
 from overlap_tp.megatron.arguments import TUNE_CACHE_ENV, layer_configs, moe_overlap_config_kwargs, tune_cache_path
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.tune import timing as tune_timing
 
 # What apply() puts into --spec: overlap_tp.megatron_patches.spec's `flags`, a block spec that Megatron's
 # builders take as a ModuleSpec (Megatron-LM's gpt_builders.py) or call with the model config and vp_stage
@@ -99,6 +102,7 @@ def reset():
     """Forget the process-wide state (tests)."""
     _STATE["configs"] = _STATE["moe_config"] = None
     _STATE["fused_norms"] = True
+    tune_timing.set_regime("eager")
 
 
 def wanted(args):
@@ -140,6 +144,13 @@ def apply(args, *, log=None):
                              "validate_overlap_args first: it explains the choice)")
         args.spec = list(SPEC)
         report.changed.append(f"--spec {' '.join(SPEC)} (was {spec})")
+
+    # `auto` times its candidates as the run executes them: replays of CUDA graphs under --cuda-graph-impl
+    timing = "eager" if str(getattr(args, "cuda_graph_impl", "none") or "none") == "none" else "graphs"
+    if tune_timing.regime() != timing:
+        tune_timing.set_regime(timing)
+        how = "as CUDA graph replays" if timing == "graphs" else "eagerly"
+        report.changed.append(f"the tuner times its candidates {how}")
 
     cache = tune_cache_path(args)
     if cache and os.environ.get(TUNE_CACHE_ENV) != cache:

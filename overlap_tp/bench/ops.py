@@ -185,7 +185,8 @@ def bench_shape(op, name, m, k, n, args, group):
                 row[f"S_{key}"] = row["seq"] / row[key]
 
     if args.auto:
-        from overlap_tp.tune import choose, label
+        from overlap_tp.tune import choose, label, set_regime
+        set_regime("graphs" if args.graphs else "eager")   # the tuner times candidates as this run times ours
         auto = OverlapConfig(method="auto")
         agree(run(*sets[0], group, config=auto), seq_out, f"{op} auto")   # the first call tunes the shape
         row["auto_pick"] = label(choose(op, *sets[0], group, base=auto))

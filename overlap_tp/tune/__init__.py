@@ -26,8 +26,10 @@ from overlap_tp.tune.cache import (ENV_VAR, TuneCache, cache_key, config_from_di
                                    software_stamp)
 from overlap_tp.tune.candidates import Shape, candidates, label, op_name
 from overlap_tp.tune.predict import DEFAULT_PROGRESS, Measurements, rank
+from overlap_tp.tune.timing import regime, set_regime
 
-__all__ = ["choose", "choose_shape", "decide", "resolve_auto", "shape_of", "TuneCache", "Shape", "Measurements"]
+__all__ = ["choose", "choose_shape", "decide", "resolve_auto", "set_regime", "shape_of", "TuneCache", "Shape",
+           "Measurements"]
 
 DEFAULT_MARGIN = 0.02
 DEFAULT_VERIFY = 2
@@ -144,12 +146,13 @@ def choose_shape(shape: Shape, group, device: torch.device, *, cache=None, base:
     t = shape.t
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     cache = _cache_location(cache)
+    timing_regime = regime()
     memo_key = (device_name, shape, tuple(dist.get_process_group_ranks(group)), base, margin, verify_count,
-                progress, str(cache) if not isinstance(cache, TuneCache) else cache.path)
+                progress, str(cache) if not isinstance(cache, TuneCache) else cache.path, timing_regime)
     if memo_key in _memo:
         return _memo[memo_key]
     store = _open_cache(cache, device_name, dist.get_rank(group))
-    key = cache_key(device_name, shape.op, shape.dtype, t, shape.m, shape.n, shape.k)
+    key = cache_key(device_name, shape.op, shape.dtype, t, shape.m, shape.n, shape.k, timing_regime)
     cached = store.get(key) if store is not None else None
     cached = _broadcast(cached["config"] if cached else None, group)
     if cached is not None:

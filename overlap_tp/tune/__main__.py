@@ -27,6 +27,7 @@ from overlap_tp.tune import choose, decide
 from overlap_tp.tune.cache import ENV_VAR, TuneCache, cache_key, default_path, location_problem, software_stamp
 from overlap_tp.tune.candidates import Shape, candidates, label
 from overlap_tp.tune.predict import PROGRESS, predict, rank
+from overlap_tp.tune.timing import regime, set_regime
 
 
 def parse_args(argv):
@@ -43,6 +44,9 @@ def parse_args(argv):
     p.add_argument("--points", type=int, default=30,
                    help="end-to-end measured candidates per shape (--validate, --exhaustive); 0 = all")
     p.add_argument("--top", type=int, default=8, help="--validate: how many of the predictor's best to measure")
+    p.add_argument("--graphs", action="store_true",
+                   help="time every candidate as replays of a captured CUDA graph (the regime of a run under "
+                        "--cuda-graph-impl; its decisions are cached apart from eager ones)")
     args = p.parse_args(argv)
     cache = args.cache or default_path()
     if args.exhaustive and not args.validate and not cache:   # --validate wins over --exhaustive in main()
@@ -191,6 +195,7 @@ def main(argv=None):
     except (ImportError, AttributeError, RuntimeError):
         pass
     torch.manual_seed(1234 + dist.get_rank())
+    set_regime("graphs" if args.graphs else "eager")
     from overlap_tp.tune import measure
     rank0 = dist.get_rank() == 0
     shapes = shapes_from_args(args, dist.get_world_size())
@@ -215,7 +220,7 @@ def main(argv=None):
             if rank0:
                 name = torch.cuda.get_device_name(device)
                 store = TuneCache(args.cache, software_stamp(name))
-                store.put(cache_key(name, shape.op, shape.dtype, shape.t, shape.m, shape.n, shape.k), config,
+                store.put(cache_key(name, shape.op, shape.dtype, shape.t, shape.m, shape.n, shape.k, regime()), config,
                           label=best, how="exhaustive", times=dict(sorted(times.items(), key=lambda kv: kv[1])))
                 print(f"{spec}: best {best} {times[best]:.3f} ms (off {times.get('off', float('nan')):.3f})",
                       flush=True)

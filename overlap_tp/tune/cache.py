@@ -94,8 +94,10 @@ def software_stamp(device_name: str) -> Dict[str, Optional[str]]:
             "triton": triton_version, "nccl": nccl, "device": device_name}
 
 
-def cache_key(device_name: str, op: str, dtype: str, t: int, m: int, n: int, k: int) -> str:
-    return f"{device_name}|{op}|{dtype}|t{t}|{m}x{n}x{k}"
+def cache_key(device_name: str, op: str, dtype: str, t: int, m: int, n: int, k: int, regime: str = "eager") -> str:
+    """The entry of one shape; decisions timed as graph replays carry their regime (eager ones do not: the entries
+    written before the regimes existed stay valid)."""
+    return f"{device_name}|{op}|{dtype}|t{t}|{m}x{n}x{k}" + ("" if regime == "eager" else f"|{regime}")
 
 
 def config_to_dict(config: OverlapConfig) -> dict:

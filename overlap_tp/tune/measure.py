@@ -27,14 +27,32 @@ from overlap_tp.ops.gemm_rs import gemm_rs
 from overlap_tp.tune.candidates import (COMM_SMS, DECOMPOSE_CHUNKS, DECOMPOSE_COMM_SMS, Shape, decompose_p2p, label,
                                        layout)
 from overlap_tp.tune.predict import Measurements
-from overlap_tp.tune.timing import timed
+from overlap_tp.ops.common import warn_once
+from overlap_tp.tune.timing import CapturedCalls, regime, slowest_median, timed
 
 CURVE_POINTS = 8          # bytes halve from the whole collective down to 1/128 of it
 INPUT_SETS = 2
 
 
 def _timed(fn, sets, reps, group):
-    return timed(fn, sets, reps, group)
+    """The slowest rank's median ms of fn(*set), in the tuner's timing regime (timing.regime()): eagerly, or as
+    replays of a captured CUDA graph. A call some rank cannot capture is timed eagerly on every rank (agreed first: the
+    timing is collective), with a warning."""
+    if regime() == "eager":
+        return timed(fn, sets, reps, group)
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        captured, why = CapturedCalls(fn, sets), None
+    except RuntimeError as error:
+        captured, why = None, str(error).splitlines()[0][:160]
+    if not _all_ok(why is None, group, device):
+        where = why or "on a peer"
+        warn_once(f"overlap_tp.tune: a candidate could not be captured in a CUDA graph ({where}); such candidates are "
+                  f"timed eagerly")
+        return timed(fn, sets, reps, group)
+    samples = captured.samples(reps, group)
+    del captured
+    return slowest_median(samples, group)
 
 
 def _all_ok(ok: bool, group, device) -> bool:

@@ -7,6 +7,23 @@ import time
 import torch
 import torch.distributed as dist
 
+# How the tuner times its candidates: "eager" (CUDA events around back-to-back calls: where a call's GPU work is shorter
+# than its host time, that measures the host's pace) or "graphs" (replays of a captured CUDA graph: the GPU's time
+# alone, which is what a run under Megatron's --cuda-graph-impl executes). overlap_tp's Megatron patch sets it from
+# that flag (megatron_patches/apply.py); decisions are cached per regime.
+REGIMES = ("eager", "graphs")
+_regime = ["eager"]
+
+
+def set_regime(regime: str):
+    if regime not in REGIMES:
+        raise ValueError(f"overlap_tp.tune: timing regime {regime!r}: expected one of {REGIMES}")
+    _regime[0] = regime
+
+
+def regime() -> str:
+    return _regime[0]
+
 
 def timed_samples(fn, sets, reps, group, warmup=5, device=None):
     """This rank's times (ms) of `reps` back-to-back fn(*set) calls, after `warmup` calls and a barrier.

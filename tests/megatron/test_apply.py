@@ -217,3 +217,17 @@ def test_moe_models_get_our_moe_layer_only_with_overlap_moe(monkeypatch, overlap
     else:
         assert module is OverlapMoELayer and experts is OverlapGroupedMLP
     assert "pre_mlp_layernorm." not in spec.submodules.sharded_state_dict_keys_map   # as Megatron's TE MoE spec
+
+
+@pytest.mark.parametrize("impl, regime", [(None, "eager"), ("none", "eager"), ("local", "graphs"),
+                                          ("full_iteration", "graphs")])
+def test_the_tuner_times_as_the_run_executes(impl, regime):
+    """Under --cuda-graph-impl local / full_iteration, `auto` times its candidates as CUDA graph replays (said once in
+    the report); eager runs keep eager timing and change nothing."""
+    from overlap_tp.tune import timing
+    args = fake_args(overlap_tp="auto") if impl is None else fake_args(overlap_tp="auto", cuda_graph_impl=impl)
+    report = patch.apply(args, log=quiet)
+    assert timing.regime() == regime
+    said = [line for line in report.changed if "the tuner times its candidates" in line]
+    assert said == (["the tuner times its candidates as CUDA graph replays"] if regime == "graphs" else [])
+    assert not [line for line in patch.apply(args, log=quiet).changed if "tuner" in line]

@@ -530,6 +530,67 @@ def test_end_to_end_drops_the_candidates_plans():
     run_distributed(2, _end_to_end_leaves_no_candidate_plan)
 
 
+def test_decisions_are_cached_per_timing_regime(tmp_path):
+    """A decision timed as graph replays has its own entry; eager entries keep the key they always had."""
+    from overlap_tp.tune import timing
+    eager = cache_key("H200", "rs", "bfloat16", 2, 8192, 4096, 2048)
+    assert eager == "H200|rs|bfloat16|t2|8192x4096x2048" == cache_key("H200", "rs", "bfloat16", 2, 8192, 4096, 2048,
+                                                                      "eager")
+    assert cache_key("H200", "rs", "bfloat16", 2, 8192, 4096, 2048, "graphs") == eager + "|graphs"
+    with pytest.raises(ValueError, match="timing regime"):
+        timing.set_regime("replays")
+    assert timing.regime() == "eager"
+
+
+def _graph_timing_falls_back_together(rank, world):
+    """Rank 1 cannot capture the call: both ranks time it eagerly (a rank alone in graph timing would wait in its
+    barrier for ever); a call both can capture is timed from its replays."""
+    from overlap_tp.tune import measure, timing
+
+    class Captured:
+        def __init__(self, fn, sets):
+            if rank == 1 and fn is refused:
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+        def samples(self, reps, group):
+            return [2.0 + rank]
+
+    def refused():
+        pass
+
+    def accepted():
+        pass
+    measure.CapturedCalls, measure.timed = Captured, lambda fn, sets, reps, group: 7.0 + rank
+    measure.torch.cuda.current_device = lambda: 0
+    measure._all_ok = lambda ok, group, device: _all_ok_on_cpu(ok, group)
+    measure.slowest_median = lambda samples, group: _max_on_cpu(max(samples), group)
+    timing.set_regime("graphs")
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert measure._timed(refused, [()], 5, dist.group.WORLD) == 7.0 + rank   # eager, on every rank
+        assert measure._timed(accepted, [()], 5, dist.group.WORLD) == 3.0          # the slowest rank's replays
+    assert any("could not be captured" in str(w.message) for w in caught)
+    timing.set_regime("eager")
+    assert measure._timed(accepted, [()], 5, dist.group.WORLD) == 7.0 + rank
+
+
+def _all_ok_on_cpu(ok, group):
+    flag = torch.tensor([0.0 if ok else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return float(flag) == 0.0
+
+
+def _max_on_cpu(value, group):
+    value = torch.tensor([value])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return float(value)
+
+
+def test_graph_timing_falls_back_to_eager_on_every_rank_together():
+    run_distributed(2, _graph_timing_falls_back_together)
+
+
 def test_cli_needs_a_cache_to_record_into(monkeypatch, tmp_path, capsys):
     from overlap_tp.tune.__main__ import parse_args
     monkeypatch.delenv("OVERLAP_TP_TUNE_CACHE", raising=False)
