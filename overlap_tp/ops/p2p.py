@@ -257,13 +257,13 @@ class GatherBuffer:
 
 
 def _symmetric_rows(group, rank, t, capacity, cols, dtype, device):
-    """A symmetric [capacity, cols] row buffer of the expert exchanges, rendezvoused over the group: (capacity, the
-    buffer, its handle, every rank's address of it, the bytes of a row)."""
+    """A symmetric [capacity, cols] row buffer of the expert exchanges, rendezvoused over the group: (the buffer, its
+    handle, every rank's address of it, the bytes of a row)."""
     from torch.distributed import _symmetric_memory as symm_mem
     buf = symm_mem.empty(capacity, cols, dtype=dtype, device=device)
     handle = symm_mem.rendezvous(buf, group)
     within = buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
-    return capacity, buf, handle, [handle.buffer_ptrs[p] + within for p in range(t)], cols * buf.element_size()
+    return buf, handle, [handle.buffer_ptrs[p] + within for p in range(t)], cols * buf.element_size()
 
 
 class RowPull:
@@ -279,8 +279,9 @@ class RowPull:
     PULLED, READY = 0, 1
 
     def __init__(self, group, rank, t, capacity, cols, dtype, device, describe):
-        self.capacity, self.buf, self.handle, self.peer_ptrs, self.row_bytes = _symmetric_rows(
-            group, rank, t, capacity, cols, dtype, device)
+        self.capacity = capacity
+        self.buf, self.handle, self.peer_ptrs, self.row_bytes = _symmetric_rows(group, rank, t, capacity, cols, dtype,
+                                                                                device)
         self.peer_ptrs[rank] = None   # never pulled from
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
                                    names=("PULLED", "READY"), graph_deadline=False)
@@ -313,8 +314,9 @@ class RowPush:
     CONSUMED, ARRIVED = 0, 1
 
     def __init__(self, group, rank, t, capacity, cols, dtype, device, describe):
-        self.capacity, self.buf, self.handle, self.peer_ptrs, self.row_bytes = _symmetric_rows(
-            group, rank, t, capacity, cols, dtype, device)
+        self.capacity = capacity
+        self.buf, self.handle, self.peer_ptrs, self.row_bytes = _symmetric_rows(group, rank, t, capacity, cols, dtype,
+                                                                                device)
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
                                    names=("CONSUMED", "ARRIVED"))
 
