@@ -2,10 +2,10 @@
 
 Checked per shape, with fresh random inputs (different on each rank) and outputs allocated over
 NaN-poisoned memory, for both transports (in-place NCCL broadcasts; copy-engine pulls from symmetric
-memory) and the decomposition:
+memory) and the decomposition (NCCL, and cuBLAS over the copy-engine pulls):
 - relative error against an fp32 reference no worse than the sequential path's (NCCL all-gather + cuBLAS);
-- bitwise equal to the same kernel run over the same tiles after a complete all-gather (overlap must
-  not change a bit); the returned gathered input equals the all-gather;
+- the signaled GEMM: bitwise equal to the same kernel run over the same tiles after a complete all-gather
+  (overlap must not change a bit); the returned gathered input equals the all-gather;
 - 200 back-to-back calls without a hang or a changed bit.
 """
 import pytest
@@ -30,6 +30,7 @@ CONFIGS = {
     "nccl": OverlapConfig(method="signal", transport="nccl", comm_sms=16),
     "p2p": OverlapConfig(method="signal", transport="p2p", comm_sms=0),
     "p2p/g8": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=8),
+    "cublas-p2p": OverlapConfig(method="decompose", transport="p2p", chunks=2),
 }
 
 
@@ -62,7 +63,11 @@ def _check_shapes(rank, world, shapes):
             assert torch.equal(gathered, full), (s, k, n, label, "gathered input")
             error = rel_error(got, ref)
             assert error <= baseline_error * 1.05 + 1e-4, (s, k, n, label, error, baseline_error)
-            assert torch.equal(got, after_full_gather(full, w, config, rank, world)), (s, k, n, label)
+            if config.method == "signal":
+                assert torch.equal(got, after_full_gather(full, w, config, rank, world)), (s, k, n, label)
+            # the p2p transport returns the shape's one gathered buffer, which the next call of the shape refills:
+            # holding it across that call is a RuntimeError (ops/p2p.py GatherBuffer)
+            del got, gathered
         decomposed = ag_gemm(shard, w, group, config=OverlapConfig(method="decompose", chunks=4))
         assert rel_error(decomposed, ref) <= baseline_error * 1.05 + 1e-4
 

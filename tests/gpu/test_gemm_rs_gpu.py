@@ -96,6 +96,11 @@ def _check_shapes(rank, world, shapes, op):
                         assert rel_error(summed, ref) <= baseline_error * 1.05 + 1e-4, (s, k, n, "p2p")
         decomposed = run(a, w, group, config=OverlapConfig(method="decompose", chunks=4))
         assert rel_error(decomposed, ref) <= baseline_error * 1.05 + 1e-4
+        if op == "rs":   # cuBLAS per owner's region, stored into its receive slot (RegionGemms): both buffers' turns
+            for _ in range(3):
+                poison_allocator()
+                regions = run(a, w, group, config=OverlapConfig(method="decompose", transport="p2p"))
+                assert rel_error(regions, ref) <= baseline_error * 1.05 + 1e-4, (s, k, n, "decompose-p2p")
 
 
 @pytest.mark.parametrize("shapes", [BENCH_SHAPES[:4], BENCH_SHAPES[4:8], BENCH_SHAPES[8:], ODD_SHAPES],
@@ -179,7 +184,8 @@ def _check_async_op(rank, world):
     other = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     configs = [OverlapConfig(method="off"), OverlapConfig(method="decompose", chunks=4),
                OverlapConfig(method="signal", schedule="row_slice"), OverlapConfig(method="signal", schedule="tile_exact"),
-               OverlapConfig(method="signal", transport="p2p", comm_sms=0)]
+               OverlapConfig(method="signal", transport="p2p", comm_sms=0),
+               OverlapConfig(method="decompose", transport="p2p")]
     for config in configs:
         for run in (gemm_rs, gemm_ar):
             if run is gemm_ar and config.transport == "p2p":

@@ -32,6 +32,7 @@ CASES = [   # (op, config)
     ("rs", OverlapConfig(method="signal", groups=3, comm_sms=0)),
     ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0)),
     ("rs", OverlapConfig(method="decompose", chunks=4)),
+    ("rs", OverlapConfig(method="decompose", transport="p2p")),
     ("rs", OverlapConfig(method="off")),
     ("ar", OverlapConfig(method="signal", groups=2)),
     ("ar", OverlapConfig(method="decompose", chunks=2)),
@@ -40,6 +41,7 @@ CASES = [   # (op, config)
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=4)),
     ("ag", OverlapConfig(method="signal", groups=2, comm_sms=16)),
     ("ag", OverlapConfig(method="decompose", chunks=2)),
+    ("ag", OverlapConfig(method="decompose", transport="p2p", chunks=2)),
     ("ag", OverlapConfig(method="off")),
 ]
 M, K, N = 4096, 2048, 4096   # l8b.proj.s4096-like; ag: M rows gathered from M/t per rank
