@@ -89,6 +89,9 @@ def configurations(device_type):
         "signal-agp2p": ("ours", {"ag_gemm": p2p, "gemm_rs": signal, "gemm_ar": signal}, False),
         "signal-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
         "decompose-p2p": ("ours", {"ag_gemm": decompose_p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal}, False),
+        # per op the GEMM that measured faster over p2p on most s 8192 shapes (docs/perf/s20): the signaled one behind
+        # the AllGather's per-chunk flags, cuBLAS's regions for the ReduceScatter (no remote stores from Triton)
+        "mixed-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal}, False),
         "auto": ("ours", OverlapConfig(method="auto"), False),
     }
 

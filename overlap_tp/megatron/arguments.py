@@ -62,18 +62,18 @@ def add_overlap_args(parser):
         "--overlap-tp", choices=list(_ordered(METHODS)), default="off",
         help="How the TP/SP linear layers (qkv, proj, fc1, fc2) run their GEMM + collective. "
              "off: Megatron's own layers, untouched. signal: a persistent Triton GEMM signals each group "
-             "of finished tiles so its collective starts while the GEMM runs. decompose: the GEMM split "
-             "into chunks, each chunk's collective on a side stream. auto: chosen per shape by the "
-             "tuner. Needs --sequence-parallel and TP > 1.")
+             "of finished tiles (or stores them into their owner's buffer) so the transfer starts while the "
+             "GEMM runs. decompose: cuBLAS GEMMs per region or chunk, the transfer of one beside the GEMM of "
+             "the next. auto: chosen per shape by the tuner. Needs --sequence-parallel and TP > 1.")
     group.add_argument(
         "--overlap-tp-transport", choices=list(TRANSPORT_FLAGS), default="auto",
-        help="How data moves for --overlap-tp signal: nccl (one NCCL collective per group of tiles) "
-             "or p2p (peer-to-peer through symmetric memory over NVLink, CUDA only: the GEMM epilogue "
-             "stores into the owner's buffer for GEMM+ReduceScatter, copy-engine pulls for "
+        help="How data moves for --overlap-tp signal and decompose: nccl (one NCCL collective per group of "
+             "tiles or chunk) or p2p (peer-to-peer through symmetric memory over NVLink, CUDA only: the GEMM "
+             "epilogue stores into the owner's buffer for GEMM+ReduceScatter, copy-engine pulls for "
              "AllGather+GEMM; GEMM+AllReduce keeps nccl). auto (default): AllGather+GEMM and "
              "GEMM+ReduceScatter on p2p with their GEMMs on every SM, GEMM+AllReduce on nccl: no NCCL SM next "
              "to a sequence-parallel GEMM, the combination that measured fastest at TP 2 under CUDA graphs "
-             "(docs/perf/s11/README.md).")
+             "for both methods (docs/perf/s11/README.md, docs/perf/s20/README.md).")
     group.add_argument(
         "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
         help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "
@@ -347,14 +347,16 @@ def overlap_config_kwargs(args):
 def layer_configs(args):
     """The dense layers' OverlapConfig per op kind ("ag_gemm", "gemm_rs", "gemm_ar") from the flags.
     gemm_ar always runs nccl (p2p is implemented for gemm_rs and ag_gemm). With --overlap-tp-transport
-    auto and --overlap-tp signal, ag_gemm pulls the peers' rows with the copy engines and gemm_rs stores its
-    partials into the owners' buffers from the GEMM's epilogue (both p2p, their GEMMs on every SM: comm_sms 0,
-    nothing runs next to them), while gemm_ar runs nccl with --overlap-tp-comm-sms. On CPU tensors (gloo)
-    the p2p transports do not exist: use --overlap-tp-transport nccl there."""
+    auto and --overlap-tp signal or decompose, ag_gemm pulls the peers' rows with the copy engines and gemm_rs
+    stores its partials into the owners' buffers from the GEMM's epilogue (signal) or cuBLAS's (decompose: one GEMM
+    per owner's region), both p2p with their GEMMs on every SM (comm_sms 0: nothing runs next to them), while gemm_ar
+    runs nccl with --overlap-tp-comm-sms. Measured under graphs at t = 2 (docs/perf/s20/README.md): cuBLAS over p2p
+    beat cuBLAS chunks over NCCL on all 8 public s 8192 shapes. On CPU tensors (gloo) the p2p transports do not
+    exist: use --overlap-tp-transport nccl there."""
     config = OverlapConfig(**overlap_config_kwargs(args))
     nccl = dataclasses.replace(config, transport="nccl")
     ag = rs = config
-    if getattr(args, "overlap_tp_transport", "auto") == "auto" and config.method == "signal":
+    if getattr(args, "overlap_tp_transport", "auto") == "auto" and config.method in ("signal", "decompose"):
         ag = rs = dataclasses.replace(config, transport="p2p", comm_sms=0)
     return {"ag_gemm": ag, "gemm_rs": rs, "gemm_ar": nccl}
 

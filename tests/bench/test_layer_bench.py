@@ -224,8 +224,11 @@ def test_bench_cli_arguments():
         assert all((ops[op].method, ops[op].transport, ops[op].comm_sms) == (method, "p2p", 0)
                    for op in ("ag_gemm", "gemm_rs")), name
         assert ops["gemm_ar"].transport == "nccl"
+    spec, ops, _ = configs["mixed-p2p"]   # the signaled GEMM behind the AllGather, cuBLAS's regions for the RS
+    assert [(ops[op].method, ops[op].transport) for op in ("ag_gemm", "gemm_rs")] == [("signal", "p2p"),
+                                                                                       ("decompose", "p2p")]
     assert "decompose-p2p" in layer.DEFAULT_CONFIGS.split(",")
-    assert layer.parse_args(["--configs", "megatron,decompose-p2p"]).configs == "megatron,decompose-p2p"
+    assert layer.parse_args(["--configs", "megatron,decompose-p2p,mixed-p2p"]).configs == "megatron,decompose-p2p,mixed-p2p"
 
 
 def test_layer_gpu_checks_on_cpu():

@@ -60,9 +60,11 @@ def test_tp8_signal_gets_the_measured_warning():
     (["--overlap-tp", "signal", "--overlap-tp-transport", "nccl"], [("nccl", 16)] * 3),
     (["--overlap-tp", "signal", "--overlap-tp-transport", "p2p", "--overlap-tp-comm-sms", "0"],
      [("p2p", 0), ("p2p", 0), ("nccl", 0)]),
-    (["--overlap-tp", "decompose"], [("nccl", 16)] * 3),   # auto moves only the signaled ag_gemm and gemm_rs
-    # cuBLAS over the p2p transports: asked for by name; gemm_ar has none and stays on NCCL
+    # cuBLAS over the p2p transports: auto moves decompose's ag_gemm and gemm_rs too (s20: faster than cuBLAS chunks
+    # over NCCL on every measured shape); gemm_ar has none and stays on NCCL
+    (["--overlap-tp", "decompose"], [("p2p", 0), ("p2p", 0), ("nccl", 16)]),
     (["--overlap-tp", "decompose", "--overlap-tp-transport", "p2p"], [("p2p", 16), ("p2p", 16), ("nccl", 16)]),
+    (["--overlap-tp", "decompose", "--overlap-tp-transport", "nccl"], [("nccl", 16)] * 3),
     (["--overlap-tp", "auto"], [("nccl", 16)] * 3),        # the tuner picks transports itself
 ])
 def test_layer_configs_per_op_kind(argv, expected):

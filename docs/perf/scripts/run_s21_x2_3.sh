@@ -1,0 +1,20 @@
+# The next 2-GPU session's THIRD call (~9 min; after run_s21_x2_{1,2}.sh), written in session 20.
+# - issue 25: the MoE layer on the cross-node proxy (NCCL_P2P_DISABLE=1: session 13 1.16 / 1.12x), --overlap-moe auto
+#   next to signal and off; the mixtral-proxy recipe signal vs off (4 layers: 8 layers' experts do not fit with Adam at
+#   EP 2), loss over 20 steps;
+# - issue 24: the torch_dist fault under full_iteration graphs (45 s in session 13 against a 30 s limit), with the
+#   job's processes and stacks recorded if it outlives the limit (run_s10_faults.sh), deterministic mode.
+source docs/perf/scripts/setup_device.sh
+export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1
+workdir s21_x2_3
+step moe_proxy 150 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 \
+  --routings 8 --methods signal,off,auto --out $W --name moe_layer_proxy
+grep -E "^\| |^- " $W/moe_layer_proxy.md | head -8
+train mixtral-off 100 GRAPHS=local OVERLAP=off NUM_LAYERS=4 TRAIN_ITERS=20 GBS=4 -- $REPO/recipes/mixtral-proxy.sh
+train mixtral-signal 110 GRAPHS=local OVERLAP=signal NUM_LAYERS=4 TRAIN_ITERS=20 GBS=4 -- $REPO/recipes/mixtral-proxy.sh
+python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 8 $W/mixtral-*/train.log | tee $W/mixtral.md
+cd $REPO
+step faults 200 env COMMIT=${COMMIT:-unknown} OUT=$W/faults WORK=/tmp/s21 SKIP_INSTALL=1 GRAPHS=full_iteration \
+  FORMATS=torch_dist DETERMINISTIC=1 bash docs/perf/scripts/run_s10_faults.sh
+cd /tmp
+tail -12 $W/faults/summary.md 2>/dev/null; cat $W/faults/*_stuck.txt 2>/dev/null | head -40
