@@ -23,7 +23,9 @@ full weights and inputs (relative Frobenius error):
   of the same two micro-batches accumulated in fp32, and with the fp32 dense sum, under the same rule.
 
 And OverlapTransformerLayer on the p2p transports: linear_proj's sum done inside the fused bda + norm kernel is
-bit for bit the summed path (20 steps).
+bit for bit the summed path (20 steps); two layers with every p2p sum left to the norms' kernels (linear_proj's,
+fc2's across the MLP boundary, the column-parallel dgrads') bit for bit the summed path: 20 steps at a small size,
+3 steps at the 8B and 70B layer sizes (s 8192), 200 steps with a late peer.
 
 CPU (gloo, tiny shapes, methods off / decompose / signal in Triton's interpreter):
 `python tests/gpu/test_layers_gpu.py --cpu`; tests/test_layer_bench.py runs a part of it in CI.
@@ -291,13 +293,21 @@ def test_linears_match_megatron_p2p():
     run_distributed(_gpu_world(), check_layers, "cuda", GPU_SHAPES, methods("cuda", p2p=True), backend="nccl")
 
 
-def _sp_p2p_config(world, num_layers, deterministic=False, method="signal"):
-    """A small Llama-like TransformerConfig (SP where TP > 1, no bias, no dropout; Megatron's deterministic_mode
-    if asked) and the layers' op configs with both sequence-parallel collectives on the p2p transports under
-    `method` (signal: the default of --overlap-tp signal; decompose: cuBLAS)."""
+# Llama-like layer sizes: a small one for the many-step checks, and the 8B and 70B layers (bench layer's MODELS)
+LAYER_SIZES = {"small": dict(hidden=1024, heads=8, groups=4, ffn=2816),
+               "l8b": dict(hidden=4096, heads=32, groups=8, ffn=14336),
+               "l70b": dict(hidden=8192, heads=64, groups=8, ffn=28672)}
+
+
+def _sp_p2p_config(world, num_layers, deterministic=False, method="signal", size="small"):
+    """A Llama-like TransformerConfig of LAYER_SIZES[size] (SP where TP > 1, no bias, no dropout; Megatron's
+    deterministic_mode if asked) and the layers' op configs with both sequence-parallel collectives on the p2p
+    transports under `method` (signal: the default of --overlap-tp signal; decompose: cuBLAS)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
-    config = TransformerConfig(num_layers=num_layers, hidden_size=1024, num_attention_heads=8, num_query_groups=4,
-                               ffn_hidden_size=2816, params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
+    dims = LAYER_SIZES[size]
+    config = TransformerConfig(num_layers=num_layers, hidden_size=dims["hidden"], num_attention_heads=dims["heads"],
+                               num_query_groups=dims["groups"], ffn_hidden_size=dims["ffn"],
+                               params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
                                tensor_model_parallel_size=world, sequence_parallel=world > 1, hidden_dropout=0.0,
                                attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
                                init_method_std=0.02, deterministic_mode=deterministic)
@@ -385,21 +395,24 @@ def test_transformer_layer_p2p_sum_in_the_norm_kernel_is_bitwise_the_summed_path
     run_distributed(_gpu_world(), check_deferred_proj_sum, method, backend="nccl")
 
 
-def check_mlp_boundary(rank, world, method="signal"):
-    """Two OverlapTransformerLayers in a row (SP, p2p transports): from the second step the first layer's mlp bda
-    runs the second layer's input norm and sums fc2's p2p partials in the same kernel, and the column-parallel dgrads'
-    sums are left to the norms' backward kernels (the defaults; the second layer's qkv dgrad to the first layer's fused
-    mlp bda). Against the linked pair summing fc2 and the dgrads first (fused_fc2_sum, sum_dgrad_in_norm off): bit for
-    bit over 20 steps; against the unlinked pair (Megatron's bda, then the norm): within bf16 rounding."""
+def check_mlp_boundary(rank, world, method="signal", size="small", seq=4096, steps=20, late_every=0,
+                       variants=("fused", "summed fc2", "unlinked")):
+    """Two OverlapTransformerLayers in a row (SP, p2p transports; LAYER_SIZES[size], `seq` tokens): from the second
+    step the first layer's mlp bda runs the second layer's input norm and sums fc2's p2p partials in the same kernel,
+    linear_proj's sum is left to the fused attention bda + pre-MLP norm, and the column-parallel dgrads' sums to the
+    norms' backward kernels (the defaults; the second layer's qkv dgrad to the first layer's fused mlp bda). Against
+    the linked pair summing everything first (fused_fc2_sum, fused_proj_sum, sum_dgrad_in_norm off): bit for bit over
+    `steps` steps with fresh inputs; against the unlinked pair (Megatron's bda, then the norm): within bf16 rounding.
+    late_every > 0: before every late_every-th step rank 1 holds its stream ~0.1 s, so rank 0's waits are real."""
     _quiet()
     _deterministic()
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
     ps = _setup(world, "cuda")
-    config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method)
+    config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method, size=size)
     pairs = []
-    for variant in ("fused", "summed fc2", "unlinked"):
+    for variant in variants:
         _seed(78, "cuda")
         pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
         for layer in pair:
@@ -407,17 +420,23 @@ def check_mlp_boundary(rank, world, method="signal"):
         assert pair[0].fused_mlp_boundary, "the MLP boundary should be on by default here"
         pair[0].fused_fc2_sum = variant == "fused"
         pair[0].fused_mlp_boundary = variant != "unlinked"
-        for layer in pair:   # the dgrad sums left to the norms' backward kernels in the fused pair only
+        for layer in pair:   # the proj and dgrad sums left to the norms' kernels in the fused pair only
+            if variant != "fused":
+                layer.fused_proj_sum = False
             for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
                 linear.sum_dgrad_in_norm = variant == "fused"
         pairs.append(pair)
-    for step, (x, g) in enumerate(_fresh_steps(6 + rank, 4096 // world, config.hidden_size, 20)):
+    for step, (x, g) in enumerate(_fresh_steps(6 + rank, seq // world, config.hidden_size, steps)):
+        if late_every and step % late_every == 0 and rank == 1:
+            torch.cuda._sleep(200_000_000)   # ~0.1 s of GPU time ahead of this rank's step
         results = [_fwd_bwd(pair, x, g) for pair in pairs]
         assert torch.isfinite(results[0][0]).all()
         assert pairs[0][0].next_input_norm is pairs[0][1].input_layernorm
-        for i, (a, b, c) in enumerate(zip(*results)):
-            assert torch.equal(a, b), f"step {step} rank {rank}: tensor {i} differs from the summed fc2"
-            assert rel_error(a, c.float()) < 2e-2, f"step {step} rank {rank}: tensor {i} vs the unlinked pair"
+        for i, (a, b, *unlinked) in enumerate(zip(*results)):
+            assert torch.equal(a, b), f"step {step} rank {rank}: tensor {i} differs from the summed path"
+            for c in unlinked:
+                assert rel_error(a, c.float()) < 2e-2, f"step {step} rank {rank}: tensor {i} vs the unlinked pair"
+        del results
     torch.cuda.synchronize()
     ps.destroy_model_parallel()
 
@@ -425,6 +444,22 @@ def check_mlp_boundary(rank, world, method="signal"):
 @pytest.mark.parametrize("method", P2P_METHODS)
 def test_mlp_boundary_next_norm_and_fc2_sum_in_one_kernel(method):
     run_distributed(_gpu_world(), check_mlp_boundary, method, backend="nccl")
+
+
+@pytest.mark.parametrize("method", P2P_METHODS)
+@pytest.mark.parametrize("size", ["l8b", "l70b"])
+def test_fused_blocks_at_the_8b_and_70b_layer_shapes(size, method):
+    """Issue 22's check at training sizes: two 8B / 70B layers at s 8192 with every sum left to the norms' kernels
+    (forward and backward), bit for bit the summed path, 3 steps."""
+    run_distributed(_gpu_world(), check_mlp_boundary, method, size, 8192, 3, 0, ("fused", "summed"), backend="nccl")
+
+
+@pytest.mark.parametrize("method", P2P_METHODS)
+def test_fused_blocks_200_steps_with_a_late_peer(method):
+    """200 back-to-back steps of the fused pair (no host synchronisation between them but the comparison), rank 1
+    late by ~0.1 s before every 50th: no hang, every step bit for bit the summed path."""
+    run_distributed(_gpu_world(), check_mlp_boundary, method, "small", 2048, 200, 50, ("fused", "summed"),
+                    backend="nccl")
 
 
 def test_mlp_boundary_on_one_gpu():

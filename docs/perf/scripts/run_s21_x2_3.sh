@@ -11,7 +11,7 @@ step moe_proxy 150 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap
   --routings 8 --methods signal,off,auto --out $W --name moe_layer_proxy
 grep -E "^\| |^- " $W/moe_layer_proxy.md | head -8
 train mixtral-off 100 GRAPHS=local OVERLAP=off NUM_LAYERS=4 TRAIN_ITERS=20 GBS=4 -- $REPO/recipes/mixtral-proxy.sh
-train mixtral-signal 110 GRAPHS=local OVERLAP=signal NUM_LAYERS=4 TRAIN_ITERS=20 GBS=4 -- $REPO/recipes/mixtral-proxy.sh
+train mixtral-signal 100 GRAPHS=local OVERLAP=signal NUM_LAYERS=4 TRAIN_ITERS=20 GBS=4 -- $REPO/recipes/mixtral-proxy.sh
 python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 8 $W/mixtral-*/train.log | tee $W/mixtral.md
 cd $REPO
 step faults 200 env COMMIT=${COMMIT:-unknown} OUT=$W/faults WORK=/tmp/s21 SKIP_INSTALL=1 GRAPHS=full_iteration \
