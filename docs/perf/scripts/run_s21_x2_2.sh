@@ -15,7 +15,8 @@ PROFILE=(--profile --use-pytorch-profiler --profile-step-start 20 --profile-step
 for mode in off signal; do
   train l8b8-$mode-prof 110 GRAPHS=local OVERLAP=$mode TRAIN_ITERS=22 GBS=4 -- $REPO/recipes/llama3-8b.sh \
     --num-layers 8 "${PROFILE[@]}"
-  for t in $W/l8b8-$mode-prof/tensorboard/*.json; do [[ -f $t ]] && gzip -c "$t" > $W/l8b8_${mode}_step.json.gz; done
+  # megatron-core 0.19.2 (training.py) exports the profiled steps to <tensorboard dir>/../torch_profile/rank-<r>.json.gz
+  mv $W/l8b8-$mode-prof/torch_profile/rank-0.json.gz $W/l8b8_${mode}_step.json.gz
 done
 python3 $REPO/docs/perf/scripts/trace_summary.py --steps 1 --top 24 $W/l8b8_*_step.json.gz | tee $W/l8b8_step_summary.md
 train l8b8-signal-unfused 110 GRAPHS=local OVERLAP=signal TRAIN_ITERS=25 GBS=4 -- $REPO/recipes/llama3-8b.sh \
