@@ -78,6 +78,9 @@ def test_llama_shapes():
     assert [flag(seventy, f) for f in ("--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
                                        "--num-query-groups", "--seq-length")] == ["8192", "28672", "64", "8", "8192"]
     assert flag(recipe_argv("llama3-70b-proxy", NUM_LAYERS="10"), "--num-layers") == "10"
+    # the mode measured fastest per recipe (docs/perf/s20): cuBLAS over p2p at the 70B shapes, signal at 8B
+    assert (flag(seventy, "--overlap-tp"), flag(eight, "--overlap-tp")) == ("decompose", "signal")
+    assert flag(recipe_argv("llama3-70b-proxy", OVERLAP="signal"), "--overlap-tp") == "signal"
 
 
 def test_mixtral_shapes_and_moe_layout():
