@@ -7,7 +7,8 @@
 # - the layer under graphs with the per-op mix (mixed-p2p: the signaled GEMM behind the AllGather, cuBLAS's regions
 #   for the ReduceScatter: each the faster on most s 8192 shapes in session 20) and the tuner's pick (auto, timed
 #   under graph replays since session 19), 8B and 70B; then the smoke's layer (s 2048, micro-batch 2), where the
-#   GEMMs are shorter than their collectives: how much communication is there to hide at all (nocomm).
+#   GEMMs are shorter than their collectives: how much communication is there to hide at all (nocomm);
+# - the copy engines' pull bandwidth over 1-8 streams (probe_ce_pulls.py).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1
 workdir s21_x2_2
@@ -29,6 +30,10 @@ step layer_smoke 90 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --grap
   --micro-batch 2 --configs megatron,nocomm,off,signal-p2p,decompose-p2p,mixed-p2p --reps 60 --rounds 8 --out $W \
   --name layer_smoke
 grep -E "^\| |^- " $W/layer_smoke.md | cut -d'|' -f1-8 | head -12
+# the copy engines' pull bandwidth with a pull split over 1-8 streams (probe_ce_pulls.py): whether the p2p AllGather's
+# pulls, which outlast the local rows' GEMM at the 8B qkv shape, can arrive sooner
+step ce_pulls 60 torchrun --nproc-per-node 2 $REPO/docs/perf/scripts/probe_ce_pulls.py
+grep -E "^pull|checked" $W/ce_pulls.out
 # last: the tuner's pick (its first call of each shape measures the candidates, so its time is not known beforehand)
 step layer_auto 120 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models l8b,l70b \
   --configs megatron,signal-p2p,auto --reps 40 --rounds 8 --out $W --name layer_auto
