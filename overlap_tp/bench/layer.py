@@ -80,6 +80,7 @@ def configurations(device_type):
     signal = OverlapConfig(method="signal", **tiles)
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     decompose_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # chunks: the flag's default
+    p2p_lanes2 = OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2)
     return {
         "megatron": ("megatron", None, False),
         "nocomm": ("megatron", None, True),
@@ -92,6 +93,8 @@ def configurations(device_type):
         # per op the GEMM that measured faster over p2p on most s 8192 shapes (docs/perf/s20): the signaled one behind
         # the AllGather's per-chunk flags, cuBLAS's regions for the ReduceScatter (no remote stores from Triton)
         "mixed-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal}, False),
+        # signal-p2p with the AllGathers' pulls split over two streams (two copy engines at once, where they scale)
+        "signal-p2p-lanes2": ("ours", {"ag_gemm": p2p_lanes2, "gemm_rs": p2p, "gemm_ar": signal}, False),
         "auto": ("ours", OverlapConfig(method="auto"), False),
     }
 

@@ -12,6 +12,7 @@ rather than at its first use, mid-training.
 
     --overlap-tp {off,signal,decompose,auto}   OverlapConfig.method for the TP/SP linear layers (off)
     --overlap-tp-transport {auto,nccl,p2p}     OverlapConfig.transport per op kind (auto, see layer_configs)
+    --overlap-tp-copy-lanes N                  OverlapConfig.copy_lanes (1)
     --overlap-tp-comm-sms N                    OverlapConfig.comm_sms (default 16; the expert ops 4)
     --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans (default: see
                                                tune_cache_path)
@@ -78,6 +79,11 @@ def add_overlap_args(parser):
         "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
         help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "
              "0 gives the GEMM every SM. Default: OverlapConfig's default (16), 4 for the MoE expert ops.")
+    group.add_argument(
+        "--overlap-tp-copy-lanes", type=int, default=None, metavar="N",
+        help="Streams the p2p AllGathers' copy-engine pulls are split over (ag_gemm and the backward's re-gather, "
+             "--overlap-tp-transport p2p or auto): several copy engines can then move one chunk at once. "
+             "Default: 1 (the comm stream alone).")
     group.add_argument(
         "--overlap-tp-tune-cache", type=str, default=None, metavar="PATH",
         help="File where the per-shape tuner (--overlap-tp auto) keeps its measured plans, so "
@@ -205,6 +211,9 @@ def validate_overlap_args(args, *, warn=_warn):
     comm_sms = getattr(args, "overlap_tp_comm_sms", None)
     if comm_sms is not None and (isinstance(comm_sms, bool) or not isinstance(comm_sms, int) or comm_sms < 0):
         raise OverlapArgumentError(f"--overlap-tp-comm-sms {comm_sms!r}: expected an integer >= 0")
+    lanes = getattr(args, "overlap_tp_copy_lanes", None)
+    if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
+        raise OverlapArgumentError(f"--overlap-tp-copy-lanes {lanes!r}: expected an integer >= 1")
 
     moe = getattr(args, "overlap_moe", "off")
     if moe not in METHODS:
@@ -341,6 +350,8 @@ def overlap_config_kwargs(args):
     kwargs = {"method": getattr(args, "overlap_tp", "off"), "transport": "nccl" if transport == "auto" else transport}
     if getattr(args, "overlap_tp_comm_sms", None) is not None:
         kwargs["comm_sms"] = args.overlap_tp_comm_sms
+    if getattr(args, "overlap_tp_copy_lanes", None) is not None:
+        kwargs["copy_lanes"] = args.overlap_tp_copy_lanes
     return kwargs
 
 
@@ -370,6 +381,8 @@ def moe_overlap_config_kwargs(args):
         kwargs.update(transport="p2p", comm_sms=0)
     if getattr(args, "overlap_tp_comm_sms", None) is not None:
         kwargs["comm_sms"] = args.overlap_tp_comm_sms
+    if getattr(args, "overlap_tp_copy_lanes", None) is not None:
+        kwargs["copy_lanes"] = args.overlap_tp_copy_lanes
     return kwargs
 
 

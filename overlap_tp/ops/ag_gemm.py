@@ -90,8 +90,10 @@ class AgGemm(OpPlan):
             self.engine = comm.comm_engine(device)
 
     def _pull_into_gather_buffer(self):
-        """The p2p transport's state: the shape's gathered buffer (shared with the other AllGathers of the shape)."""
+        """The p2p transport's state: the shape's gathered buffer (shared with the other AllGathers of the shape) and
+        the streams its pulls are split over (config.copy_lanes; None: the comm stream alone)."""
         self.gather = row_gather(self.group, self.m, self.k, self.dtype, self.device).buffer
+        self.lanes = comm.comm_engine(self.device).copy_lanes(self.config.copy_lanes)
         if self.watched is not None:   # a stuck call names the stage's and the pulls' signals too
             self.watched.words += (("peer signals [PULLED, READY] x rank", self.gather.signals.words),)
 
@@ -175,7 +177,7 @@ class AgGemm(OpPlan):
         def transfers(stream):
             gather.ready(stream, capturing)
             for c, (lo, hi) in enumerate(self.chunks):
-                gather.pull(stream, lo, hi)
+                gather.pull(stream, lo, hi, self.lanes, capturing)
                 engine.raise_flag(self.ready, c)
             gather.finish(stream)
 
@@ -201,7 +203,7 @@ class AgGemm(OpPlan):
         regions = gathered.chunk(t)
         gather.ready(raw, capturing)
         for lo, hi in self.bounds:
-            gather.pull(raw, lo, hi)
+            gather.pull(raw, lo, hi, self.lanes, capturing)
             engine.join(current, capturing)
             for p in range(t):
                 if p != rank:
@@ -247,9 +249,10 @@ class RowGather:
         self.engine = comm.comm_engine(device)
         self.watched = Watched(describe, (("peer signals [PULLED, READY] x rank", self.buffer.signals.words),))
 
-    def __call__(self, a_shard: torch.Tensor) -> Pending:
-        """The gather issued on the comm stream; wait() makes the caller's stream wait for it and returns the gathered
-        rows: the shape's buffer, valid until the next AllGather of the shape (GatherBuffer)."""
+    def __call__(self, a_shard: torch.Tensor, copy_lanes: int = 1) -> Pending:
+        """The gather issued on the comm stream (its pulls split over `copy_lanes` streams); wait() makes the caller's
+        stream wait for it and returns the gathered rows: the shape's buffer, valid until the next AllGather of the
+        shape (GatherBuffer)."""
         if (a_shard.shape != (self.m, self.k) or a_shard.dtype != self.dtype or a_shard.device != self.device
                 or not a_shard.is_contiguous()):
             raise ValueError(f"overlap_tp all_gather: called with {tuple(a_shard.shape)} {a_shard.dtype} on "
@@ -262,7 +265,7 @@ class RowGather:
         buffer.stage(raw, a_shard, capturing)
         gathered = buffer.gathered()
         buffer.ready(raw, capturing)
-        buffer.pull(raw, 0, self.m)
+        buffer.pull(raw, 0, self.m, engine.copy_lanes(copy_lanes), capturing)
         buffer.finish(raw)
         if not capturing:
             self.watched.record(raw)
@@ -293,6 +296,7 @@ def gather_rows(a_shard: torch.Tensor, group, config: Optional[OverlapConfig] = 
     group = comm.resolve_group(group)
     if (config is not None and config.method in ("signal", "decompose") and config.transport == "p2p"
             and a_shard.is_cuda and dist.get_world_size(group) > 1):
-        return row_gather(group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype, a_shard.device)(a_shard)
+        return row_gather(group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype, a_shard.device)(a_shard,
+                                                                                                  config.copy_lanes)
     gathered, work = comm.all_gather_rows(a_shard, group, async_op=True)
     return Pending(after_work(work, lambda: gathered), gathered)

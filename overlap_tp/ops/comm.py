@@ -13,6 +13,7 @@ any violation of that argument (a bug, a dead peer) into a clear error instead o
 import datetime
 import pickle
 import sys
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -194,10 +195,20 @@ class CommEngine:
             # fork and join events for eager calls and for calls under capture (an event waited on inside a
             # capture must have been recorded inside it)
             self._events = {False: (memops.Event(), memops.Event()), True: (memops.Event(), memops.Event())}
+        self._lanes = {}
 
     def capturing(self) -> bool:
         """Whether the caller's stream is being captured into a CUDA graph."""
         return capturing(self.device)
+
+    def copy_lanes(self, count: int) -> Optional["CopyLanes"]:
+        """This device's CopyLanes of `count` streams (made at the first use), or None where there is one lane (or no
+        CUDA): the caller then issues on its own stream."""
+        if count == 1 or self.stream is None:
+            return None
+        if count not in self._lanes:
+            self._lanes[count] = CopyLanes(self.device, count)
+        return self._lanes[count]
 
     def current(self) -> int:
         """The caller's current stream on this device, as a raw handle."""
@@ -315,6 +326,47 @@ class CommEngine:
             flags.words.zero_()
         else:
             flags.lowering.issue(stream)
+
+
+def near_equal_parts(lo: int, hi: int, count: int):
+    """[lo, hi) in min(count, hi - lo) contiguous parts whose sizes differ by at most one, larger first (at least one
+    part, empty where lo == hi)."""
+    count = max(1, min(count, hi - lo))
+    base, extra = divmod(hi - lo, count)
+    parts = []
+    for i in range(count):
+        end = lo + base + (i < extra)
+        parts.append((lo, end))
+        lo = end
+    return parts
+
+
+class CopyLanes:
+    """Copies split over `count` streams, so that several copy engines can move them at once (one copy runs on one
+    engine). Lane 0 is the stream the caller issues on; lanes 1.. are extra high-priority streams of the device, each
+    forked from it before its part and joined back into it after, so whatever the caller enqueues next on its stream
+    (a ready flag, a join into the GEMM's stream, the PULLED signal) follows every part, and under capture the extra
+    streams enter and leave the graph through those events. One per (device, count), shared by every plan: a host
+    thread enqueues one call at a time, and an event's record and wait take effect at enqueue."""
+
+    def __init__(self, device: torch.device, count: int):
+        priority = torch.cuda.Stream.priority_range()[1]
+        self.count = count
+        self._streams = [torch.cuda.Stream(device=device, priority=priority) for _ in range(count - 1)]
+        self.raws = [stream.cuda_stream for stream in self._streams]
+        # per extra lane, its fork and join events: eager calls' and captured calls' (CommEngine's reason)
+        self._events = {capturing: [(memops.Event(), memops.Event()) for _ in self.raws] for capturing in (False, True)}
+
+    def run(self, stream: int, lo: int, hi: int, issue, capturing: bool):
+        """issue(lane stream, a, b) for near-equal parts [a, b) of rows [lo, hi), one per lane; the first on `stream`."""
+        parts = near_equal_parts(lo, hi, self.count)
+        lanes = list(zip(self.raws, self._events[capturing], parts[1:]))
+        for raw, (fork, _), (a, b) in lanes:
+            memops.stream_waits_for(raw, stream, fork)
+            issue(raw, a, b)
+        issue(stream, *parts[0])
+        for raw, (_, join), _ in lanes:
+            memops.stream_waits_for(stream, raw, join)
 
 
 class CounterWaits:

@@ -43,6 +43,10 @@ class OverlapConfig:
     comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a
                  communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
     chunks:      M-chunks of the `decompose` method (gemm_rs over p2p: one GEMM per region, chunks unused).
+    copy_lanes:  streams the p2p AllGather's copy-engine pulls are split over (ag_gemm and gather_rows, transport
+                 'p2p'): each chunk's rows in `copy_lanes` near-equal parts, one per stream, so that several copy
+                 engines can move them at once (one copy runs on one engine, ~113-160 GB/s against NVLink's
+                 ~450 GB/s per direction: shared/DEVICE.md). 1: every pull on the comm stream.
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
     tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
                  tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much
@@ -57,6 +61,7 @@ class OverlapConfig:
     transport: str = "nccl"
     comm_sms: int = 16
     chunks: int = 4
+    copy_lanes: int = 1
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
@@ -86,7 +91,7 @@ class OverlapConfig:
         for name in ("comm_sms",):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"OverlapConfig.{name}={getattr(self, name)!r}: expected an int >= 0")
-        for name in ("chunks", "num_stages", "num_warps"):
+        for name in ("chunks", "copy_lanes", "num_stages", "num_warps"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"OverlapConfig.{name}={getattr(self, name)!r}: expected an int >= 1")
         for name in ("block_m", "block_n", "block_k"):

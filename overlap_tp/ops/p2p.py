@@ -245,12 +245,19 @@ class GatherBuffer:
     def ready(self, stream: int, capturing: bool):
         self.signals.signal_then_wait(stream, self.READY, capturing)
 
-    def pull(self, stream: int, lo: int, hi: int):
-        """Rows [lo, hi) of every peer's region into ours."""
-        offset, nbytes = lo * self.row_bytes, (hi - lo) * self.row_bytes
-        for p, src in enumerate(self.own):
-            if p != self.rank:
-                memops.copy(stream, self.base + p * self.region_bytes + offset, src + offset, nbytes)
+    def pull(self, stream: int, lo: int, hi: int, lanes=None, capturing: bool = False):
+        """Rows [lo, hi) of every peer's region into ours; with `lanes` (comm.CopyLanes) in parts over its streams,
+        every part behind `stream`'s work so far (READY) and joined back into it before what follows (PULLED)."""
+        def issue(lane, a, b):
+            offset, nbytes = a * self.row_bytes, (b - a) * self.row_bytes
+            for p, src in enumerate(self.own):
+                if p != self.rank:
+                    memops.copy(lane, self.base + p * self.region_bytes + offset, src + offset, nbytes)
+
+        if lanes is None:
+            issue(stream, lo, hi)
+        else:
+            lanes.run(stream, lo, hi, issue, capturing)
 
     def finish(self, stream: int):
         self.signals.signal(stream, self.PULLED)

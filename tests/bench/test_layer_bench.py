@@ -227,6 +227,8 @@ def test_bench_cli_arguments():
     spec, ops, _ = configs["mixed-p2p"]   # the signaled GEMM behind the AllGather, cuBLAS's regions for the RS
     assert [(ops[op].method, ops[op].transport) for op in ("ag_gemm", "gemm_rs")] == [("signal", "p2p"),
                                                                                        ("decompose", "p2p")]
+    _, ops, _ = configs["signal-p2p-lanes2"]   # signal-p2p with the AllGathers' pulls over two streams
+    assert (ops["ag_gemm"].copy_lanes, ops["gemm_rs"].copy_lanes) == (2, 1) and ops["ag_gemm"].transport == "p2p"
     assert "decompose-p2p" in layer.DEFAULT_CONFIGS.split(",")
     assert layer.parse_args(["--configs", "megatron,decompose-p2p,mixed-p2p"]).configs == "megatron,decompose-p2p,mixed-p2p"
 

@@ -31,6 +31,9 @@ CONFIGS = {
     "p2p": OverlapConfig(method="signal", transport="p2p", comm_sms=0),
     "p2p/g8": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=8),
     "cublas-p2p": OverlapConfig(method="decompose", transport="p2p", chunks=2),
+    # the pulls split over extra streams (copy_lanes): the same protocol with each chunk's rows in parts
+    "p2p/lanes2": OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2),
+    "cublas-p2p/lanes3": OverlapConfig(method="decompose", transport="p2p", chunks=2, copy_lanes=3),
 }
 
 

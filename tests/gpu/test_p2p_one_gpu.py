@@ -19,6 +19,7 @@ gloo). Everything else is the ops' own code:
 The two processes' contexts time-slice the GPU: these check the protocols and the bits, never speed. Two GPUs:
 test_gemm_rs_gpu.py, test_ag_gemm_gpu.py, test_graphs_gpu.py, test_layers_gpu.py, test_moe_*_gpu.py.
 Run: `pytest -m gpu tests/gpu/test_p2p_one_gpu.py` (about 5 minutes)."""
+import dataclasses
 import functools
 import os
 import random
@@ -190,6 +191,9 @@ def _check_gather(rank, world):
             gather_rows(shards[rank], group, AG_CUBLAS)
         del gathered
         assert torch.equal(gather_rows(shards[rank], group, RS).wait(), torch.cat(shards)), ("after ag_gemm", m, k)
+        # the pulls split over three streams (copy_lanes): the same rows
+        lanes = dataclasses.replace(RS, copy_lanes=3)
+        assert torch.equal(gather_rows(shards[rank], group, lanes).wait(), torch.cat(shards)), ("lanes", m, k)
         static = _operands(0, m, 8, k, rank)[0].clone()
         for _ in range(2):
             gather_rows(static, group, RS).wait()

@@ -53,6 +53,13 @@ def test_tp8_signal_gets_the_measured_warning():
     assert not any("TP 8" in g for g in validate_overlap_args(megatron_like(), warn=None))
 
 
+def test_copy_lanes_reach_the_p2p_allgather():
+    """--overlap-tp-copy-lanes: ag_gemm's (and the backward's re-gather's) pulls split over that many streams."""
+    configs = layer_configs(build_parser().parse_args(["--overlap-tp", "signal", "--overlap-tp-copy-lanes", "2"]))
+    assert (configs["ag_gemm"].transport, configs["ag_gemm"].copy_lanes) == ("p2p", 2)
+    assert layer_configs(build_parser().parse_args(["--overlap-tp", "signal"]))["ag_gemm"].copy_lanes == 1
+
+
 @pytest.mark.parametrize("argv, expected", [
     # (transport, comm_sms) of ag_gemm, gemm_rs, gemm_ar
     (["--overlap-tp", "signal"], [("p2p", 0), ("p2p", 0), ("nccl", 16)]),
@@ -199,6 +206,7 @@ def test_transformer_engine_gets_a_precedence_note():
     ({"normalization": "LayerNorm"}, "RMSNorm"),
     ({"fp8": "hybrid"}, "bf16"),
     ({"overlap_tp_comm_sms": -1}, ">= 0"),
+    ({"overlap_tp_copy_lanes": 0}, "--overlap-tp-copy-lanes 0: expected an integer >= 1"),
     ({"multi_latent_attention": True}, "--multi-latent-attention"),
 ])
 def test_conflicts_say_what_to_change(overrides, match):

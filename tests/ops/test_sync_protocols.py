@@ -9,7 +9,8 @@ interleavings that respect stream order and wait conditions, many times over, an
   keep their own counters; a capture that is recorded but never run (a failed capture) leaves the next
   eager call correct;
 - the peer protocols (P2PReduceScatter, GatherBuffer, and the expert combine's RowPush): no rank overwrites a buffer a
-  peer has not consumed yet, and no rank consumes a buffer before every peer's data of the same call is in it;
+  peer has not consumed yet, and no rank consumes a buffer before every peer's data of the same call is in it; the
+  same with GatherBuffer's pulls split over copy lanes (extra streams forked and joined per chunk), row by row;
 - the cuBLAS paths over the copy engines (method decompose, transport p2p; each rank's caller stream and comm stream,
   with their forks and joins): AgGemm._pulled_decomposed and the expert dispatch's chunks read only rows pulled in
   the same call, their local GEMMs enqueued before any peer wait; the expert combine pushes only rows its matmuls
@@ -364,6 +365,89 @@ def test_the_simulator_catches_a_stage_without_its_pulled_wait(recorder):
             _run_gather(recorder, 2, seed, stage_waits=False)
 
 
+class _FakeLanes(comm.CopyLanes):
+    """CopyLanes over the simulator's streams: rank r's extra lanes are the streams (r, 1), (r, 2), ...; joined=False
+    is the mutation that leaves the lanes' copies unjoined (what follows on the pulling stream need not wait)."""
+
+    def __init__(self, rank, count, joined=True):
+        self.count = count
+        self.raws = [(rank, i) for i in range(1, count)]
+        self._events = {capturing: [(None, None) for _ in self.raws] for capturing in (False, True)}
+        self.joined = joined
+
+    def run(self, stream, lo, hi, issue, capturing):
+        if self.joined:
+            return super().run(stream, lo, hi, issue, capturing)
+        for raw, (a, b) in zip(self.raws, comm.near_equal_parts(lo, hi, self.count)[1:]):
+            comm.memops.stream_waits_for(raw, stream, None)
+            issue(raw, a, b)
+        issue(stream, *comm.near_equal_parts(lo, hi, self.count)[0])
+
+
+def _run_gather_lanes(recorder, t, seed, lanes, rows=5, chunks=2, joined=True):
+    """30 calls per rank of GatherBuffer's steps with each chunk's pulls split over `lanes` streams (CopyLanes: forked
+    from the pulling stream, joined back), rows per region tracked one by one, run with the forks and joins honoured:
+    no staging copy lands on a row a peer has not pulled yet, and a rank's GEMM (check) sees every row of every peer's
+    shard of its call."""
+    signals = _peer_signals(t, (1, 0))
+    gathers, bufs = _gather_buffers(t, signals, m=rows)
+    calls = 30
+    programs = {}
+    for rank, g in enumerate(gathers):
+        split = _FakeLanes(rank, lanes, joined)
+        for call in range(calls):
+            g.stage(rank, torch.full((rows, 4), call, dtype=torch.int32), False)
+            g.ready(rank, False)
+            for lo, hi in comm.near_equal_parts(0, rows, chunks):
+                g.pull(rank, lo, hi, split, False)
+            recorder.emit(rank, ("check", rank, call))
+            g.finish(rank)
+        programs.update(recorder.take())
+    published = [-1] * t
+    pulled = [[[-1] * rows for _ in range(t)] for _ in range(t)]   # pulled[r][p][row]: the call of p's row r holds
+    where = {bufs[r].data_ptr() + 16 * (p * rows + i): (r, p, i) for r in range(t) for p in range(t) for i in range(rows)}
+
+    def act(stream, op):
+        if op[0] == "copy":
+            r, p, first = where[op[1]]
+            count = op[3] // 16
+            if r == p:   # rank p stages its shard (every row at once)
+                assert count == rows
+                for q in range(t):
+                    assert q == p or pulled[q][p] == [published[p]] * rows, \
+                        f"rank {p} overwrote its region before rank {q} pulled every row of call {published[p]}"
+                published[p] += 1
+            else:        # rank r pulls rows [first, first + count) of peer p's region
+                assert op[2] == gathers[p].own[p] + 16 * first, "a pull reads the same rows of the peer's own region"
+                for i in range(first, first + count):
+                    pulled[r][p][i] = published[p]
+        elif op[0] == "check":
+            _, rank, call = op
+            assert published[rank] == call and all(pulled[rank][p] == [call] * rows for p in range(t) if p != rank), \
+                f"rank {rank}'s GEMM of call {call} ran before every row of its peers' shards arrived: {pulled[rank]}"
+
+    run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed), joins=True)
+    assert published == [calls - 1] * t
+
+
+@pytest.mark.parametrize("t, lanes, seed", [(2, 2, 0), (2, 2, 1), (2, 3, 2), (2, 8, 3), (3, 2, 4), (4, 3, 5)])
+def test_gather_buffer_pulls_split_over_copy_lanes_keep_the_protocol(recorder, t, lanes, seed):
+    _run_gather_lanes(recorder, t, seed, lanes)
+
+
+def test_the_simulator_catches_copy_lanes_without_their_join(recorder):
+    with pytest.raises(AssertionError, match="overwrote its region|before every row"):
+        for seed in range(20):
+            _run_gather_lanes(recorder, 2, seed, 2, joined=False)
+
+
+def test_near_equal_parts():
+    assert comm.near_equal_parts(0, 10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert comm.near_equal_parts(5, 7, 4) == [(5, 6), (6, 7)]      # no more parts than rows
+    assert comm.near_equal_parts(3, 3, 2) == [(3, 3)]              # an empty range: one empty part
+    assert comm.near_equal_parts(0, 8, 1) == [(0, 8)]
+
+
 def test_gather_buffer_refuses_a_call_while_the_last_gathered_tensor_is_referenced(recorder):
     """The gathered tensor is the shape's shared buffer: the next stage would overwrite what the caller still holds."""
     g = _gather_buffers(2, _peer_signals(2, (1, 0)))[0][0]
@@ -548,7 +632,7 @@ class _RankEngine(comm.CommEngine):
         return self.main
 
 
-def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_chunk=True):
+def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_chunk=True, lanes=1):
     """30 calls per rank of AgGemm._pulled_decomposed (the cuBLAS path over the copy engines), each rank's caller
     stream and comm stream recorded with their forks and joins, the GEMMs recorded as reads of their rows; run in a
     random interleaving that respects every wait and every join. Checks: a GEMM of peer rows reads this call's rows,
@@ -562,6 +646,7 @@ def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_c
     for rank in range(t):
         plan = object.__new__(ag.AgGemm)
         plan.t, plan.rank, plan.gather, plan.watched = t, rank, gathers[rank], None
+        plan.lanes = None if lanes == 1 else _FakeLanes(rank, lanes)   # each chunk's pulls over `lanes` streams
         plan.engine = _RankEngine(rank)
         plan.bounds = [(lo, min(m, lo + m // chunks)) for lo in range(0, m, m // chunks)]
         if not joins_per_chunk:   # the mutation: only the final join
@@ -619,9 +704,10 @@ def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_c
     assert published == [calls - 1] * t
 
 
-@pytest.mark.parametrize("t, seed, chunks", [(2, 0, 2), (2, 1, 4), (2, 2, 1), (3, 3, 2), (4, 4, 2)])
-def test_pulled_decomposed_gemms_read_only_rows_pulled_in_the_same_call(recorder, monkeypatch, t, seed, chunks):
-    _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks)
+@pytest.mark.parametrize("t, seed, chunks, lanes", [(2, 0, 2, 1), (2, 1, 4, 1), (2, 2, 1, 1), (3, 3, 2, 1), (4, 4, 2, 1),
+                                                   (2, 5, 2, 2), (2, 6, 1, 3), (3, 7, 2, 2)])
+def test_pulled_decomposed_gemms_read_only_rows_pulled_in_the_same_call(recorder, monkeypatch, t, seed, chunks, lanes):
+    _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks, lanes=lanes)
 
 
 def _some_seed_fails(recorder, match, run):

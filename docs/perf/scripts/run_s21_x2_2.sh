@@ -10,10 +10,10 @@
 #   intervals up to 20 stay clean);
 # - issue 22's fused block on vs off end to end: signal with --no-overlap-tp-fused-norms (Megatron's bda then the
 #   norm, every reduce-scatter summed first) against the profiled run's clean intervals;
-# - the smoke's layer (s 2048, micro-batch 2), where the GEMMs are shorter than their collectives: how much
-#   communication is there to hide at all (nocomm);
 # - the copy engines' pull bandwidth with a pull split over 1-8 streams (probe_ce_pulls.py): whether the p2p
-#   AllGather's pulls, which outlast the local rows' GEMM at the 8B qkv shape, can arrive sooner.
+#   AllGather's pulls, which outlast the local rows' GEMM at the 8B qkv shape, can arrive sooner; session 20's
+#   copy_lanes (--overlap-tp-copy-lanes) splits them so: its GPU tests (ag_gemm s 8192 and late peers, replays),
+#   then the layer under graphs with signal-p2p against signal-p2p-lanes2.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1
 workdir s21_x2_2
@@ -33,9 +33,11 @@ python3 $REPO/docs/perf/scripts/trace_summary.py --steps 1 --top 24 $W/l8b8_sign
 train l8b8-signal-unfused 110 GRAPHS=local OVERLAP=signal TRAIN_ITERS=24 GBS=4 -- $REPO/recipes/llama3-8b.sh \
   --num-layers 8 --no-overlap-tp-fused-norms
 python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 8 $W/l8b8-*/train.log | tee $W/l8b8.md
-step layer_smoke 90 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models smoke --seq 2048 \
-  --micro-batch 2 --configs megatron,nocomm,off,signal-p2p,decompose-p2p,mixed-p2p --reps 60 --rounds 8 --out $W \
-  --name layer_smoke
-grep -E "^\| |^- " $W/layer_smoke.md | cut -d'|' -f1-10 | head -12
-step ce_pulls 60 torchrun --nproc-per-node 2 $REPO/docs/perf/scripts/probe_ce_pulls.py
+step lanes_tests 75 python3 -m pytest -m gpu -v -rA --tb=short $REPO/tests/gpu/test_ag_gemm_gpu.py \
+  $REPO/tests/gpu/test_graphs_gpu.py -k "s8192 or late_peer or every_op_replays" -p no:cacheprovider
+grep -E "PASSED|FAILED|ERROR|passed|failed" $W/lanes_tests.out | grep -v "^\.\./" | tail -6
+step ce_pulls 50 torchrun --nproc-per-node 2 $REPO/docs/perf/scripts/probe_ce_pulls.py
 grep -E "^pull|checked" $W/ce_pulls.out
+step layer_lanes 70 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models l8b,l70b \
+  --configs megatron,signal-p2p,signal-p2p-lanes2 --reps 40 --rounds 8 --out $W --name layer_lanes
+grep -E "^\| |^- " $W/layer_lanes.md | cut -d'|' -f1-10 | head -10

@@ -18,3 +18,9 @@ step faults 200 env COMMIT=${COMMIT:-unknown} OUT=$W/faults WORK=/tmp/s21 SKIP_I
   FORMATS=torch_dist DETERMINISTIC=1 bash docs/perf/scripts/run_s10_faults.sh
 cd /tmp
 tail -12 $W/faults/summary.md 2>/dev/null; cat $W/faults/*_stuck.txt 2>/dev/null | head -40
+# if the time allows: the smoke's layer (s 2048, micro-batch 2), where the GEMMs are shorter than their collectives:
+# how much communication there is to hide at all (nocomm)
+step layer_smoke 80 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models smoke --seq 2048 \
+  --micro-batch 2 --configs megatron,nocomm,off,signal-p2p,decompose-p2p --reps 60 --rounds 8 --out $W \
+  --name layer_smoke
+grep -E "^\| |^- " $W/layer_smoke.md | cut -d'|' -f1-10 | head -10
