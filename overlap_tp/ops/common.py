@@ -48,14 +48,8 @@ def gemm_programs(device: torch.device, config: OverlapConfig) -> int:
 
 
 def chunk_bounds(rows: int, chunks: int):
-    chunks = max(1, min(chunks, rows))
-    base, extra = divmod(rows, chunks)
-    bounds, lo = [], 0
-    for i in range(chunks):
-        hi = lo + base + (i < extra)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
+    """Rows [0, rows) in `chunks` near-equal parts (the decompose method's M-chunks)."""
+    return comm.near_equal_parts(0, rows, chunks)
 
 
 class Pending:
