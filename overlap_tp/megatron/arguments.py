@@ -381,8 +381,6 @@ def moe_overlap_config_kwargs(args):
         kwargs.update(transport="p2p", comm_sms=0)
     if getattr(args, "overlap_tp_comm_sms", None) is not None:
         kwargs["comm_sms"] = args.overlap_tp_comm_sms
-    if getattr(args, "overlap_tp_copy_lanes", None) is not None:
-        kwargs["copy_lanes"] = args.overlap_tp_copy_lanes
     return kwargs
 
 
