@@ -1,6 +1,7 @@
 # The next 2-GPU session's FIRST call (~9.5 min), written in session 20. Needs H200s (pass needs_h200: llama3-8b at
 # 32 layers holds ~100 GB per GPU at TP 2 without data parallelism; session 20's H100 pair ran out of memory on the
-# 70B proxy at 8 layers already).
+# 70B proxy at 8 layers already). If only H100 pairs come: add `--num-layers 16` to the three llama3-8b runs (~half the
+# memory) and say so in the record.
 # Issue 21's llama3-8b target (>= 1.03x) at the recipe's own depth: 32 layers, local graphs, off / signal / decompose
 # (cuBLAS over p2p: `--overlap-tp decompose` with the transport's auto since session 20). Predicted from session 20
 # (docs/perf/s20/README.md): at 8 layers the layers were about half of the iteration (the 128k-vocabulary output layer,
