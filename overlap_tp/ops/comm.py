@@ -207,6 +207,9 @@ class CommEngine:
         if count == 1 or self.stream is None:
             return None
         if count not in self._lanes:
+            if self.capturing():   # streams and events are made outside a capture, as every plan's state is
+                raise RuntimeError(f"overlap_tp: copy lanes ({count} streams) would be made during CUDA graph capture; "
+                                   "run the op (or one training step) eagerly first")
             self._lanes[count] = CopyLanes(self.device, count)
         return self._lanes[count]
 

@@ -441,6 +441,18 @@ def test_the_simulator_catches_copy_lanes_without_their_join(recorder):
             _run_gather_lanes(recorder, 2, seed, 2, joined=False)
 
 
+def test_copy_lanes_are_made_outside_a_capture():
+    """The lanes' streams and events are plan state: made at an eager call, refused (named) inside a capture."""
+    engine = comm.CommEngine.__new__(comm.CommEngine)
+    engine.device, engine.stream, engine._lanes = torch.device("cpu"), "comm", {}
+    engine.capturing = lambda: True
+    assert engine.copy_lanes(1) is None   # one lane: the comm stream itself, nothing to make
+    with pytest.raises(RuntimeError, match="copy lanes .2 streams. would be made during CUDA graph capture"):
+        engine.copy_lanes(2)
+    engine._lanes[2] = made = object()    # made by an eager call before the capture: handed out
+    assert engine.copy_lanes(2) is made
+
+
 def test_near_equal_parts():
     assert comm.near_equal_parts(0, 10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert comm.near_equal_parts(5, 7, 4) == [(5, 6), (6, 7)]      # no more parts than rows
