@@ -248,16 +248,17 @@ class GatherBuffer:
     def pull(self, stream: int, lo: int, hi: int, lanes=None, capturing: bool = False):
         """Rows [lo, hi) of every peer's region into ours; with `lanes` (comm.CopyLanes) in parts over its streams,
         every part behind `stream`'s work so far (READY) and joined back into it before what follows (PULLED)."""
-        def issue(lane, a, b):
-            offset, nbytes = a * self.row_bytes, (b - a) * self.row_bytes
-            for p, src in enumerate(self.own):
-                if p != self.rank:
-                    memops.copy(lane, self.base + p * self.region_bytes + offset, src + offset, nbytes)
-
         if lanes is None:
-            issue(stream, lo, hi)
+            self._copy_rows(stream, lo, hi)
         else:
-            lanes.run(stream, lo, hi, issue, capturing)
+            lanes.run(stream, lo, hi, self._copy_rows, capturing)
+
+    def _copy_rows(self, stream: int, lo: int, hi: int):
+        """Rows [lo, hi) of every peer's region into ours, on `stream` (copy engines)."""
+        offset, nbytes = lo * self.row_bytes, (hi - lo) * self.row_bytes
+        for p, src in enumerate(self.own):
+            if p != self.rank:
+                memops.copy(stream, self.base + p * self.region_bytes + offset, src + offset, nbytes)
 
     def finish(self, stream: int):
         self.signals.signal(stream, self.PULLED)

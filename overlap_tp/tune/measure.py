@@ -20,14 +20,13 @@ import torch.distributed as dist
 
 from overlap_tp.ops import comm
 from overlap_tp.ops.ag_gemm import ag_gemm
-from overlap_tp.ops.common import transient_plans
+from overlap_tp.ops.common import transient_plans, warn_once
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
 from overlap_tp.tune.candidates import (COMM_SMS, DECOMPOSE_CHUNKS, DECOMPOSE_COMM_SMS, Shape, decompose_p2p, label,
                                        layout)
 from overlap_tp.tune.predict import Measurements
-from overlap_tp.ops.common import warn_once
 from overlap_tp.tune.timing import CapturedCalls, regime, slowest_median, timed
 
 CURVE_POINTS = 8          # bytes halve from the whole collective down to 1/128 of it
