@@ -361,13 +361,14 @@ class CopyLanes:
         self._events = {capturing: [(memops.Event(), memops.Event()) for _ in self.raws] for capturing in (False, True)}
 
     def run(self, stream: int, lo: int, hi: int, issue, capturing: bool):
-        """issue(lane stream, a, b) for near-equal parts [a, b) of rows [lo, hi), one per lane; the first on `stream`."""
+        """issue(lane stream, a, b, lane) for near-equal parts [a, b) of rows [lo, hi), one per lane; lane 0's on
+        `stream`."""
         parts = near_equal_parts(lo, hi, self.count)
         lanes = list(zip(self.raws, self._events[capturing], parts[1:]))
-        for raw, (fork, _), (a, b) in lanes:
+        for lane, (raw, (fork, _), (a, b)) in enumerate(lanes, 1):
             memops.stream_waits_for(raw, stream, fork)
-            issue(raw, a, b)
-        issue(stream, *parts[0])
+            issue(raw, a, b, lane)
+        issue(stream, *parts[0], 0)
         for raw, (_, join), _ in lanes:
             memops.stream_waits_for(stream, raw, join)
 

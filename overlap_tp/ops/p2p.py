@@ -21,6 +21,8 @@ waiter), so every call, eager or a replay of a captured graph, runs the same pro
 argument is written next to it. Buffers belong to their plan and live as long as it does, except the AllGather's
 gathered buffer, which the plans of one shard shape share (GatherBuffer).
 """
+from typing import List
+
 import torch
 
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
@@ -124,6 +126,12 @@ class P2PReduceScatter:
         self.signals.signal(stream, self.SUMMED)
 
 
+def ring_peers(rank: int, t: int) -> List[int]:
+    """The peers of `rank` in ring order, rank+1 first: when every rank sends to (or reads from) its peers in this
+    order, no rank is the target of two ranks at once."""
+    return [(rank + i) % t for i in range(1, t)]
+
+
 class RegionGemms:
     """The decompose method's stores into the owners' receive buffers: rows [k*M/t, (k+1)*M/t) of a @ w.T by one
     cuBLAS GEMM per region k, written straight into slot `rank` of rank k's buffer (peer-mapped: cuBLAS's own
@@ -135,7 +143,7 @@ class RegionGemms:
     def __init__(self, handle, buf, rank, t, within_elems):
         m_local, n = buf.shape[0] // t, buf.shape[1]
         self.rank, self.m_local = rank, m_local
-        self.order = [(rank + i) % t for i in range(1, t + 1)]
+        self.order = ring_peers(rank, t) + [rank]
         # slot `rank` of every owner's buffer, as a tensor (a peer's through its mapping), made once
         self.slots = [buf.view(t, m_local, n)[rank] if k == rank else
                       handle.get_buffer(k, (t, m_local, n), buf.dtype, within_elems)[rank] for k in range(t)]
@@ -217,6 +225,9 @@ class GatherBuffer:
         self.region_bytes = m * self.row_bytes
         # where each rank's own rows start: ours in our buffer, a peer's in its buffer (the pulls' sources)
         self.own = [handle.buffer_ptrs[p] + within + p * self.region_bytes for p in range(t)]
+        # with every rank pulling in ring order, each rank's rows are read by one puller at a time (in rank order all
+        # t-1 pullers read rank 0 first and shared its NVLink egress)
+        self.peers = ring_peers(rank, t)
         self.base = self.buf.data_ptr()
         self.handle = handle
         # stream wait-values under capture too: the AllGather+GEMM's tiles wait behind these (PeerSignals says why)
@@ -249,16 +260,18 @@ class GatherBuffer:
         """Rows [lo, hi) of every peer's region into ours; with `lanes` (comm.CopyLanes) in parts over its streams,
         every part behind `stream`'s work so far (READY) and joined back into it before what follows (PULLED)."""
         if lanes is None:
-            self._copy_rows(stream, lo, hi)
+            self._copy_rows(stream, lo, hi, 0)
         else:
             lanes.run(stream, lo, hi, self._copy_rows, capturing)
 
-    def _copy_rows(self, stream: int, lo: int, hi: int):
-        """Rows [lo, hi) of every peer's region into ours, on `stream` (copy engines)."""
+    def _copy_rows(self, stream: int, lo: int, hi: int, lane: int):
+        """Rows [lo, hi) of every peer's region into ours, on `stream` (copy engines): the peers in ring order, lane
+        `lane` starting `lane` peers further on, so that a rank's lanes read different peers at once."""
         offset, nbytes = lo * self.row_bytes, (hi - lo) * self.row_bytes
-        for p, src in enumerate(self.own):
-            if p != self.rank:
-                memops.copy(stream, self.base + p * self.region_bytes + offset, src + offset, nbytes)
+        peers = self.peers
+        for i in range(len(peers)):
+            p = peers[(i + lane) % len(peers)]
+            memops.copy(stream, self.base + p * self.region_bytes + offset, self.own[p] + offset, nbytes)
 
     def finish(self, stream: int):
         self.signals.signal(stream, self.PULLED)

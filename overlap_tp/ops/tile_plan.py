@@ -177,12 +177,21 @@ def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) 
     then spans ~8 tile rows, the reuse of a raster of 8, and each tile row's stores go to one owner at a
     time, which measured faster than the rastered order's interleaving on the 8B shapes: earlier records,
     gemm_rs_p2p_order). Wider N is rastered in groups of 8 tile rows: row-major, a wave there spans only
-    132 / n_tiles rows and streams all of W from HBM (70B fc2: 235 MB per wave of ~125 us)."""
+    132 / n_tiles rows and streams all of W from HBM (70B fc2: 235 MB per wave of ~125 us).
+
+    The row-slice plan visits each slice's regions 0, 1, ..., t-1; here position k of every slice takes region
+    (rank + 1 + k) % t instead: the owners in ring order, our own last (as RegionGemms). With every rank at the same
+    pace, each owner then receives one rank's tile row at a time (in region order all t-1 senders stored into the same
+    owner at once), and each slice ends with local stores."""
     n_tiles = _cdiv(n, block_n)
     raster_group_m = 1 if n_tiles <= P2P_ROW_MAJOR_MAX_N_TILES else RASTER_GROUP_M
     plan = row_slice_plan(m, n, world, block_m, block_n, groups=1, raster_group_m=raster_group_m)
     m_local = m // world
     tiles = plan.tiles.clone()
+    position = tiles[:, SRC_ROW] // m_local                   # k: the region the row-slice plan gave this tile
+    shift = ((position + rank + 1) % world - position) * m_local
+    for field in (SRC_ROW, SRC_ROW_END, DST_ROW):             # the same rows of region (rank + 1 + k) % t
+        tiles[:, field] += shift
     tiles[:, DST_BUF] = tiles[:, DST_ROW] // m_local
     tiles[:, DST_ROW] = rank * m_local + tiles[:, DST_ROW] % m_local
     return dataclasses.replace(plan, schedule="p2p", tiles=tiles, collectives=())

@@ -81,7 +81,10 @@ def _check_shapes(rank, world, shapes, op):
             assert torch.isfinite(got).all(), (op, s, k, n, config.schedule, "unwritten or non-finite output")
             error = rel_error(got, ref)
             assert error <= baseline_error * 1.05 + 1e-4, (op, s, k, n, config.schedule, error, baseline_error)
-            assert torch.equal(got, sequential_signaled(a, w, group, config, op)), (op, s, k, n, config.schedule)
+            sequential = sequential_signaled(a, w, group, config, op)
+            assert torch.equal(got, sequential), (op, s, k, n, config.schedule, "elements that differ:",
+                                                  (got != sequential).sum().item(), "of", got.numel(), "max |diff|:",
+                                                  (got.float() - sequential.float()).abs().max().item())
             if op == "rs" and config.schedule == "row_slice":
                 # the same kernel's partials summed by epilogue stores + barrier. At t = 2 the fp32 sum
                 # rounded once is NCCL's bf16 a + b bit for bit; at t > 2 NCCL rounds after every add,

@@ -306,6 +306,7 @@ def _gather_buffers(t, signals, m=1):
         g.buf, g.base, g.row_bytes, g.region_bytes = bufs[rank], bufs[rank].data_ptr(), 16, 16 * m
         g._unreferenced = g._references()
         g.own = [bufs[p].data_ptr() + p * 16 * m for p in range(t)]
+        g.peers = p2p.ring_peers(rank, t)
         gathers.append(g)
     return gathers, bufs
 
@@ -378,10 +379,10 @@ class _FakeLanes(comm.CopyLanes):
     def run(self, stream, lo, hi, issue, capturing):
         if self.joined:
             return super().run(stream, lo, hi, issue, capturing)
-        for raw, (a, b) in zip(self.raws, comm.near_equal_parts(lo, hi, self.count)[1:]):
+        for lane, (raw, (a, b)) in enumerate(zip(self.raws, comm.near_equal_parts(lo, hi, self.count)[1:]), 1):
             comm.memops.stream_waits_for(raw, stream, None)
-            issue(raw, a, b)
-        issue(stream, *comm.near_equal_parts(lo, hi, self.count)[0])
+            issue(raw, a, b, lane)
+        issue(stream, *comm.near_equal_parts(lo, hi, self.count)[0], 0)
 
 
 def _run_gather_lanes(recorder, t, seed, lanes, rows=5, chunks=2, joined=True):
@@ -439,6 +440,32 @@ def test_the_simulator_catches_copy_lanes_without_their_join(recorder):
     with pytest.raises(AssertionError, match="overwrote its region|before every row"):
         for seed in range(20):
             _run_gather_lanes(recorder, 2, seed, 2, joined=False)
+
+
+@pytest.mark.parametrize("t, lanes", [(4, 1), (4, 3), (8, 7), (8, 3), (3, 2)])
+def test_pulls_read_every_peer_in_ring_order_one_puller_per_source(recorder, t, lanes):
+    """Each rank pulls its peers in ring order (rank+1 first), lane j starting j peers on: at the k-th copy of every
+    lane, the t ranks' copies read t distinct ranks when there is one lane (no rank's rows are read by two pullers at
+    once, as in rank order, where every puller read rank 0 first), and a rank's lanes read distinct peers at once; a
+    chunk still reads every peer's rows exactly once."""
+    gathers, bufs = _gather_buffers(t, _peer_signals(t, (1, 0)), m=lanes)
+    owner = {g.own[p]: p for g in gathers for p in range(t)}
+    reads = {}   # (rank, lane) -> the peers it reads, in issue order
+    for rank, g in enumerate(gathers):
+        g.pull(rank, 0, lanes, _FakeLanes(rank, lanes) if lanes > 1 else None, False)
+        for stream, ops in recorder.take().items():
+            lane = stream[1] if isinstance(stream, tuple) else 0
+            reads[rank, lane] = [owner[op[2] - 16 * (stream[1] if isinstance(stream, tuple) else 0)]
+                                 for op in ops if op[0] == "copy"]
+    for rank in range(t):
+        everything = sorted(p for lane in range(lanes) for p in reads[rank, lane])
+        assert everything == sorted([p for p in range(t) if p != rank] * lanes)
+        assert reads[rank, 0] == [(rank + i) % t for i in range(1, t)]
+        for k in range(t - 1):
+            assert len({reads[rank, lane][k] for lane in range(lanes)}) == min(lanes, t - 1)
+    if lanes == 1:
+        for k in range(t - 1):
+            assert len({reads[rank, 0][k] for rank in range(t)}) == t
 
 
 def test_copy_lanes_are_made_outside_a_capture():

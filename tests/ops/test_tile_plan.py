@@ -134,9 +134,26 @@ def test_p2p_plan_order_is_row_major_up_to_16_n_tiles_then_rastered():
     def tile_rows_of_first(plan, count):
         return [tile[SRC_ROW] for tile in plan.tiles[:count].tolist()]
     narrow = p2p_plan(2 * 16 * 20, 16 * 16, 2, 0, 16, 16)
-    assert tile_rows_of_first(narrow, 16) == [0] * 16                        # one tile row after the other
+    assert tile_rows_of_first(narrow, 16) == [320] * 16                      # one tile row after the other
     wide = p2p_plan(2 * 16 * 20, 16 * 17, 2, 0, 16, 16)
     assert len(set(tile_rows_of_first(wide, 8))) == 8                        # 8 tile rows share each N-tile
+
+
+@pytest.mark.parametrize("t, n", [(2, 16 * 16), (4, 16 * 16), (4, 16 * 17), (8, 16 * 40)])
+def test_p2p_plan_stores_to_the_owners_in_ring_order(t, n):
+    """Each row slice's regions in ring order, rank+1's first and our own last: at every step of the tile list (ranks
+    advancing at the same pace) the t ranks store into t distinct owners, and rank r's owner is rank 0's plus r."""
+    m = t * 16 * 20
+    plans = [p2p_plan(m, n, t, rank, 16, 16) for rank in range(t)]
+    owners = [plan.tiles[:, DST_BUF] for plan in plans]
+    for rank in range(t):
+        assert torch.equal(owners[rank], (owners[0] + rank) % t)
+    assert all(len(set(step)) == t for step in torch.stack(owners, 1).tolist())
+    slice_of = plans[0].tiles[:, SRC_ROW] % (m // t) // 16
+    for j in range(20):   # within a slice (row-major or rastered), rank 0 reaches its own region last
+        seq = owners[0][slice_of == j].tolist()
+        firsts = [seq.index((1 + i) % t) for i in range(t)]   # ring order: 1, 2, ..., t-1, then 0
+        assert firsts == sorted(firsts) and seq[0] == 1 % t and seq[-1] == 0
 
 
 @pytest.mark.parametrize("m,n,t,bm,bn,groups", CASES)
