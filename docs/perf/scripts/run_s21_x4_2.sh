@@ -1,6 +1,6 @@
 # Session 21's second call on the 4-GPU H200 machine (~9 min). First the topology: where two of its GPUs are joined
 # as the 2-GPU machine's pair is (NV18: all 18 NVLinks through NVSwitch), issue 21's llama3-8b at 32 layers runs
-# on GPUs 0-1 here (run_s21_x2_1.sh's three runs; the 2-GPU machine's figures are not mixed with these). Then why
+# on GPUs 0-1 here (session 20's run_s21_x2_1.sh's three runs; the 2-GPU machine's figures are not mixed with these). Then why
 # test_gemm_ar failed at t = 4 in call 1 (its message never printed: the step ran out of time first).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1

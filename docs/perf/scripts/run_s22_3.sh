@@ -1,4 +1,4 @@
-# The next 2-GPU session's THIRD call (~9 min; after run_s21_x2_{1,2}.sh), written in session 20.
+# The next session's THIRD call (~9 min; after run_s22_{1,2}.sh), written in session 20. With 4 GPUs, GPUs 0-1.
 # - issue 25: the MoE layer on the cross-node proxy (NCCL_P2P_DISABLE=1: session 13 1.16 / 1.12x), --overlap-moe auto
 #   next to signal and off; the mixtral-proxy recipe signal vs off (4 layers: 8 layers' experts do not fit with Adam at
 #   EP 2), loss over 20 steps;
@@ -6,7 +6,8 @@
 #   job's processes and stacks recorded if it outlives the limit (run_s10_faults.sh), deterministic mode.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1
-workdir s21_x2_3
+workdir s22_3
+export CUDA_VISIBLE_DEVICES=0,1
 step moe_proxy 150 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 \
   --routings 8 --methods signal,off,auto --out $W --name moe_layer_proxy
 grep -E "^\| |^- " $W/moe_layer_proxy.md | head -8

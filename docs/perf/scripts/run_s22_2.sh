@@ -1,4 +1,5 @@
-# The next 2-GPU session's SECOND call (~9.5 min; after run_s21_x2_1.sh, same machine), written in session 20.
+# The next session's SECOND call (~9 min; after run_s22_1.sh, same machine), written in session 20, revised in 21
+# (the copy-engine probe moved to run_s22_1.sh). With 4 GPUs, every run here uses GPUs 0-1.
 # - Where our layer's GPU time goes (issue 22): session 20's layer under graphs put ours (signal-p2p) 0.32 ms of GPU
 #   time above Megatron's no-communication counterfactual at 8B, and our own layer with the overlap off is 0.18 ms
 #   below Megatron's (the fused norms), so ~0.5 ms per layer step are the overlap's own cost. The layer timed and
@@ -10,13 +11,11 @@
 #   intervals up to 20 stay clean);
 # - issue 22's fused block on vs off end to end: signal with --no-overlap-tp-fused-norms (Megatron's bda then the
 #   norm, every reduce-scatter summed first) against the profiled run's clean intervals;
-# - the copy engines' pull bandwidth with a pull split over 1-8 streams (probe_ce_pulls.py): whether the p2p
-#   AllGather's pulls, which outlast the local rows' GEMM at the 8B qkv shape, can arrive sooner; session 20's
-#   copy_lanes (--overlap-tp-copy-lanes) splits them so: its GPU tests (ag_gemm s 8192 and late peers, replays),
-#   then the layer under graphs with signal-p2p against signal-p2p-lanes2.
+# - copy_lanes' GPU tests, then the layer under graphs with signal-p2p against signal-p2p-lanes2.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1
-workdir s21_x2_2
+workdir s22_2
+export CUDA_VISIBLE_DEVICES=0,1
 step layer_prof 150 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models l8b,l70b \
   --configs megatron,nocomm,off,signal-p2p,decompose-p2p,mixed-p2p --reps 40 --rounds 8 --profile $W/prof \
   --out $W --name layer_mix
@@ -36,8 +35,6 @@ python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 8 $W/l8b8-*/train.log |
 step lanes_tests 75 python3 -m pytest -m gpu -v -rA --tb=short $REPO/tests/gpu/test_ag_gemm_gpu.py \
   $REPO/tests/gpu/test_graphs_gpu.py -k "s8192 or late_peer or every_op_replays" -p no:cacheprovider
 grep -E "PASSED|FAILED|ERROR|passed|failed" $W/lanes_tests.out | grep -v "^\.\./" | tail -6
-step ce_pulls 50 torchrun --nproc-per-node 2 $REPO/docs/perf/scripts/probe_ce_pulls.py
-grep -E "^pull|checked" $W/ce_pulls.out
 step layer_lanes 70 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models l8b,l70b \
   --configs megatron,signal-p2p,signal-p2p-lanes2 --reps 40 --rounds 8 --out $W --name layer_lanes
 grep -E "^\| |^- " $W/layer_lanes.md | cut -d'|' -f1-10 | head -10
