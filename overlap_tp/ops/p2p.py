@@ -199,7 +199,8 @@ class GatherBuffer:
                  call), reset; copy our shard into our region
         ready (comm stream, forked after stage): signal READY to every peer, wait READY from every peer, reset
                  (one batched driver call)
-        pull:    rows [lo, hi) of every peer's region of its buffer into the same rows of ours (chunk by chunk)
+        pull:    rows [lo, hi) of every peer's region of its buffer into the same rows of ours (chunk by chunk; the peers
+                 in ring order)
         finish:  signal PULLED to every peer (our pulls of its region are complete)
     Order argument for the resets: a peer raises our READY word for call i+1 only after it waited for our
     PULLED of call i, raised after our reset of READY in call i; a peer raises our PULLED word for call i
