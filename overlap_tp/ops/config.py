@@ -44,9 +44,10 @@ class OverlapConfig:
                  communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
     chunks:      M-chunks of the `decompose` method (gemm_rs over p2p: one GEMM per region, chunks unused).
     copy_lanes:  streams the p2p AllGather's copy-engine pulls are split over (ag_gemm and gather_rows, transport
-                 'p2p'): each chunk's rows in `copy_lanes` near-equal parts, one per stream, so that several copy
-                 engines can move them at once (one copy runs on one engine, ~113-160 GB/s against NVLink's
-                 ~450 GB/s per direction: shared/DEVICE.md). 1: every pull on the comm stream.
+                 'p2p'): each chunk's rows in `copy_lanes` near-equal parts, one per stream, each lane starting at a
+                 different peer, so that several copy engines can move them at once (one copy runs on one engine:
+                 <= ~320 GB/s per copy on H200s against NVLink's ~450 GB/s per direction, docs/perf/s21). 1: every
+                 pull on the comm stream.
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
     tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
                  tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much

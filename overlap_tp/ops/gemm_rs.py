@@ -9,8 +9,8 @@ ops/reduction.py; or, with transport 'p2p', epilogue stores into the owners' sym
 ops/p2p.py), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream; or, with transport 'p2p',
 one cuBLAS GEMM per owner's region writing straight into that owner's symmetric buffer, ops/p2p.py RegionGemms),
 the collectives through a raw NCCL communicator (ops/nccl.py); `off` (cuBLAS then torch.distributed's
-reduce-scatter: Megatron's path and,
-on CPU tensors under gloo, the reference); `auto` (the tuner's choice, resolved when the plan is built).
+reduce-scatter: Megatron's path and, on CPU tensors under gloo, the reference); `auto` (the tuner's choice, resolved
+when the plan is built).
 On CPU tensors `signal` runs its Triton kernel in the interpreter and the same per-group collectives, so the
 whole signaled data path is tested without a GPU.
 
