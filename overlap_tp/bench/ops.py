@@ -71,12 +71,15 @@ def ours_variants(op, sweep):
     AllGather+GEMM on the p2p transports with their GEMMs on every SM, GEMM+AllReduce on NCCL per-group
     collectives. `nccl` (GEMM+RS: the signaled GEMM + per-group NCCL reduce-scatters, 16 SMs to NCCL) and
     `cublas-p2p` (method decompose over the same p2p transports: cuBLAS GEMMs, no Triton GEMM) are always timed
-    next to it; --sweep adds the schedule x groups x comm_sms corners that won in earlier runs
-    (docs/perf/) and, for AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
+    next to it, and for AllGather+GEMM its pulls over 2 and 3 copy streams (copy_lanes); --sweep adds the schedule x
+    groups x comm_sms corners that won in earlier runs (docs/perf/) and, for AllGather+GEMM, chunk counts of the
+    pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     cublas_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # 4 chunks, as the flags give
     if op == "ag":
         variants = {"ours": p2p, "cublas-p2p": cublas_p2p}
+        for lanes in (2, 3):   # the pulls over more than one copy stream (config.copy_lanes)
+            variants[f"p2p/lanes{lanes}"] = OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=lanes)
         if sweep:
             for groups in (2, 4, 8):
                 variants[f"p2p/g{groups}"] = OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=groups)
@@ -176,6 +179,7 @@ def bench_shape(op, name, m, k, n, args, group):
         row["host_seq_us"] = 1e3 * queued_ms(lambda a, w: run(a, w, group, config=off), sets, group, rounds=20)[0]
     row["pct_ideal"] = 100 * (row["S"] - 1) / (row["S_ideal"] - 1) if row["S_ideal"] > 1.001 else None
     if variants:
+        row["variants"] = dict(variants)   # every variant's time in the JSON
         row["best_variant"], row["best"] = min(variants.items(), key=lambda kv: kv[1])
         row["S_best"] = row["seq"] / row["best"]
         for name in ("nccl", "cublas-p2p"):

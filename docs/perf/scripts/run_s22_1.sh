@@ -19,14 +19,20 @@ grep -E "^t=|checked" $W/ce_t2.out
 if (( T >= 4 )); then
   step ce_t4 80 torchrun --nproc-per-node 4 $REPO/docs/perf/scripts/probe_ce_copies.py
   grep -E "^t=|checked" $W/ce_t4.out
+  # the AllGather+GEMM at t = 4 with its pulls on 1, 2 and 3 copy streams (copy_lanes), next to async-TP
+  step ops_ag_t4 75 torchrun --nproc-per-node 4 -m overlap_tp.bench ops --graphs --ops ag --ag-seq 8192 --reps 30 \
+    --out $W --name ops_ag_t4
+  grep -E "^\| " $W/ops_ag_t4.md | cut -d'|' -f1-15
+  python3 -c "import json,sys; [print(r['shape'], r['ours'], r.get('variants')) for r in json.load(open(sys.argv[1]))['rows']]" \
+    $W/ops_ag_t4.json
   step gemm_ar_t4 60 python3 -m pytest -m gpu -x -rA --tb=line $REPO/tests/gpu/test_gemm_rs_gpu.py -k "test_gemm_ar" \
     -p no:cacheprovider
   grep -E "AssertionError|passed|failed" $W/gemm_ar_t4.out | cut -c1-400 | tail -3
 fi
+step fused_block_tests 150 env CUDA_VISIBLE_DEVICES=0,1 python3 -m pytest -m gpu -v -rA --tb=short \
+  $REPO/tests/gpu/test_layers_gpu.py -k "fused_blocks" -p no:cacheprovider --durations=0
+grep -E "PASSED|FAILED|ERROR|passed|failed|s call" $W/fused_block_tests.out | grep -v "^\.\./" | tail -12
 step layer_t2 150 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs \
   --models l8b,l70b --configs megatron,nocomm,signal-p2p,decompose-p2p,mixed-p2p --reps 40 --rounds 8 --out $W \
   --name layer_t2
 grep -E "^\| " $W/layer_t2.md | cut -d'|' -f1-10 | head -12
-step fused_block_tests 150 env CUDA_VISIBLE_DEVICES=0,1 python3 -m pytest -m gpu -v -rA --tb=short \
-  $REPO/tests/gpu/test_layers_gpu.py -k "fused_blocks" -p no:cacheprovider --durations=0
-grep -E "PASSED|FAILED|ERROR|passed|failed|s call" $W/fused_block_tests.out | grep -v "^\.\./" | tail -12
