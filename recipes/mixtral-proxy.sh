@@ -27,8 +27,12 @@ TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "
             --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
             --clip-grad 1.0 --init-method-std 0.02 --use-distributed-optimizer --seed 1234)
 # Dropless routing sends the token counts to the host every step, so neither Megatron's MoE layer nor overlap_tp's
-# can be captured: per-layer graphs capture attention only (with --moe-expert-capacity-factor F
-# --moe-pad-expert-input-to-capacity the whole layer could be; full_iteration graphs are refused for dropless MoE)
+# can be captured (with --moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity the whole layer could be;
+# full_iteration graphs are refused for dropless MoE). Per-layer graphs of attention only (GRAPHS=local, with
+# --cuda-graph-modules attn) abort in megatron-core 0.19.2 on both sides: its local graph manager captures the whole
+# layer's forward, MoE included (cudaErrorCapturedEvent in _forward_mlp, with the overlap off too; session 22). So
+# this recipe runs both sides eagerly unless GRAPHS is given.
+GRAPHS=${GRAPHS:-none}
 GRAPH_SCOPE=()
-if [[ ${GRAPHS:-local} == local ]]; then GRAPH_SCOPE=(--cuda-graph-modules attn); fi
+if [[ $GRAPHS == local ]]; then GRAPH_SCOPE=(--cuda-graph-modules attn); fi
 run_recipe --overlap-moe "$OVERLAP" "${GRAPH_SCOPE[@]}" "$@"
