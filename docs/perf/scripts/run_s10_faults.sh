@@ -35,6 +35,7 @@ KILL_AFTER=${KILL_AFTER:-12}
 WATCHDOG_S=${WATCHDOG_S:-30}
 STALL_WATCHDOG_S=${STALL_WATCHDOG_S:-20}
 FORMATS=${FORMATS:-"torch_dist torch"}
+FAULT_OVERLAP=${FAULT_OVERLAP:-signal}   # off: the same faults and resume on Megatron's path (the control)
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-150}   # per training run: a hang must not eat the session's device time
 mkdir -p "$OUT" "$WORK"
 SUMMARY=$OUT/summary.md
@@ -87,7 +88,7 @@ wait_for() {   # wait_for LOG REGEX SECONDS PID: 0 once REGEX is in LOG; 1 on ti
 train() {
   local job=$1 watchdog=$2; shift 2
   rm -rf "${WORK:?}/$job"; mkdir -p "$WORK/$job"
-  S10_TAG=$job OUT_DIR=$WORK/$job OVERLAP=signal TRAIN_ITERS=$TRAIN_ITERS LOG_INTERVAL=1 WANDB_PROJECT= \
+  S10_TAG=$job OUT_DIR=$WORK/$job OVERLAP=$FAULT_OVERLAP TRAIN_ITERS=$TRAIN_ITERS LOG_INTERVAL=1 WANDB_PROJECT= \
     OVERLAP_TP_WATCHDOG_S=$watchdog PYTHONFAULTHANDLER=1 MASTER_PORT=$(( 29500 + RANDOM % 1000 )) \
     timeout -s KILL "$RUN_TIMEOUT_S" bash "$REPO/recipes/smoke.sh" --no-overlap-tp-stats \
     ${DETERMINISTIC:+--deterministic-mode} "$@" \
@@ -177,10 +178,11 @@ fault() {   # fault JOB SIGNAL LIMIT_S MESSAGE_REGEX: once iteration KILL_AFTER 
   row=$(check_fault "$job" "$t_kill" "$t_end" "$RC" "SIG$signal rank 1 (pid $victim) after iteration $KILL_AFTER" \
         "$regex" "$limit") || FAILS=$((FAILS + 1))
   FAULT_ROWS+=("$row")
+  note "- $row"   # in the summary at once: a caller's time limit may end this script before its tables
 }
 
 {
-  echo "# Faults and resume with --overlap-tp signal (smoke recipe, TP 2)"
+  echo "# Faults and resume with --overlap-tp $FAULT_OVERLAP (smoke recipe, TP 2)"
   echo
   echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'), commit ${COMMIT:-unknown}, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | sort | uniq -c | xargs)"
   echo "- $(python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)' 2>&1),"\
@@ -212,9 +214,12 @@ for fmt in $FORMATS; do
   finish "resume_$fmt"
   note "- resume_$fmt: exit $RC"
   [[ $RC == 0 ]] || FAILS=$((FAILS + 1))
+  # the resumed run's second iteration prints Megatron's mean of its first two losses (s10_losses.py says why)
   row=$(python3 "$REPO/docs/perf/scripts/s10_losses.py" "$OUT/reference.log" "$OUT/resume_$fmt.log" \
-        --first $((SAVE_EVERY + 1)) --last "$TRAIN_ITERS" --label "resumed ($fmt) vs reference") || FAILS=$((FAILS + 1))
+        --first $((SAVE_EVERY + 1)) --last "$TRAIN_ITERS" --mixed-loss $((SAVE_EVERY + 2)) \
+        --label "resumed ($fmt) vs reference") || FAILS=$((FAILS + 1))
   LOSS_ROWS+=("$row")
+  note "- $row"
   # not a pass/fail check: whether two uninterrupted runs agree at all before the checkpoint
   LOSS_ROWS+=("$(python3 "$REPO/docs/perf/scripts/s10_losses.py" "$OUT/reference.log" "$OUT/fault_$fmt.log" \
                  --first 1 --last "$SAVE_EVERY" --label "fault run ($fmt) before its checkpoint vs reference")")

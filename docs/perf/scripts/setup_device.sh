@@ -24,7 +24,8 @@ step() {   # step NAME SECONDS CMD...: CMD under a time limit, its output in $W/
 }
 train() {   # train NAME SECONDS ENV... -- RECIPE ARGS: a recipe in the background, OUT_DIR=$W/NAME, watched for
             # a hang at exit: 30 s after "after training is done" its workers get SIGABRT (with
-            # PYTHONFAULTHANDLER=1 they print their stacks), then SIGKILL
+            # PYTHONFAULTHANDLER=1 they print their stacks), then SIGKILL; likewise 8 s before its time limit
+            # (a run cut by the limit leaves its workers' stacks: stuck or still compiling)
   local name=$1 limit=$2; shift 2
   fits "$name" "$limit" || return 0
   local envs=(); while [[ $1 != -- ]]; do envs+=("$1"); shift; done; shift
@@ -36,6 +37,10 @@ train() {   # train NAME SECONDS ENV... -- RECIPE ARGS: a recipe in the backgrou
     if [[ -z $done_at ]] && grep -q "after training is done" "$W/$name/train.log" 2>/dev/null; then done_at=$SECONDS; fi
     if [[ -n $done_at ]] && (( SECONDS - done_at > 30 )); then
       echo "$name: still alive 30 s after training ended: SIGABRT to its workers"
+      pkill -ABRT -f "overlap_tp.launch.pretrain.*$W/$name"; sleep 4; pkill -KILL -f "$W/$name"; break
+    fi
+    if [[ -z $done_at ]] && (( SECONDS - t0 > limit - 8 )); then
+      echo "$name: at its time limit before training ended: SIGABRT to its workers (stacks in $name.out)"
       pkill -ABRT -f "overlap_tp.launch.pretrain.*$W/$name"; sleep 4; pkill -KILL -f "$W/$name"; break
     fi
   done
