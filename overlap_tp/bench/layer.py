@@ -81,6 +81,7 @@ def configurations(device_type):
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     decompose_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # chunks: the flag's default
     p2p_lanes2 = OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2)
+    p2p_sm16 = OverlapConfig(method="signal", transport="p2p", comm_sms=16)
     return {
         "megatron": ("megatron", None, False),
         "nocomm": ("megatron", None, True),
@@ -95,6 +96,8 @@ def configurations(device_type):
         "mixed-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal}, False),
         # signal-p2p with the AllGathers' pulls split over two streams (two copy engines at once, where they scale)
         "signal-p2p-lanes2": ("ours", {"ag_gemm": p2p_lanes2, "gemm_rs": p2p, "gemm_ar": signal}, False),
+        # signal-p2p with the AllGathers' pulls by a kernel on 16 SMs (the GEMM behind them on the others)
+        "signal-p2p-sm16": ("ours", {"ag_gemm": p2p_sm16, "gemm_rs": p2p, "gemm_ar": signal}, False),
         "auto": ("ours", OverlapConfig(method="auto"), False),
     }
 

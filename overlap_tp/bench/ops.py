@@ -71,15 +71,15 @@ def ours_variants(op, sweep):
     AllGather+GEMM on the p2p transports with their GEMMs on every SM, GEMM+AllReduce on NCCL per-group
     collectives. `nccl` (GEMM+RS: the signaled GEMM + per-group NCCL reduce-scatters, 16 SMs to NCCL) and
     `cublas-p2p` (method decompose over the same p2p transports: cuBLAS GEMMs, no Triton GEMM) are always timed
-    next to it, and for AllGather+GEMM its pulls over 2 and 3 copy streams (copy_lanes); --sweep adds the schedule x
+    next to it, and for AllGather+GEMM its pulls on 16 and 32 SMs (comm_sms > 0); --sweep adds the schedule x
     groups x comm_sms corners that won in earlier runs (docs/perf/) and, for AllGather+GEMM, chunk counts of the
     pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     cublas_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # 4 chunks, as the flags give
     if op == "ag":
         variants = {"ours": p2p, "cublas-p2p": cublas_p2p}
-        for lanes in (2, 3):   # the pulls over more than one copy stream (config.copy_lanes)
-            variants[f"p2p/lanes{lanes}"] = OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=lanes)
+        for sms in (16, 32):   # the pulls by a kernel on the SMs the GEMM leaves (comm_sms), not the copy engines
+            variants[f"p2p/sm{sms}"] = OverlapConfig(method="signal", transport="p2p", comm_sms=sms)
         if sweep:
             for groups in (2, 4, 8):
                 variants[f"p2p/g{groups}"] = OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=groups)

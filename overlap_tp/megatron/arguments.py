@@ -71,14 +71,17 @@ def add_overlap_args(parser):
         help="How data moves for --overlap-tp signal and decompose: nccl (one NCCL collective per group of "
              "tiles or chunk) or p2p (peer-to-peer through symmetric memory over NVLink, CUDA only: the GEMM "
              "epilogue stores into the owner's buffer for GEMM+ReduceScatter, copy-engine pulls for "
-             "AllGather+GEMM; GEMM+AllReduce keeps nccl). auto (default): AllGather+GEMM and "
+             "AllGather+GEMM, or a pull kernel with --overlap-tp-comm-sms N; GEMM+AllReduce keeps nccl). "
+             "auto (default): AllGather+GEMM and "
              "GEMM+ReduceScatter on p2p with their GEMMs on every SM, GEMM+AllReduce on nccl: no NCCL SM next "
              "to a sequence-parallel GEMM, the combination that measured fastest at TP 2 under CUDA graphs "
              "for both methods (docs/perf/s11/README.md, docs/perf/s20/README.md).")
     group.add_argument(
         "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
         help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "
-             "0 gives the GEMM every SM. Default: OverlapConfig's default (16), 4 for the MoE expert ops.")
+             "0 gives the GEMM every SM. With --overlap-tp-transport p2p and --overlap-tp signal, N > 0 runs the "
+             "AllGathers' pulls as a kernel on those N SMs instead of the copy engines. Default: OverlapConfig's "
+             "default (16) for NCCL, 0 for the p2p transports, 4 for the MoE expert ops.")
     group.add_argument(
         "--overlap-tp-copy-lanes", type=int, default=None, metavar="N",
         help="Streams the p2p AllGathers' copy-engine pulls are split over (ag_gemm and the backward's re-gather, "
@@ -214,6 +217,10 @@ def validate_overlap_args(args, *, warn=_warn):
     lanes = getattr(args, "overlap_tp_copy_lanes", None)
     if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
         raise OverlapArgumentError(f"--overlap-tp-copy-lanes {lanes!r}: expected an integer >= 1")
+    if transport == "p2p" and method == "signal" and (comm_sms or 0) > 0 and (lanes or 1) > 1:
+        raise OverlapArgumentError(f"--overlap-tp-copy-lanes {lanes} splits the copy engines' pulls, and "
+                                   f"--overlap-tp-comm-sms {comm_sms} with --overlap-tp-transport p2p runs them on SMs "
+                                   "instead: give one of the two")
 
     moe = getattr(args, "overlap_moe", "off")
     if moe not in METHODS:
@@ -367,8 +374,15 @@ def layer_configs(args):
     config = OverlapConfig(**overlap_config_kwargs(args))
     nccl = dataclasses.replace(config, transport="nccl")
     ag = rs = config
-    if getattr(args, "overlap_tp_transport", "auto") == "auto" and config.method in ("signal", "decompose"):
+    transport = getattr(args, "overlap_tp_transport", "auto")
+    if transport == "auto" and config.method in ("signal", "decompose"):
         ag = rs = dataclasses.replace(config, transport="p2p", comm_sms=0)
+    elif transport == "p2p":
+        # nothing runs beside the p2p ReduceScatter's GEMM, and nothing beside the AllGather's unless asked:
+        # --overlap-tp-comm-sms N gives its pulls N SMs
+        rs = dataclasses.replace(config, comm_sms=0)
+        if getattr(args, "overlap_tp_comm_sms", None) is None:
+            ag = rs
     return {"ag_gemm": ag, "gemm_rs": rs, "gemm_ar": nccl}
 
 

@@ -24,7 +24,10 @@ Methods (OverlapConfig.method):
                      leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it).
                p2p   copy-engine pulls from the peers' regions of their symmetric gathered buffers into ours
                      (ops/p2p.py GatherBuffer, one per shard shape): no SM spent on communication (ConCCL/FiCCO),
-                     and the shard is copied once, into our region, where the GEMM and the peers read it.
+                     and the shard is copied once, into our region, where the GEMM and the peers read it. With
+                     comm_sms > 0 the same pulls run as a kernel of comm_sms CTAs on the SMs the GEMM's grid
+                     leaves free (kernels/peer_copy.py: loads over NVLink; the copy engines top out at 210-270 GB/s
+                     per rank on four H200s, docs/perf/s22).
   auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer.
 """
@@ -56,6 +59,10 @@ class AgGemm(OpPlan):
         super().__init__(group, m, n, k, dtype, device, config)
         config, device, t = self.config, self.device, self.t
         if self.method == "signal":
+            if config.transport == "p2p" and config.comm_sms > 0 and config.copy_lanes > 1:
+                raise ValueError(f"ag_gemm: copy_lanes={config.copy_lanes} splits the copy engines' pulls; with "
+                                 f"comm_sms={config.comm_sms} the pulls run on SMs (one kernel per chunk): use "
+                                 f"copy_lanes=1 or comm_sms=0")
             if config.transport == "p2p" and device.type != "cuda":   # symmetric memory (any backend's group)
                 raise ValueError("ag_gemm: transport='p2p' needs CUDA tensors (symmetric memory)")
             if config.transport == "nccl" and device.type == "cuda" and config.comm_sms < 1:
@@ -77,6 +84,8 @@ class AgGemm(OpPlan):
                 default_offsets(device)
             if config.transport == "p2p":
                 self._pull_into_gather_buffer()
+                # comm_sms > 0: the pulls on the SMs the GEMM's grid leaves free, else the copy engines
+                self.puller = self.gather.sm_puller(config.comm_sms) if config.comm_sms > 0 else None
             else:
                 self.coll = comm.collectives(self.group, device, config.comm_sms)
         elif self.method == "decompose":
@@ -166,10 +175,11 @@ class AgGemm(OpPlan):
 
     def _pulled(self, a_shard, w, bias, out):
         """The signaled GEMM on the p2p transport: the shard staged into its region of the shape's gathered buffer
-        on the caller's stream (the GEMM's local rows read it there), each peer chunk pulled by the copy engines on
-        the comm stream behind the peers' READY, raising its flag; the GEMM enqueued first (the pulls need no SM).
-        Returns the gathered buffer."""
-        engine, gather = self.engine, self.gather
+        on the caller's stream (the GEMM's local rows read it there), each peer chunk pulled on the comm stream
+        behind the peers' READY, raising its flag: by the copy engines, or by the pull kernel on the comm_sms SMs
+        the GEMM's grid leaves free; the GEMM enqueued first (the pulls need no SM it holds). Returns the gathered
+        buffer."""
+        engine, gather, puller = self.engine, self.gather, self.puller
         capturing = engine.capturing()
         gather.stage(engine.current(), a_shard, capturing)
         gathered = gather.gathered()
@@ -177,7 +187,11 @@ class AgGemm(OpPlan):
         def transfers(stream):
             gather.ready(stream, capturing)
             for c, (lo, hi) in enumerate(self.chunks):
-                gather.pull(stream, lo, hi, self.lanes, capturing)
+                if puller is None:
+                    gather.pull(stream, lo, hi, self.lanes, capturing)
+                else:
+                    with torch.cuda.stream(engine.stream):   # the kernel launches on the current stream
+                        puller(lo, hi)
                 engine.raise_flag(self.ready, c)
             gather.finish(stream)
 

@@ -39,15 +39,17 @@ class OverlapConfig:
                  GEMM's epilogue stores each region's rows straight into the owner's symmetric-memory buffer
                  over NVLink, then a barrier and one add per rank (schedule and groups do not apply). ag_gemm:
                  `nccl` broadcasts each chunk in place (signal needs comm_sms >= 1); `p2p` pulls the peers'
-                 rows with copy-engine copies from their symmetric gathered buffers (no SM).
+                 rows with copy-engine copies from their symmetric gathered buffers (no SM), or, for `signal`
+                 with comm_sms > 0, with a copy kernel on those SMs (kernels/peer_copy.py).
     comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a
                  communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
+                 ag_gemm's signal over p2p: the CTAs of its pull kernel (0: the copy engines pull).
     chunks:      M-chunks of the `decompose` method (gemm_rs over p2p: one GEMM per region, chunks unused).
     copy_lanes:  streams the p2p AllGather's copy-engine pulls are split over (ag_gemm and gather_rows, transport
                  'p2p'): each chunk's rows in `copy_lanes` near-equal parts, one per stream, each lane starting at a
-                 different peer, so that several copy engines can move them at once (one copy runs on one engine:
-                 <= ~320 GB/s per copy on H200s against NVLink's ~450 GB/s per direction, docs/perf/s21). 1: every
-                 pull on the comm stream.
+                 different peer, so that several copy engines can move them at once. Measured on four H200s
+                 (docs/perf/s22): no faster, the copy engines together move 210-270 GB/s per rank however they are
+                 driven. 1: every pull on the comm stream. Not with the SM pulls (comm_sms > 0): a ValueError.
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
     tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
                  tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much

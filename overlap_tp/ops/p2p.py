@@ -7,9 +7,11 @@ Triton kernel (method 'signal', one persistent launch over a tile plan) or cuBLA
 
 AllGather+GEMM (`GatherBuffer`): every rank copies its shard into its own region of a symmetric gathered buffer and
 tells its peers; each rank then pulls the peers' rows chunk by chunk from their buffers into its own with copy-engine
-copies. No SM is spent on the transfer; waits and signals are stream memory operations. The expert ops' exchanges, whose sizes change per routing, use the
-same two protocols over row buffers sized for the largest routing seen: the dispatch pulls (`RowPull`), the
-combine pushes (`RowPush`).
+copies (no SM spent on the transfer), or with a kernel on the SMs a signaled GEMM leaves free (`sm_puller`: loads
+over NVLink, for where the copy engines are the limit; written in session 22, not yet measured on GPUs). Waits and
+signals are stream memory operations. The expert ops' exchanges, whose sizes change per routing, use the same two
+protocols over row buffers sized for the largest routing seen: the dispatch pulls (`RowPull`), the combine pushes
+(`RowPush`).
 
 What it removes against per-group NCCL reduce-scatters (shared/DEVICE.md, contention section): the
 collective's CTAs (no SM is taken from the GEMM), the partial's round trip through local HBM before
@@ -25,6 +27,7 @@ from typing import List
 
 import torch
 
+from overlap_tp.kernels.peer_copy import PeerPull
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
 from overlap_tp.kernels.sum_slots import SumSlots
 from overlap_tp.ops import memops
@@ -273,6 +276,14 @@ class GatherBuffer:
         for i in range(len(peers)):
             p = peers[(i + lane) % len(peers)]
             memops.copy(stream, self.base + p * self.region_bytes + offset, self.own[p] + offset, nbytes)
+
+    def sm_puller(self, programs: int) -> PeerPull:
+        """The pulls as a kernel of `programs` CTAs (kernels/peer_copy.py) instead of the copy engines: the same rows
+        in the same ring order, loaded by SMs over NVLink; called between ready() and finish() on the stream that
+        pulls, as pull() is."""
+        return PeerPull(self.buf, [self.own[p] for p in self.peers],
+                        [p * self.region_bytes // self.buf.element_size() for p in self.peers],
+                        self.row_bytes // self.buf.element_size(), programs)
 
     def finish(self, stream: int):
         self.signals.signal(stream, self.PULLED)

@@ -34,6 +34,9 @@ CONFIGS = {
     # the pulls split over extra streams (copy_lanes): the same protocol with each chunk's rows in parts
     "p2p/lanes2": OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2),
     "cublas-p2p/lanes3": OverlapConfig(method="decompose", transport="p2p", chunks=2, copy_lanes=3),
+    # the pulls by a kernel on the 16 SMs the GEMM's grid leaves free (kernels/peer_copy.py), same protocol
+    "p2p/sm16": OverlapConfig(method="signal", transport="p2p", comm_sms=16),
+    "p2p/g8/sm8": OverlapConfig(method="signal", transport="p2p", comm_sms=8, groups=8),
 }
 
 
@@ -104,8 +107,8 @@ def test_bias_and_200_back_to_back_calls():
 def _check_slow_peer(rank, world):
     """The GEMM on every SM spins on flags that a late peer's transfers raise: rank 1 starts its call
     2 s late (host) and, in a second round, behind 0.5 s of GPU work on its stream. Both complete with
-    the right result (no SM is needed to release the spinning GEMM on the p2p transport; the NCCL
-    transport keeps comm_sms free for NCCL)."""
+    the right result (no SM is needed to release the spinning GEMM on the p2p transport's copy engines; the NCCL
+    transport and the p2p pull kernel keep comm_sms free for their CTAs)."""
     import time
     group = dist.group.WORLD
     torch.manual_seed(rank)

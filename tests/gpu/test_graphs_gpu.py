@@ -40,6 +40,7 @@ CASES = [   # (op, config)
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0)),
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=4)),
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=4, copy_lanes=2)),
+    ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=16, groups=4)),   # the SM pulls
     ("ag", OverlapConfig(method="signal", groups=2, comm_sms=16)),
     ("ag", OverlapConfig(method="decompose", chunks=2)),
     ("ag", OverlapConfig(method="decompose", transport="p2p", chunks=2)),

@@ -70,7 +70,11 @@ def test_copy_lanes_reach_the_p2p_allgather():
     # cuBLAS over the p2p transports: auto moves decompose's ag_gemm and gemm_rs too (s20: faster than cuBLAS chunks
     # over NCCL on every measured shape); gemm_ar has none and stays on NCCL
     (["--overlap-tp", "decompose"], [("p2p", 0), ("p2p", 0), ("nccl", 16)]),
-    (["--overlap-tp", "decompose", "--overlap-tp-transport", "p2p"], [("p2p", 16), ("p2p", 16), ("nccl", 16)]),
+    (["--overlap-tp", "decompose", "--overlap-tp-transport", "p2p"], [("p2p", 0), ("p2p", 0), ("nccl", 16)]),
+    # explicit p2p: no SM beside the GEMMs unless asked; asked, ag_gemm's pulls run on those SMs
+    (["--overlap-tp", "signal", "--overlap-tp-transport", "p2p"], [("p2p", 0), ("p2p", 0), ("nccl", 16)]),
+    (["--overlap-tp", "signal", "--overlap-tp-transport", "p2p", "--overlap-tp-comm-sms", "16"],
+     [("p2p", 16), ("p2p", 0), ("nccl", 16)]),
     (["--overlap-tp", "decompose", "--overlap-tp-transport", "nccl"], [("nccl", 16)] * 3),
     (["--overlap-tp", "auto"], [("nccl", 16)] * 3),        # the tuner picks transports itself
 ])
@@ -207,6 +211,7 @@ def test_transformer_engine_gets_a_precedence_note():
     ({"fp8": "hybrid"}, "bf16"),
     ({"overlap_tp_comm_sms": -1}, ">= 0"),
     ({"overlap_tp_copy_lanes": 0}, "--overlap-tp-copy-lanes 0: expected an integer >= 1"),
+    ({"overlap_tp_transport": "p2p", "overlap_tp_comm_sms": 16, "overlap_tp_copy_lanes": 2}, "give one of the two"),
     ({"multi_latent_attention": True}, "--multi-latent-attention"),
 ])
 def test_conflicts_say_what_to_change(overrides, match):

@@ -59,6 +59,8 @@ def _check_bad_input(rank, world):
                          config=OverlapConfig(method="signal")), "multiple of 8"),
         (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", groups=(1, 1, 1), **SMALL_TILES)), "sum to"),
         (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", transport="p2p")), "needs CUDA tensors"),
+        (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", transport="p2p", copy_lanes=2)),
+         "copy_lanes=2 splits the copy engines' pulls; with comm_sms=16 the pulls run on SMs"),
         (lambda: ag_gemm(a, w, config=OverlapConfig(method="decompose", transport="p2p")), "needs CUDA tensors"),
     ]
     assert_each_raises(cases)

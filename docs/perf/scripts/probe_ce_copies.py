@@ -1,11 +1,15 @@
-# How fast the copy engines move an AllGather's rows between t GPUs: pulls (our copy engine reads each peer's shard, as
-# ops/p2p.py GatherBuffer does) against pushes (we write our shard into each peer's buffer, as PyTorch async-TP's
-# copies do), serial on one stream (peers in ring order, as GatherBuffer) against one stream per peer, alone and beside
-# a GEMM on every SM (as in the op), and beside CTAs on every SM spinning on a flag with ld.acquire in every thread (the
-# signaled GEMM's wait for a chunk: whether that polling slows the copies). Session 21 at t = 4 saw the GatherBuffer's serial pulls at <= 320 GB/s each and
-# 140-220 GB/s beside the GEMM (docs/perf/s21/README.md), while async-TP's AllGather+GEMM finished in 0.218 ms against
-# ours 0.321 at the 8B qkv shape. Every rank copies at the same time (as in the AllGather); a row is the slowest rank's
-# median over REPS; GB/s counts the bytes each rank receives. The copied bytes are checked at the end.
+# How fast an AllGather's rows move between t GPUs, by what engine: the copy engines (cuMemcpyAsync through the driver,
+# as ops/p2p.py GatherBuffer does: pulls from the peers' symmetric buffers, serial in ring order or one stream per peer;
+# and pushes into them), torch's `copy_` of a peer-mapped view (what PyTorch's async-TP issues: whether the driver runs
+# it on the copy engines or as an SM kernel is the question, eager and inside a CUDA graph), and the SM pull kernel of
+# ag_gemm's p2p transport with comm_sms > 0 (kernels/peer_copy.py: K programs load the peers' rows over NVLink and
+# store them locally, BLOCK elements per program and step; K SMs taken from a GEMM).
+# Each eager and captured in a CUDA graph (replayed), alone and beside a GEMM on another stream.
+# Session 22 (commit 62cc94e, then without the copy_ / SM / graph modes) measured the copy engines at 210-270 GB/s per
+# rank at t = 4 however driven (docs/perf/s22/ce_copies.txt) while async-TP's AllGather+GEMM at l8b.qkv (48 MB per
+# rank) ran in 0.218 ms: above that ceiling if its copies are SM kernels.
+# Every rank copies at the same time; a row is the slowest rank's median over REPS; GB/s counts the bytes each rank
+# receives. Each mode's copy is checked once (every peer region holds its owner's rows) before it is timed.
 #   torchrun --nproc-per-node T docs/perf/scripts/probe_ce_copies.py
 import os
 import statistics
@@ -14,75 +18,115 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
 
-import triton
-
-from overlap_tp.kernels.signaled_gemm import load_acquire
+from overlap_tp.kernels.peer_copy import peer_pull_kernel
 from overlap_tp.ops import memops
 
-
-@triton.jit
-def spin_kernel(flag_ptr):
-    """Every thread of every program polls *flag_ptr (acquire, gpu scope) until it is 1: the signaled GEMM's wait."""
-    while load_acquire(flag_ptr) < 1:
-        pass
 
 rank = int(os.environ["LOCAL_RANK"])
 torch.cuda.set_device(rank)
 dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
 group, t = dist.group.WORLD, dist.get_world_size()
 peers = [(rank + i) % t for i in range(1, t)]   # ring order
-SHARD_MB = (4, 16, 32)                           # per rank's shard (l8b.qkv at t = 4: 16 MB)
+SHARD_MB = (16, 32)                              # per rank's shard (l8b.qkv at t = 4: 16 MB, at t = 2: 32 MB)
+SM_VARIANTS = ((16, 16384), (16, 65536), (32, 16384), (32, 65536), (132, 16384))   # (programs, BLOCK)
 REPS = 20
 elems = max(SHARD_MB) << 19                      # bf16 elements of the largest shard
 buf = symm_mem.empty(t * elems, dtype=torch.bfloat16, device="cuda")   # region p: rank p's shard
 handle = symm_mem.rendezvous(buf, group)
-bases = [handle.get_buffer(p, buf.shape, buf.dtype).data_ptr() for p in range(t)]   # every rank's buffer
+views = [handle.get_buffer(p, buf.shape, buf.dtype) for p in range(t)]   # every rank's buffer, mapped here
+bases = [v.data_ptr() for v in views]
 streams = [torch.cuda.Stream() for _ in range(max(1, t - 1))]
+src_addrs = torch.tensor([bases[p] + p * elems * 2 for p in peers], dtype=torch.int64, device="cuda")
+dst_offsets = torch.tensor([p * elems for p in peers], dtype=torch.int64, device="cuda")
 a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 
 
-def issue(nbytes, mode, per_peer):
-    """Every peer's shard into our buffer (pull) or our shard into every peer's buffer (push): (src, dst) per peer,
-    on one stream in ring order or one stream per peer."""
+def region(p, owner, n):
+    """Region `owner` of rank p's buffer, first n elements (a tensor on this device)."""
+    return views[p][owner * elems:owner * elems + n]
+
+
+def issue(mode, n):
+    """Every peer's shard into our buffer (pulls) or ours into every peer's (push), n elements each."""
     current = torch.cuda.current_stream()
+    nbytes = 2 * n
+    if mode.startswith("SM pull"):   # "SM pull K/BLOCK"
+        programs, block = map(int, mode.split()[-1].split("/"))
+        peer_pull_kernel[(programs,)](buf, src_addrs, dst_offsets, 0, n, PEERS=len(peers), BLOCK=block, num_warps=8)
+        return
+    per_peer = mode.endswith("per-peer") or mode.endswith("2 streams")
+    used = streams[:len(peers)] if mode.endswith("per-peer") else streams[:2] if mode.endswith("2 streams") \
+        else streams[:1]
+    for s in used:
+        s.wait_stream(current)
     for i, p in enumerate(peers):
-        stream = streams[i] if per_peer else streams[0]
-        if per_peer or i == 0:
-            stream.wait_stream(current)
-        if mode == "pull":   # peer p's region of its buffer -> region p of ours
-            src, dst = bases[p] + p * (elems * 2), bases[rank] + p * (elems * 2)
-        else:                # our region of ours -> region `rank` of peer p's buffer
-            src, dst = bases[rank] + rank * (elems * 2), bases[p] + rank * (elems * 2)
-        memops.copy(stream.cuda_stream, dst, src, nbytes)
-    for stream in streams[:len(peers) if per_peer else 1]:
-        current.wait_stream(stream)
+        stream = used[i % len(used)] if per_peer else used[0]
+        if mode.startswith("copy_ pull"):   # async-TP's copy: a peer-mapped view into ours
+            with torch.cuda.stream(stream):
+                region(rank, p, n).copy_(region(p, p, n))
+        elif mode.startswith("CE pull"):
+            memops.copy(stream.cuda_stream, bases[rank] + p * elems * 2, bases[p] + p * elems * 2, nbytes)
+        else:                               # CE push: our region into region `rank` of peer p's buffer
+            memops.copy(stream.cuda_stream, bases[p] + rank * elems * 2, bases[rank] + rank * elems * 2, nbytes)
+    for s in used:
+        current.wait_stream(s)
 
 
-flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+def modes():
+    out = ["CE pull", "CE push", "copy_ pull"]
+    if t > 2:
+        out += ["CE pull per-peer", "copy_ pull 2 streams"]
+    return out + [f"SM pull {k}/{b}" for k, b in SM_VARIANTS]
+
+
+def reset():
+    """Our peers' regions zeroed, our own region holds rank + 1 (its owner's value), on every rank."""
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    for p in range(t):
+        buf[p * elems:(p + 1) * elems].fill_(rank + 1 if p == rank else 0)
+    torch.cuda.synchronize()
+    dist.barrier(group)
+
+
+def check(mode, n):
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    for p in peers:
+        got = buf[p * elems:p * elems + n]
+        assert bool((got == p + 1).all()), f"rank {rank}, {mode}: region {p} does not hold rank {p}'s shard"
+
+
 side = torch.cuda.Stream()
-SMS = torch.cuda.get_device_properties(0).multi_processor_count
 
 
-def timed(nbytes, mode, per_peer, beside):
+def timed(mode, n, beside, graph):
+    run = (lambda: issue(mode, n))
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        capture_stream = torch.cuda.Stream()
+        capture_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(capture_stream):
+            issue(mode, n)   # warm-up (a Triton compile) outside the capture
+        torch.cuda.current_stream().wait_stream(capture_stream)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            issue(mode, n)
+        run = g.replay
     samples = []
     for _ in range(REPS):
         torch.cuda.synchronize()
         dist.barrier(group)
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            if beside == "GEMM":
+        if beside == "GEMM":
+            with torch.cuda.stream(side):
                 for _ in range(4):
                     torch.mm(a, w)
-            elif beside == "spinning CTAs":   # released by a stream write after the copies (no SM needed)
-                flag.zero_()
-                spin_kernel[(SMS,)](flag, num_warps=8)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        issue(nbytes, mode, per_peer)
+        run()
         end.record()
-        if beside == "spinning CTAs":
-            memops.write_value(torch.cuda.current_stream().cuda_stream, flag.data_ptr(), 1)
         torch.cuda.synchronize()
         samples.append(start.elapsed_time(end))
     ms = torch.tensor([statistics.median(samples)], device="cuda")
@@ -90,28 +134,28 @@ def timed(nbytes, mode, per_peer, beside):
     return float(ms)
 
 
-for p in range(t):   # region p of every buffer: rank p's shard, filled with p + 1 by its owner only
-    if p == rank:
-        buf[p * elems:(p + 1) * elems].fill_(rank + 1)
-    else:
-        buf[p * elems:(p + 1) * elems].zero_()
-torch.cuda.synchronize()
-dist.barrier(group)
-for beside in ("nothing", "GEMM", "spinning CTAs"):
-    for mb in SHARD_MB:
-        nbytes = mb << 20
-        row = []
-        for mode in ("pull", "push"):
-            for per_peer in ((False, True) if t > 2 else (False,)):
-                ms = timed(nbytes, mode, per_peer, beside)
-                row.append(f"{mode} {'per-peer' if per_peer else 'serial'} {ms:.3f} ms "
-                           f"({(t - 1) * nbytes / ms / 1e6:.0f} GB/s)")
-        if rank == 0:
-            print(f"t={t} shard {mb:2d} MB beside {beside}: " + "; ".join(row), flush=True)
-torch.cuda.synchronize()
-dist.barrier(group)
-for p in range(t):
-    got = buf[p * elems:p * elems + (max(SHARD_MB) << 19)]
-    assert bool((got == p + 1).all()), f"rank {rank}: region {p} does not hold rank {p}'s shard"
+for mode in modes():   # every mode moves the right rows (eager, then replayed from a graph)
+    for graph in (False, True):
+        reset()
+        if graph:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                issue(mode, elems)
+            reset()
+            g.replay()
+        else:
+            issue(mode, elems)
+        check(f"{mode}{' (graph)' if graph else ''}", elems)
 if rank == 0:
-    print("checked: every region holds its owner's shard", flush=True)
+    print("checked: every mode, eager and replayed, moves every peer's shard into place", flush=True)
+for beside in ("nothing", "GEMM"):
+    for mb in SHARD_MB:
+        n = mb << 19
+        for graph in (False, True):
+            row = []
+            for mode in modes():
+                ms = timed(mode, n, beside, graph)
+                row.append(f"{mode} {ms:.3f} ms ({(t - 1) * 2 * n / ms / 1e6:.0f} GB/s)")
+            if rank == 0:
+                print(f"t={t} shard {mb:2d} MB beside {beside} {'graph' if graph else 'eager'}: " + "; ".join(row),
+                      flush=True)

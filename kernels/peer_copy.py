@@ -1,0 +1,72 @@
+"""The p2p AllGather's pulls done by SMs: rows of the peers' symmetric buffers loaded over NVLink, stored into ours.
+
+ops/p2p.py GatherBuffer keeps a gathered [t * m, k] buffer on every rank; rank p's own rows are region p of its
+buffer. A pull of rows [lo, hi) copies, for every peer p,
+
+    ours[p * m + i, :] = peer_p's buffer[p * m + i, :]          lo <= i < hi
+
+The copy engines do it without SMs (GatherBuffer.pull), at 210-270 GB/s per rank on four H200s however they are
+driven (docs/perf/s22/README.md), below what NVLink carries. This kernel does it with `programs` CTAs: each peer's
+buffer is mapped into our address space, so a plain load reads it over NVLink; the rate grows with the bytes in
+flight (programs x BLOCK), and the SMs it takes are the ones a persistent GEMM beside it leaves free (comm_sms).
+"""
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from overlap_tp.kernels.launch import JitLauncher
+
+BLOCK = 16384     # elements per program per step: 64 per thread at 8 warps (eight 16-byte loads in flight)
+NUM_WARPS = 8
+
+
+@triton.jit
+def peer_pull_kernel(dst_ptr, src_addrs_ptr, dst_offsets_ptr, start, count, PEERS: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    """For each peer j < PEERS: dst_ptr[dst_offsets[j] + start + i] = src_j[start + i] for 0 <= i < count, where
+    src_j = src_addrs[j] (a peer-mapped address of peer j's region, of dst_ptr's element type). The programs
+    stride over one peer's blocks, then the next's (the caller orders the peers: ring order)."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    blocks = tl.cdiv(count, BLOCK)
+    for j in tl.static_range(PEERS):
+        src = tl.load(src_addrs_ptr + j).to(dst_ptr.dtype)   # int64 address -> pointer
+        dst = dst_ptr + tl.load(dst_offsets_ptr + j)
+        for b in range(pid, blocks, programs):
+            offs = start + b * BLOCK + tl.arange(0, BLOCK)   # int32: a region has fewer than 2**31 elements
+            mask = offs < start + count
+            tl.store(dst + offs, tl.load(src + offs, mask=mask, cache_modifier=".cg"), mask=mask)
+
+
+_pull = JitLauncher(peer_pull_kernel)
+
+
+def reference_peer_pull(dst: torch.Tensor, sources: Sequence[torch.Tensor], dst_offsets: Sequence[int], start: int,
+                        count: int):
+    """The same copy in torch: dst (flat) at dst_offsets[j] + [start, start + count) from sources[j] (flat)."""
+    for src, off in zip(sources, dst_offsets):
+        dst[off + start:off + start + count] = src[start:start + count]
+
+
+class PeerPull:
+    """The pulls of one gathered buffer on `programs` CTAs: the peers' region addresses (in the order they are read)
+    and our regions' offsets, on the device, made once. __call__(lo, hi) pulls rows [lo, hi) of every peer's region
+    on the current stream."""
+
+    def __init__(self, buf: torch.Tensor, peer_addresses: Sequence[int], dst_offsets: Sequence[int], row_elems: int,
+                 programs: int):
+        if programs < 1:
+            raise ValueError(f"PeerPull: programs={programs}: expected >= 1")
+        if len(peer_addresses) != len(dst_offsets) or not peer_addresses:
+            raise ValueError("PeerPull: one destination offset per peer address, at least one peer")
+        self.buf, self.row_elems, self.programs = buf, row_elems, programs
+        self.peers = len(peer_addresses)
+        self.src_addrs = torch.tensor(list(peer_addresses), dtype=torch.int64, device=buf.device)
+        self.dst_offsets = torch.tensor(list(dst_offsets), dtype=torch.int64, device=buf.device)
+
+    def __call__(self, lo: int, hi: int):
+        if hi <= lo:
+            return
+        _pull[(self.programs,)](self.buf, self.src_addrs, self.dst_offsets, lo * self.row_elems,
+                                (hi - lo) * self.row_elems, PEERS=self.peers, BLOCK=BLOCK, num_warps=NUM_WARPS)
