@@ -5,8 +5,9 @@ own linears and against the same layer with no TP communication at all.
     TRITON_INTERPRET=1 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --tiny --out /tmp/layer   # CPU, gloo
 
 Shapes (BENCHMARKS.md): Llama-3-8B (h 4096, 32 heads, 8 KV heads, FFN 14336) and Llama-3-70B (h 8192, 64
-heads, 8 KV heads, FFN 28672), and `smoke` (recipes/smoke.sh's layer: h 1024, 16 heads, 4 KV heads, FFN 2816;
-run it with --seq 2048 --micro-batch 2); s = 8192, micro-batch 1, TP = the process count (2), sequence parallel
+heads, 8 KV heads, FFN 28672), `smoke` (recipes/smoke.sh's layer: h 1024, 16 heads, 4 KV heads, FFN 2816;
+run it with --seq 2048 --micro-batch 2) and `mid` (BENCHMARKS.md's mid-size model: h 3072, 24 heads, 8 KV heads,
+FFN 8192, --seq 4096; under NCCL_P2P_DISABLE=1 with the NCCL transports only: the high-communication proxy); s = 8192, micro-batch 1, TP = the process count (2), sequence parallel
 (at TP 1, one process: no sequence parallelism, no communication: what our layers compute against Megatron's), bf16, SwiGLU, RMSNorm, no biases, RoPE, no dropout, Megatron's bias-SwiGLU and bias-dropout-add fusions on
 (as in training), gradient_accumulation_fusion off (Megatron's needs Apex). Configurations, all in one
 process on the same inputs and the same weights:
@@ -64,6 +65,9 @@ MODELS = {
     "l8b": dict(hidden=4096, heads=32, groups=8, ffn=14336),
     "l70b": dict(hidden=8192, heads=64, groups=8, ffn=28672),
     "smoke": dict(hidden=1024, heads=16, groups=4, ffn=2816),   # recipes/smoke.sh's layer (--seq 2048 --micro-batch 2)
+    # BENCHMARKS.md's mid-size model (run it with --seq 4096): with NCCL slowed (NCCL_P2P_DISABLE=1) and only the NCCL
+    # transports (megatron, nocomm, off, signal, decompose), the high-communication proxy of larger TP
+    "mid": dict(hidden=3072, heads=24, groups=8, ffn=8192),
     "tiny": dict(hidden=64, heads=4, groups=2, ffn=128),      # --tiny: CPU plumbing
 }
 DEFAULT_CONFIGS = "megatron,nocomm,off,signal,decompose,signal-agp2p,signal-p2p,decompose-p2p"

@@ -7,6 +7,7 @@
 #   resume comes from the overlapped path; then the SIGSTOP case (STALL=1) that both of session 22's calls cut.
 # - issue 25: mixtral-proxy with the overlap on, eager (session 22: off 481.9 ms/iteration; signal did not log its
 #   first iteration within 111 s); a 240 s limit, and stacks at the limit (train() sends SIGABRT 8 s before it).
+# - issue 22 (if the time allows): the high-communication proxy layer (mid-size model, NCCL through host memory).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1
 workdir s23_2
@@ -29,3 +30,9 @@ grep -E "^- |^\| " $W/faults_off/summary.md 2>/dev/null | cut -c1-300
 train mixtral-signal 240 OVERLAP=signal NUM_LAYERS=4 TRAIN_ITERS=20 GBS=4 LOG_INTERVAL=1 -- $REPO/recipes/mixtral-proxy.sh
 python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 8 $W/mixtral-signal/train.log | tee $W/mixtral.md
 grep -E "Traceback|Error|File \"" $W/mixtral-signal.out | head -30
+# if the time allows, issue 22's high-communication proxy (BENCHMARKS.md): the mid-size layer (h 3072, s 4096) with
+# NCCL through host memory (NCCL_P2P_DISABLE=1, ~20 GB/s) and the NCCL transports only (p2p would bypass the proxy)
+step layer_mid_proxy 120 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs \
+  --models mid --seq 4096 --configs megatron,nocomm,off,signal,decompose --reps 30 --rounds 6 --out $W \
+  --name layer_mid_proxy
+grep -E "^\| " $W/layer_mid_proxy.md | cut -d'|' -f1-10 | head -8
