@@ -9,6 +9,7 @@ The copy engines do it without SMs (GatherBuffer.pull), at 210-270 GB/s per rank
 driven (docs/perf/s22/README.md), below what NVLink carries. This kernel does it with `programs` CTAs: each peer's
 buffer is mapped into our address space, so a plain load reads it over NVLink; the rate grows with the bytes in
 flight (programs x BLOCK), and the SMs it takes are the ones a persistent GEMM beside it leaves free (comm_sms).
+Not yet measured on GPUs (written in session 22; docs/perf/scripts/run_s23_1.sh measures it).
 """
 from typing import Sequence
 
@@ -23,16 +24,18 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def peer_pull_kernel(dst_ptr, src_addrs_ptr, dst_offsets_ptr, start, count, PEERS: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """For each peer j < PEERS: dst_ptr[dst_offsets[j] + start + i] = src_j[start + i] for 0 <= i < count, where
-    src_j = src_addrs[j] (a peer-mapped address of peer j's region, of dst_ptr's element type). The programs
-    stride over one peer's blocks, then the next's (the caller orders the peers: ring order)."""
+def peer_pull_kernel(buf_ptr, src_offsets_ptr, dst_offsets_ptr, start, count, PEERS: tl.constexpr,
+                     BLOCK: tl.constexpr, ALIGN: tl.constexpr):
+    """For each peer j < PEERS: buf[dst_offsets[j] + start + i] = buf[src_offsets[j] + start + i], 0 <= i < count.
+    src_offsets[j]: where peer j's region (its own rows, in its buffer, mapped here) lies, in elements from buf_ptr:
+    the peers' buffers are one flat address space with ours, as in the signaled GEMM's epilogue (no integer-to-pointer
+    casts, so alignment hints hold). ALIGN: what every offset is a multiple of (16: 16-byte loads and stores). The
+    programs stride over one peer's blocks, then the next's (the caller orders the peers: ring order)."""
     pid, programs = tl.program_id(0), tl.num_programs(0)
     blocks = tl.cdiv(count, BLOCK)
     for j in tl.static_range(PEERS):
-        src = tl.load(src_addrs_ptr + j).to(dst_ptr.dtype)   # int64 address -> pointer
-        dst = dst_ptr + tl.load(dst_offsets_ptr + j)
+        src = buf_ptr + tl.multiple_of(tl.load(src_offsets_ptr + j), ALIGN)
+        dst = buf_ptr + tl.multiple_of(tl.load(dst_offsets_ptr + j), ALIGN)
         for b in range(pid, blocks, programs):
             offs = start + b * BLOCK + tl.arange(0, BLOCK)   # int32: a region has fewer than 2**31 elements
             mask = offs < start + count
@@ -42,31 +45,35 @@ def peer_pull_kernel(dst_ptr, src_addrs_ptr, dst_offsets_ptr, start, count, PEER
 _pull = JitLauncher(peer_pull_kernel)
 
 
-def reference_peer_pull(dst: torch.Tensor, sources: Sequence[torch.Tensor], dst_offsets: Sequence[int], start: int,
+def reference_peer_pull(buf: torch.Tensor, sources: Sequence[torch.Tensor], dst_offsets: Sequence[int], start: int,
                         count: int):
-    """The same copy in torch: dst (flat) at dst_offsets[j] + [start, start + count) from sources[j] (flat)."""
+    """The same copy in torch: buf (flat) at dst_offsets[j] + [start, start + count) from sources[j] (flat)."""
     for src, off in zip(sources, dst_offsets):
-        dst[off + start:off + start + count] = src[start:start + count]
+        buf[off + start:off + start + count] = src[start:start + count]
 
 
 class PeerPull:
-    """The pulls of one gathered buffer on `programs` CTAs: the peers' region addresses (in the order they are read)
-    and our regions' offsets, on the device, made once. __call__(lo, hi) pulls rows [lo, hi) of every peer's region
-    on the current stream."""
+    """The pulls of one gathered buffer on `programs` CTAs: where the peers' regions lie (in the order they are read)
+    and where ours receive them, as element offsets from the buffer, on the device, made once. __call__(lo, hi)
+    pulls rows [lo, hi) of every peer's region on the current stream."""
 
-    def __init__(self, buf: torch.Tensor, peer_addresses: Sequence[int], dst_offsets: Sequence[int], row_elems: int,
+    def __init__(self, buf: torch.Tensor, src_offsets: Sequence[int], dst_offsets: Sequence[int], row_elems: int,
                  programs: int):
         if programs < 1:
             raise ValueError(f"PeerPull: programs={programs}: expected >= 1")
-        if len(peer_addresses) != len(dst_offsets) or not peer_addresses:
-            raise ValueError("PeerPull: one destination offset per peer address, at least one peer")
+        if len(src_offsets) != len(dst_offsets) or not src_offsets:
+            raise ValueError("PeerPull: one destination offset per source offset, at least one peer")
         self.buf, self.row_elems, self.programs = buf, row_elems, programs
-        self.peers = len(peer_addresses)
-        self.src_addrs = torch.tensor(list(peer_addresses), dtype=torch.int64, device=buf.device)
+        self.peers = len(src_offsets)
+        # the alignment hint (16-byte vectors) only where every offset the kernel forms is a multiple of 16 elements
+        aligned = all(o % 16 == 0 for o in (*src_offsets, *dst_offsets, row_elems)) and buf.data_ptr() % 16 == 0
+        self.align = 16 if aligned else 1
+        self.src_offsets = torch.tensor(list(src_offsets), dtype=torch.int64, device=buf.device)
         self.dst_offsets = torch.tensor(list(dst_offsets), dtype=torch.int64, device=buf.device)
 
     def __call__(self, lo: int, hi: int):
         if hi <= lo:
             return
-        _pull[(self.programs,)](self.buf, self.src_addrs, self.dst_offsets, lo * self.row_elems,
-                                (hi - lo) * self.row_elems, PEERS=self.peers, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        _pull[(self.programs,)](self.buf, self.src_offsets, self.dst_offsets, lo * self.row_elems,
+                                (hi - lo) * self.row_elems, PEERS=self.peers, BLOCK=BLOCK, ALIGN=self.align,
+                                num_warps=NUM_WARPS)

@@ -281,9 +281,9 @@ class GatherBuffer:
         """The pulls as a kernel of `programs` CTAs (kernels/peer_copy.py) instead of the copy engines: the same rows
         in the same ring order, loaded by SMs over NVLink; called between ready() and finish() on the stream that
         pulls, as pull() is."""
-        return PeerPull(self.buf, [self.own[p] for p in self.peers],
-                        [p * self.region_bytes // self.buf.element_size() for p in self.peers],
-                        self.row_bytes // self.buf.element_size(), programs)
+        size = self.buf.element_size()
+        return PeerPull(self.buf, [(self.own[p] - self.base) // size for p in self.peers],   # the peers' regions
+                        [p * self.region_bytes // size for p in self.peers], self.row_bytes // size, programs)
 
     def finish(self, stream: int):
         self.signals.signal(stream, self.PULLED)

@@ -1,6 +1,6 @@
 """The SM pulls of the p2p AllGather (kernels/peer_copy.py) against their torch reference in the Triton CPU
-interpreter: separate tensors stand in for the peers' mapped buffers (the kernel reads them through int64
-addresses, as it reads a peer's buffer through its NVLink mapping); a copy, so bit for bit. On the GPU:
+interpreter: separate tensors stand in for the peers' mapped buffers (the kernel reads them at element offsets from
+the receiving buffer, as it reads a peer's buffer through its NVLink mapping); a copy, so bit for bit. On the GPU:
 tests/gpu/test_ag_gemm_gpu.py and test_graphs_gpu.py (ag_gemm with transport 'p2p' and comm_sms > 0)."""
 import pytest
 import torch
@@ -25,7 +25,10 @@ def test_pulls_copy_every_peers_rows_into_their_region(dtype, peers, rows, cols,
     offsets = [(j + 1) * rows * cols for j in range(peers)]
     expected = ours.clone()
     reference_peer_pull(expected, sources, offsets, lo * cols, (hi - lo) * cols)
-    pull = PeerPull(ours, [s.data_ptr() for s in sources], offsets, cols, programs)
+    size = ours.element_size()
+    src_offsets = [(src.data_ptr() - ours.data_ptr()) // size for src in sources]
+    assert all((src.data_ptr() - ours.data_ptr()) % size == 0 for src in sources)
+    pull = PeerPull(ours, src_offsets, offsets, cols, programs)
     pull(lo, hi)
     assert torch.equal(ours.isnan(), expected.isnan())          # nothing outside rows [lo, hi) of each region
     assert torch.equal(ours.nan_to_num(0), expected.nan_to_num(0))
@@ -36,6 +39,6 @@ def test_pulls_copy_every_peers_rows_into_their_region(dtype, peers, rows, cols,
 def test_peer_pull_rejects_bad_arguments():
     buf = torch.zeros(8)
     with pytest.raises(ValueError, match="programs"):
-        PeerPull(buf, [buf.data_ptr()], [0], 4, 0)
-    with pytest.raises(ValueError, match="one destination offset per peer"):
-        PeerPull(buf, [buf.data_ptr()], [0, 4], 4, 1)
+        PeerPull(buf, [8], [0], 4, 0)
+    with pytest.raises(ValueError, match="one destination offset per source offset"):
+        PeerPull(buf, [8], [0, 4], 4, 1)

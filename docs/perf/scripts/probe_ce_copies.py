@@ -36,7 +36,8 @@ handle = symm_mem.rendezvous(buf, group)
 views = [handle.get_buffer(p, buf.shape, buf.dtype) for p in range(t)]   # every rank's buffer, mapped here
 bases = [v.data_ptr() for v in views]
 streams = [torch.cuda.Stream() for _ in range(max(1, t - 1))]
-src_addrs = torch.tensor([bases[p] + p * elems * 2 for p in peers], dtype=torch.int64, device="cuda")
+src_offsets = torch.tensor([(bases[p] - bases[rank]) // 2 + p * elems for p in peers], dtype=torch.int64,
+                           device="cuda")   # peer p's region of its buffer, in elements from ours
 dst_offsets = torch.tensor([p * elems for p in peers], dtype=torch.int64, device="cuda")
 a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
@@ -53,7 +54,8 @@ def issue(mode, n):
     nbytes = 2 * n
     if mode.startswith("SM pull"):   # "SM pull K/BLOCK"
         programs, block = map(int, mode.split()[-1].split("/"))
-        peer_pull_kernel[(programs,)](buf, src_addrs, dst_offsets, 0, n, PEERS=len(peers), BLOCK=block, num_warps=8)
+        peer_pull_kernel[(programs,)](buf, src_offsets, dst_offsets, 0, n, PEERS=len(peers), BLOCK=block, ALIGN=16,
+                                      num_warps=8)
         return
     per_peer = mode.endswith("per-peer") or mode.endswith("2 streams")
     used = streams[:len(peers)] if mode.endswith("per-peer") else streams[:2] if mode.endswith("2 streams") \
