@@ -7,7 +7,8 @@ own linears and against the same layer with no TP communication at all.
 Shapes (BENCHMARKS.md): Llama-3-8B (h 4096, 32 heads, 8 KV heads, FFN 14336) and Llama-3-70B (h 8192, 64
 heads, 8 KV heads, FFN 28672), `smoke` (recipes/smoke.sh's layer: h 1024, 16 heads, 4 KV heads, FFN 2816;
 run it with --seq 2048 --micro-batch 2) and `mid` (BENCHMARKS.md's mid-size model: h 3072, 24 heads, 8 KV heads,
-FFN 8192, --seq 4096; under NCCL_P2P_DISABLE=1 with the NCCL transports only: the high-communication proxy); s = 8192, micro-batch 1, TP = the process count (2), sequence parallel
+FFN 8192, --seq 4096; under NCCL_P2P_DISABLE=1 with the NCCL transports only: the high-communication proxy);
+s = 8192, micro-batch 1, TP = the process count (2), sequence parallel
 (at TP 1, one process: no sequence parallelism, no communication: what our layers compute against Megatron's), bf16, SwiGLU, RMSNorm, no biases, RoPE, no dropout, Megatron's bias-SwiGLU and bias-dropout-add fusions on
 (as in training), gradient_accumulation_fusion off (Megatron's needs Apex). Configurations, all in one
 process on the same inputs and the same weights:
@@ -29,6 +30,9 @@ process on the same inputs and the same weights:
                 ag_gemm the local rows' GEMM while the copy engines pull the peers' rows in 4 chunks (the
                 default; `--overlap-tp decompose --overlap-tp-transport p2p`)
   auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
+  mixed-p2p, signal-p2p-lanes2, signal-p2p-sm16
+                (not in the default list) signal-p2p with, in turn: cuBLAS's regions for the ReduceScatters; the
+                AllGathers' copy-engine pulls over two streams; the AllGathers' pulls by a kernel on 16 SMs
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
 timed (output, input grad and every parameter grad, max relative error <= --check-tol); every layer that
