@@ -2,7 +2,8 @@
 # (kernels/signaled_gemm.py: tl.store of each tile, blocking in the persistent loop) against cuBLAS (torch.mm with
 # out= a peer-mapped view: cuBLAS's own epilogue), each into local memory and into the peer's, at t = 2 with both
 # ranks storing into each other at once (as the p2p ReduceScatter does), and the p2p ReduceScatter ops themselves
-# (gemm_rs signal and decompose over p2p, which store half of the tiles remotely).
+# (gemm_rs signal and decompose over p2p, which store half of the tiles remotely); and the copy engines pushing C into
+# the peer (the alternative: local stores, then copy-engine pushes per group of tiles).
 # Why (session 22, docs/perf/s22/README.md): in llama3-8b's training step the signaled GEMM+ReduceScatters ran
 # 6-18% above Megatron's cuBLAS GEMMs (proj 207 vs 183 us, qkv dgrad 371 vs 314), the AllGathers 2-4%; session 20
 # saw the signaled kernel 0.43 ms above the GEMM alone at l70b.fc2 where cuBLAS's regions paid 0.11. This says how
@@ -18,6 +19,7 @@ from torch.distributed import _symmetric_memory as symm_mem
 
 from overlap_tp import OverlapConfig, gemm_rs
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
+from overlap_tp.ops import memops
 from overlap_tp.ops.common import gemm_programs
 from overlap_tp.ops.reduction import device_plan
 from overlap_tp.tune.timing import graph_timed
@@ -71,6 +73,10 @@ for name, (k, layout) in SHAPES.items():
     row["cuBLAS remote"] = graph_timed(lambda: torch.mm(a, w.t(), out=remote), [()], REPS, group)
     row["signaled local"] = graph_timed(lambda: signaled(a, w, local), [()], REPS, group)
     row["signaled remote"] = graph_timed(lambda: signaled(a, w, remote), [()], REPS, group)
+    # the alternative to remote stores: local stores, then the copy engines push the peer's rows (half of C at t = 2;
+    # timed here for all of C, both ranks pushing at once)
+    row["CE push of C"] = graph_timed(lambda: memops.copy(torch.cuda.current_stream().cuda_stream, remote.data_ptr(),
+                                                          local.data_ptr(), M * N * 2), [()], REPS, group)
     for method in ("signal", "decompose"):   # the ops: half the tiles remote, then the slot sum
         op_config = OverlapConfig(method=method, transport="p2p", comm_sms=0)
         gemm_rs(a, w, group, config=op_config)
