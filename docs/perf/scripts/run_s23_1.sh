@@ -32,7 +32,7 @@ if (( T >= 4 )); then
   grep -E "PASSED|FAILED|ERROR|passed|failed" $W/sm_pull_tests_t4.out | grep -v "^\.\./" | cut -c1-300 | tail -6
   step ops_ag_t4 70 torchrun --nproc-per-node 4 -m overlap_tp.bench ops --graphs --ops ag --ag-seq 8192 --reps 30 \
     --out $W --name ops_ag_t4
-  python3 -c "import json,sys; [print(r['shape'], 'seq', round(r['seq'],3), 'async-TP', round(r.get('async_tp',0),3), 'ours', round(r['ours'],3), {k: round(v,3) for k, v in r.get('variants', {}).items()}) for r in json.load(open(sys.argv[1]))['rows']]" $W/ops_ag_t4.json
+  python3 $REPO/docs/perf/scripts/ops_variants.py $W/ops_ag_t4.json
 fi
 if (( T >= 4 )); then
   step layer_t4 110 torchrun --nproc-per-node 4 -m overlap_tp.bench layer --graphs --models l8b,l70b \
@@ -41,4 +41,4 @@ if (( T >= 4 )); then
 fi
 step ops_ag_t2 60 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 -m overlap_tp.bench ops --graphs --ops ag \
   --ag-seq 8192 --reps 30 --out $W --name ops_ag_t2
-python3 -c "import json,sys; [print(r['shape'], 'seq', round(r['seq'],3), 'async-TP', round(r.get('async_tp',0),3), 'ours', round(r['ours'],3), {k: round(v,3) for k, v in r.get('variants', {}).items()}) for r in json.load(open(sys.argv[1]))['rows']]" $W/ops_ag_t2.json
+python3 $REPO/docs/perf/scripts/ops_variants.py $W/ops_ag_t2.json
