@@ -6,8 +6,9 @@
 # over p2p with comm_sms > 0). Here, in order:
 # - the probe: copy engines, torch copy_, the SM pull kernel (programs x BLOCK), eager and in a CUDA graph, alone and
 #   beside a GEMM, at t = 4 and t = 2 (decides whether the SM pulls can beat the ceiling, and which size);
-# - the SM pulls' GPU tests at t = 2 (ag_gemm every shape bitwise against the same kernel after a full gather, a late
-#   peer, 200 graph replays with a late peer), then at t = 4 the shapes and the late peer;
+# - the SM pulls' GPU tests: the kernel alone against its reference (one GPU), then at t = 2 ag_gemm every shape
+#   bitwise against the same kernel after a full gather, a late peer, 200 graph replays with a late peer, then at
+#   t = 4 the shapes and the late peer;
 # - the AllGather+GEMM at t = 4 and t = 2 under graphs: ours (copy engines) against p2p/sm16, p2p/sm32, async-TP;
 # - the layer at t = 4: signal-p2p against signal-p2p-sm16 (8B: 1.15x its counterfactual in session 21).
 # Prediction (t = 4, l8b.qkv): if the SM pulls move >= 400 GB/s on 16-32 SMs, the op goes from 0.31 to ~0.22-0.24 ms
@@ -22,9 +23,9 @@ if (( T >= 4 )); then
 fi
 step copies_t2 80 env CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc-per-node 2 $REPO/docs/perf/scripts/probe_ce_copies.py
 grep -E "^t=|checked|Error" $W/copies_t2.out | cut -c1-700
-step sm_pull_tests_t2 120 env CUDA_VISIBLE_DEVICES=0,1 python3 -m pytest -m gpu -v -rA --tb=short \
-  $REPO/tests/gpu/test_ag_gemm_gpu.py $REPO/tests/gpu/test_graphs_gpu.py -k "s8192 or odd or late_peer or every_op_replays" \
-  -p no:cacheprovider
+step sm_pull_tests_t2 130 env CUDA_VISIBLE_DEVICES=0,1 python3 -m pytest -m gpu -v -rA --tb=short \
+  $REPO/tests/gpu/test_peer_copy_gpu.py $REPO/tests/gpu/test_ag_gemm_gpu.py $REPO/tests/gpu/test_graphs_gpu.py \
+  -k "peer_copy or s8192 or odd or late_peer or every_op_replays" -p no:cacheprovider
 grep -E "PASSED|FAILED|ERROR|passed|failed" $W/sm_pull_tests_t2.out | grep -v "^\.\./" | cut -c1-300 | tail -8
 if (( T >= 4 )); then
   step sm_pull_tests_t4 100 python3 -m pytest -m gpu -v -rA --tb=short $REPO/tests/gpu/test_ag_gemm_gpu.py \
