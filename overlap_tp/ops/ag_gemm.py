@@ -31,6 +31,7 @@ Methods (OverlapConfig.method):
   auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer.
 """
+import contextlib
 from collections import OrderedDict
 from typing import Optional
 
@@ -186,13 +187,14 @@ class AgGemm(OpPlan):
 
         def transfers(stream):
             gather.ready(stream, capturing)
-            for c, (lo, hi) in enumerate(self.chunks):
-                if puller is None:
-                    gather.pull(stream, lo, hi, self.lanes, capturing)
-                else:
-                    with torch.cuda.stream(engine.stream):   # the kernel launches on the current stream
+            # the pull kernel launches on the current stream: the comm stream's, entered once for every chunk
+            with contextlib.nullcontext() if puller is None else torch.cuda.stream(engine.stream):
+                for c, (lo, hi) in enumerate(self.chunks):
+                    if puller is None:
+                        gather.pull(stream, lo, hi, self.lanes, capturing)
+                    else:
                         puller(lo, hi)
-                engine.raise_flag(self.ready, c)
+                    engine.raise_flag(self.ready, c)
             gather.finish(stream)
 
         engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,

@@ -40,7 +40,7 @@ import torch
 
 from overlap_tp.kernels.signaled_gemm import RowTiles
 from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, EXPERT, GROUP, MAX_AUTO_GROUPS, NO_WAIT,
-                                      SRC_ROW, SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, WAIT)
+                                      SRC_ROW, SRC_ROW_END, TARGET_GROUP_BYTES, TILE_FIELDS, WAIT, ring_peers)
 
 # gemm_a2a's destination buffers (the tiles' DST_BUF): the staging matrix and the output z
 STAGING, OUTPUT = 0, 1
@@ -256,7 +256,7 @@ def dispatch_plan(lay: Layout, n: int, block_m: int, block_n: int, parts: int) -
     """a2a_gemm on rank lay.rank: y[R, n] over xr; see the module docstring. GEMM groups: the local block (no
     wait), then chunk c = part c of every remote block (waits on ready flag c)."""
     rank = lay.rank
-    peers = [(rank + i) % lay.ep for i in range(1, lay.ep)]
+    peers = ring_peers(rank, lay.ep)
     chunks = parts if peers else 0
     n_tiles = -(-n // block_n)
     block, sizes = part_tiles(lay, block_m, parts)
@@ -283,7 +283,7 @@ def combine_plan(lay: Layout, n: int, block_m: int, block_n: int, parts: int) ->
     """gemm_a2a on rank lay.rank: z[T, n] from h[R, :]; see the module docstring. GEMM groups: group g = part g of
     every remote block (stored to the staging matrix, counter g), then the local block (stored into z)."""
     rank = lay.rank
-    peers = [(rank + i) % lay.ep for i in range(1, lay.ep)]
+    peers = ring_peers(rank, lay.ep)
     groups = parts if peers else 0
     local_rows = lay.xr_splits[rank]
     n_tiles = -(-n // block_n)

@@ -23,8 +23,6 @@ waiter), so every call, eager or a replay of a captured graph, runs the same pro
 argument is written next to it. Buffers belong to their plan and live as long as it does, except the AllGather's
 gathered buffer, which the plans of one shard shape share (GatherBuffer).
 """
-from typing import List
-
 import torch
 
 from overlap_tp.kernels.peer_copy import PeerPull
@@ -32,7 +30,7 @@ from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
 from overlap_tp.kernels.sum_slots import SumSlots
 from overlap_tp.ops import memops
 from overlap_tp.ops.sync import PeerSignals
-from overlap_tp.ops.tile_plan import p2p_plan
+from overlap_tp.ops.tile_plan import p2p_plan, ring_peers
 
 # Offsets between buffers are used as 16-element-aligned by the kernel (16-byte stores).
 OFFSET_ALIGNMENT = 16
@@ -127,12 +125,6 @@ class P2PReduceScatter:
         self.signals.wait(stream, self.ARRIVED, capturing)
         reduce()
         self.signals.signal(stream, self.SUMMED)
-
-
-def ring_peers(rank: int, t: int) -> List[int]:
-    """The peers of `rank` in ring order, rank+1 first: when every rank sends to (or reads from) its peers in this
-    order, no rank is the target of two ranks at once."""
-    return [(rank + i) % t for i in range(1, t)]
 
 
 class RegionGemms:

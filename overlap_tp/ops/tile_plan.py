@@ -197,6 +197,12 @@ def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) 
     return dataclasses.replace(plan, schedule="p2p", tiles=tiles, collectives=())
 
 
+def ring_peers(rank: int, t: int) -> List[int]:
+    """The peers of `rank` in ring order, rank+1 first: when every rank sends to (or reads from) its peers in this
+    order, no rank is the target of two ranks at once."""
+    return [(rank + i) % t for i in range(1, t)]
+
+
 def ag_plan(m: int, n: int, k: int, world: int, rank: int, block_m: int, block_n: int, groups="auto",
             elem_bytes: int = 2) -> TilePlan:
     """AllGather+GEMM on rank `rank`: C[M, N] = gathered A[M, K] @ W.T, rows in the standard order.
@@ -221,7 +227,7 @@ def ag_plan(m: int, n: int, k: int, world: int, rank: int, block_m: int, block_n
 
     tiles = region_tiles([rank], 0, slices, NO_WAIT)
     group_tiles, collectives = [], []
-    peers = [(rank + i) % world for i in range(1, world)]
+    peers = ring_peers(rank, world)
     if peers:
         sizes = split_units(slices, groups, (world - 1) * block_m * k * elem_bytes)
         j0 = 0

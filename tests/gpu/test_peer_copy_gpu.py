@@ -7,7 +7,8 @@ Run: `pytest -m gpu tests/gpu/test_peer_copy_gpu.py` on one GPU."""
 import pytest
 import torch
 
-from overlap_tp.kernels.peer_copy import BLOCK, PeerPull, reference_peer_pull
+from overlap_tp.kernels.peer_copy import BLOCK
+from peer_pulls import check_pull
 
 pytestmark = pytest.mark.gpu
 
@@ -20,18 +21,5 @@ pytestmark = pytest.mark.gpu
     (2, 5, BLOCK + 24, 1, 4, 3),        # rows longer than a block
 ])
 def test_pulls_match_the_reference(dtype, peers, rows, cols, lo, hi, programs):
-    gen = torch.Generator(device="cuda").manual_seed(peers * 100 + cols)
-    region = rows * cols
-    sources = [torch.randn(region, device="cuda", generator=gen).to(dtype) for _ in range(peers)]
-    ours = torch.full(((peers + 1) * region,), float("nan"), dtype=dtype, device="cuda")
-    dst_offsets = [(j + 1) * region for j in range(peers)]
-    size = ours.element_size()
-    src_offsets = [(src.data_ptr() - ours.data_ptr()) // size for src in sources]
-    pull = PeerPull(ours, src_offsets, dst_offsets, cols, programs)
+    pull = check_pull("cuda", dtype, peers, rows, cols, lo, hi, programs, seed=peers * 100 + cols)
     assert pull.align == (16 if cols % 16 == 0 else 1)   # CUDA allocations start on 512-byte boundaries
-    expected = ours.clone()
-    reference_peer_pull(expected, sources, dst_offsets, lo * cols, (hi - lo) * cols)
-    pull(lo, hi)
-    torch.cuda.synchronize()
-    assert torch.equal(ours.isnan(), expected.isnan())                # nothing written outside the chunk
-    assert torch.equal(ours.nan_to_num(0), expected.nan_to_num(0))

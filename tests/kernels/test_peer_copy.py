@@ -1,11 +1,13 @@
 """The SM pulls of the p2p AllGather (kernels/peer_copy.py) against their torch reference in the Triton CPU
 interpreter: separate tensors stand in for the peers' mapped buffers (the kernel reads them at element offsets from
-the receiving buffer, as it reads a peer's buffer through its NVLink mapping); a copy, so bit for bit. On the GPU:
-tests/gpu/test_ag_gemm_gpu.py and test_graphs_gpu.py (ag_gemm with transport 'p2p' and comm_sms > 0)."""
+the receiving buffer, as it reads a peer's buffer through its NVLink mapping); a copy, so bit for bit (the check:
+tests/peer_pulls.py). On the GPU: tests/gpu/test_peer_copy_gpu.py (the same check compiled), test_ag_gemm_gpu.py and
+test_graphs_gpu.py (ag_gemm with transport 'p2p' and comm_sms > 0)."""
 import pytest
 import torch
 
-from overlap_tp.kernels.peer_copy import BLOCK, PeerPull, reference_peer_pull
+from overlap_tp.kernels.peer_copy import BLOCK, PeerPull
+from peer_pulls import check_pull
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -17,23 +19,7 @@ from overlap_tp.kernels.peer_copy import BLOCK, PeerPull, reference_peer_pull
     (3, 2, BLOCK + 5, 1, 2, 4),              # a row longer than a block
 ])
 def test_pulls_copy_every_peers_rows_into_their_region(dtype, peers, rows, cols, lo, hi, programs):
-    gen = torch.Generator().manual_seed(peers * 1000 + rows * cols + lo)
-    t = peers + 1
-    # peer j's own rows: region (j + 1) of its buffer; the sources hold only that region here (its address)
-    sources = [torch.randn(rows * cols, generator=gen).to(dtype) for _ in range(peers)]
-    ours = torch.full((t * rows * cols,), float("nan"), dtype=dtype)
-    offsets = [(j + 1) * rows * cols for j in range(peers)]
-    expected = ours.clone()
-    reference_peer_pull(expected, sources, offsets, lo * cols, (hi - lo) * cols)
-    size = ours.element_size()
-    src_offsets = [(src.data_ptr() - ours.data_ptr()) // size for src in sources]
-    assert all((src.data_ptr() - ours.data_ptr()) % size == 0 for src in sources)
-    pull = PeerPull(ours, src_offsets, offsets, cols, programs)
-    pull(lo, hi)
-    assert torch.equal(ours.isnan(), expected.isnan())          # nothing outside rows [lo, hi) of each region
-    assert torch.equal(ours.nan_to_num(0), expected.nan_to_num(0))
-    pull(hi, hi)                                                # an empty chunk: no launch, nothing written
-    assert torch.equal(ours.nan_to_num(0), expected.nan_to_num(0))
+    check_pull("cpu", dtype, peers, rows, cols, lo, hi, programs, seed=peers * 1000 + rows * cols + lo)
 
 
 def test_peer_pull_rejects_bad_arguments():

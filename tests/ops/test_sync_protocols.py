@@ -26,7 +26,7 @@ from overlap_tp.ops import comm, p2p, sync
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.p2p import P2PReduceScatter, RowPush
 from overlap_tp.ops.reduction import SignaledReduction
-from overlap_tp.ops.tile_plan import GROUP, make_plan
+from overlap_tp.ops.tile_plan import GROUP, make_plan, ring_peers
 
 
 class Recorder:
@@ -306,7 +306,7 @@ def _gather_buffers(t, signals, m=1):
         g.buf, g.base, g.row_bytes, g.region_bytes = bufs[rank], bufs[rank].data_ptr(), 16, 16 * m
         g._unreferenced = g._references()
         g.own = [bufs[p].data_ptr() + p * 16 * m for p in range(t)]
-        g.peers = p2p.ring_peers(rank, t)
+        g.peers = ring_peers(rank, t)
         gathers.append(g)
     return gathers, bufs
 
