@@ -9,7 +9,6 @@ The copy engines do it without SMs (GatherBuffer.pull), at 210-270 GB/s per rank
 driven (docs/perf/s22/README.md), below what NVLink carries. This kernel does it with `programs` CTAs: each peer's
 buffer is mapped into our address space, so a plain load reads it over NVLink; the rate grows with the bytes in
 flight (programs x BLOCK), and the SMs it takes are the ones a persistent GEMM beside it leaves free (comm_sms).
-Not yet measured on GPUs (written in session 22; docs/perf/scripts/run_s23_1.sh measures it).
 """
 from typing import Sequence
 
@@ -70,10 +69,16 @@ class PeerPull:
         self.align = 16 if aligned else 1
         self.src_offsets = torch.tensor(list(src_offsets), dtype=torch.int64, device=buf.device)
         self.dst_offsets = torch.tensor(list(dst_offsets), dtype=torch.int64, device=buf.device)
+        # compile and load the kernel now, with a launch that copies nothing: a kernel's first launch loads its module,
+        # which may wait for the kernels running on the device (CUDA's lazy loading), and the first pull runs beside
+        # a persistent GEMM whose tiles spin until the pulls raise their flags: a deadlock (session 23, every call
+        # with comm_sms > 0 hung before this)
+        self._launch(0, 0)
+
+    def _launch(self, start: int, count: int):
+        _pull[(self.programs,)](self.buf, self.src_offsets, self.dst_offsets, start, count, PEERS=self.peers,
+                                BLOCK=BLOCK, ALIGN=self.align, num_warps=NUM_WARPS)
 
     def __call__(self, lo: int, hi: int):
-        if hi <= lo:
-            return
-        _pull[(self.programs,)](self.buf, self.src_offsets, self.dst_offsets, lo * self.row_elems,
-                                (hi - lo) * self.row_elems, PEERS=self.peers, BLOCK=BLOCK, ALIGN=self.align,
-                                num_warps=NUM_WARPS)
+        if hi > lo:
+            self._launch(lo * self.row_elems, (hi - lo) * self.row_elems)

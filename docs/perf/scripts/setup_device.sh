@@ -16,10 +16,20 @@ DEADLINE_S=${DEADLINE_S:-585}   # a step that could end past this many seconds o
 fits() {   # fits NAME SECONDS: 0 if the step can end before DEADLINE_S, else says it is skipped
   if (( SECONDS + $2 > DEADLINE_S )); then echo "$1 skipped (time)"; return 1; fi
 }
-step() {   # step NAME SECONDS CMD...: CMD under a time limit, its output in $W/NAME.out, a summary printed
+step() {   # step NAME SECONDS CMD...: CMD under a time limit, its output in $W/NAME.out, a summary printed;
+           # 6 s before the limit every process of the step gets SIGABRT (PYTHONFAULTHANDLER=1: stacks in NAME.out)
   local name=$1 limit=$2; shift 2
   fits "$name" "$limit" || return 0
-  timeout "$limit" "$@" > "$W/$name.out" 2>&1; echo "$name exit $? at ${SECONDS}s"
+  setsid timeout -s KILL "$limit" "$@" > "$W/$name.out" 2>&1 &
+  local pid=$! t0=$SECONDS   # setsid in a background job does not fork: $pid is the step's session
+  while kill -0 $pid 2>/dev/null; do
+    sleep 1
+    if (( SECONDS - t0 > limit - 6 )); then
+      echo "$name: at its time limit: SIGABRT to its processes (stacks in $name.out)"
+      pkill -ABRT -s $pid; sleep 3; pkill -KILL -s $pid; break
+    fi
+  done
+  wait $pid; echo "$name exit $? at ${SECONDS}s"
   grep -E "Error|error:|Traceback|passed|failed|soak:" "$W/$name.out" | head -5
 }
 train() {   # train NAME SECONDS ENV... -- RECIPE ARGS: a recipe in the background, OUT_DIR=$W/NAME, watched for
