@@ -70,6 +70,9 @@ class TorchCollectives:
         self.group = group
         self.gloo = dist.get_backend(group) == "gloo"
 
+    def connect_peers(self):
+        """Nothing to do: torch.distributed connects its peers itself (Communicator.connect_peers)."""
+
     def reduce_scatter(self, out, inp, async_op=False, stream=None):
         """Returns torch.distributed's work with async_op (None where it completed: gloo)."""
         if not self.gloo:
@@ -130,6 +133,14 @@ def collectives(group, device: torch.device, max_ctas: int):
         from overlap_tp.ops.nccl import Communicator
         _communicators[key] = Communicator(group, device, max_ctas)
     return _communicators[key]
+
+
+def exchange_collectives(group, device: torch.device, max_ctas: int):
+    """collectives() for the MoE exchanges (NCCL send / receive), with NCCL's peer connections made before the
+    first exchange (Communicator.connect_peers says why). Called by every rank of the group at the same op."""
+    coll = collectives(group, device, max_ctas)
+    coll.connect_peers()
+    return coll
 
 
 _agreements = {}   # group -> how many agreements it has run (every rank builds its plans in the same order)

@@ -512,7 +512,7 @@ def dispatch_gemm(x, counts, w, group, config, counts_agreed=False, state=None, 
     xr = x if lay.ep == 1 else torch.empty(lay.rows, hidden, dtype=x.dtype, device=x.device)
     y = torch.empty(lay.rows, n, dtype=x.dtype, device=x.device)
     p2p = config.transport == "p2p"
-    coll = None if p2p else comm.collectives(group, x.device, config.comm_sms)
+    coll = None if p2p else comm.exchange_collectives(group, x.device, config.comm_sms)
     if method == "decompose":
         parts = route.parts(config.groups, hidden * x.element_size())
         pull, watched = _decomposed_rows("a2a_gemm", group, n, hidden, x.dtype, config, x.device, lay)
@@ -628,7 +628,7 @@ def gemm_combine(h, counts, w, group, config, counts_agreed=False, state=None, d
     buf = torch.empty(staging_rows + lay.tokens, n, dtype=h.dtype, device=h.device)
     staging, z = buf[:staging_rows], buf[staging_rows:]
     p2p = config.transport == "p2p"
-    coll = None if p2p else comm.collectives(group, h.device, config.comm_sms)
+    coll = None if p2p else comm.exchange_collectives(group, h.device, config.comm_sms)
     if method == "decompose":
         parts = route.parts(config.groups, n * h.element_size())
         push, watched = _decomposed_rows("gemm_a2a", group, n, n, h.dtype, config, h.device, lay)

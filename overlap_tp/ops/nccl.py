@@ -93,10 +93,30 @@ class Communicator:
         self.comm = ctypes.c_void_p()
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device_index = device.index
+        self._peers_connected = False
         self._reduce_scatter, self._all_reduce = lib.ncclReduceScatter, lib.ncclAllReduce
         with torch.cuda.device(device):
             _check(lib.ncclCommInitRankConfig(ctypes.byref(self.comm), dist.get_world_size(group), uid,
                                               dist.get_rank(group), ctypes.byref(config)), "ncclCommInitRankConfig")
+
+    def connect_peers(self):
+        """Make NCCL's send/receive connections to every peer now, with one element each way and a wait, once per
+        communicator; every rank of the group calls it at the same point (its first MoE exchange). NCCL connects a
+        peer pair at its first send/receive, and that setup waits for the device: at the first signaled dispatch,
+        beside a persistent GEMM whose tiles spin until the exchange raises their flags, it never returned (session
+        23: mixtral-proxy with the overlap on hung in ncclGroupEnd at its first iteration)."""
+        if self._peers_connected:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("overlap_tp: the first MoE exchange of a communicator was captured into a CUDA graph; "
+                               "NCCL's peer connections are made (with a wait) at the first exchange: run one step "
+                               "eagerly before capture (Megatron's warmup iterations do)")
+        peers = [p for p in range(self.world) if p != self.rank]
+        sent = torch.zeros(self.world, dtype=torch.float32, device=torch.device("cuda", self.device_index))
+        received = torch.empty_like(sent)
+        self.exchange([(p, sent[p:p + 1]) for p in peers], [(p, received[p:p + 1]) for p in peers])
+        torch.cuda.current_stream(self.device_index).synchronize()
+        self._peers_connected = True
 
     def _stream(self, stream):
         """`stream` (a raw handle), or the current stream's, without building a torch.cuda.Stream (a signaled

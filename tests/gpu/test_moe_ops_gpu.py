@@ -9,6 +9,7 @@ random inputs and outputs allocated over NaN-poisoned memory:
   over the p2p transport (the copy engines);
 - a2a_gemm's signaled output bitwise equal to the same kernel over the same tiles once every row is in
   place (overlap must not change a bit);
+- the first exchange of a process beside its GEMM (NCCL's peer connections made before it);
 - 200 back-to-back forward calls of each op and 50 forward + backward steps without a sync, a hang or a
   changed bit (watchdog on, 120 s); a late peer (host and GPU) does not hang either op.
 """
@@ -168,6 +169,23 @@ def _check_back_to_back(rank, world):
 
 def test_200_back_to_back_calls():
     run_distributed(gpu_world(), _check_back_to_back, backend="nccl")
+
+
+def _check_first_exchange_beside_the_gemm(rank, world):
+    """The process's first MoE exchange is a signaled dispatch over NCCL with its GEMM enqueued first (comm_sms > 0):
+    NCCL's peer connections are made before it (Communicator.connect_peers). Made inside it, their setup waited for
+    the device while the GEMM's tiles spun on the exchange (session 23: mixtral-proxy hung at its first iteration)."""
+    os.environ["OVERLAP_TP_WATCHDOG_S"] = "60"
+    group = dist.group.WORLD
+    counts, x, w1, w2 = _mixtral_problem(rank, world)
+    config = OverlapConfig(method="signal", transport="nccl", comm_sms=8, groups=2)
+    got = _moe_mlp(x, counts, w1, w2, group, config)
+    torch.cuda.synchronize()
+    assert rel_error(got, _moe_mlp(x, counts, w1, w2, group, OFF).float()) < 2e-2
+
+
+def test_first_exchange_beside_the_gemm():
+    run_distributed(gpu_world(), _check_first_exchange_beside_the_gemm, backend="nccl")
 
 
 def _check_late_peer(rank, world):
