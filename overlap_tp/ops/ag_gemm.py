@@ -87,17 +87,39 @@ class AgGemm(OpPlan):
                 self._pull_into_gather_buffer()
                 # comm_sms > 0: the pulls on the SMs the GEMM's grid leaves free, else the copy engines
                 self.puller = self.gather.sm_puller(config.comm_sms) if config.comm_sms > 0 else None
+                self._run = self._pulled
+                if self.puller is None and self.lanes is None:
+                    # one lane of copy-engine pulls: every chunk's copies (one per peer) and its flag's address, made
+                    # once (the buffer's and the flags' addresses are the plan's), so a call walks a list
+                    self._pulls = tuple((tuple(self.gather.copies(lo, hi)), flag)
+                                        for (lo, hi), flag in zip(self.chunks, self.ready.addresses))
+                    self._transfers = self._pull_listed
+                else:
+                    self._transfers = self._pull_chunks
             else:
                 self.coll = comm.collectives(self.group, device, config.comm_sms)
+                self._run = self._run_signaled
+                # a raw NCCL communicator takes addresses: per chunk, every root's rows of the gathered buffer as
+                # (byte offset, elements), made once (no region or row views per call)
+                self._broadcasts = None
+                if hasattr(self.coll, "all_gather_rows_at"):
+                    row_bytes = k * torch.finfo(dtype).bits // 8
+                    self._broadcasts = tuple(tuple(((r * m + lo) * row_bytes, (hi - lo) * k) for r in range(t))
+                                             for lo, hi in self.chunks)
         elif self.method == "decompose":
             if config.transport == "p2p":
                 if device.type != "cuda":
                     raise ValueError("ag_gemm: transport='p2p' needs CUDA tensors (symmetric memory)")
                 self._pull_into_gather_buffer()
+                self._run = self._pulled_decomposed
             else:
                 self.coll = comm.collectives(self.group, device, config.comm_sms)
+                self._run = self._run_decomposed
             self.bounds = chunk_bounds(m, config.chunks)
             self.engine = comm.comm_engine(device)
+        else:
+            self._run = self._off
+        self.out_shape = (t * m, n)
 
     def _pull_into_gather_buffer(self):
         """The p2p transport's state: the shape's gathered buffer (shared with the other AllGathers of the shape) and
@@ -110,27 +132,30 @@ class AgGemm(OpPlan):
     def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  return_gathered: bool = False):
         self.check_call(a_shard, w, bias)
-        m, n, k = self.t * self.m, self.n, self.k
-        out = torch.empty(m, n, dtype=a_shard.dtype, device=a_shard.device)
-        if self.method == "off":
-            gathered, _ = comm.all_gather_rows(a_shard, self.group)
-            torch.mm(gathered, w.t(), out=out)
-        elif self.method == "signal" and self.config.transport == "p2p":
-            gathered = self._pulled(a_shard, w, bias, out)
-            bias = None   # added in the epilogue
-        elif self.method == "decompose" and self.config.transport == "p2p":
-            gathered = self._pulled_decomposed(a_shard, w, bias, out)
-            bias = None   # added in cuBLAS's epilogue
-        else:
-            gathered = torch.empty(m, k, dtype=a_shard.dtype, device=a_shard.device)
-            if self.method == "decompose":
-                self._decomposed(a_shard, w, gathered, out)
-            else:
-                self._signaled(a_shard, w, bias, gathered, out)
-                bias = None   # added in the epilogue
+        out = torch.empty(self.out_shape, dtype=a_shard.dtype, device=a_shard.device)
+        gathered = self._run(a_shard, w, bias, out)   # the method's runner, picked when the plan was built
+        return (out, gathered) if return_gathered else out
+
+    # The runners: each fills `out` (bias included) and returns the gathered input.
+
+    def _off(self, a_shard, w, bias, out):
+        gathered, _ = comm.all_gather_rows(a_shard, self.group)
+        torch.mm(gathered, w.t(), out=out)
         if bias is not None:
             out += bias
-        return (out, gathered) if return_gathered else out
+        return gathered
+
+    def _run_decomposed(self, a_shard, w, bias, out):
+        gathered = torch.empty(self.t * self.m, self.k, dtype=a_shard.dtype, device=a_shard.device)
+        self._decomposed(a_shard, w, gathered, out)
+        if bias is not None:
+            out += bias
+        return gathered
+
+    def _run_signaled(self, a_shard, w, bias, out):
+        gathered = torch.empty(self.t * self.m, self.k, dtype=a_shard.dtype, device=a_shard.device)
+        self._signaled(a_shard, w, bias, gathered, out)   # the bias in the GEMM's epilogue
+        return gathered
 
     def _decomposed(self, a_shard, w, gathered, out):
         """The local rows' cuBLAS GEMM at once; chunk c's rows gathered on the comm stream, then its GEMM.
@@ -141,38 +166,49 @@ class AgGemm(OpPlan):
         regions, out_regions = gathered.chunk(t), out.chunk(t)
         cuda = engine.stream is not None
         capturing = comm.capturing(self.device)
+        wt = w.t()
         regions[rank].copy_(a_shard)
         if cuda:
-            engine.fork(engine.current(), capturing)
-        torch.mm(a_shard, w.t(), out=out_regions[rank])
+            current = engine.current()
+            engine.fork(current, capturing)
+        torch.mm(a_shard, wt, out=out_regions[rank])
         for lo, hi in self.bounds:
             if cuda:
                 self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=engine.raw)
-                engine.join(engine.current(), capturing)
+                engine.join(current, capturing)
             else:
                 self.coll.all_gather_rows(gathered, a_shard, lo, hi)
             for p in range(t):
                 if p != rank:
-                    torch.mm(regions[p][lo:hi], w.t(), out=out_regions[p][lo:hi])
+                    torch.mm(regions[p][lo:hi], wt, out=out_regions[p][lo:hi])
 
     def _signaled(self, a_shard, w, bias, gathered, out):
         """The persistent GEMM over the plan: local rows at once, each peer chunk behind its ready flag, which
         the comm stream raises after the chunk's NCCL broadcasts."""
-        engine = self.engine
+        engine, current = self.engine, None
         if engine.stream is None:
             gathered.narrow(0, self.rank * self.m, self.m).copy_(a_shard)
         else:   # a copy-engine copy through the driver: a fraction of copy_'s host time (docs/perf/s17)
             nbytes = a_shard.numel() * a_shard.element_size()
-            memops.copy(engine.current(), gathered.data_ptr() + self.rank * nbytes, a_shard.data_ptr(), nbytes)
+            current = engine.current()
+            memops.copy(current, gathered.data_ptr() + self.rank * nbytes, a_shard.data_ptr(), nbytes)
 
-        def transfers(stream):
-            for c, (lo, hi) in enumerate(self.chunks):
-                self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=stream)
-                engine.raise_flag(self.ready, c)
+        if self._broadcasts is not None:   # the raw communicator (CUDA): each chunk's broadcasts by address
+            coll, base, dtype = self.coll, gathered.data_ptr(), gathered.dtype
+
+            def transfers(stream):
+                for spans, flag in zip(self._broadcasts, self.ready.addresses):
+                    coll.all_gather_rows_at(base, spans, dtype, stream)
+                    memops.write_value(stream, flag, READY)   # engine.raise_flag, the address looked up once
+        else:
+            def transfers(stream):
+                for c, (lo, hi) in enumerate(self.chunks):
+                    self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=stream)
+                    engine.raise_flag(self.ready, c)
 
         # NCCL needs SMs left free by the GEMM's grid (comm_sms) to run beside it
         engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
-                                   gemm_first=self.config.comm_sms > 0)
+                                   gemm_first=self.config.comm_sms > 0, current=current)
 
     def _pulled(self, a_shard, w, bias, out):
         """The signaled GEMM on the p2p transport: the shard staged into its region of the shape's gathered buffer
@@ -180,26 +216,40 @@ class AgGemm(OpPlan):
         behind the peers' READY, raising its flag: by the copy engines, or by the pull kernel on the comm_sms SMs
         the GEMM's grid leaves free; the GEMM enqueued first (the pulls need no SM it holds). Returns the gathered
         buffer."""
-        engine, gather, puller = self.engine, self.gather, self.puller
-        capturing = engine.capturing()
-        gather.stage(engine.current(), a_shard, capturing)
+        engine, gather = self.engine, self.gather
+        capturing, current = engine.capturing(), engine.current()   # asked once per call
+        gather.stage(current, a_shard, capturing)
         gathered = gather.gathered()
-
-        def transfers(stream):
-            gather.ready(stream, capturing)
-            # the pull kernel launches on the current stream: the comm stream's, entered once for every chunk
-            with contextlib.nullcontext() if puller is None else torch.cuda.stream(engine.stream):
-                for c, (lo, hi) in enumerate(self.chunks):
-                    if puller is None:
-                        gather.pull(stream, lo, hi, self.lanes, capturing)
-                    else:
-                        puller(lo, hi)
-                    engine.raise_flag(self.ready, c)
-            gather.finish(stream)
-
-        engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
-                                   gemm_first=True)
+        transfers = self._transfers
+        engine.transfers_then_gemm(lambda stream: transfers(stream, capturing),
+                                   lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
+                                   gemm_first=True, current=current, capturing=capturing)
         return gathered
+
+    def _pull_listed(self, stream, capturing):
+        """The transfers of _pulled with one lane of copy-engine pulls: behind the peers' READY, each chunk's copies
+        from every peer and its ready flag (the lists made when the plan was built), then PULLED."""
+        gather = self.gather
+        gather.ready(stream, capturing)
+        for copies, flag in self._pulls:
+            for dst, src, nbytes in copies:
+                memops.copy(stream, dst, src, nbytes)
+            memops.write_value(stream, flag, READY)   # engine.raise_flag, the address looked up once
+        gather.finish(stream)
+
+    def _pull_chunks(self, stream, capturing):
+        """The transfers of _pulled over copy lanes or by the pull kernel."""
+        engine, gather, puller = self.engine, self.gather, self.puller
+        gather.ready(stream, capturing)
+        # the pull kernel launches on the current stream: the comm stream's, entered once for every chunk
+        with contextlib.nullcontext() if puller is None else torch.cuda.stream(engine.stream):
+            for c, (lo, hi) in enumerate(self.chunks):
+                if puller is None:
+                    gather.pull(stream, lo, hi, self.lanes, capturing)
+                else:
+                    puller(lo, hi)
+                engine.raise_flag(self.ready, c)
+        gather.finish(stream)
 
     def _pulled_decomposed(self, a_shard, w, bias, out):
         """cuBLAS over the p2p transport: the local rows' GEMM from the shard itself, enqueued first (with one hardware

@@ -209,8 +209,9 @@ class CommEngine:
         self._lanes = {}
 
     def capturing(self) -> bool:
-        """Whether the caller's stream is being captured into a CUDA graph."""
-        return capturing(self.device)
+        """Whether the caller's stream is being captured into a CUDA graph (asked once or twice per call of an op:
+        no device check beyond the engine's own, which has a stream exactly where its device is a GPU)."""
+        return self.stream is not None and torch.cuda.is_current_stream_capturing()
 
     def copy_lanes(self, count: int) -> Optional["CopyLanes"]:
         """This device's CopyLanes of `count` streams (made at the first use), or None where there is one lane (or no
@@ -290,7 +291,8 @@ class CommEngine:
             self.join(self.current(), self.capturing())
         return join
 
-    def transfers_then_gemm(self, transfers, gemm, flags, watched, gemm_first: bool):
+    def transfers_then_gemm(self, transfers, gemm, flags, watched, gemm_first: bool, current: Optional[int] = None,
+                            capturing: Optional[bool] = None):
         """The AllGather+GEMM shape (AG+GEMM, A2A+GEMM): fork, the transfers on the comm stream (each raises its
         chunk's flag) and the GEMM on the caller's stream (its tiles wait for their chunk's flag), the flags
         lowered behind the GEMM, and the join.
@@ -301,14 +303,18 @@ class CommEngine:
         gemm_first: the GEMM is enqueued first and the transfers run beside it; the caller says so only where the
         transfers need no SM that the persistent GEMM holds (copy-engine pulls, or NCCL capped at the comm_sms
         SMs the GEMM's grid leaves free). Otherwise the transfers go first, so that their CTAs are resident
-        before the GEMM fills every SM. A captured graph keeps dependencies, not the enqueue order."""
+        before the GEMM fills every SM. A captured graph keeps dependencies, not the enqueue order.
+        current, capturing: the caller's stream and capture state where the caller asked already (each is asked
+        here otherwise)."""
         if self.stream is None:   # CPU: the transfers complete before the (interpreted) kernel starts
             transfers(None)
             gemm()
             self.lower_flags(flags, None)
             return
-        capturing = self.capturing()
-        current = self.current()
+        if capturing is None:
+            capturing = self.capturing()
+        if current is None:
+            current = self.current()
         self.fork(current, capturing)   # before the GEMM: the transfers wait for the inputs only
         if gemm_first:
             gemm()

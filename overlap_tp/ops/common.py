@@ -112,6 +112,10 @@ class OpPlan:
         comm.agree(self.group, dict(op=self.op, m=m, n=n, k=k, dtype=dtype, config=config), self.describe(config))
         self.config = self._resolve(config)
         self.method = self.config.method
+        # what check_call compares per call, made once: the operands' shapes, and whether TMA must address them
+        # (the signaled GEMM on a GPU: a call's tensors are on the plan's device, checked first)
+        self._shapes = ((m, k), (n, k), (n,))
+        self._tma_operands = self.method == "signal" and device.type == "cuda"
         self.watched = Watched(self.describe(self.config)) if device.type == "cuda" else None
 
     def describe(self, config=None) -> str:
@@ -153,14 +157,15 @@ class OpPlan:
 
     def check_call(self, a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]):
         """The call's operands are those the plan was built for (cheap: shapes, dtypes, device, layout)."""
-        if (a.shape != (self.m, self.k) or w.shape != (self.n, self.k) or a.dtype != self.dtype
+        a_shape, w_shape, bias_shape = self._shapes
+        if (a.shape != a_shape or w.shape != w_shape or a.dtype != self.dtype
                 or w.dtype != self.dtype or a.device != self.device or w.device != self.device
-                or not a.is_contiguous() or (bias is not None and bias.shape != (self.n,))):
+                or not a.is_contiguous() or (bias is not None and bias.shape != bias_shape)):
             check_operands(a, w, bias)   # a general rule broken: its own message
             raise ValueError(f"{self.describe()}: called with a{tuple(a.shape)} {a.dtype} and w{tuple(w.shape)} "
                              f"{w.dtype} on {a.device}; the plan was built for a[{self.m}, {self.k}], "
                              f"w[{self.n}, {self.k}] {self.dtype} on {self.device}")
-        if self.method == "signal" and a.is_cuda:   # K % 8 was checked when the plan was built
+        if self._tma_operands:   # K % 8 was checked when the plan was built
             layout = weight_layout(w)
             if a.data_ptr() % 16 or w.data_ptr() % 16 or layout is None or (layout == "kn" and self.n % 8):
                 reason = tma_unsupported_reason(a, w) or ("w must be row-major [N, K] or the transposed view of a "

@@ -62,6 +62,8 @@ class GemmAR(OpPlan):
             def finish():
                 join()
                 return out if signaled.order is None else signaled.order.undo(out)
+            if not async_op:   # joined at once: no Pending to hold the buffers
+                return finish()
             pending = Pending(finish, out)
         elif self.method == "decompose":
             out = torch.empty(m, n, dtype=a.dtype, device=a.device)

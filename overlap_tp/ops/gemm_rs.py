@@ -45,6 +45,7 @@ class GemmRS(OpPlan):
         super().__init__(group, m, n, k, dtype, device, config)
         config, device, t = self.config, self.device, self.t
         self.m_local = m // t
+        self.p2p = None   # the p2p transport's state (a call tests for it, not for the method and transport)
         if self.method in ("signal", "decompose") and config.transport == "p2p":
             if device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
                 raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors (symmetric memory)")
@@ -71,11 +72,13 @@ class GemmRS(OpPlan):
                  async_op: bool = False):
         self.check_call(a, w, bias)
         n, m_local = self.n, self.m_local
-        if self.method in ("signal", "decompose") and self.config.transport == "p2p":
+        if self.p2p is not None:
             # the sum (after the wait for every peer's stores) runs on the stream current at wait(): with
             # async_op, work queued before wait() hides the wait for the slowest peer. pending.deferred_sum lets
             # the kernel that reads the output sum the slots itself instead (the fused add + RMSNorm).
             deferred = self.p2p(a, w, bias)
+            if not async_op:   # summed at once, on this stream
+                return deferred()
             pending = Pending(deferred, deferred_sum=deferred)
         elif self.method == "signal":
             signaled = self.signaled
@@ -88,6 +91,8 @@ class GemmRS(OpPlan):
             def finish():
                 join()
                 return out if order is None else order.undo(received)
+            if not async_op:   # joined at once: no Pending to hold the buffers
+                return finish()
             pending = Pending(finish, staging, received)
         elif self.method == "decompose":
             out = torch.empty(m_local, n, dtype=a.dtype, device=a.device)

@@ -48,9 +48,13 @@ def _driver():
 
 def _check(result: int, what: str):
     if result != 0:
-        text = ctypes.c_char_p()
-        _driver().cuGetErrorString(result, ctypes.byref(text))
-        raise RuntimeError(f"overlap_tp: {what} failed: {text.value.decode() if text.value else result}")
+        _fail(result, what)
+
+
+def _fail(result: int, what: str):
+    text = ctypes.c_char_p()
+    _driver().cuGetErrorString(result, ctypes.byref(text))
+    raise RuntimeError(f"overlap_tp: {what} failed: {text.value.decode() if text.value else result}")
 
 
 def wait_value(stream: int, address: int, value: int, equal: bool = False):
@@ -63,8 +67,9 @@ def wait_value(stream: int, address: int, value: int, equal: bool = False):
 
 def write_value(stream: int, address: int, value: int):
     """The stream writes `value` to the word at `address` after all its prior work, fenced."""
-    _check(_driver().cuStreamWriteValue32_v2(stream, address, value & 0xFFFFFFFF, CU_STREAM_WRITE_VALUE_DEFAULT),
-           "cuStreamWriteValue32")
+    result = _driver().cuStreamWriteValue32_v2(stream, address, value & 0xFFFFFFFF, CU_STREAM_WRITE_VALUE_DEFAULT)
+    if result:
+        _fail(result, "cuStreamWriteValue32")
 
 
 class _MemOpParams(ctypes.Structure):
@@ -95,10 +100,15 @@ class MemOps:
                 raise ValueError(f"MemOps: unknown operation {kind!r} (expected 'wait' or 'write')")
             params.address, params.value = address, value & 0xFFFFFFFF
         self._address = ctypes.addressof(self._params)
+        self._batch = None   # the driver's entry point, looked up at the first issue (plans on CPUs never issue)
 
     def issue(self, stream: int):
         if self.count:
-            _check(_driver().cuStreamBatchMemOp_v2(stream, self.count, self._address, 0), "cuStreamBatchMemOp")
+            if self._batch is None:
+                self._batch = _driver().cuStreamBatchMemOp_v2
+            result = self._batch(stream, self.count, self._address, 0)
+            if result:
+                _fail(result, "cuStreamBatchMemOp")
 
 
 class Event:
@@ -106,26 +116,40 @@ class Event:
     in stream order at enqueue time, so reuse needs no synchronisation)."""
 
     def __init__(self):
+        lib = _driver()
         handle = ctypes.c_void_p()
-        _check(_driver().cuEventCreate(ctypes.byref(handle), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
+        _check(lib.cuEventCreate(ctypes.byref(handle), CU_EVENT_DISABLE_TIMING), "cuEventCreate")
         self.handle = handle.value
+        # the entry points looked up once: every fork and join of an op's call records and waits on an event
+        self._record, self._wait = lib.cuEventRecord, lib.cuStreamWaitEvent
 
     def record(self, stream: int):
-        _check(_driver().cuEventRecord(self.handle, stream), "cuEventRecord")
+        result = self._record(self.handle, stream)
+        if result:
+            _fail(result, "cuEventRecord")
 
     def wait(self, stream: int):
         """`stream` waits for the work recorded before the last record()."""
-        _check(_driver().cuStreamWaitEvent(stream, self.handle, 0), "cuStreamWaitEvent")
+        result = self._wait(stream, self.handle, 0)
+        if result:
+            _fail(result, "cuStreamWaitEvent")
+
+    def fence(self, waiter: int, producer: int):
+        """`waiter` waits for everything enqueued on `producer` so far: record on producer, wait on waiter."""
+        result = self._record(self.handle, producer) or self._wait(waiter, self.handle, 0)
+        if result:
+            _fail(result, "cuEventRecord / cuStreamWaitEvent")
 
 
 def copy(stream: int, dst: int, src: int, nbytes: int):
     """An asynchronous copy of `nbytes` between device addresses (a peer's, mapped through symmetric memory,
     too: the copy engines move it, no SM)."""
     if nbytes:
-        _check(_driver().cuMemcpyAsync(dst, src, nbytes, stream), "cuMemcpyAsync")
+        result = _driver().cuMemcpyAsync(dst, src, nbytes, stream)
+        if result:
+            _fail(result, "cuMemcpyAsync")
 
 
 def stream_waits_for(waiter: int, producer: int, event: Event):
     """`waiter` waits for everything enqueued on `producer` so far (a fork or a join, also under capture)."""
-    event.record(producer)
-    event.wait(waiter)
+    event.fence(waiter, producer)

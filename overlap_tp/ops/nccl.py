@@ -158,6 +158,17 @@ class Communicator:
                                      self.comm, stream), "ncclBroadcast")
         _check(lib.ncclGroupEnd(), "ncclGroupEnd")
 
+    def all_gather_rows_at(self, base: int, spans, dtype: torch.dtype, stream: int):
+        """all_gather_rows on device addresses: spans[root] = (byte offset from `base`, elements) of root's rows of
+        the gathered buffer, broadcast in place from root, one NCCL group call (AgGemm's chunks: the spans are made
+        once per plan, no region or row view per call)."""
+        lib, nccl_dtype = library(), NCCL_DTYPES[dtype]
+        _check(lib.ncclGroupStart(), "ncclGroupStart")
+        for root, (offset, count) in enumerate(spans):
+            _check(lib.ncclBroadcast(base + offset, base + offset, count, nccl_dtype, root, self.comm, stream),
+                   "ncclBroadcast")
+        _check(lib.ncclGroupEnd(), "ncclGroupEnd")
+
     def exchange(self, sends, recvs, stream=None):
         """On `stream` (default: the current one): send every (peer, tensor) of `sends` and receive every
         (peer, tensor) of `recvs` in place, in one NCCL group call (the MoE all-to-all of one group of rows;

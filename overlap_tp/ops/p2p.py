@@ -261,13 +261,18 @@ class GatherBuffer:
             lanes.run(stream, lo, hi, self._copy_rows, capturing)
 
     def _copy_rows(self, stream: int, lo: int, hi: int, lane: int):
-        """Rows [lo, hi) of every peer's region into ours, on `stream` (copy engines): the peers in ring order, lane
-        `lane` starting `lane` peers further on, so that a rank's lanes read different peers at once."""
+        """Rows [lo, hi) of every peer's region into ours, on `stream` (copy engines): copies(lo, hi, lane)."""
+        for dst, src, nbytes in self.copies(lo, hi, lane):
+            memops.copy(stream, dst, src, nbytes)
+
+    def copies(self, lo: int, hi: int, lane: int = 0):
+        """The copy-engine copies that pull rows [lo, hi) of every peer's region into ours, as (dst, src, bytes): the
+        peers in ring order, lane `lane` starting `lane` peers further on, so that a rank's lanes read different peers
+        at once. Fixed for the buffer's life: a plan whose chunks are fixed makes its list once (AgGemm)."""
         offset, nbytes = lo * self.row_bytes, (hi - lo) * self.row_bytes
         peers = self.peers
-        for i in range(len(peers)):
-            p = peers[(i + lane) % len(peers)]
-            memops.copy(stream, self.base + p * self.region_bytes + offset, self.own[p] + offset, nbytes)
+        return [(self.base + p * self.region_bytes + offset, self.own[p] + offset, nbytes)
+                for p in (peers[(i + lane) % len(peers)] for i in range(len(peers)))]
 
     def sm_puller(self, programs: int) -> PeerPull:
         """The pulls as a kernel of `programs` CTAs (kernels/peer_copy.py) instead of the copy engines: the same rows
