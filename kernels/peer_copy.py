@@ -7,8 +7,9 @@ buffer. A pull of rows [lo, hi) copies, for every peer p,
 
 The copy engines do it without SMs (GatherBuffer.pull), at 210-270 GB/s per rank on four H200s however they are
 driven (docs/perf/s22/README.md), below what NVLink carries. This kernel does it with `programs` CTAs: each peer's
-buffer is mapped into our address space, so a plain load reads it over NVLink; the rate grows with the bytes in
-flight (programs x BLOCK), and the SMs it takes are the ones a persistent GEMM beside it leaves free (comm_sms).
+buffer is mapped into our address space, so a plain load reads it over NVLink, on the SMs a persistent GEMM beside it
+leaves free (comm_sms). Measured (docs/perf/s23/README.md): alone it moves what the copy engines move (180-300 GB/s
+per rank at t = 2 and 4, 16 to 132 programs, BLOCK 16K or 64K elements), so the AllGather+GEMM is no faster with it.
 """
 from typing import Sequence
 

@@ -26,8 +26,9 @@ Methods (OverlapConfig.method):
                      (ops/p2p.py GatherBuffer, one per shard shape): no SM spent on communication (ConCCL/FiCCO),
                      and the shard is copied once, into our region, where the GEMM and the peers read it. With
                      comm_sms > 0 the same pulls run as a kernel of comm_sms CTAs on the SMs the GEMM's grid
-                     leaves free (kernels/peer_copy.py: loads over NVLink; the copy engines top out at 210-270 GB/s
-                     per rank on four H200s, docs/perf/s22).
+                     leaves free (kernels/peer_copy.py: loads over NVLink). Measured no faster than the copy
+                     engines (session 23: the kernel alone moves what they move, 180-300 GB/s per rank; the op and
+                     the layer at t = 2 and 4 are as fast or slower, the GEMM losing the SMs): kept as an option.
   auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer.
 """
