@@ -7,6 +7,10 @@
 # GEMM. Per shape and config, the slowest rank's medians over REPS calls (ms from the call's start): each chunk's
 # landing, the end, the end minus the last landing; and the GEMM alone (every chunk landed before it starts: the same
 # plan's kernel with its flags raised).
+# Prediction (a model of the plan: 132 programs striding over its tile table, each tile GEMM-alone x 132 / tiles long,
+# chunk c landing at (c + 1) / C of the pulls' 0.193 / 0.358 / 0.201 ms): l8b.qkv ends at 0.239 ms with the default
+# tile, 8 groups or the narrow tile alone, 0.216 with both; l70b.qkv 0.453 and l8b.fc1 0.664 in every config. Session
+# 23 measured 0.297, 0.594, 0.683 (graphs): where the probe's landings or end leave the model is the cost to find.
 #   torchrun --nproc-per-node 4 docs/perf/scripts/probe_ag_tail.py
 import dataclasses
 import os
