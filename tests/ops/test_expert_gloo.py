@@ -278,3 +278,41 @@ def _check_routings_share_the_op(rank, world):
 
 def test_routings_share_the_ops_words():
     run_distributed(2, _check_routings_share_the_op)
+
+
+def _check_peers_connected_before_the_first_exchange(rank, world):
+    """Every MoE exchange goes through collectives whose peers were connected first (comm.exchange_collectives:
+    NCCL connects send/receive peers at their first exchange and waits for the device there, which hung beside a
+    spinning GEMM on GPUs, session 23): each op and method that exchanges calls connect_peers before exchanging."""
+    from overlap_tp.ops import comm
+    events = []
+
+    class Recording(comm.TorchCollectives):
+        def connect_peers(self):
+            events.append("connect")
+
+        def exchange(self, sends, recvs, stream=None):
+            events.append("exchange")
+            return super().exchange(sends, recvs, stream)
+
+    made = comm.collectives
+    comm.collectives = lambda group, device, max_ctas: Recording(made(group, device, max_ctas).group)
+    try:
+        counts = torch.tensor([[3, 5, 0, 7], [6, 1, 4, 2]])
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(int(counts[rank].sum()), H, generator=gen).to(torch.bfloat16)
+        w1 = torch.randn(L, N, H, generator=gen).to(torch.bfloat16)
+        h = torch.randn(int(counts[:, rank * L:(rank + 1) * L].sum()), F, generator=gen).to(torch.bfloat16)
+        w2 = torch.randn(L, H, F, generator=gen).to(torch.bfloat16)
+        for config in CONFIGS[1:]:   # decompose and signal exchange through the collectives (off: all_to_all)
+            for op, inp, w in ((a2a_gemm, x, w1), (gemm_a2a, h, w2)):
+                events.clear()
+                op(inp, counts, w, config=config)
+                assert "exchange" in events, (op.__name__, config.method)
+                assert events[0] == "connect", (op.__name__, config.method, events[:3])
+    finally:
+        comm.collectives = made
+
+
+def test_moe_exchanges_connect_their_peers_first():
+    run_distributed(2, _check_peers_connected_before_the_first_exchange)
