@@ -22,6 +22,7 @@ from overlap_tp import OverlapConfig, gemm_ar, gemm_rs
 from overlap_tp.ops import comm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.config import tile_for_shape
 from overlap_tp.ops.reduction import device_plan
 
 pytestmark = pytest.mark.gpu
@@ -35,9 +36,13 @@ ODD_SHAPES = [(2 * 1000, 1024, 4096), (2 * 520, 512, 1000), (256, 64, 128), (2 *
 
 def sequential_signaled(a, w, group, config, op):
     """The same kernel and the same per-group collectives, but the collectives start only after a full
-    synchronization: what the overlapped call must equal bit for bit."""
+    synchronization: what the overlapped call must equal bit for bit. The tile is the one the op's plan runs
+    (tile_for_shape, as OpPlan resolves it): with the default tile instead, tile_exact's groups hold other elements,
+    and at t > 2 NCCL's ring all-reduce sums an element in an order that depends on where it falls in the buffer
+    (gemm_ar 4096x2048x4096 at t = 4 "failed" on 3.5 M elements in sessions 21-22 for that reason)."""
     t = dist.get_world_size(group)
     m, n = a.shape[0], w.shape[0]
+    config = tile_for_shape(config, m, n, gemm_programs(a.device, config))
     world = t if op == "rs" else 1
     state = device_plan(config.schedule, m, n, world, config, a.element_size(), a.device)
     plan = state.plan
