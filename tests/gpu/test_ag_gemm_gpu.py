@@ -17,6 +17,7 @@ from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, ag_gemm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.config import tile_for_shape
 from overlap_tp.ops.tile_plan import ag_plan
 
 pytestmark = pytest.mark.gpu
@@ -41,8 +42,10 @@ CONFIGS = {
 
 
 def after_full_gather(gathered, w, config, rank, world):
-    """The same kernel over the same tiles, with no waits, once every row is in place."""
+    """The same kernel over the same tiles, with no waits, once every row is in place (the tile the op's plan
+    resolves for the shape: tile_for_shape)."""
     m, k = gathered.shape
+    config = tile_for_shape(config, m, w.shape[0], gemm_programs(gathered.device, config))
     tiles = ag_plan(m, w.shape[0], k, world, rank, config.block_m, config.block_n, config.groups).tiles.cuda()
     out = torch.empty(m, w.shape[0], dtype=gathered.dtype, device="cuda")
     signaled_gemm(gathered, w, out, tiles, None, gemm_programs(gathered.device, config), config)
