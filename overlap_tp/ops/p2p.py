@@ -8,7 +8,7 @@ Triton kernel (method 'signal', one persistent launch over a tile plan) or cuBLA
 AllGather+GEMM (`GatherBuffer`): every rank copies its shard into its own region of a symmetric gathered buffer and
 tells its peers; each rank then pulls the peers' rows chunk by chunk from their buffers into its own with copy-engine
 copies (no SM spent on the transfer), or with a kernel on the SMs a signaled GEMM leaves free (`sm_puller`: loads
-over NVLink, for where the copy engines are the limit; written in session 22, not yet measured on GPUs). Waits and
+over NVLink; measured in session 23 no faster than the copy engines: an option, not a default). Waits and
 signals are stream memory operations. The expert ops' exchanges, whose sizes change per routing, use the same two
 protocols over row buffers sized for the largest routing seen: the dispatch pulls (`RowPull`), the combine pushes
 (`RowPush`).
