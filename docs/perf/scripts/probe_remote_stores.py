@@ -53,17 +53,18 @@ for name, k in SHAPES.items():
                 call()
                 torch.cuda.synchronize()
                 dist.barrier(group)
-                # what landed: ours locally; in the remote case the peer's product in our buffer, checked by the peer
-                got = local if where == "local" else None
-                if got is not None:
-                    err = float((got.float() - want).norm() / want.norm())
-                    assert err < 1e-2, (name, label, err)
+                # what landed: ours locally; in the remote case each rank's product in its peer's buffer
+                sums = torch.stack([want.double().sum(), buf.double().sum(),
+                                    (local.float() - want).norm().double() / want.norm().double()])
+                gathered = [torch.empty_like(sums) for _ in range(t)]
+                dist.all_gather(gathered, sums, group=group)
+                if where == "local":
+                    ok = all(float(g[2]) < 1e-2 for g in gathered)
                 else:
-                    sums = torch.stack([want.double().sum(), buf.double().sum()])
-                    gathered = [torch.empty_like(sums) for _ in range(t)]
-                    dist.all_gather(gathered, sums, group=group)
-                    assert abs(float(gathered[peer][1]) - float(gathered[rank][0])) <= 1e-2 * abs(
-                        float(gathered[rank][0])) + 1.0, (name, label, "the peer's stores into our buffer")
+                    ok = all(abs(float(gathered[1 - r][1]) - float(gathered[r][0])) <= 1e-2 * abs(float(gathered[r][0]))
+                             + 1.0 for r in range(t))
+                if not ok:   # decided from every rank's figures, so every rank skips it alike
+                    raise AssertionError(f"{where} stores: the product did not land where it should")
             except Exception as e:   # reported, not fatal
                 if rank == 0:
                     print(f"{name} {label}: failed ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
