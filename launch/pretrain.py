@@ -7,7 +7,9 @@ and validates the arguments (with overlap_tp's group added), `validate_overlap_a
 the ones of Megatron-LM's `pretrain_gpt.py`, kept minimal (that script is not part of the
 megatron-core wheel). Data: Megatron's mock GPT dataset unless `--data-path` (or the per-split
 paths) are given. Throughput, MFU and overlap scalars go to stdout, TensorBoard and W&B through
-`overlap_tp.training.throughput`.
+`overlap_tp.training.throughput`. Where megatron-core runs torch's AdamW (no Apex or Transformer Engine), each
+parameter keeps its own Adam step after a distributed-optimizer checkpoint load (`separate_adam_steps`: a
+megatron-core bug that makes resumed runs drift).
 
 Needs `megatron.training`: megatron-core >= 0.19 on Python >= 3.12, or a Megatron-LM checkout on
 PYTHONPATH. For Megatron-LM's own scripts (pretrain_gpt.py ...) use `overlap-tp-run` (launch/run.py). Written against megatron-core 0.19 (`pretrain(cfg_container, ...)`); older
@@ -210,6 +212,48 @@ def use_prebuilt_dataset_helpers():
     dataset_utils.compile_helpers = compile_helpers
 
 
+def separate_adam_steps():
+    """After a distributed-optimizer checkpoint load, give every parameter its own Adam `step` tensor (a named,
+    idempotent patch of megatron-core's DistributedOptimizer.load_state_dict; only where megatron-core runs torch's
+    AdamW, i.e. without Apex or Transformer Engine). Returns whether it patched now.
+
+    Why: megatron-core (0.16 to 0.19) restores torch AdamW's per-parameter `step` from the checkpoint's param groups
+    as ONE tensor put into every parameter's state, and AdamW adds 1 to each parameter's step in place, so after a
+    resume the shared step advances once per parameter per update: from the first update on, every parameter but the
+    first is bias-corrected for another step count than in the uninterrupted run (a resumed run equal at its first
+    iteration, off from its second). Found reading megatron-core while chasing issue 24's resume drift; the recipes
+    with `--use-distributed-optimizer` (llama3-8b, llama3-70b-proxy, mixtral-proxy) take this path, the smoke recipe
+    (Megatron's non-distributed optimizer, which restores the step per parameter) does not. The patch leaves the
+    restored values as they are and only stops the sharing."""
+    import torch
+    try:
+        from megatron.core.optimizer import distrib_optimizer
+    except ImportError:
+        return False
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    load = optimizer_class.load_state_dict
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", True) or getattr(load, "overlap_tp_separate_steps", False):
+        return False
+
+    def load_state_dict(self, state_dict):
+        result = load(self, state_dict)
+        seen = set()
+        for state in self.optimizer.state.values():   # torch AdamW's state per parameter
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.clone()
+                seen.add(id(state["step"]))
+        return result
+
+    load_state_dict.overlap_tp_separate_steps = True
+    load_state_dict.__doc__ = load.__doc__
+    optimizer_class.load_state_dict = load_state_dict
+    print("> overlap_tp: megatron-core runs torch's AdamW here (no Apex / Transformer Engine): each parameter's "
+          "Adam step is its own tensor after a checkpoint load (launch/pretrain.py separate_adam_steps)", flush=True)
+    return True
+
+
 def main(argv=None):
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
@@ -217,6 +261,7 @@ def main(argv=None):
     if not any(flag in sys.argv[1:] for flag in ("-h", "--help")):
         require_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     use_prebuilt_dataset_helpers()
+    separate_adam_steps()
 
     from megatron.core.enums import ModelType
     from megatron.training import arguments as megatron_arguments

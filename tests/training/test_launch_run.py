@@ -295,3 +295,46 @@ def test_full_iteration_graphs_are_released_after_training(monkeypatch):
     assert wrapper.result == {"training": None, "validation": None}
     assert len(released) == 1
     pretrain.release_full_iteration_graphs()   # nothing captured: a no-op
+
+
+def test_adam_steps_are_separated_after_a_checkpoint_load(monkeypatch):
+    """megatron-core without Apex/TE restores torch AdamW's `step` as one tensor shared by every parameter's state
+    (DistributedOptimizer.load_state_dict), which AdamW then advances once per parameter per update. The launcher's
+    patch gives each parameter its own step: one update after the load leaves every step at restored + 1, as in an
+    uninterrupted run; without the patch the same load leaves them all at restored + (number of parameters)."""
+    import torch
+    from overlap_tp.launch import pretrain
+
+    def megatron_like_load(self, state_dict):   # what megatron-core's load does with the step, on a real AdamW
+        step = torch.tensor(float(state_dict["step"]))
+        inner = self.optimizer.state_dict()
+        for state in inner["state"].values():
+            state["step"] = step
+        self.optimizer.load_state_dict(inner)
+
+    class DistributedOptimizer:
+        load_state_dict = megatron_like_load
+
+    module = SimpleNamespace(DistributedOptimizer=DistributedOptimizer, HAVE_APEX_OR_TE=False)
+    monkeypatch.setitem(sys.modules, "megatron.core.optimizer.distrib_optimizer", module)
+    monkeypatch.setitem(sys.modules, "megatron.core.optimizer", SimpleNamespace(distrib_optimizer=module))
+
+    def steps_after_resume():
+        params = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+        optimizer = SimpleNamespace(optimizer=torch.optim.AdamW(params, lr=1e-2))
+        for p in params:
+            p.grad = torch.randn(4)
+        optimizer.optimizer.step()   # the state a checkpoint holds
+        DistributedOptimizer.load_state_dict(optimizer, {"step": 10})
+        for p in params:
+            p.grad = torch.randn(4)
+        optimizer.optimizer.step()
+        return [float(optimizer.optimizer.state[p]["step"]) for p in params]
+
+    assert steps_after_resume() == [13.0, 13.0, 13.0]   # the sharing this patch is for
+    assert pretrain.separate_adam_steps() is True
+    assert steps_after_resume() == [11.0, 11.0, 11.0]
+    assert pretrain.separate_adam_steps() is False      # idempotent
+    module.HAVE_APEX_OR_TE = True                       # Apex / TE optimizers keep no per-parameter step tensor
+    DistributedOptimizer.load_state_dict = megatron_like_load
+    assert pretrain.separate_adam_steps() is False

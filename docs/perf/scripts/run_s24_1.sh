@@ -3,9 +3,12 @@
 #   memops, ag_gemm's runners, listed pulls, broadcasts by address, gemm_rs / gemm_ar without Pending) passed 7 GPU
 #   tests at t = 2 there, not yet this one (every op captured and replayed bitwise equal to eager).
 # - Issue 21: which tile closes the signaled GEMM's long-K gap to cuBLAS (probe_long_k.py, one GPU).
-# - Issue 24, the control of session 22's resume finding: SIGKILL + torch_dist resume with the overlap off (eager,
-#   deterministic; session 23 ran the reference and the kill, 5.1 s to torchrun's failure line, then its time ran out),
-#   then the SIGSTOP case (STALL=1).
+# - Issue 24, the control of session 22's resume finding (resumed runs equal at their first iteration, ~1e-4 off from
+#   the second): SIGKILL + torch_dist resume with the overlap off (eager, deterministic; session 23 ran the reference
+#   and the kill, 5.1 s to torchrun's failure line, then its time ran out), then the SIGSTOP case (STALL=1). Session 23
+#   found and patched one such cause in megatron-core (torch AdamW's step shared by every parameter after a
+#   distributed-optimizer load: launch/pretrain.py separate_adam_steps), but the smoke recipe these faults run does
+#   not use the distributed optimizer (its step is restored per parameter), so the control still decides.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=560
 workdir s24_1
