@@ -104,8 +104,8 @@ class AgGemm(OpPlan):
                 # (byte offset, elements), made once (no region or row views per call)
                 self._broadcasts = None
                 if hasattr(self.coll, "all_gather_rows_at"):
-                    row_bytes = k * torch.finfo(dtype).bits // 8
-                    self._broadcasts = tuple(tuple(((r * m + lo) * row_bytes, (hi - lo) * k) for r in range(t))
+                    from overlap_tp.ops.nccl import gather_spans   # as comm.collectives: NCCL's module on CUDA only
+                    self._broadcasts = tuple(gather_spans(t, m, k, torch.finfo(dtype).bits // 8, lo, hi)
                                              for lo, hi in self.chunks)
         elif self.method == "decompose":
             if config.transport == "p2p":

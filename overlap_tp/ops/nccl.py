@@ -70,6 +70,13 @@ def _check(result, what):
         raise RuntimeError(f"overlap_tp: {what} failed: {library().ncclGetErrorString(result).decode()}")
 
 
+def gather_spans(world: int, rows: int, cols: int, elem_bytes: int, lo: int, hi: int):
+    """Where rows [lo, hi) of every root's region of a gathered [world * rows, cols] buffer lie, as (byte offset from
+    the buffer, elements) per root: what all_gather_rows_at broadcasts."""
+    row_bytes = cols * elem_bytes
+    return tuple(((root * rows + lo) * row_bytes, (hi - lo) * cols) for root in range(world))
+
+
 class Communicator:
     """NCCL over the ranks of `group`, at most `max_ctas` CTAs per collective (0: NCCL's default)."""
 
@@ -148,15 +155,10 @@ class Communicator:
         that rank's region of `gathered` [t * rows, K], in place (one broadcast per root in one NCCL group
         call), so the rows land in the standard order with no staging copy. This rank's own rows are expected
         to be in `gathered` already (in-place broadcast); `src` is checked to be this rank's shard shape."""
-        lib, stream = library(), self._stream(stream)
-        regions = gathered.chunk(self.world)
-        assert src.shape == regions[self.rank].shape, (src.shape, regions[self.rank].shape)
-        _check(lib.ncclGroupStart(), "ncclGroupStart")
-        for root, region in enumerate(regions):
-            rows = region[lo:hi]
-            _check(lib.ncclBroadcast(rows.data_ptr(), rows.data_ptr(), rows.numel(), NCCL_DTYPES[rows.dtype], root,
-                                     self.comm, stream), "ncclBroadcast")
-        _check(lib.ncclGroupEnd(), "ncclGroupEnd")
+        rows, cols = gathered.shape[0] // self.world, gathered.shape[1]
+        assert src.shape == (rows, cols), (src.shape, (rows, cols))
+        self.all_gather_rows_at(gathered.data_ptr(), gather_spans(self.world, rows, cols, gathered.element_size(),
+                                                                  lo, hi), gathered.dtype, self._stream(stream))
 
     def all_gather_rows_at(self, base: int, spans, dtype: torch.dtype, stream: int):
         """all_gather_rows on device addresses: spans[root] = (byte offset from `base`, elements) of root's rows of
