@@ -4,6 +4,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,14 @@ def _worker(rank, world_size, init_file, backend, fn, args):
         dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # Printed here, before anything that waits for the peers: a rank failing while its peer still runs
+        # collectives would otherwise leave both hung (this rank in destroy_process_group, the peer in its next
+        # exchange) and the failure's message unseen. Without the teardown, spawn's join raises this rank's error
+        # and terminates the others.
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+    dist.destroy_process_group()
     # Passed: leave without the interpreter's teardown, where a native thread still joinable at exit
     # occasionally aborted a passing gloo worker ("terminate called without an active exception", CI).
     # os._exit also skips multiprocessing's exit handlers, which shut down the processes this worker
