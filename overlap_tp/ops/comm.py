@@ -270,9 +270,14 @@ class CommEngine:
             for g in range(len(waits.targets)):
                 self.wait_counter(waits, g, False)
                 collective(g, None)
+            for g, target in waits.unwaited:
+                got = int(waits.counters[g])
+                if got != target:
+                    raise RuntimeError(f"overlap_tp: group {g} (not exchanged) signaled {got} of {target} tiles")
+                waits.counters[g] = 0
             return _no_join
-        capturing = self.capturing()
-        self.fork(self.current(), capturing)   # before the GEMM launch: inputs and buffers ready, no more
+        capturing, current = self.capturing(), self.current()
+        self.fork(current, capturing)   # before the GEMM launch: inputs and buffers ready, no more
         gemm()
         raw = self.raw
         if capturing:
@@ -286,6 +291,9 @@ class CommEngine:
                 collective(g, raw)
             if watched is not None:
                 watched.record(raw)
+        # enqueued after the comm stream's waits (one hardware queue: a write behind the GEMM holds what follows it
+        # until the GEMM ends, so it goes where nothing else waits behind it)
+        waits.resetting.issue(current)
 
         def join():
             self.join(self.current(), self.capturing())
@@ -394,13 +402,18 @@ class CounterWaits:
     """The per-group waits of one signaled GEMM's counters, built once per plan: group g's collective starts
     when counters[g] reached targets[g] (every tile of the group stored) and the wait resets the counter to 0.
     Eagerly that is one driver call per group (a wait-value and a write-value batched, memops.MemOps: the
-    addresses and values never change, so the batch is built here, not per call)."""
+    addresses and values never change, so the batch is built here, not per call).
+    unwaited: (index, tiles) of counters the GEMM raises but no collective waits on (the MoE combine's local rows,
+    stored straight into the output): written back to 0 behind the GEMM on the caller's stream, so that every call
+    leaves every counter at 0. A plan of another routing may wait on that word for one of its groups (the number
+    of groups follows the routing), and a count left over would release its collective before its tiles exist."""
 
-    def __init__(self, counters: torch.Tensor, targets):
-        self.counters, self.targets = counters, tuple(targets)
+    def __init__(self, counters: torch.Tensor, targets, unwaited=()):
+        self.counters, self.targets, self.unwaited = counters, tuple(targets), tuple(unwaited)
         self.addresses = tuple(counters.data_ptr() + 4 * g for g in range(len(self.targets)))
         self.eager = tuple(memops.MemOps([("wait", address, target), ("write", address, 0)])
                            for address, target in zip(self.addresses, self.targets))
+        self.resetting = memops.MemOps([("write", counters.data_ptr() + 4 * g, 0) for g, _ in self.unwaited])
 
 
 class ReadyFlags:

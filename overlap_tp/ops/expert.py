@@ -281,9 +281,12 @@ class _ExpertState:
         assert used <= self.words.numel(), (kind, used, self.words.numel())
         if kind == "a2a_gemm":   # the flags this plan raises, lowered behind its GEMM
             self.flags = comm.ReadyFlags(self.words[:used])
-        else:   # the waits of the groups with an exchange (the last group's tiles, the local rows stored straight
-            # into z, are not waited on: its counter only counts)
-            self.waits = comm.CounterWaits(self.words, plan.group_tiles[:len(plan.exchanges)])
+        else:   # the waits of the groups with an exchange; the last group's tiles (the local rows, stored straight
+            # into z) are not waited on, and its counter is reset behind the GEMM (CounterWaits says why)
+            exchanged = len(plan.exchanges)
+            self.waits = comm.CounterWaits(self.words, plan.group_tiles[:exchanged],
+                                           unwaited=[(g, plan.group_tiles[g])
+                                                     for g in range(exchanged, len(plan.group_tiles))])
         # transport 'p2p': per chunk / group, the copies of the exchange (moe_tile_plan.pulled_rows / pushed_rows)
         rows = pulled_rows if kind == "a2a_gemm" else pushed_rows
         self.copies = [rows(plan.layout, exchange) for exchange in plan.exchanges] \

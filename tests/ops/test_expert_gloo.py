@@ -280,6 +280,30 @@ def test_routings_share_the_ops_words():
     run_distributed(2, _check_routings_share_the_op)
 
 
+def _check_routings_with_other_group_counts(rank, world):
+    """groups='auto' gives each routing its own number of groups, so a word that is one routing's local-rows counter
+    (raised by the GEMM, waited on by no collective) is another's exchange counter. Every combine leaves its counters
+    at 0: a count left over would release that exchange before its tiles were stored (session 24: the MoE layer's
+    200 steps on GPUs went wrong at the second routing, and mixtral-proxy's loss left off's)."""
+    from overlap_tp.ops import moe_tile_plan
+    moe_tile_plan.TARGET_GROUP_BYTES = 16 * H * 2   # "auto": a group per 16 remote rows of H bf16 columns
+    few = torch.tensor([[2, 1, 1, 0], [0, 1, 3, 2]])          # 1 remote row each way: 2 groups, local rows counter 2
+    many = torch.tensor([[5, 5, 40, 40], [40, 40, 5, 5]])     # 80 each way: 5 groups, group 2 has tiles
+    signal = OverlapConfig(method="signal", groups="auto", **SMALL_TILES)
+    assert [moe_tile_plan.parts_per_peer(c, "auto", H * 2) for c in (few, many)] == [2, 5]
+    gen = torch.Generator().manual_seed(9 + rank)
+    w2 = torch.randn(L, H, F, generator=gen).to(torch.bfloat16)
+    for counts in (few, many, few, many):
+        h = torch.randn(moe_tile_plan.layout(counts, rank).rows, F, generator=gen).to(torch.bfloat16)
+        got = gemm_a2a(h, counts, w2, config=signal)
+        want = gemm_a2a(h, counts, w2, config=CONFIGS[0])
+        assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+
+
+def test_routings_with_other_group_counts_leave_no_count_behind():
+    run_distributed(2, _check_routings_with_other_group_counts)
+
+
 def _check_peers_connected_before_the_first_exchange(rank, world):
     """Every MoE exchange goes through collectives whose peers were connected first (comm.exchange_collectives:
     NCCL connects send/receive peers at their first exchange and waits for the device there, which hung beside a
