@@ -68,7 +68,7 @@ def _close(got, ref, what, tol):
         assert not got.any(), f"{what}: expected zeros"
         return
     err = rel_error(got, ref.float())
-    assert err < tol, f"{what}: relative error {err:.3g} against Megatron's MoELayer"
+    assert err < tol, f"{what}: relative error {err:.3g} against the reference"
 
 
 def _check_parity(rank, world, routing, tokens, overrides):
@@ -94,8 +94,8 @@ def _check_parity(rank, world, routing, tokens, overrides):
             assert counts[:, config.num_moe_experts // world:].sum() == 0, counts
         out, dx = _step(ours, x, g)
         what = f"{routing} {method} rank {rank}"
-        _close(out, out_ref, what + " output", 1e-2)
-        _close(dx, dx_ref, what + " input grad", 1e-2)
+        _close(out, out_ref, what + " output (reference: Megatron's MoELayer)", 1e-2)
+        _close(dx, dx_ref, what + " input grad (reference: Megatron's MoELayer)", 1e-2)
         grads = _grads(ours)
         assert grads.keys() == grads_ref.keys()
         for name, grad in grads.items():
@@ -148,8 +148,8 @@ def _check_back_to_back(rank, world):
             results[method] = (out.detach(), xi.grad)
         out, dx = results["signal"]
         what = f"step {step} rank {rank}"
-        _close(out, results["off"][0], what + " output", 1e-2)
-        _close(dx, results["off"][1], what + " input grad", 1e-2)
+        _close(out, results["off"][0], what + " output (reference: off)", 1e-2)
+        _close(dx, results["off"][1], what + " input grad (reference: off)", 1e-2)
         phase = step % period
         if phase in first:
             assert torch.equal(out, first[phase][0]), f"{what}: output differs from step {phase}'s (same input)"
