@@ -292,12 +292,19 @@ def _check_routings_with_other_group_counts(rank, world):
     signal = OverlapConfig(method="signal", groups="auto", **SMALL_TILES)
     assert [moe_tile_plan.parts_per_peer(c, "auto", H * 2) for c in (few, many)] == [2, 5]
     gen = torch.Generator().manual_seed(9 + rank)
-    w2 = torch.randn(L, H, F, generator=gen).to(torch.bfloat16)
+    w1, w2 = (torch.randn(L, N, H, generator=gen).to(torch.bfloat16),
+              torch.randn(L, H, F, generator=gen).to(torch.bfloat16))
+
+    def step(x, counts, dz, config):
+        """dispatch + fc1, fc2 + combine, forward and backward: the four expert calls of a training step"""
+        leaves = [t.detach().requires_grad_() for t in (x, w1, w2)]
+        z = gemm_a2a(a2a_gemm(leaves[0], counts, leaves[1], config=config), counts, leaves[2], config=config)
+        return (z.detach(),) + torch.autograd.grad(z, leaves, dz)
+
     for counts in (few, many, few, many):
-        h = torch.randn(moe_tile_plan.layout(counts, rank).rows, F, generator=gen).to(torch.bfloat16)
-        got = gemm_a2a(h, counts, w2, config=signal)
-        want = gemm_a2a(h, counts, w2, config=CONFIGS[0])
-        assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()))
+        x, dz = (torch.randn(int(counts[rank].sum()), H, generator=gen).to(torch.bfloat16) for _ in range(2))
+        for got, want, what in zip(step(x, counts, dz, signal), step(x, counts, dz, CONFIGS[0]), ("z", "dx", "dw1", "dw2")):
+            assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max())), what
 
 
 def test_routings_with_other_group_counts_leave_no_count_behind():
