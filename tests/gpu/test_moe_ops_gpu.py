@@ -11,7 +11,9 @@ random inputs and outputs allocated over NaN-poisoned memory:
   place (overlap must not change a bit);
 - the first exchange of a process beside its GEMM (NCCL's peer connections made before it);
 - 200 back-to-back forward calls of each op and 50 forward + backward steps without a sync, a hang or a
-  changed bit (watchdog on, 120 s); a late peer (host and GPU) does not hang either op.
+  changed bit (watchdog on, 120 s); a late peer (host and GPU) does not hang either op;
+- routings with different group counts (groups='auto') alternating, forward + backward against `off`: an op's
+  routings share its counter words, so no call may leave a count behind (session 24).
 """
 import os
 import time
@@ -169,6 +171,46 @@ def _check_back_to_back(rank, world):
 
 def test_200_back_to_back_calls():
     run_distributed(gpu_world(), _check_back_to_back, backend="nccl")
+
+
+def _check_routings_with_other_group_counts(rank, world):
+    """Two routings whose groups='auto' counts differ (2 and 6 groups per peer at EP 2: the group size target
+    lowered to 1 MB for this hidden size), alternating, forward + backward of dispatch + fc1 and fc2 + combine on each, against
+    off. The combine's local-rows counter of the 2-group routing is an exchange counter of the 6-group one: left
+    counting, it released that exchange before its tiles were stored (session 24, the MoE layer's 200 steps)."""
+    from overlap_tp.ops import moe_tile_plan
+    os.environ["OVERLAP_TP_WATCHDOG_S"] = "120"
+    moe_tile_plan.TARGET_GROUP_BYTES = 1 << 20
+    group, hidden, ffn = dist.group.WORLD, 1024, 2048
+    experts = 2 * world   # two per rank
+    routings = []
+    for remote in (20, 3000):   # rows each rank sends to each peer's experts: few, many
+        counts = torch.full((world, experts), remote // 2, dtype=torch.int64)
+        for s in range(world):
+            counts[s, 2 * s:2 * s + 2] = 2000   # its own experts
+        routings.append(counts)
+    few, many = (parts_per_peer(c, "auto", hidden * 2) for c in routings)
+    assert few == 2 < many, ("the routings must differ in groups", few, many)   # 2 and 6 at EP 2, 2 and 8 at EP 4
+    config = OverlapConfig(method="signal", groups="auto")
+    gen = torch.Generator(device="cuda").manual_seed(31 + rank)
+    w1 = torch.randn(2, ffn, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(2, hidden, ffn, device="cuda", dtype=torch.bfloat16, generator=gen) / ffn ** 0.5
+
+    def step(x, counts, dz, config):
+        leaves = [t.detach().requires_grad_() for t in (x, w1, w2)]
+        z = gemm_a2a(a2a_gemm(leaves[0], counts, leaves[1], group, config=config), counts, leaves[2], group,
+                     config=config)
+        return (z.detach(),) + torch.autograd.grad(z, leaves, dz)
+
+    for i, counts in enumerate(routings * 3):
+        x, dz = (torch.randn(int(counts[rank].sum()), hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+                 for _ in range(2))
+        for got, want, what in zip(step(x, counts, dz, config), step(x, counts, dz, OFF), ("z", "dx", "dw1", "dw2")):
+            assert rel_error(got, want.float()) < 2e-2, f"call {i} rank {rank} {what}"
+
+
+def test_routings_with_other_group_counts():
+    run_distributed(gpu_world(), _check_routings_with_other_group_counts, backend="nccl")
 
 
 def _check_first_exchange_beside_the_gemm(rank, world):
