@@ -263,8 +263,9 @@ class CommEngine:
     def gemm_then_collectives(self, gemm, waits: "CounterWaits", collective, watched):
         """The signaled GEMM+collective shape (GEMM+RS, GEMM+AR, GEMM+A2A): fork, the GEMM on the caller's
         stream (it raises counter g per stored tile of group g), then on the comm stream per group of `waits`:
-        wait until its counter reaches the group's tile count, reset, collective(g, comm stream). Returns the
-        join, which the caller runs before reading what the collectives wrote (at once, or in Pending.wait())."""
+        wait until its counter reaches the group's tile count, reset, collective(g, comm stream); last, on the
+        caller's stream, the counters no collective waits on reset behind the GEMM (CounterWaits.unwaited). Returns
+        the join, which the caller runs before reading what the collectives wrote (at once, or in Pending.wait())."""
         if self.stream is None:   # CPU: the interpreter finishes the kernel before the collectives start
             gemm()
             for g in range(len(waits.targets)):
