@@ -12,7 +12,7 @@ workdir s25_3
 export CUDA_VISIBLE_DEVICES=0,1
 step mid_proxy 260 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models mid \
   --seq 4096 --configs megatron,nocomm,off,signal,decompose --reps 40 --rounds 8 --out $W --name layer_mid_proxy
-grep -E "^\| (megatron|nocomm|off|signal|decompose)" $W/layer_mid_proxy.md | cut -c1-300
+grep -E "^\| mid " $W/layer_mid_proxy.md | cut -c1-200
 step mid_nvlink 240 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models mid --seq 4096 \
   --configs megatron,nocomm,signal,signal-p2p,decompose-p2p --reps 40 --rounds 8 --out $W --name layer_mid_nvlink
-grep -E "^\| (megatron|nocomm|signal|decompose)" $W/layer_mid_nvlink.md | cut -c1-300
+grep -E "^\| mid " $W/layer_mid_nvlink.md | cut -c1-200
