@@ -248,11 +248,7 @@ class CommEngine:
         after the watchdog's timeout and ends the process naming `describe` (the plan) and the counter
         (overlap_tp/ops/watchdog.py): an eager wait is watched through the plan's event instead."""
         if self.stream is None:
-            counters, target = waits.counters, waits.targets[index]
-            got = int(counters[index])
-            if got != target:
-                raise RuntimeError(f"overlap_tp: group {index} signaled {got} of {target} tiles")
-            counters[index] = 0
+            _take_count(waits.counters, index, waits.targets[index], "group")
         elif capturing:
             target = waits.targets[index]
             watchdog.graph_wait(self.raw, self.device, waits.addresses[index], target, describe or "an overlap_tp op",
@@ -272,10 +268,7 @@ class CommEngine:
                 self.wait_counter(waits, g, False)
                 collective(g, None)
             for g, target in waits.unwaited:
-                got = int(waits.counters[g])
-                if got != target:
-                    raise RuntimeError(f"overlap_tp: group {g} (not exchanged) signaled {got} of {target} tiles")
-                waits.counters[g] = 0
+                _take_count(waits.counters, g, target, "unexchanged group")
             return _no_join
         capturing, current = self.capturing(), self.current()
         self.fork(current, capturing)   # before the GEMM launch: inputs and buffers ready, no more
@@ -397,6 +390,14 @@ class CopyLanes:
         issue(stream, *parts[0], 0)
         for raw, (_, join), _ in lanes:
             memops.stream_waits_for(stream, raw, join)
+
+
+def _take_count(counters: torch.Tensor, index: int, target: int, what: str):
+    """CPU: counter `index` holds exactly its group's tile count (the interpreted GEMM has finished); reset it to 0."""
+    got = int(counters[index])
+    if got != target:
+        raise RuntimeError(f"overlap_tp: {what} {index} signaled {got} of {target} tiles")
+    counters[index] = 0
 
 
 class CounterWaits:

@@ -193,13 +193,12 @@ def _check_routings_with_other_group_counts(rank, world):
     assert few == 2 < many, ("the routings must differ in groups", few, many)   # 2 and 6 at EP 2, 2 and 8 at EP 4
     config = OverlapConfig(method="signal", groups="auto")
     gen = torch.Generator(device="cuda").manual_seed(31 + rank)
-    w1 = torch.randn(2, ffn, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) / hidden ** 0.5
+    w1 = torch.randn(2, 2 * ffn, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) / hidden ** 0.5
     w2 = torch.randn(2, hidden, ffn, device="cuda", dtype=torch.bfloat16, generator=gen) / ffn ** 0.5
 
     def step(x, counts, dz, config):
         leaves = [t.detach().requires_grad_() for t in (x, w1, w2)]
-        z = gemm_a2a(a2a_gemm(leaves[0], counts, leaves[1], group, config=config), counts, leaves[2], group,
-                     config=config)
+        z = _moe_mlp(leaves[0], counts, leaves[1], leaves[2], group, config)
         return (z.detach(),) + torch.autograd.grad(z, leaves, dz)
 
     for i, counts in enumerate(routings * 3):
