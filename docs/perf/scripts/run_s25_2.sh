@@ -11,7 +11,7 @@
 # differs. C = A at 10 and B != A at 11: the state comes back whole and the first resumed update differs (a process's
 # first iteration, or state outside the checkpoint); C != A at 10: the round trip loses what it names.
 source docs/perf/scripts/setup_device.sh
-export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=420
+export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=560
 workdir s25_2
 export CUDA_VISIBLE_DEVICES=0,1
 S="OVERLAP=off GRAPHS=none LOG_INTERVAL=1"
@@ -37,3 +37,7 @@ step stall 160 env STALL=1 FORMATS= REFERENCE=0 FAULT_OVERLAP=signal GRAPHS=none
   OUT=$W/stall WORK=/tmp/s25s SKIP_INSTALL=1 bash docs/perf/scripts/run_s10_faults.sh
 cd /tmp
 grep -E "^\| stall|failures" $W/stall/summary.md 2>/dev/null | cut -c1-400
+# Issue 25: a mixtral-proxy signal run to its 20th iteration (run_s25_1's two were cut at 16-17 by a 70 s limit)
+M="NUM_LAYERS=4 TRAIN_ITERS=20 GBS=4 LOG_INTERVAL=1"
+train mixtral-signal-c 100 OVERLAP=signal $M -- $REPO/recipes/mixtral-proxy.sh
+python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 6 $W/mixtral-*/train.log | sed "s#$W/##" | tee $W/mixtral.md
