@@ -1,6 +1,6 @@
 # Which tensors of two Megatron torch_dist checkpoints differ, bit for bit (issue 24: what a resumed run's state
 # differs in). Each checkpoint folder (iter_NNNNNNN) is read whole on the CPU: its tensors through
-# torch.distributed.checkpoint (no process group, no model needed) and its common.pt (scheduler, the optimizer's
+# torch.distributed.checkpoint (no process group, no model needed) and its common.pt where there is one (scheduler, the optimizer's
 # common step, rng, args). Prints one line per differing tensor (elements differing, largest absolute and relative
 # difference), counts of equal ones by kind (model weights, fp32 main params, Adam moments, other), and the
 # common.pt entries that differ.
@@ -9,6 +9,7 @@ import argparse
 import os
 import tempfile
 
+import numpy
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -67,6 +68,8 @@ def differs(a, b):
         return f"{int((a != b).sum())} of {a.numel()} elements differ, max |a-b| {float(diff.max()):.3g} (rel {rel:.3g})"
     if type(a) is not type(b):
         return f"{type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, numpy.ndarray):   # the numpy rng state
+        return None if numpy.array_equal(a, b) else f"{int((a != b).sum())} of {a.size} elements differ"
     try:
         return None if a == b else f"{a!r} vs {b!r}"
     except Exception as error:   # objects without a usable ==
@@ -97,10 +100,11 @@ def main():
     parser.add_argument("a")
     parser.add_argument("b")
     args = parser.parse_args()
-    found = compare(tensors(args.a), tensors(args.b), "tensors")
-    commons = [dict(_flatten(torch.load(os.path.join(folder, "common.pt"), map_location="cpu", weights_only=False)))
-               for folder in (args.a, args.b)]
-    found += compare(*commons, "common.pt", skip=VOLATILE)
+    found = compare(tensors(args.a), tensors(args.b), "tensors", skip=VOLATILE)
+    if all(os.path.exists(os.path.join(folder, "common.pt")) for folder in (args.a, args.b)):   # older layouts
+        commons = [dict(_flatten(torch.load(os.path.join(folder, "common.pt"), map_location="cpu",
+                                            weights_only=False))) for folder in (args.a, args.b)]
+        found += compare(*commons, "common.pt", skip=VOLATILE)
     print("identical" if not found else f"{found} entries differ")
 
 
