@@ -22,13 +22,17 @@ cross-attention, no recompute or CPU offload of the pre-MLP norm. Otherwise the 
 TransformerLayer unchanged, and says so once (a warning naming the reason).
 
 The MLP boundary, the same fusion across two layers: Megatron runs this layer's MLP bias-dropout-add, then
-the next layer's input_layernorm on its output. Once a layer has seen that its input is the previous layer's
-output itself (the first step links them: TransformerBlock passes the tensor straight on), the previous
-layer's `mlp_bda` runs the fused kernel with the next layer's norm weight and hands the normalized rows to
-that norm (OverlapRMSNorm.hand_over), which returns them instead of normalizing again; fc2's p2p sum is then
-left to the same kernel. The handover is keyed on the tensor's identity, so a pipeline stage boundary, a
-recompute or anything between the layers that makes a new tensor simply runs the norm. The last layer of a
-block, whose output goes to the final norm or the next pipeline stage, keeps Megatron's bda. Not under
+the next layer's input_layernorm on its output. Two layers are linked when they are built: Megatron's
+TransformerBlock builds its layers one after the other with one config and consecutive layer numbers, and passes
+each layer's output straight to the next. The previous layer's `mlp_bda` then runs the fused kernel with the next
+layer's norm weight and hands the normalized rows to that norm (OverlapRMSNorm.hand_over), which returns them
+instead of normalizing again; fc2's p2p sum is left to the same kernel. Linked at build time, not at the first
+forward, so that every forward runs the same kernels: a process's first microbatch included, which is what makes a
+run resumed from a checkpoint match the uninterrupted one bit for bit (linking on the first forward left that
+microbatch unfused: a bf16-rounding difference in the resumed run's first update). The handover is keyed on the
+tensor's identity, so a pipeline stage boundary, a recompute or anything between the layers that makes a new tensor
+simply runs the norm. The last layer of a block, whose output goes to the final norm or the next pipeline stage,
+keeps Megatron's bda. Not under
 Megatron's per-layer CUDA graphs (captured_per_layer): there each layer is a graph of its own, and the rows
 handed over would live in the first graph's private memory; one graph over the whole iteration is fine.
 
@@ -41,7 +45,6 @@ import warnings
 import weakref
 from typing import Optional
 
-import torch
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -52,9 +55,8 @@ from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
 __all__ = ["OverlapTransformerLayer"]
 
 _warned = set()
-# (layer, its output) of the last OverlapTransformerLayer forward, as weak references: the next layer's forward
-# links the two when its input is that output (OverlapTransformerLayer._link_previous)
-_last_output = [None]
+# the last OverlapTransformerLayer built, as a weak reference: the next one built links to it (the MLP boundary)
+_last_built = [None]
 
 
 def _summed_by_consumer(linear: OverlapRowParallelLinear, name: str, consumer: str, block):
@@ -117,6 +119,7 @@ class OverlapTransformerLayer(TransformerLayer):
         self.takes_input_handover = (type(self.input_layernorm) is OverlapRMSNorm
                                      and not getattr(self, "recompute_input_layernorm", False)
                                      and not getattr(self, "offload_attn_norm", False))
+        self._link_to_previous_built()
         # the backward mirror: the column-parallel layers whose input is a norm's output and nothing else's (qkv, a
         # dense MLP's fc1) leave their dgrad's p2p sum to that norm's backward kernel
         for linear in (getattr(self.self_attention, "linear_qkv", None),
@@ -164,24 +167,22 @@ class OverlapTransformerLayer(TransformerLayer):
         return _summed_by_consumer(self.self_attention.linear_proj, "linear_proj", "the fused bias-dropout-add + norm",
                                    lambda: super(OverlapTransformerLayer, self)._forward_attention(*args, **kwargs))
 
-    def forward(self, *args, **kwargs):
-        """Megatron's forward, linking this layer to the previous one when its input is that layer's output."""
-        self._link_previous(kwargs["hidden_states"] if "hidden_states" in kwargs else args[0])
-        output = super().forward(*args, **kwargs)
-        hidden = output[0] if isinstance(output, tuple) else output
-        _last_output[0] = (weakref.ref(self), weakref.ref(hidden)) if isinstance(hidden, torch.Tensor) else None
-        return output
-
-    def _link_previous(self, hidden_states):
-        last, _last_output[0] = _last_output[0], None
-        if last is None or not self.takes_input_handover:
-            return
-        previous, output = last[0](), last[1]()
-        if (previous is not None and previous is not self and output is hidden_states and previous.fused_mlp_boundary
-                and previous.next_input_norm is None):
+    def _link_to_previous_built(self):
+        """Links the layer built just before this one to this layer's input norm when both are consecutive layers
+        of one block: the same config object and the next layer number (TransformerBlock builds its layers in
+        order; virtual pipeline chunks, separate models and the next pipeline stage fail one of the two)."""
+        previous = _last_built[0]() if _last_built[0] is not None else None
+        _last_built[0] = weakref.ref(self)
+        if (previous is not None and previous.config is self.config and previous.layer_number + 1 == self.layer_number
+                and previous.fused_mlp_boundary and self.takes_input_handover):
             # a plain attribute: assigned as a Module it would become the previous layer's submodule (its weight in
             # that layer's parameters and state dict too)
             object.__setattr__(previous, "next_input_norm", self.input_layernorm)
+
+    def linked_next_norm(self):
+        """The next layer's input norm that this layer's mlp bda runs, or None (unlinked, or the boundary turned
+        off after the build)."""
+        return self.next_input_norm if self.fused_mlp_boundary else None
 
     def _fused_mlp_bda(self, training: bool, fused: bool):
         """Stands in for `get_bias_dropout_add(training, fused)` as mlp_bda: with the next layer's input norm
@@ -192,7 +193,7 @@ class OverlapTransformerLayer(TransformerLayer):
             x_sum = getattr(x, "overlap_tp_deferred_sum", None)   # fc2 left its p2p sum to this kernel
             if x_sum is not None:
                 del x.overlap_tp_deferred_sum
-            norm = self.next_input_norm
+            norm = self.linked_next_norm()
             if norm is None:
                 return self._megatron_mlp_bda(training, fused)(x_with_bias, residual, prob)
             normed, hidden = fused_add_rmsnorm(
@@ -207,7 +208,7 @@ class OverlapTransformerLayer(TransformerLayer):
         """Megatron's MLP block, with fc2's p2p sum deferred to the fused mlp bda when the next layer is linked;
         an output left unsummed is an error, never a silent read."""
         fc2 = getattr(self.mlp, "linear_fc2", None)
-        if (self.next_input_norm is None or not self.fused_fc2_sum or not isinstance(fc2, OverlapRowParallelLinear)
+        if (self.linked_next_norm() is None or not self.fused_fc2_sum or not isinstance(fc2, OverlapRowParallelLinear)
                 or not fc2.sequence_parallel or getattr(self, "recompute_mlp", False)):
             return super()._forward_mlp(*args, **kwargs)
         return _summed_by_consumer(fc2, "linear_fc2", "the fused bias-dropout-add + next norm",

@@ -397,7 +397,7 @@ def test_transformer_layer_p2p_sum_in_the_norm_kernel_is_bitwise_the_summed_path
 
 def check_mlp_boundary(rank, world, method="signal", size="small", seq=4096, steps=20, late_every=0,
                        variants=("fused", "summed fc2", "unlinked")):
-    """Two OverlapTransformerLayers in a row (SP, p2p transports; LAYER_SIZES[size], `seq` tokens): from the second
+    """Two OverlapTransformerLayers in a row (SP, p2p transports; LAYER_SIZES[size], `seq` tokens): from the first
     step the first layer's mlp bda runs the second layer's input norm and sums fc2's p2p partials in the same kernel,
     linear_proj's sum is left to the fused attention bda + pre-MLP norm, and the column-parallel dgrads' sums to the
     norms' backward kernels (the defaults; the second layer's qkv dgrad to the first layer's fused mlp bda). Against

@@ -476,11 +476,13 @@ def test_deferred_proj_sum_is_summed_by_the_fused_norm():
 
 
 def _check_mlp_boundary(rank, world):
-    """Two layers in a row: from the second step the first layer's mlp bda runs the second layer's input norm in
-    the fused kernel and hands the rows over (the second layer's norm is not run again), with fc2's p2p sum left
-    to that kernel too (faked on gloo as in _check_deferred_proj_sum). Outputs, input grad and every parameter
-    grad: within bf16 rounding of the unlinked path (Megatron's bda rounds x + bias, then the sum; the kernel
-    rounds once), and bit for bit between the deferred and the summed fc2 once linked."""
+    """Two layers in a row (one config, layer numbers 1 and 2: linked when built): from the first step the first
+    layer's mlp bda runs the second layer's input norm in the fused kernel and hands the rows over (the second
+    layer's norm is not run again), with fc2's p2p sum left to that kernel too (faked on gloo as in
+    _check_deferred_proj_sum). Outputs, input grad and every parameter grad: within bf16 rounding of the unlinked
+    path (Megatron's bda rounds x + bias, then the sum; the kernel rounds once), bit for bit between the deferred
+    and the summed fc2, and bit for bit between the first and the second step on the same input (a process's first
+    step runs the same kernels as every later one: what a resumed run needs to match the uninterrupted one)."""
     _quiet()
     ps = _init_megatron(world)
     from megatron.core.transformer.spec_utils import build_module
@@ -499,12 +501,14 @@ def _check_mlp_boundary(rank, world):
 
     def run(link, fake, steps=2):
         torch.manual_seed(99)
-        first = build_module(spec, config=_layer_config(world, True), layer_number=1)
-        second = build_module(spec, config=_layer_config(world, True), layer_number=2)
+        config = _layer_config(world, True)
+        first = build_module(spec, config=config, layer_number=1)
+        second = build_module(spec, config=config, layer_number=2)
         for layer in (first, second):
             layers.set_overlap_config(layer, OFF)
         first.fused_mlp_boundary = link
         layers.gemm_rs, norm_module.rmsnorm = (deferring_gemm_rs if fake else real_gemm_rs), counted_rmsnorm
+        results = []
         try:
             for _ in range(steps):
                 consumed.clear()
@@ -514,18 +518,22 @@ def _check_mlp_boundary(rank, world):
                 xi = x.clone().requires_grad_(True)
                 out, _ = second(hidden_states=first(hidden_states=xi, attention_mask=None)[0], attention_mask=None)
                 out.backward(g)
+                # the second layer's input norm, run on its own (unlinked) or handed over (linked), in every step
+                assert len([w for w in norms if w is second.input_layernorm.weight]) == (0 if link else 1)
+                results.append([out, xi.grad] + [p.grad for p in list(first.parameters()) + list(second.parameters())])
         finally:
             layers.gemm_rs, norm_module.rmsnorm = real_gemm_rs, real_rmsnorm
-        assert (first.next_input_norm is second.input_layernorm) == link
+        assert first.next_input_norm is second.input_layernorm     # linked when built ...
+        assert (first.linked_next_norm() is second.input_layernorm) == link   # ... and used unless turned off
         assert len(list(first.parameters())) == len(list(second.parameters()))   # no parameter of the other's
-        assert second.next_input_norm is None                 # nothing after it ran
-        norms[:] = [w for w in norms if w is second.input_layernorm.weight]   # the second layer's input norm runs
-        return [out, xi.grad] + [p.grad for p in list(first.parameters()) + list(second.parameters())]
+        assert second.next_input_norm is None                 # nothing built after it
+        for step in results[1:]:                              # the same input, no update: the same kernels
+            for a, b in zip(step, results[0]):
+                assert torch.equal(a, b)
+        return results[-1]
 
     unlinked = run(False, False)
-    assert len(norms) == 1                                    # the second layer's input norm ran
     linked = run(True, False)
-    assert len(norms) == 0                                    # ... or came handed over
     for a, b in zip(linked, unlinked):
         _close(a.float(), b.float(), "linked vs unlinked", 2e-2)
     deferred = run(True, True)
@@ -540,6 +548,29 @@ def _check_mlp_boundary(rank, world):
 
 def test_mlp_boundary_hands_the_next_norm_over_and_sums_fc2_in_the_kernel():
     run_distributed(2, _check_mlp_boundary)
+
+
+def _check_links_when_built(rank, world):
+    """The MLP boundary's link is made when the layers are built, between consecutive layers of one block only: the
+    same config object and the next layer number (Megatron's TransformerBlock), never across configs (another
+    model) or over a gap in the numbers (the next virtual pipeline chunk)."""
+    _quiet()
+    ps = _init_megatron(world)
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
+    config, other = _layer_config(world, True), _layer_config(world, True)
+    built = [build_module(spec, config=c, layer_number=n) for c, n in ((config, 1), (config, 2), (other, 3),
+                                                                          (other, 5), (other, 6))]
+    links = [layer.next_input_norm for layer in built]
+    assert links[0] is built[1].input_layernorm
+    assert links[1] is None and links[2] is None                # another config; a gap in the numbers
+    assert links[3] is built[4].input_layernorm and links[4] is None
+    ps.destroy_model_parallel()
+
+
+def test_layers_link_when_built_consecutively_in_one_block():
+    run_distributed(2, _check_links_when_built)
 
 
 def test_no_mlp_boundary_under_per_layer_graphs():
