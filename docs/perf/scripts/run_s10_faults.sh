@@ -35,7 +35,7 @@ SAVE_EVERY=${SAVE_EVERY:-10}
 KILL_AFTER=${KILL_AFTER:-12}
 WATCHDOG_S=${WATCHDOG_S:-30}
 STALL_WATCHDOG_S=${STALL_WATCHDOG_S:-20}
-FORMATS=${FORMATS:-"torch_dist torch"}
+FORMATS=${FORMATS-"torch_dist torch"}   # set and empty (FORMATS=): no format runs
 FAULT_OVERLAP=${FAULT_OVERLAP:-signal}   # off: the same faults and resume on Megatron's path (the control)
 RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-150}   # per training run: a hang must not eat the session's device time
 mkdir -p "$OUT" "$WORK"
