@@ -22,6 +22,7 @@ Every variant's output is checked against Megatron's first.
 import argparse
 import dataclasses
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,8 @@ def parse_args(argv):
     p.add_argument("--routing", default="uniform,zipf", help="comma list of " + ",".join(ROUTINGS))
     p.add_argument("--methods", default="signal,off",
                    help="OverlapMoELayer methods to time (signal, off, decompose, auto; signal-p2p / decompose-p2p: "
-                        "the method with the expert ops on the p2p transport, --overlap-moe-transport p2p)")
+                        "the method with the expert ops on the p2p transport, --overlap-moe-transport p2p; a suffix "
+                        ".gN / .smN sets groups / comm_sms, e.g. signal.g4.sm8)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336, help="expert FFN size (fc1 is 2 x ffn: SwiGLU)")
     p.add_argument("--experts", type=int, default=8, help="global experts E (EP = the number of processes)")
@@ -127,10 +129,22 @@ def force_routing(layer, *offsets):
 
 def variant_config(name: str):
     """The expert ops' config of a --methods entry: a method, or signal-p2p / decompose-p2p (the method on the p2p
-    transport, whose GEMMs get every SM: comm_sms 0, as --overlap-moe-transport p2p sets)."""
-    if name in ("signal-p2p", "decompose-p2p"):
-        return dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=name.split("-")[0], transport="p2p", comm_sms=0)
-    return dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=name)
+    transport, whose GEMMs get every SM: comm_sms 0, as --overlap-moe-transport p2p sets); then optional
+    '.'-separated changes to sweep: gN (groups=N), smN (comm_sms=N), e.g. signal.g4.sm8."""
+    base, *changes = name.split(".")
+    if base in ("signal-p2p", "decompose-p2p"):
+        config = dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=base.split("-")[0], transport="p2p", comm_sms=0)
+    else:
+        config = dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=base)
+    for change in changes:
+        match = re.fullmatch(r"(g|sm)(\d+)", change)
+        if match is None:
+            raise ValueError(f"--methods {name}: '{change}' is not gN (groups) or smN (comm_sms)")
+        config = dataclasses.replace(config, **{VARIANT_FIELDS[match[1]]: int(match[2])})
+    return config
+
+
+VARIANT_FIELDS = {"g": "groups", "sm": "comm_sms"}   # a --methods entry's changes (variant_config)
 
 
 def bench_shape(tokens, routing, args, group):

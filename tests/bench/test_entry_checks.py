@@ -51,3 +51,8 @@ def test_moe_layer_bench_variants_name_their_expert_config():
     nccl = variant_config("signal")
     assert (nccl.method, nccl.transport) == ("signal", "nccl") and nccl.comm_sms > 0
     assert variant_config("off").method == "off"
+    swept = variant_config("signal.g4.sm8")
+    assert (swept.method, swept.transport, swept.groups, swept.comm_sms) == ("signal", "nccl", 4, 8)
+    assert variant_config("signal-p2p.g3").groups == 3 and variant_config("signal-p2p.g3").transport == "p2p"
+    with pytest.raises(ValueError, match="'x2' is not gN"):
+        variant_config("signal.x2")
