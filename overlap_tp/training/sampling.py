@@ -38,6 +38,7 @@ import torch.distributed as dist
 from overlap_tp.ops import comm
 
 REFERENCE_REPS = 3
+REFERENCE_SEED = 0   # the reference operands' own generator (measure_reference)
 SAMPLED_OPS = ("gemm_rs", "gemm_ar", "ag_gemm")   # the kinds the layers' observer sees
 
 
@@ -86,13 +87,16 @@ def _median_ms(fn, device, reps=REFERENCE_REPS) -> float:
 
 def measure_reference(shape: OpShape) -> Reference:
     """The GEMM alone (cuBLAS) and the collective alone (Megatron's, torch.distributed) on random operands
-    of `shape`."""
+    of `shape`, drawn from a generator of their own: training's random streams (dropout, router jitter on the
+    default generator) must not depend on whether, or at which step, the telemetry measured."""
     t = dist.get_world_size(shape.group)
     device, dtype = shape.device, shape.dtype
-    a = torch.randn(shape.a_shape, dtype=dtype, device=device)
-    w = torch.randn(shape.w_shape, dtype=dtype, device=device) / shape.w_shape[1] ** 0.5
+    gen = torch.Generator(device=device).manual_seed(REFERENCE_SEED)
+    a = torch.randn(shape.a_shape, dtype=dtype, device=device, generator=gen)
+    w = torch.randn(shape.w_shape, dtype=dtype, device=device, generator=gen) / shape.w_shape[1] ** 0.5
     rows = shape.a_shape[0] * t if shape.kind == "ag_gemm" else shape.a_shape[0]
-    gemm_in = torch.randn(rows, shape.a_shape[1], dtype=dtype, device=device) if shape.kind == "ag_gemm" else a
+    gemm_in = (torch.randn(rows, shape.a_shape[1], dtype=dtype, device=device, generator=gen)
+               if shape.kind == "ag_gemm" else a)
     product = gemm_in @ w.t()
     coll = comm.TorchCollectives(shape.group)   # the collective of method 'off': Megatron's path
     if shape.kind == "gemm_rs":

@@ -13,6 +13,8 @@ Anything that decides whether a collective runs (a candidate's check, an optiona
 across ranks first, so a rank-local failure cannot leave the others waiting in a collective.
 """
 import dataclasses
+import functools
+import inspect
 from typing import Dict, Iterable, Optional, Sequence
 
 import torch
@@ -72,6 +74,21 @@ def _run(shape: Shape):
     return {"rs": gemm_rs, "ar": gemm_ar, "ag": ag_gemm}[shape.op]
 
 
+def _leaves_rng_as_found(measurement):
+    """The measurement's random operands come from the CPU and `device` generators, whose states are put back after
+    it: a run's random streams (dropout, router jitter on the default generator) must not depend on whether, or when,
+    the tuner measured (under --overlap-tp auto it does so in training, at a shape's first call)."""
+    signature = inspect.signature(measurement)
+
+    @functools.wraps(measurement)
+    def measured(*args, **kwargs):
+        device = torch.device(signature.bind(*args, **kwargs).arguments["device"])
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            return measurement(*args, **kwargs)
+    return measured
+
+
+@_leaves_rng_as_found
 def end_to_end(shape: Shape, configs: Iterable[OverlapConfig], group, device, *, reps: int = 20,
                sets=None, errors: Optional[Dict[str, str]] = None) -> Dict[str, float]:
     """label -> ms (slowest rank's median) of each config through the public op. A config that raises a
@@ -174,6 +191,7 @@ def _p2p_pull_curve(shape: Shape, group, device, reps, points):
     return pts
 
 
+@_leaves_rng_as_found
 def curves(shape: Shape, group, device, base: OverlapConfig = OverlapConfig(), *, reps: int = 20,
            comm_sms: Sequence[int] = COMM_SMS, points: int = CURVE_POINTS, direct: bool = True) -> Measurements:
     """Everything predict() needs for `shape`; identical on every rank."""

@@ -29,6 +29,7 @@ def _check_sampling(rank, world):
 
     SAMPLER.measure, SAMPLER.samples, SAMPLER.references = measure, [], {}
     stats = OverlapStats()
+    rng = torch.get_rng_state()
     observe = SAMPLER.observe   # what the layers call (overlap_tp.megatron.layers.set_op_observer)
     SAMPLER.armed = True
     try:
@@ -44,6 +45,8 @@ def _check_sampling(rank, world):
     observe("gemm_rs", lambda: gemm_rs(a_k, w_k, config=SIGNAL), a_k, w_k, None)   # disarmed: not stamped
     assert SAMPLER.collect(stats) == 6
     assert measured == ["gemm_rs", "gemm_ar", "ag_gemm"]
+    # the references' random operands come from their own generator: training's random stream is untouched
+    assert torch.equal(torch.get_rng_state(), rng)
     summary = stats.summary()
     assert set(summary["by_kind"]) == {"gemm_rs", "gemm_ar", "ag_gemm"}
     for kind, totals in summary["by_kind"].items():

@@ -522,11 +522,15 @@ def _end_to_end_leaves_no_candidate_plan(rank, world):
                              sets=[(a, w)])
     assert set(got) == {label(c) for c in configs}
     assert set(common._plans) == before, "the candidates' plans outlived the measurement"
+    rng = torch.get_rng_state()   # operands drawn by the tuner itself (no sets): the run's random stream untouched
+    measure.end_to_end(Shape("rs", 64, 48, 32, world), configs[:1], group, torch.device("cpu"), reps=1)
+    assert torch.equal(torch.get_rng_state(), rng)
 
 
 def test_end_to_end_drops_the_candidates_plans():
     """The tuner's candidate plans (on the p2p transports each holds an [M, N] symmetric buffer) are dropped from the
-    functional API's cache after the measurement; plans built before it stay."""
+    functional API's cache after the measurement; plans built before it stay. Its random operands leave the
+    generators' states as they were."""
     run_distributed(2, _end_to_end_leaves_no_candidate_plan)
 
 
