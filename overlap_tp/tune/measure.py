@@ -83,7 +83,8 @@ def _leaves_rng_as_found(measurement):
     @functools.wraps(measurement)
     def measured(*args, **kwargs):
         device = torch.device(signature.bind(*args, **kwargs).arguments["device"])
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+        cuda = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
             return measurement(*args, **kwargs)
     return measured
 
