@@ -170,11 +170,13 @@ class OverlapTransformerLayer(TransformerLayer):
     def _link_to_previous_built(self):
         """Links the layer built just before this one to this layer's input norm when both are consecutive layers
         of one block: the same config object and the next layer number (TransformerBlock builds its layers in
-        order; virtual pipeline chunks, separate models and the next pipeline stage fail one of the two)."""
+        order; virtual pipeline chunks, separate models and the next pipeline stage fail one of the two). Never an
+        MTP layer: each is fed through its own projection, and MTP layers are numbered 1, 2, ... of their own."""
         previous = _last_built[0]() if _last_built[0] is not None else None
         _last_built[0] = weakref.ref(self)
         if (previous is not None and previous.config is self.config and previous.layer_number + 1 == self.layer_number
-                and previous.fused_mlp_boundary and self.takes_input_handover):
+                and previous.fused_mlp_boundary and self.takes_input_handover
+                and not getattr(previous, "is_mtp_layer", False) and not getattr(self, "is_mtp_layer", False)):
             # a plain attribute: assigned as a Module it would become the previous layer's submodule (its weight in
             # that layer's parameters and state dict too)
             object.__setattr__(previous, "next_input_norm", self.input_layernorm)

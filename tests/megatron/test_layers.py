@@ -11,6 +11,7 @@ Each test spawns its processes once and checks many cases inside (process start-
 """
 import os
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -566,6 +567,14 @@ def _check_links_when_built(rank, world):
     assert links[0] is built[1].input_layernorm
     assert links[1] is None and links[2] is None                # another config; a gap in the numbers
     assert links[3] is built[4].input_layernorm and links[4] is None
+    # an MTP layer built next with the next number is not linked (megatron-core >= 0.19 passes is_mtp_layer; set here)
+    from overlap_tp.megatron import transformer_layer
+    mtp = build_module(spec, config=other, layer_number=7)
+    assert built[4].next_input_norm is mtp.input_layernorm      # as a decoder layer it would be
+    built[4].next_input_norm, mtp.is_mtp_layer = None, True
+    transformer_layer._last_built[0] = weakref.ref(built[4])
+    mtp._link_to_previous_built()
+    assert built[4].next_input_norm is None
     ps.destroy_model_parallel()
 
 
