@@ -1,10 +1,10 @@
-# The next session's second call (2 GPUs; ~5 min), written in session 25: why the NCCL-signaled layer hides none of
+# The next session's second call (2 GPUs; ~9 min), written in session 25: why the NCCL-signaled layer hides none of
 # the communication at the high-communication proxy (s25: mid layer, NCCL_P2P_DISABLE=1, signal 1.026x of Megatron's
 # layer where communication is 61% of it). One replay of each captured graph profiled (torch.profiler), rank 0's
 # summarised: exposed communication vs compute vs idle, and the kernels (NCCL's SHM kernels beside the signaled GEMM:
 # do they run at once, or queue behind it?). NCCL's INFO lines say the channels it uses over SHM.
 source docs/perf/scripts/setup_device.sh
-export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=420
+export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=580
 workdir s26_2
 export CUDA_VISIBLE_DEVICES=0,1
 step prof_proxy 200 env NCCL_P2P_DISABLE=1 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING torchrun --nproc-per-node 2 \
@@ -18,3 +18,13 @@ python3 $REPO/docs/perf/scripts/trace_summary.py --steps 3 $W/prof/*_graph_rank0
 step smoke_ceiling 120 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models smoke --seq 2048 \
   --micro-batch 2 --configs megatron,nocomm,signal-p2p,decompose-p2p --reps 40 --rounds 6 --out $W --name layer_smoke_t2
 grep -E "^\| smoke " $W/layer_smoke_t2.md | cut -c1-200
+# Issue 25's loss parity, sharper: mixtral-proxy is not deterministic (two off runs differed by up to 12% at
+# iteration 13, s25), so parity could only be read within that spread. Under --deterministic-mode, off twice (the
+# same numbers expected) and the dense overlap alone (session 25: bitwise equal to off at iterations 1-2, where
+# off was still equal to itself): is the dense overlap bitwise equal to off for 20 iterations?
+M="NUM_LAYERS=4 TRAIN_ITERS=20 GBS=4 LOG_INTERVAL=1"
+D="--deterministic-mode --no-overlap-tp-stats"
+train mixtral-det-off-a 100 OVERLAP=off $M -- $REPO/recipes/mixtral-proxy.sh $D
+train mixtral-det-off-b 80 OVERLAP=off $M -- $REPO/recipes/mixtral-proxy.sh $D
+train mixtral-det-dense 90 OVERLAP=signal $M -- $REPO/recipes/mixtral-proxy.sh $D --overlap-moe off
+python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 6 $W/mixtral-det-*/train.log | sed "s#$W/##" | tee $W/mixtral_det.md
