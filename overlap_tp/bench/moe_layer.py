@@ -127,6 +127,9 @@ def force_routing(layer, *offsets):
     return calls   # calls[0] = 0 restarts the cycle
 
 
+VARIANT_FIELDS = {"g": "groups", "sm": "comm_sms"}   # a --methods entry's changes (variant_config)
+
+
 def variant_config(name: str):
     """The expert ops' config of a --methods entry: a method, or signal-p2p / decompose-p2p (the method on the p2p
     transport, whose GEMMs get every SM: comm_sms 0, as --overlap-moe-transport p2p sets); then optional
@@ -143,8 +146,6 @@ def variant_config(name: str):
         config = dataclasses.replace(config, **{VARIANT_FIELDS[match[1]]: int(match[2])})
     return config
 
-
-VARIANT_FIELDS = {"g": "groups", "sm": "comm_sms"}   # a --methods entry's changes (variant_config)
 
 
 def bench_shape(tokens, routing, args, group):

@@ -13,8 +13,6 @@ Anything that decides whether a collective runs (a candidate's check, an optiona
 across ranks first, so a rank-local failure cannot leave the others waiting in a collective.
 """
 import dataclasses
-import functools
-import inspect
 from typing import Dict, Iterable, Optional, Sequence
 
 import torch
@@ -74,31 +72,23 @@ def _run(shape: Shape):
     return {"rs": gemm_rs, "ar": gemm_ar, "ag": ag_gemm}[shape.op]
 
 
-def _leaves_rng_as_found(measurement):
-    """The measurement's random operands come from the CPU and `device` generators, whose states are put back after
-    it: a run's random streams (dropout, router jitter on the default generator) must not depend on whether, or when,
-    the tuner measured (under --overlap-tp auto it does so in training, at a shape's first call)."""
-    signature = inspect.signature(measurement)
-
-    @functools.wraps(measurement)
-    def measured(*args, **kwargs):
-        device = torch.device(signature.bind(*args, **kwargs).arguments["device"])
-        cuda = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            return measurement(*args, **kwargs)
-    return measured
+def _rng_left_as_found(device):
+    """Around a measurement: its random operands come from the CPU and `device` generators, whose states are put back
+    after it. A run's random streams (dropout, router jitter on the default generator) must not depend on whether, or
+    when, the tuner measured (under --overlap-tp auto it does so in training, at a shape's first call)."""
+    device = torch.device(device)
+    cuda = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
+    return torch.random.fork_rng(devices=cuda)
 
 
-@_leaves_rng_as_found
 def end_to_end(shape: Shape, configs: Iterable[OverlapConfig], group, device, *, reps: int = 20,
                sets=None, errors: Optional[Dict[str, str]] = None) -> Dict[str, float]:
     """label -> ms (slowest rank's median) of each config through the public op. A config that raises a
     ValueError/NotImplementedError (on every rank alike: it cannot run this shape) or disagrees with
     method='off' (relative error >= 1e-2 on any rank) is left out and named in `errors`."""
-    sets = sets or _inputs(shape, device)
-    run = _run(shape)
-    with transient_plans():   # the candidates' plans (and their buffers) do not outlive the measurement
-        return _end_to_end(shape, configs, group, device, reps, sets, errors, run)
+    # the candidates' plans (and their buffers) do not outlive the measurement
+    with _rng_left_as_found(device), transient_plans():
+        return _end_to_end(shape, configs, group, device, reps, sets or _inputs(shape, device), errors, _run(shape))
 
 
 def _end_to_end(shape, configs, group, device, reps, sets, errors, run):
@@ -192,10 +182,14 @@ def _p2p_pull_curve(shape: Shape, group, device, reps, points):
     return pts
 
 
-@_leaves_rng_as_found
 def curves(shape: Shape, group, device, base: OverlapConfig = OverlapConfig(), *, reps: int = 20,
            comm_sms: Sequence[int] = COMM_SMS, points: int = CURVE_POINTS, direct: bool = True) -> Measurements:
     """Everything predict() needs for `shape`; identical on every rank."""
+    with _rng_left_as_found(device):
+        return _curves(shape, group, device, base, reps, comm_sms, points, direct)
+
+
+def _curves(shape, group, device, base, reps, comm_sms, points, direct):
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     sets = _inputs(shape, device)
     a, w = sets[0]
