@@ -23,6 +23,7 @@ import argparse
 import dataclasses
 import os
 import re
+import time
 
 import torch
 import torch.distributed as dist
@@ -192,6 +193,20 @@ def bench_shape(tokens, routing, args, group):
             calls += 1
         if trial is not None:
             row["auto_chose"] = trial.chosen
+    # every routing once per variant, untimed, before the rounds: a routing's first step can compile a new kernel
+    # specialization (Triton specializes integer arguments on == 1 and divisibility by 16, a bounded set per op that
+    # training pays once), which in session 26 put one round of Zipf's at 0.11-0.15x; its cost is reported apart
+    # (first_<variant>: ms per step of this pass, the slowest rank's), not mixed into the timed medians
+    for name, layer in variants.items():
+        cycles[name][0] = 0
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for k in range(args.routings):
+            step(layer)(*sets[k % len(sets)])
+        torch.cuda.synchronize()
+        elapsed = torch.tensor([(time.perf_counter() - start) * 1e3 / args.routings], device="cuda")
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        row[f"first_{name}"] = elapsed.item()
     # every variant's steps spread over interleaved rounds (each round times every variant in turn), so a drift of
     # the machine during the run moves all of them alike; the per-round ratios give the comparison's noise. Each
     # variant's round starts at the same routing, so within a round every variant runs the same routings.
@@ -243,6 +258,7 @@ def columns(methods, profiled=False):
             ("megatron", "Megatron MoELayer", "{:.3f}")]
     cols += [(m, f"ours {m}", "{:.3f}") for m in methods] + [(f"S_{m}", f"S {m}", "{:.2f}") for m in methods]
     cols += [(f"S_{m}_rounds", f"S {m} per round", "{}") for m in methods]
+    cols += [(f"first_{m}", f"first pass {m}", "{:.1f}") for m in ["megatron"] + list(methods)]
     if "signal" in methods and "off" in methods:
         cols.append(("signal_vs_off", "off / signal", "{:.2f}"))
     if "auto" in methods:
@@ -282,7 +298,9 @@ def main(argv):
                  f"Megatron / ours with method m. Megatron's experts: {rows[0]['megatron_experts']}. rows max / "
                  f"imbalance: the most rows one rank's experts receive and its ratio to the mean. GPU busy (with "
                  f"--profile): kernel and copy time per step, summed over streams (wall time minus it: the GPU idle or "
-                 f"waiting on the host). EP = 1: no all-to-all, the times are the paths' own costs.")
+                 f"waiting on the host). first pass m: ms per step of one untimed pass over every routing before "
+                 f"the timed rounds (kernel compiles of new specializations included). EP = 1: no all-to-all, the "
+                 f"times are the paths' own costs.")
         command = f"torchrun --nproc-per-node {ep} -m overlap_tp.bench moe_layer " + " ".join(argv)
         if args.routings > 1:
             notes += f" {args.routings} routings cycled step by step (new expert plans every step, as in training)."
