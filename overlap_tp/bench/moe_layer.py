@@ -20,6 +20,8 @@ the experts, or rank 0's experts only); the router still computes its logits, pr
 Every variant's output is checked against Megatron's first.
 """
 import argparse
+import collections
+import contextlib
 import dataclasses
 import os
 import re
@@ -196,17 +198,20 @@ def bench_shape(tokens, routing, args, group):
     # every routing once per variant, untimed, before the rounds: a routing's first step can compile a new kernel
     # specialization (Triton specializes integer arguments on == 1 and divisibility by 16, a bounded set per op that
     # training pays once), which in session 26 put one round of Zipf's at 0.11-0.15x; its cost is reported apart
-    # (first_<variant>: ms per step of this pass, the slowest rank's), not mixed into the timed medians
+    # (first_<variant>: ms per step of this pass, the slowest rank's; compiles_<variant>: the Triton kernels this
+    # rank compiled in it, by name), not mixed into the timed medians
     for name, layer in variants.items():
         cycles[name][0] = 0
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for k in range(args.routings):
-            step(layer)(*sets[k % len(sets)])
-        torch.cuda.synchronize()
+        with triton_compiles() as compiled:
+            for k in range(args.routings):
+                step(layer)(*sets[k % len(sets)])
+            torch.cuda.synchronize()
         elapsed = torch.tensor([(time.perf_counter() - start) * 1e3 / args.routings], device="cuda")
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         row[f"first_{name}"] = elapsed.item()
+        row[f"compiles_{name}"] = ", ".join(f"{kernel} x{n}" for kernel, n in sorted(compiled.items())) or "none"
     # every variant's steps spread over interleaved rounds (each round times every variant in turn), so a drift of
     # the machine during the run moves all of them alike; the per-round ratios give the comparison's noise. Each
     # variant's round starts at the same routing, so within a round every variant runs the same routings.
@@ -230,6 +235,33 @@ def bench_shape(tokens, routing, args, group):
     if "signal" in row and "off" in row:
         row["signal_vs_off"] = row["off"] / row["signal"]
     return row
+
+
+@contextlib.contextmanager
+def triton_compiles():
+    """{kernel name: compiles} of the Triton kernels this process compiles inside the block (Triton's
+    knobs.runtime.jit_post_compile_hook, which runs once per new specialization; a kernel found in Triton's disk
+    cache counts too: it is still a new specialization in this process). Empty where Triton has no such hook."""
+    counts = collections.Counter()
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+        previous = runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        yield counts
+        return
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        counts[getattr(fn, "name", None) or str(fn)] += 1
+        if previous is not None:
+            previous(*args, **kwargs)
+
+    runtime.jit_post_compile_hook = hook
+    try:
+        yield counts
+    finally:
+        runtime.jit_post_compile_hook = previous
 
 
 def profile_steps(run, sets, path, steps=3):
@@ -259,6 +291,7 @@ def columns(methods, profiled=False):
     cols += [(m, f"ours {m}", "{:.3f}") for m in methods] + [(f"S_{m}", f"S {m}", "{:.2f}") for m in methods]
     cols += [(f"S_{m}_rounds", f"S {m} per round", "{}") for m in methods]
     cols += [(f"first_{m}", f"first pass {m}", "{:.1f}") for m in ["megatron"] + list(methods)]
+    cols += [(f"compiles_{m}", f"first pass compiles {m}", "{}") for m in methods]
     if "signal" in methods and "off" in methods:
         cols.append(("signal_vs_off", "off / signal", "{:.2f}"))
     if "auto" in methods:
@@ -299,8 +332,8 @@ def main(argv):
                  f"imbalance: the most rows one rank's experts receive and its ratio to the mean. GPU busy (with "
                  f"--profile): kernel and copy time per step, summed over streams (wall time minus it: the GPU idle or "
                  f"waiting on the host). first pass m: ms per step of one untimed pass over every routing before "
-                 f"the timed rounds (kernel compiles of new specializations included). EP = 1: no all-to-all, the "
-                 f"times are the paths' own costs.")
+                 f"the timed rounds (kernel compiles of new specializations included; first pass compiles m: the "
+                 f"Triton kernels rank 0 compiled in it). EP = 1: no all-to-all, the times are the paths' own costs.")
         command = f"torchrun --nproc-per-node {ep} -m overlap_tp.bench moe_layer " + " ".join(argv)
         if args.routings > 1:
             notes += f" {args.routings} routings cycled step by step (new expert plans every step, as in training)."
