@@ -2,7 +2,8 @@
 # start-up + 12 eager iterations (~50 s) + the watchdog (20 s) + torchrun's shutdown (<= 40 s) + the script's margin
 # (15 s) can take; it was cut while waiting and left no log. Now 220 s, and its working folder (no checkpoints: no
 # --save in the stall run) inside the packed workdir so the training log comes back either way.
-# 2. Issue 25's Zipf figure at the proxy: run_s26_3.sh's sweep of the expert ops' groups and comm SMs.
+# 2. Issue 25's Zipf figure at the proxy (s22: 1.13x, target 1.15x): the expert ops' groups and comm SMs swept
+#    (bench moe_layer's .gN / .smN variants; `signal` is the launchers' groups=2, comm_sms=4), both routings.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=580
 workdir s26_4

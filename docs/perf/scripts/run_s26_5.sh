@@ -1,5 +1,10 @@
-# Session 26's third call (2 GPUs; ~9 min): issue 25's ops figure at the proxy (run_s26_3.sh's second step), then
-# run_s26_2.sh's first two steps (issue 22's profile of the proxy mid layer; issue 21's smoke-layer ceiling).
+# Session 26's third call (2 GPUs; ~9 min), steps written in session 25 (run_s26_2.sh, run_s26_3.sh):
+# 1. Issue 25's ops figure at the proxy (median % of ideal >= 50%), not measured since session 13.
+# 2. Issue 22: why the NCCL-signaled layer hides none of the communication at the high-communication proxy (s25: mid
+#    layer, NCCL_P2P_DISABLE=1, signal 1.026x of Megatron's layer): one replay of each captured graph profiled,
+#    rank 0's summarised (exposed communication, compute, idle, kernels); NCCL's INFO lines give its channels.
+# 3. Issue 21: the smoke layer's no-communication ceiling at TP 2 under graphs.
+# 4. Issue 25's loss parity under --deterministic-mode (off twice, the dense overlap alone), where time is left.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=585
 workdir s26_5
