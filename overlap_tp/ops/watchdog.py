@@ -142,7 +142,11 @@ class Watchdog:
 
     def _fail(self, item: Watched):
         try:
-            state = "".join(f"; {name} {_read(words)}" for name, words in item.words)
+            read = [(name, _read(words)) for name, words in item.words]
+            state = "".join(f"; {name} {value}" for name, value in read)
+            if any(value is UNREADABLE for _, value in read) and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+                state += (" (with CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron sets it for sequence parallelism, every "
+                          "stream feeds one hardware queue, so a read waits behind the stuck wait)")
         except Exception as error:   # the report must never stop the process from ending
             state = f"; its words unreadable ({type(error).__name__}: {error})"
         _end(f"overlap_tp watchdog: {item.describe} did not complete within {self.timeout_s:g} s "
@@ -159,6 +163,9 @@ def _end(message: str):
     os._exit(EXIT_CODE)
 
 
+UNREADABLE = "unreadable"   # what _read reports for words whose read did not complete
+
+
 def _read(words: torch.Tensor):
     """Read device words on a fresh stream (the op's streams may be stuck); give up after 2 s."""
     with torch.cuda.device(words.device):
@@ -171,7 +178,7 @@ def _read(words: torch.Tensor):
         deadline = time.monotonic() + 2.0
         while not done.query():
             if time.monotonic() > deadline:
-                return "unreadable"
+                return UNREADABLE
             time.sleep(0.01)
         return unsigned_words(host)
 

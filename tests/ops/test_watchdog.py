@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from overlap_tp.ops import watchdog
 
 
@@ -157,3 +159,24 @@ def test_nothing_is_listed_when_the_watchdog_is_off():
     plan = watchdog.Watched("plan", event=FakeEvent())
     dog.record(plan, stream=0)
     assert dog.watched == [] and dog.thread is None
+
+
+@pytest.mark.parametrize("connections", ["1", "8", None])
+def test_words_stuck_behind_the_wait_are_explained_under_one_hardware_queue(monkeypatch, connections):
+    """Session 26's SIGSTOP run: every word read as unreadable, since with CUDA_DEVICE_MAX_CONNECTIONS=1 the read
+    queues behind the stuck wait; the message says so there, and only there."""
+    ended = []
+    monkeypatch.setattr(watchdog, "_read", lambda words: watchdog.UNREADABLE if words == "stuck" else [1, 0])
+    monkeypatch.setattr(watchdog, "_end", ended.append)
+    if connections is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", connections)
+    watchdog.Watchdog(5.0)._fail(watchdog.Watched("ag_gemm(M=8, N=8, K=8, t=2, signal/p2p)",
+                                                  (("ready flags", "stuck"), ("peer signals", "read")), event=object()))
+    assert "; ready flags unreadable; peer signals [1, 0]" in ended[0]
+    assert ("one hardware queue" in ended[0]) == (connections == "1")
+    ended.clear()
+    watchdog.Watchdog(5.0)._fail(watchdog.Watched("ag_gemm(M=8, N=8, K=8, t=2, signal/p2p)",
+                                                  (("peer signals", "read"),), event=object()))
+    assert "one hardware queue" not in ended[0]   # every word read: nothing to explain
