@@ -1,4 +1,4 @@
-# The next session's first call (2 GPUs; ~8 min), written in session 26. Pass the commit as a literal:
+# The next session's first call (2 GPUs; ~9 min), written in session 26. Pass the commit as a literal:
 # `COMMIT=<sha> bash docs/perf/scripts/run_s27_1.sh` (on the device `git rev-parse` read stale metadata in s26).
 # 1. Issue 25's Zipf figure at the proxy (s26: 1.145x, target 1.15x): the expert ops with 2 comm SMs, which bench
 #    moe's sweep found best on every proxy row (s26/moe_ops_proxy.md) and the layer sweep never tried; predicted
@@ -7,10 +7,14 @@
 # 3. Issue 21: the smoke layer gains 1/0.902 at TP 2 under graphs (s26/layer_smoke_t2.md; ~1.045x predicted end to
 #    end) while the recipe measured a tie (s20): one smoke step profiled off / signal under full_iteration graphs,
 #    rank 0, summarised per kernel class and kernel (where does the layer's gain go?).
+# 0. First (1 min): issue 20's host time per plan call at t = 2 on the H200 pair (after session 23's hot-path changes
+#    it was measured on H100 hosts only, where a bare torch.mm took 63-70 us of host time).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=585
 workdir s27_1
 export CUDA_VISIBLE_DEVICES=0,1
+step host_t2 60 torchrun --nproc-per-node 2 $REPO/docs/perf/scripts/probe_host_t1.py --rounds 10
+grep -v "^W1\|^\*\|Warning\|warn" $W/host_t2.out | head -30 | cut -c1-250
 V=signal,signal.sm2,signal.g4.sm2,signal.g8.sm2,off
 step moe_proxy_sm2 170 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 \
   --routings 8 --routing zipf,uniform --methods $V --reps 40 --rounds 8 --out $W --name moe_layer_proxy_sm2
