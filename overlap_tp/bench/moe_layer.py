@@ -199,10 +199,12 @@ def bench_shape(tokens, routing, args, group):
     # specialization (Triton specializes integer arguments on == 1 and divisibility by 16, a bounded set per op that
     # training pays once), which in session 26 put one round of Zipf's at 0.11-0.15x; its cost is reported apart
     # (first_<variant>: ms per step of this pass, the slowest rank's; compiles_<variant>: the Triton kernels this
-    # rank compiled in it, by name), not mixed into the timed medians
+    # rank compiled in it, by name; mallocs_<variant>: the caching allocator's device allocations in it, the other
+    # first-time cost of larger routings), not mixed into the timed medians
     for name, layer in variants.items():
         cycles[name][0] = 0
         torch.cuda.synchronize()
+        mallocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
         start = time.perf_counter()
         with triton_compiles() as compiled:
             for k in range(args.routings):
@@ -212,6 +214,7 @@ def bench_shape(tokens, routing, args, group):
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
         row[f"first_{name}"] = elapsed.item()
         row[f"compiles_{name}"] = ", ".join(f"{kernel} x{n}" for kernel, n in sorted(compiled.items())) or "none"
+        row[f"mallocs_{name}"] = torch.cuda.memory_stats().get("num_device_alloc", 0) - mallocs
     # every variant's steps spread over interleaved rounds (each round times every variant in turn), so a drift of
     # the machine during the run moves all of them alike; the per-round ratios give the comparison's noise. Each
     # variant's round starts at the same routing, so within a round every variant runs the same routings.
@@ -292,6 +295,7 @@ def columns(methods, profiled=False):
     cols += [(f"S_{m}_rounds", f"S {m} per round", "{}") for m in methods]
     cols += [(f"first_{m}", f"first pass {m}", "{:.1f}") for m in ["megatron"] + list(methods)]
     cols += [(f"compiles_{m}", f"first pass compiles {m}", "{}") for m in methods]
+    cols += [(f"mallocs_{m}", f"first pass mallocs {m}", "{}") for m in ["megatron"] + list(methods)]
     if "signal" in methods and "off" in methods:
         cols.append(("signal_vs_off", "off / signal", "{:.2f}"))
     if "auto" in methods:
@@ -333,7 +337,8 @@ def main(argv):
                  f"--profile): kernel and copy time per step, summed over streams (wall time minus it: the GPU idle or "
                  f"waiting on the host). first pass m: ms per step of one untimed pass over every routing before "
                  f"the timed rounds (kernel compiles of new specializations included; first pass compiles m: the "
-                 f"Triton kernels rank 0 compiled in it). EP = 1: no all-to-all, the times are the paths' own costs.")
+                 f"Triton kernels rank 0 compiled in it; first pass mallocs m: rank 0's caching-allocator device "
+                 f"allocations in it). EP = 1: no all-to-all, the times are the paths' own costs.")
         command = f"torchrun --nproc-per-node {ep} -m overlap_tp.bench moe_layer " + " ".join(argv)
         if args.routings > 1:
             notes += f" {args.routings} routings cycled step by step (new expert plans every step, as in training)."
