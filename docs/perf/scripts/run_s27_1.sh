@@ -2,7 +2,8 @@
 # `COMMIT=<sha> bash docs/perf/scripts/run_s27_1.sh` (on the device `git rev-parse` read stale metadata in s26).
 # 1. Issue 25's Zipf figure at the proxy (s26: 1.145x, target 1.15x): the expert ops with 2 comm SMs, which bench
 #    moe's sweep found best on every proxy row (s26/moe_ops_proxy.md) and the layer sweep never tried; predicted
-#    ~0.7 ms of 47.8 per layer step (Zipf ~1.16x). The first pass names the kernels a new routing compiles.
+#    ~0.7 ms of 47.8 per layer step (Zipf ~1.16x). The first pass names the kernels a new routing compiles
+#    and counts its device allocations (s26: signal 448 ms per step on Zipf, 48 warm; which of the two is it?).
 # 2. The same variants over NVLink: a new default must not lose there (s20: signal 0.97 / 1.00 of Megatron's).
 # 3. Issue 21: the smoke layer gains 1/0.902 at TP 2 under graphs (s26/layer_smoke_t2.md; ~1.045x predicted end to
 #    end) while the recipe measured a tie (s20): one smoke step profiled off / signal under full_iteration graphs,
