@@ -1,7 +1,10 @@
 # sourced by the run scripts: environment, carried wheels, the package installed, cwd /tmp
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1 OVERLAP_TP_WATCHDOG_S=30
 REPO=$PWD
-export OVERLAP_TP_GIT_COMMIT=${COMMIT:-${OVERLAP_TP_GIT_COMMIT:-unknown}}   # the commit benchmark records name: `COMMIT=<sha> bash <script>`
+# the commit benchmark records name: `COMMIT=<sha> bash <script>`, the sha written out on the calling machine (the
+# device's copy of the tree carries git metadata that did not follow later commits in session 26: `git rev-parse`
+# there named an older commit)
+export OVERLAP_TP_GIT_COMMIT=${COMMIT:-${OVERLAP_TP_GIT_COMMIT:-unknown}}
 rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | grep -v -i warn | tail -2
 export PYTHONPATH=/tmp/site
 python3 -m pip install --no-deps --no-build-isolation . -q 2>&1 | grep -v -i warning | tail -2
