@@ -61,7 +61,7 @@ def test_moe_layer_bench_variants_name_their_expert_config():
 def test_moe_layer_bench_counts_triton_compiles_by_kernel_and_restores_the_hook():
     knobs = pytest.importorskip("triton").knobs
     from overlap_tp.bench.moe_layer import triton_compiles
-    seen = []
+    seen, original = [], knobs.runtime.jit_post_compile_hook
     knobs.runtime.jit_post_compile_hook = earlier = lambda *a, **k: seen.append(k["fn"].name)
     try:
         fn = type("JitFunctionInfo", (), {"name": "signaled_gemm_kernel"})()
@@ -74,4 +74,4 @@ def test_moe_layer_bench_counts_triton_compiles_by_kernel_and_restores_the_hook(
         assert seen == ["signaled_gemm_kernel", "peer_pull_kernel", "signaled_gemm_kernel"]   # chained
         assert knobs.runtime.jit_post_compile_hook is earlier   # put back
     finally:
-        knobs.runtime.jit_post_compile_hook = None
+        knobs.runtime.jit_post_compile_hook = original
