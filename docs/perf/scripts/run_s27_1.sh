@@ -18,10 +18,10 @@ step host_t2 60 torchrun --nproc-per-node 2 $REPO/docs/perf/scripts/probe_host_t
 grep -v "^W1\|^\*\|Warning\|warn" $W/host_t2.out | head -30 | cut -c1-250
 V=signal,signal.sm2,signal.g4.sm2,signal.g8.sm2,off
 step moe_proxy_sm2 170 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 \
-  --routings 8 --routing zipf,uniform --methods $V --reps 40 --rounds 8 --out $W --name moe_layer_proxy_sm2
+  --routings 8 --routing zipf,uniform --methods $V --reps 32 --rounds 8 --out $W --name moe_layer_proxy_sm2
 grep -E "^\| " $W/moe_layer_proxy_sm2.md | cut -c1-500
 step moe_nvlink_sm2 150 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 \
-  --routings 8 --routing zipf,uniform --methods $V --reps 40 --rounds 8 --out $W --name moe_layer_nvlink_sm2
+  --routings 8 --routing zipf,uniform --methods $V --reps 32 --rounds 8 --out $W --name moe_layer_nvlink_sm2
 grep -E "^\| " $W/moe_layer_nvlink_sm2.md | cut -c1-500
 for mode in off signal; do
   train smoke-$mode-prof 90 OVERLAP=$mode TRAIN_ITERS=24 -- $REPO/recipes/smoke.sh \
