@@ -12,16 +12,18 @@
 Methods (OverlapConfig.method):
   off        torch.distributed's all-gather, then cuBLAS (Megatron's path; the reference under gloo).
   decompose  the local rows' GEMM first, while the comm stream gathers the peers' rows in `chunks`
-             row ranges; each chunk's cuBLAS GEMM waits for its chunk only. Transports: `nccl` (in-place
-             broadcasts, as below) or `p2p` (the copy engines' pulls, as below; the local GEMM reads the shard
+             row ranges; each chunk's cuBLAS GEMM waits for its chunk only. Transports: `nccl` (sends and
+             receives into place, as below) or `p2p` (the copy engines' pulls, as below; the local GEMM reads the shard
              itself, so it waits for no copy, and no SM or Triton GEMM is involved).
   signal     one persistent Triton GEMM (kernels/signaled_gemm.py) over a tile plan (tile_plan.ag_plan) that
              computes the local rows first, with no wait, then every chunk of the peers' rows; before a
              chunk's first load a CTA spins (acquire) on the chunk's ready flag, which the comm stream
              raises (to 1) once the chunk's transfer completed; after the GEMM the caller's stream lowers the
              flags again (0), so every call and every graph replay waits for the same value. Transports:
-               nccl  per chunk, one ncclBroadcast per rank in a group call, straight into place; the GEMM
-                     leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it).
+               nccl  per chunk, this rank's rows sent to every peer and theirs received, one NCCL group call,
+                     straight into place (nccl.Communicator.all_gather_rows_at says why not broadcasts); the
+                     GEMM leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it). The
+                     peers are connected when the plan is built (a first send beside the spinning GEMM hung).
                p2p   copy-engine pulls from the peers' regions of their symmetric gathered buffers into ours
                      (ops/p2p.py GatherBuffer, one per shard shape): no SM spent on communication (ConCCL/FiCCO),
                      and the shard is copied once, into our region, where the GEMM and the peers read it. With
@@ -98,15 +100,15 @@ class AgGemm(OpPlan):
                 else:
                     self._transfers = self._pull_chunks
             else:
-                self.coll = comm.collectives(self.group, device, config.comm_sms)
+                self.coll = comm.exchange_collectives(self.group, device, config.comm_sms)
                 self._run = self._run_signaled
-                # a raw NCCL communicator takes addresses: per chunk, every root's rows of the gathered buffer as
+                # a raw NCCL communicator takes addresses: per chunk, every rank's rows of the gathered buffer as
                 # (byte offset, elements), made once (no region or row views per call)
-                self._broadcasts = None
+                self._spans = None
                 if hasattr(self.coll, "all_gather_rows_at"):
                     from overlap_tp.ops.nccl import gather_spans   # as comm.collectives: NCCL's module on CUDA only
-                    self._broadcasts = tuple(gather_spans(t, m, k, torch.finfo(dtype).bits // 8, lo, hi)
-                                             for lo, hi in self.chunks)
+                    self._spans = tuple(gather_spans(t, m, k, torch.finfo(dtype).bits // 8, lo, hi)
+                                        for lo, hi in self.chunks)
         elif self.method == "decompose":
             if config.transport == "p2p":
                 if device.type != "cuda":
@@ -114,7 +116,7 @@ class AgGemm(OpPlan):
                 self._pull_into_gather_buffer()
                 self._run = self._pulled_decomposed
             else:
-                self.coll = comm.collectives(self.group, device, config.comm_sms)
+                self.coll = comm.exchange_collectives(self.group, device, config.comm_sms)
                 self._run = self._run_decomposed
             self.bounds = chunk_bounds(m, config.chunks)
             self.engine = comm.comm_engine(device)
@@ -160,7 +162,7 @@ class AgGemm(OpPlan):
 
     def _decomposed(self, a_shard, w, gathered, out):
         """The local rows' cuBLAS GEMM at once; chunk c's rows gathered on the comm stream, then its GEMM.
-        One fork, after the local shard's copy (the in-place broadcasts send this rank's rows from `gathered`)
+        One fork, after the local shard's copy (the transfers send this rank's rows from `gathered`)
         and before the local GEMM: no gather waits for a GEMM (a fork per chunk made chunk c's gather wait for
         chunk c-1's GEMM: no overlap at all)."""
         t, rank, engine = self.t, self.rank, self.engine
@@ -185,7 +187,7 @@ class AgGemm(OpPlan):
 
     def _signaled(self, a_shard, w, bias, gathered, out):
         """The persistent GEMM over the plan: local rows at once, each peer chunk behind its ready flag, which
-        the comm stream raises after the chunk's NCCL broadcasts."""
+        the comm stream raises after the chunk's NCCL sends and receives."""
         engine, current = self.engine, None
         if engine.stream is None:
             gathered.narrow(0, self.rank * self.m, self.m).copy_(a_shard)
@@ -194,11 +196,11 @@ class AgGemm(OpPlan):
             current = engine.current()
             memops.copy(current, gathered.data_ptr() + self.rank * nbytes, a_shard.data_ptr(), nbytes)
 
-        if self._broadcasts is not None:   # the raw communicator (CUDA): each chunk's broadcasts by address
+        if self._spans is not None:   # the raw communicator (CUDA): each chunk's transfers by address
             coll, base, dtype = self.coll, gathered.data_ptr(), gathered.dtype
 
             def transfers(stream):
-                for spans, flag in zip(self._broadcasts, self.ready.addresses):
+                for spans, flag in zip(self._spans, self.ready.addresses):
                     coll.all_gather_rows_at(base, spans, dtype, stream)
                     memops.write_value(stream, flag, READY)   # engine.raise_flag, the address looked up once
         else:

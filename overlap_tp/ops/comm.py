@@ -136,8 +136,9 @@ def collectives(group, device: torch.device, max_ctas: int):
 
 
 def exchange_collectives(group, device: torch.device, max_ctas: int):
-    """collectives() for the MoE exchanges (NCCL send / receive), with NCCL's peer connections made before the
-    first exchange (Communicator.connect_peers says why). Called by every rank of the group at the same op."""
+    """collectives() for the ops that send and receive through NCCL (the MoE exchanges, the AllGather+GEMM's
+    chunks), with NCCL's peer connections made before the first exchange (Communicator.connect_peers says why).
+    Called by every rank of the group at the same op."""
     coll = collectives(group, device, max_ctas)
     coll.connect_peers()
     return coll

@@ -56,8 +56,6 @@ def library():
                       ctypes.c_void_p]
         lib.ncclReduceScatter.argtypes = collective
         lib.ncclAllReduce.argtypes = collective
-        lib.ncclBroadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                      ctypes.c_void_p, ctypes.c_void_p]
         point_to_point = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.ncclSend.argtypes = point_to_point
         lib.ncclRecv.argtypes = point_to_point
@@ -71,8 +69,8 @@ def _check(result, what):
 
 
 def gather_spans(world: int, rows: int, cols: int, elem_bytes: int, lo: int, hi: int):
-    """Where rows [lo, hi) of every root's region of a gathered [world * rows, cols] buffer lie, as (byte offset from
-    the buffer, elements) per root: what all_gather_rows_at broadcasts."""
+    """Where rows [lo, hi) of every rank's region of a gathered [world * rows, cols] buffer lie, as (byte offset from
+    the buffer, elements) per rank: what all_gather_rows_at sends (its own) and receives (the peers')."""
     row_bytes = cols * elem_bytes
     return tuple(((root * rows + lo) * row_bytes, (hi - lo) * cols) for root in range(world))
 
@@ -95,7 +93,7 @@ class Communicator:
         # No thread-block clusters: NCCL's default on Hopper launches clusters of CTAs, which must be
         # co-scheduled within one GPC. Next to a persistent GEMM that holds all but `max_ctas` SMs, the
         # free SMs are scattered over GPCs and a cluster may never fit; an AllGather+GEMM whose CTAs
-        # spin on the broadcast's ready flags then hangs (seen on the H200 pair: docs/perf/README.md, earlier records: ag_gemm).
+        # spin on the transfers' ready flags then hangs (seen on the H200 pair: docs/perf/README.md, earlier records: ag_gemm).
         config.cgaClusterSize = 1
         self.comm = ctypes.c_void_p()
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -108,15 +106,16 @@ class Communicator:
 
     def connect_peers(self):
         """Make NCCL's send/receive connections to every peer now, with one element each way and a wait, once per
-        communicator; every rank of the group calls it at the same point (its first MoE exchange). NCCL connects a
-        peer pair at its first send/receive, and that setup waits for the device: at the first signaled dispatch,
-        beside a persistent GEMM whose tiles spin until the exchange raises their flags, it never returned (session
-        23: mixtral-proxy with the overlap on hung in ncclGroupEnd at its first iteration)."""
+        communicator; every rank of the group calls it at the same point (when a plan that sends and receives is
+        built: an MoE exchange's, an AllGather+GEMM's over NCCL). NCCL connects a peer pair at its first
+        send/receive, and that setup waits for the device: at the first signaled dispatch, beside a persistent GEMM
+        whose tiles spin until the exchange raises their flags, it never returned (session 23: mixtral-proxy with the
+        overlap on hung in ncclGroupEnd at its first iteration)."""
         if self._peers_connected:
             return
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("overlap_tp: the first MoE exchange of a communicator was captured into a CUDA graph; "
-                               "NCCL's peer connections are made (with a wait) at the first exchange: run one step "
+            raise RuntimeError("overlap_tp: the first send/receive exchange of a communicator was captured into a "
+                               "CUDA graph; NCCL's peer connections are made (with a wait) before it: run one step "
                                "eagerly before capture (Megatron's warmup iterations do)")
         peers = [p for p in range(self.world) if p != self.rank]
         sent = torch.zeros(self.world, dtype=torch.float32, device=torch.device("cuda", self.device_index))
@@ -152,23 +151,33 @@ class Communicator:
 
     def all_gather_rows(self, gathered: torch.Tensor, src: torch.Tensor, lo: int, hi: int, stream=None):
         """On `stream` (default: the current one): rows [lo, hi) of every rank's shard into the same rows of
-        that rank's region of `gathered` [t * rows, K], in place (one broadcast per root in one NCCL group
-        call), so the rows land in the standard order with no staging copy. This rank's own rows are expected
-        to be in `gathered` already (in-place broadcast); `src` is checked to be this rank's shard shape."""
+        that rank's region of `gathered` [t * rows, K], in place (all_gather_rows_at), so the rows land in the
+        standard order with no staging copy. This rank's own rows are expected to be in `gathered` already (they
+        are sent from there); `src` is checked to be this rank's shard shape. The peers must be connected
+        (connect_peers) before the first call beside a GEMM that waits for these rows."""
         rows, cols = gathered.shape[0] // self.world, gathered.shape[1]
         assert src.shape == (rows, cols), (src.shape, (rows, cols))
         self.all_gather_rows_at(gathered.data_ptr(), gather_spans(self.world, rows, cols, gathered.element_size(),
                                                                   lo, hi), gathered.dtype, self._stream(stream))
 
     def all_gather_rows_at(self, base: int, spans, dtype: torch.dtype, stream: int):
-        """all_gather_rows on device addresses: spans[root] = (byte offset from `base`, elements) of root's rows of
-        the gathered buffer, broadcast in place from root, one NCCL group call (AgGemm's chunks: the spans are made
-        once per plan, no region or row view per call)."""
-        lib, nccl_dtype = library(), NCCL_DTYPES[dtype]
+        """all_gather_rows on device addresses: spans[rank] = (byte offset from `base`, elements) of that rank's rows
+        of the gathered buffer; this rank's span is sent to every peer and every peer's span received into place, in
+        one NCCL group call (AgGemm's chunks: the spans are made once per plan, no region or row view per call).
+
+        Sends and receives, not one in-place ncclBroadcast per root: NCCL ran a group's broadcasts one after the
+        other, each moving its root's rows in one direction only, so every link was idle one way half the time.
+        Session 26's trace of the mid-size layer over NCCL's SHM transport: each broadcast of a chunk took as long
+        as Megatron's AllGather of twice the rows (250 against 518 us), the AllGather+GEMM's transfers twice
+        Megatron's. A group's sends and receives run at once, both directions busy, as in NCCL's own AllGather."""
+        lib, nccl_dtype, comm = library(), NCCL_DTYPES[dtype], self.comm
+        own_offset, own_count = spans[self.rank]
         _check(lib.ncclGroupStart(), "ncclGroupStart")
-        for root, (offset, count) in enumerate(spans):
-            _check(lib.ncclBroadcast(base + offset, base + offset, count, nccl_dtype, root, self.comm, stream),
-                   "ncclBroadcast")
+        for peer in range(self.world):
+            if peer != self.rank:
+                offset, count = spans[peer]
+                _check(lib.ncclSend(base + own_offset, own_count, nccl_dtype, peer, comm, stream), "ncclSend")
+                _check(lib.ncclRecv(base + offset, count, nccl_dtype, peer, comm, stream), "ncclRecv")
         _check(lib.ncclGroupEnd(), "ncclGroupEnd")
 
     def exchange(self, sends, recvs, stream=None):

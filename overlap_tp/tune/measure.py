@@ -137,7 +137,8 @@ def _sizes(total_rows: int, points: int):
 def _comm_curve(shape: Shape, kind: str, cap: int, group, device, reps, points):
     """[(bytes, ms)] of the collective of `kind` on the communicator capped at `cap` CTAs."""
     dtype, t, eb = getattr(torch, shape.dtype), shape.t, shape.elem_bytes
-    coll = comm.collectives(group, device, cap)
+    # the AllGather's chunks are NCCL sends and receives: their peers connected first, as an AgGemm plan does
+    coll = (comm.exchange_collectives if kind == "ag" else comm.collectives)(group, device, cap)
     pts = []
     if kind == "rs":
         for r in _sizes(shape.m_local, points):

@@ -154,6 +154,7 @@ def install():
             c.comm, c.rank, c.world, c.device_index = ctypes.c_void_p(), dist.get_rank(group), \
                 dist.get_world_size(group), None
             c._reduce_scatter, c._all_reduce = _ok, _ok
+            c._peers_connected = True   # the peer connections a plan makes when built (connect_peers): not per call
             communicators[group, max_ctas] = c
         return communicators[group, max_ctas]
     comm.collectives = collectives
