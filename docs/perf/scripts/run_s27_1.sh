@@ -4,7 +4,7 @@
 #    measured on H100 hosts only, where a bare torch.mm took 63-70 us of host time).
 # 1. Issue 22: the AllGather+GEMM over NCCL sends and receives each chunk (4aa44be; before, one broadcast per root,
 #    run one after the other): its GPU tests, then the mid layer at the proxy (s26: signal 0.999 of Megatron's;
-#    predicted ~0.86: the forward AllGathers' 1.99 ms -> ~1.0 per step) and over NVLink (s25: signal 1.004).
+#    predicted ~0.86: the forward AllGathers' 1.99 ms -> ~1.0 per step), and the broadcasts' tree beside it.
 # 2. Issue 25's Zipf figure at the proxy (s26: 1.145x, target 1.15x): the expert ops with 2 comm SMs, which bench
 #    moe's sweep found best on every proxy row (s26/moe_ops_proxy.md) and the layer sweep never tried; predicted
 #    ~0.7 ms of 47.8 per layer step (Zipf ~1.16x). The first pass names the kernels a new routing compiles
@@ -22,9 +22,15 @@ grep -E "PASSED|FAILED|ERROR|passed|failed" $W/ag_nccl_tests.out | grep -v "^\.\
 step mid_proxy 110 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models mid \
   --seq 4096 --configs megatron,nocomm,signal,decompose --reps 20 --rounds 4 --out $W --name layer_mid_proxy
 grep -E "^\| mid " $W/layer_mid_proxy.md | cut -c1-200
-step mid_nvlink 90 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --graphs --models mid \
-  --seq 4096 --configs megatron,nocomm,signal,signal-p2p --reps 20 --rounds 4 --out $W --name layer_mid_nvlink
-grep -E "^\| mid " $W/layer_mid_nvlink.md | cut -c1-200
+# the same with the broadcasts (the tree before 4aa44be, carried as .ab/old: `mkdir -p .ab/old && git archive
+# 4aa44be~1 | tar -x -C .ab/old`, run with carry [".whl", ".ab"]): signal / megatron of both runs side by side
+if [[ -d $REPO/.ab/old ]]; then
+  rm -rf /tmp/old && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/old $REPO/.ab/old 2>&1 | tail -1
+  step mid_proxy_old 100 env PYTHONPATH=/tmp/old:/tmp/site NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 \
+    -m overlap_tp.bench layer --graphs --models mid --seq 4096 --configs megatron,signal --reps 20 --rounds 4 \
+    --out $W --name layer_mid_proxy_old
+  grep -E "^\| mid " $W/layer_mid_proxy_old.md | cut -c1-200
+fi
 V=signal,signal.sm2,signal.g4.sm2,signal.g8.sm2,off
 step moe_proxy_sm2 170 env NCCL_P2P_DISABLE=1 torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --tokens 8192 \
   --routings 8 --routing zipf,uniform --methods $V --reps 32 --rounds 8 --out $W --name moe_layer_proxy_sm2
