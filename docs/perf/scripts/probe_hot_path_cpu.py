@@ -17,7 +17,8 @@
 # NCCL, kernel launches, cuBLAS), and the Python function calls per call (cProfile's count, builtins included: the
 # measure that does not depend on the host's speed; --profile prints the top functions by own time).
 # Both ranks run the same calls at t = 2 (spawned here, gloo; rank 0 prints); the calls never communicate.
-#   python docs/perf/scripts/probe_hot_path_cpu.py [--t 1|2] [--calls 2000] [--reps 7] [--profile] [--label TEXT]
+#   python docs/perf/scripts/probe_hot_path_cpu.py [--t 1|2] [--calls 2000] [--reps 7] [--profile] [--names]
+#                                                   [--label TEXT]
 import argparse, contextlib, cProfile, ctypes, os, pstats, statistics, sys, tempfile, time
 from types import SimpleNamespace
 
@@ -29,12 +30,15 @@ parser.add_argument("--t", type=int, default=1)
 parser.add_argument("--calls", type=int, default=2000)
 parser.add_argument("--reps", type=int, default=7)
 parser.add_argument("--profile", action="store_true")
+parser.add_argument("--names", action="store_true", help="also the stubbed driver / NCCL entry points per plan call")
 parser.add_argument("--label", default="")
 parser.add_argument("--only", default="", help="comma-separated case names")
 ARGS = parser.parse_args()
 
 CPU = torch.device("cpu")
 COUNT = {"driver": 0}
+NAMES = {}   # entry point -> calls, while counted() runs (the timed runs count nothing by name)
+COUNTING = [False]
 
 
 def _ok(*args):
@@ -43,11 +47,16 @@ def _ok(*args):
 
 
 class FakeLib:
-    """libcuda and libnccl: every entry point a no-op returning success (counted)."""
+    """libcuda and libnccl: every entry point a no-op returning success (counted; by name inside counted())."""
 
     def __getattr__(self, name):
-        setattr(self, name, _ok)
-        return _ok
+        def entry(*args):   # one Python call per driver call, as _ok: the count of Python calls stays comparable
+            COUNT["driver"] += 1
+            if COUNTING[0]:
+                NAMES[name] = NAMES[name] + 1 if name in NAMES else 1
+            return 0
+        setattr(self, name, entry)
+        return entry
 
 
 class FakeCuda:
@@ -195,11 +204,14 @@ def per_call_us(fn, a, w, calls, reps):
 
 def counted(fn, a, w, calls=50):
     COUNT["driver"] = 0
+    NAMES.clear()
+    COUNTING[0] = True
     pr = cProfile.Profile()
     pr.enable()
     for _ in range(calls):
         fn(a, w)
     pr.disable()
+    COUNTING[0] = False
     stats = pstats.Stats(pr)
     return COUNT["driver"] / calls, stats.total_calls / calls, stats
 
@@ -235,6 +247,9 @@ def main(rank, world, init_file):
             driver, pycalls, stats = counted(fn, a, w)
             row.append(f"{vname} {best:5.1f} us (median {median:5.1f}; stubbed calls {driver:4.1f}, "
                        f"python calls {pycalls:4.0f})")
+            if ARGS.names and vname == "plan" and rank == 0:
+                print(f"--- {name} plan: driver / NCCL entry points per call: "
+                      + ", ".join(f"{entry} {n / 50:g}" for entry, n in sorted(NAMES.items())), flush=True)
             if ARGS.profile and vname == "plan" and rank == 0:
                 print(f"--- {name} plan: per call of the op, under cProfile: own us, with callees us, calls")
                 rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:24]
