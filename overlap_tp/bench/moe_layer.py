@@ -150,7 +150,6 @@ def variant_config(name: str):
     return config
 
 
-
 def bench_shape(tokens, routing, args, group):
     from overlap_tp.megatron.moe_layer import set_moe_overlap_config
     ep, rank = dist.get_world_size(group), dist.get_rank(group)

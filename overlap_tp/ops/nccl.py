@@ -72,7 +72,7 @@ def gather_spans(world: int, rows: int, cols: int, elem_bytes: int, lo: int, hi:
     """Where rows [lo, hi) of every rank's region of a gathered [world * rows, cols] buffer lie, as (byte offset from
     the buffer, elements) per rank: what all_gather_rows_at sends (its own) and receives (the peers')."""
     row_bytes = cols * elem_bytes
-    return tuple(((root * rows + lo) * row_bytes, (hi - lo) * cols) for root in range(world))
+    return tuple(((rank * rows + lo) * row_bytes, (hi - lo) * cols) for rank in range(world))
 
 
 class Communicator:
