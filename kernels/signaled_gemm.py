@@ -53,6 +53,9 @@ from overlap_tp.kernels.launch import INTERPRET, DirectKernel
 SRC_ROW, SRC_ROW_END, COL, DST_ROW, DST_COL, GROUP, DST_BUF, WAIT, EXPERT = range(9)
 TILE_FIELDS = 9
 NO_WAIT = -1
+# The least group search the kernel unrolls for row tiles (RowTiles.max_groups): 16 masked loads of the group starts
+# per tile, beside a tile's K-loop of TMA loads.
+ROW_TILE_GROUPS = 16
 
 
 
@@ -80,8 +83,9 @@ class RowTiles:
 
     @property
     def max_groups(self) -> int:
-        """The kernel's unrolled group search: a power of two >= the groups (a few compiled variants)."""
-        return 1 << max(1, (self.num_groups - 1).bit_length())
+        """The kernel's unrolled group search: a power of two >= the groups and >= ROW_TILE_GROUPS, so the group
+        counts of every routing (1 + parts, up to 9 with groups='auto') share one compiled kernel."""
+        return 1 << max(1, (max(self.num_groups, ROW_TILE_GROUPS) - 1).bit_length())
 
     def group_tiles(self):
         """Tiles per group."""
@@ -154,7 +158,13 @@ def wait_flag_then(flags_ptr, flag, target, value, INTERPRETED: tl.constexpr):
     return value
 
 
-@triton.jit
+# The integers a routing changes (the expert ops build a plan per routing, every step) are not specialized: Triton
+# would compile a new variant whenever one of them became 1 or a multiple of 16 (session 27: a Zipf routing's first
+# step compiled one, ~0.2-0.45 s of the step, in every expert-op variant).
+ROUTING_INTS = ("bias_row_lo", "bias_row_hi", "num_tiles", "num_groups", "wait_target")
+
+
+@triton.jit(do_not_specialize=ROUTING_INTS)
 def signaled_gemm_kernel(
     a_desc, w_desc,                 # TMA descriptors: A [M, K] in [BLOCK_M, BLOCK_K] boxes, W [L*N, K]
     dst_ptr, ld_dst,                # staging matrix the tiles are stored into, its row stride
@@ -328,7 +338,9 @@ def _plain_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_row
         row_tiles = None
         num_tiles, bounds, num_groups, raster_m, max_groups = tiles.shape[0], tiles, 0, 1, 1
     assert tiles.shape[1] == TILE_FIELDS and tiles.dtype == torch.int32
-    grid = max(1, min(num_programs, num_tiles))
+    # row tiles come from routings: their grid (a constexpr) is the plan's programs whatever the tile count (programs
+    # without a tile exit at once), so a routing with few tiles compiles no new variant
+    grid = num_programs if row_tiles is not None else max(1, min(num_programs, num_tiles))
     args = (dst, dst.stride(0), dst_offsets if dst_offsets is not None else default_offsets(dst.device),
             bias if bias is not None else dst, bias_rows[0], bias_rows[1],
             tiles, num_tiles, bounds, num_groups, counters if counters is not None else tiles,
@@ -340,6 +352,9 @@ def _plain_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_row
     return grid, args, dict(num_stages=config.num_stages, num_warps=config.num_warps)
 
 
+# the kernel's parameters after its two descriptors, in order: the plain ones, then the constexprs
+_PLAIN = ("dst_ptr", "ld_dst", "dst_offsets_ptr", "bias_ptr", "bias_row_lo", "bias_row_hi", "tiles_ptr", "num_tiles",
+          "bounds_ptr", "num_groups", "counters_ptr", "flags_ptr", "wait_target", "N", "K")
 _CONSTEXPRS = ("HAS_BIAS", "SIGNAL", "WAIT", "INTERPRETED", "W_KN", "TILE_FIELDS", "BLOCK_M", "BLOCK_N", "BLOCK_K",
                "NUM_PROGRAMS", "ROW_TILES", "RASTER_M", "MAX_GROUPS")
 
@@ -462,10 +477,13 @@ def _matrix_class(t: torch.Tensor):
 def specialization_key(device_index: int, a, w, rest, options):
     """The key of the compiled kernel for these arguments (rest: _plain_args'), at least as fine as the one Triton's
     JIT computes (its binder: pointers' dtype and 16-byte alignment, integers equal to 1, divisible by 16 or wider
-    than 32 bits, the tensor descriptors' dtype and box, the constexprs, the options), so two launches with one key
-    run one compiled kernel; cheaper than the binder (a new routing's first launch is on the host's critical path).
-    The descriptors are keyed by their tensors' alignment, shape and strides (more than Triton uses: safe)."""
+    than 32 bits, except ROUTING_INTS, which only have to fit 32 bits; the tensor descriptors' dtype and box, the
+    constexprs, the options), so two launches with one key run one compiled kernel; cheaper than the binder (a new
+    routing's first launch is on the host's critical path). The descriptors are keyed by their tensors' alignment,
+    shape and strides (more than Triton uses: safe)."""
     plain = rest[:-len(_CONSTEXPRS)]
     return (device_index, _matrix_class(a), _matrix_class(w),
-            tuple((x.dtype, x.data_ptr() % 16 == 0) if isinstance(x, torch.Tensor) else _int_class(x) for x in plain),
+            tuple((x.dtype, x.data_ptr() % 16 == 0) if isinstance(x, torch.Tensor)
+                  else -2 ** 31 <= x < 2 ** 31 if name in ROUTING_INTS else _int_class(x)
+                  for name, x in zip(_PLAIN, plain)),
             rest[-len(_CONSTEXPRS):], options["num_stages"], options["num_warps"])

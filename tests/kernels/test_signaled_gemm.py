@@ -173,3 +173,30 @@ def test_specialization_key_separates_what_triton_specializes():
     assert key(17) != key(17, consts=(1,) + constexprs[1:])              # a constexpr
     assert key(17) != key(17, opts=dict(num_stages=4, num_warps=8))      # an option
     assert key(17) != key(17, aa=torch.zeros(65, 32, dtype=torch.bfloat16))   # a descriptor's shape (safe side)
+
+
+def test_routings_share_one_compiled_kernel():
+    """Row-tile plans of different routings (group counts 2-9, tile counts 1, 17, 32, 1000: Triton's classes of an
+    integer) launch with the same specialization key, grid and constexprs, so a new routing compiles nothing;
+    a dense plan's grid still stops at its tile count."""
+    from overlap_tp.kernels.signaled_gemm import (ROUTING_INTS, TILE_FIELDS, RowTiles, _plain_args,
+                                                  signaled_gemm_kernel, specialization_key)
+    kernel = signaled_gemm_kernel   # under the interpreter the decorator's arguments are kept in kwargs
+    unspecialized = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"]
+    assert {kernel.arg_names[i] if isinstance(i, int) else i for i in unspecialized} == set(ROUTING_INTS)
+    a, w = torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(3, 48, 32, dtype=torch.bfloat16)
+    dst = torch.zeros(64, 48, dtype=torch.bfloat16)
+    keys, launches = set(), set()
+    for groups, row_tiles in ((1, 1), (2, 17), (5, 32), (8, 1000)):
+        starts = torch.tensor([0] * groups + [row_tiles], dtype=torch.int32)
+        tiles = RowTiles(torch.zeros(row_tiles, TILE_FIELDS, dtype=torch.int32), starts, 2, 4)
+        for target in (1, 2, 16):
+            grid, rest, options = _plain_args(a, w, dst, tiles, torch.zeros(groups + 1, dtype=torch.int32), 132,
+                                              CONFIG, None, (0, row_tiles * 16), None,
+                                              torch.zeros(groups, dtype=torch.int32), target)
+            keys.add(specialization_key(0, a, w, rest, options))
+            launches.add((grid, tuple(rest[-13:])))
+    assert len(keys) == 1 and len(launches) == 1, (keys, launches)
+    grid, _, _ = _plain_args(a, w[0], dst, torch.zeros(5, TILE_FIELDS, dtype=torch.int32), None, 132, CONFIG, None,
+                             (0, 0), None, None, 0)
+    assert grid == 5
