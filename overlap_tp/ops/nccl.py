@@ -56,6 +56,8 @@ def library():
                       ctypes.c_void_p]
         lib.ncclReduceScatter.argtypes = collective
         lib.ncclAllReduce.argtypes = collective
+        lib.ncclAllGather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
+                                      ctypes.c_void_p]
         point_to_point = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.ncclSend.argtypes = point_to_point
         lib.ncclRecv.argtypes = point_to_point
@@ -66,13 +68,6 @@ def library():
 def _check(result, what):
     if result != 0:
         raise RuntimeError(f"overlap_tp: {what} failed: {library().ncclGetErrorString(result).decode()}")
-
-
-def gather_spans(world: int, rows: int, cols: int, elem_bytes: int, lo: int, hi: int):
-    """Where rows [lo, hi) of every rank's region of a gathered [world * rows, cols] buffer lie, as (byte offset from
-    the buffer, elements) per rank: what all_gather_rows_at sends (its own) and receives (the peers')."""
-    row_bytes = cols * elem_bytes
-    return tuple(((rank * rows + lo) * row_bytes, (hi - lo) * cols) for rank in range(world))
 
 
 class Communicator:
@@ -99,15 +94,16 @@ class Communicator:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device_index = device.index
         self._peers_connected = False
-        self._reduce_scatter, self._all_reduce = lib.ncclReduceScatter, lib.ncclAllReduce
+        self._reduce_scatter, self._all_reduce, self._all_gather = (lib.ncclReduceScatter, lib.ncclAllReduce,
+                                                                    lib.ncclAllGather)
         with torch.cuda.device(device):
             _check(lib.ncclCommInitRankConfig(ctypes.byref(self.comm), dist.get_world_size(group), uid,
                                               dist.get_rank(group), ctypes.byref(config)), "ncclCommInitRankConfig")
 
     def connect_peers(self):
         """Make NCCL's send/receive connections to every peer now, with one element each way and a wait, once per
-        communicator; every rank of the group calls it at the same point (when a plan that sends and receives is
-        built: an MoE exchange's, an AllGather+GEMM's over NCCL). NCCL connects a peer pair at its first
+        communicator; every rank of the group calls it at the same point (when an MoE exchange's plan is built).
+        NCCL connects a peer pair at its first
         send/receive, and that setup waits for the device: at the first signaled dispatch, beside a persistent GEMM
         whose tiles spin until the exchange raises their flags, it never returned (session 23: mixtral-proxy with the
         overlap on hung in ncclGroupEnd at its first iteration)."""
@@ -149,36 +145,21 @@ class Communicator:
         """all_reduce on device addresses: dst = sum over ranks of `count` elements at src (in place: src == dst)."""
         _check(self._all_reduce(src, dst, count, NCCL_DTYPES[dtype], NCCL_SUM, self.comm, stream), "ncclAllReduce")
 
-    def all_gather_rows(self, gathered: torch.Tensor, src: torch.Tensor, lo: int, hi: int, stream=None):
-        """On `stream` (default: the current one): rows [lo, hi) of every rank's shard into the same rows of
-        that rank's region of `gathered` [t * rows, K], in place (all_gather_rows_at), so the rows land in the
-        standard order with no staging copy. This rank's own rows are expected to be in `gathered` already (they
-        are sent from there); `src` is checked to be this rank's shard shape. The peers must be connected
-        (connect_peers) before the first call beside a GEMM that waits for these rows."""
-        rows, cols = gathered.shape[0] // self.world, gathered.shape[1]
-        assert src.shape == (rows, cols), (src.shape, (rows, cols))
-        self.all_gather_rows_at(gathered.data_ptr(), gather_spans(self.world, rows, cols, gathered.element_size(),
-                                                                  lo, hi), gathered.dtype, self._stream(stream))
+    def all_gather_into(self, gathered: torch.Tensor, piece: torch.Tensor, stream=None):
+        """On `stream` (default: the current one): every rank's `piece` into `gathered` [t * rows, ...], rank p's at
+        rows [p * rows, (p + 1) * rows); in place when piece is this rank's part of gathered."""
+        self.all_gather_at(piece.data_ptr(), gathered.data_ptr(), piece.numel(), piece.dtype, self._stream(stream))
 
-    def all_gather_rows_at(self, base: int, spans, dtype: torch.dtype, stream: int):
-        """all_gather_rows on device addresses: spans[rank] = (byte offset from `base`, elements) of that rank's rows
-        of the gathered buffer; this rank's span is sent to every peer and every peer's span received into place, in
-        one NCCL group call (AgGemm's chunks: the spans are made once per plan, no region or row view per call).
+    def all_gather_at(self, src: int, dst: int, count: int, dtype: torch.dtype, stream: int):
+        """all_gather_into on device addresses: `count` elements at src from every rank, rank p's to dst + p * count
+        elements (AgGemm's chunks: the addresses' offsets made once per plan, no tensor view per call).
 
-        Sends and receives, not one in-place ncclBroadcast per root: NCCL ran a group's broadcasts one after the
-        other, each moving its root's rows in one direction only, so every link was idle one way half the time.
-        Session 26's trace of the mid-size layer over NCCL's SHM transport: each broadcast of a chunk took as long
-        as Megatron's AllGather of twice the rows (250 against 518 us), the AllGather+GEMM's transfers twice
-        Megatron's. A group's sends and receives run at once, both directions busy, as in NCCL's own AllGather."""
-        lib, nccl_dtype, comm = library(), NCCL_DTYPES[dtype], self.comm
-        own_offset, own_count = spans[self.rank]
-        _check(lib.ncclGroupStart(), "ncclGroupStart")
-        for peer in range(self.world):
-            if peer != self.rank:
-                offset, count = spans[peer]
-                _check(lib.ncclSend(base + own_offset, own_count, nccl_dtype, peer, comm, stream), "ncclSend")
-                _check(lib.ncclRecv(base + offset, count, nccl_dtype, peer, comm, stream), "ncclRecv")
-        _check(lib.ncclGroupEnd(), "ncclGroupEnd")
+        One ncclAllGather per chunk, into a chunk-major buffer (tile_plan.chunk_major_rows), which the GEMM reads as
+        it lies. Tried before it and measured slower at the cross-node proxy (NCCL's SHM transport, the mid-size
+        layer): one in-place ncclBroadcast per root (standard order), which NCCL ran one after the other, each as
+        long as Megatron's AllGather of twice the rows (session 26: signal 0.996x of Megatron's layer); sends and
+        receives in one group call, on NCCL's point-to-point channels (session 27: 1.056x)."""
+        _check(self._all_gather(src, dst, count, NCCL_DTYPES[dtype], self.comm, stream), "ncclAllGather")
 
     def exchange(self, sends, recvs, stream=None):
         """On `stream` (default: the current one): send every (peer, tensor) of `sends` and receive every

@@ -1,8 +1,10 @@
 """The raw NCCL communicator's calls (overlap_tp/ops/nccl.py), against a stand-in library that records them: what an
-AllGather+GEMM chunk enqueues, for every rank of several group sizes (the GPU tests check the rows that arrive)."""
+AllGather+GEMM over NCCL enqueues per chunk, for every rank of several group sizes (the GPU tests check the rows that
+arrive)."""
 import pytest
 
 from overlap_tp.ops import nccl
+from overlap_tp.ops.tile_plan import chunk_major_pieces, chunk_major_rows
 
 
 class RecordingLibrary:
@@ -18,49 +20,35 @@ class RecordingLibrary:
         return call
 
 
-def communicator(rank, world):
+def communicator(rank, world, lib):
     comm = object.__new__(nccl.Communicator)   # no NCCL init: only the fields the calls read
-    comm.rank, comm.world, comm.comm = rank, world, "comm"
+    comm.rank, comm.world, comm.comm, comm._all_gather = rank, world, "comm", lib.ncclAllGather
     return comm
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-def test_a_chunk_sends_this_ranks_rows_to_every_peer_and_receives_theirs_into_place(monkeypatch, world):
-    rows, cols, lo, hi, base, stream = 64, 48, 16, 40, 1 << 20, 7
-    spans = nccl.gather_spans(world, rows, cols, 2, lo, hi)
+def test_each_chunk_is_one_in_place_allgather_that_fills_its_block(monkeypatch, world):
+    """Per chunk one ncclAllGather: this rank's rows sent from its place in the chunk's block, every rank's rows
+    received into the block (NCCL's in-place rule: send address = receive address + rank * count). Replayed over
+    every rank's calls, the blocks hold each rank's rows where chunk_major_rows says."""
+    rows, cols, chunks, base, stream, elem = 64, 48, [(0, 16), (16, 40), (40, 64)], 1 << 20, 7, 2
+    row_bytes = cols * elem
+    dtype = nccl.NCCL_DTYPES[nccl.torch.bfloat16]
+    landed = {}   # buffer row -> (rank, local row) that every rank's buffer holds there
     for rank in range(world):
         lib = RecordingLibrary()
         monkeypatch.setattr(nccl, "library", lambda: lib)
-        communicator(rank, world).all_gather_rows_at(base, spans, nccl.torch.bfloat16, stream)
-        names = [name for name, _ in lib.calls]
-        assert names[0] == "ncclGroupStart" and names[-1] == "ncclGroupEnd"   # one group: all at once
-        sends = [args for name, args in lib.calls if name == "ncclSend"]
-        recvs = [args for name, args in lib.calls if name == "ncclRecv"]
-        assert "ncclBroadcast" not in names and len(names) == 2 + 2 * (world - 1)
-        own = base + (rank * rows + lo) * cols * 2
-        dtype = nccl.NCCL_DTYPES[nccl.torch.bfloat16]
-        peers = [p for p in range(world) if p != rank]
-        # (buffer, elements, dtype, peer, comm, stream): our rows [lo, hi) from our region to each peer, ...
-        assert sends == [(own, (hi - lo) * cols, dtype, p, "comm", stream) for p in peers]
-        # ... and each peer's rows [lo, hi) into its region of ours
-        assert recvs == [(base + (p * rows + lo) * cols * 2, (hi - lo) * cols, dtype, p, "comm", stream) for p in peers]
-
-
-def test_every_byte_of_a_chunk_arrives_once_from_its_owner(monkeypatch):
-    """Over all ranks' calls: every receive of rank r from peer p matches p's send to r (same count), and the
-    receives of one rank tile the chunk's rows of every other region exactly once."""
-    world, rows, cols, lo, hi = 4, 32, 8, 8, 24
-    spans = nccl.gather_spans(world, rows, cols, 2, lo, hi)
-    sent, received = {}, {}
-    for rank in range(world):
-        lib = RecordingLibrary()
-        monkeypatch.setattr(nccl, "library", lambda: lib)
-        communicator(rank, world).all_gather_rows_at(0, spans, nccl.torch.bfloat16, 0)
-        for name, (ptr, count, _, peer, _, _) in (c for c in lib.calls if c[0] in ("ncclSend", "ncclRecv")):
-            (sent if name == "ncclSend" else received)[rank, peer] = (ptr, count)
-    for (rank, peer), (ptr, count) in received.items():
-        assert sent[peer, rank] == (spans[peer][0], count)   # the peer sends its own rows, as many as we take
-        assert ptr == spans[peer][0]                           # into the same place of our buffer
-    for rank in range(world):
-        regions = sorted(ptr for (r, _), (ptr, _) in received.items() if r == rank)
-        assert regions == sorted(spans[p][0] for p in range(world) if p != rank)
+        comm = communicator(rank, world, lib)
+        for own, block, n in chunk_major_pieces(world, rank, chunks):
+            comm.all_gather_at(base + own * row_bytes, base + block * row_bytes, n * cols, nccl.torch.bfloat16,
+                               stream)
+        assert [name for name, _ in lib.calls] == ["ncclAllGather"] * len(chunks)
+        for (_, (src, dst, count, dt, c, s)), (lo, hi) in zip(lib.calls, chunks):
+            assert (count, dst, (dt, c, s)) == ((hi - lo) * cols, base + world * lo * row_bytes, (dtype, "comm", stream))
+            assert src == dst + rank * count * elem
+            first = (src - base) // row_bytes   # rank's rows [lo, hi) go to every rank's buffer at the same rows
+            for r in range(hi - lo):
+                assert landed.setdefault(first + r, (rank, lo + r)) == (rank, lo + r)
+    where = chunk_major_rows(rows, world, chunks).tolist()
+    assert sorted(landed) == list(range(world * rows))
+    assert all(where[p * rows + r] == row for row, (p, r) in landed.items())
