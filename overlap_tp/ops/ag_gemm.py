@@ -3,28 +3,25 @@
     plan = AgGemm(group, m_local, n, k, dtype, device, config)
     out = plan(a_shard[M/t, K], w[N, K], bias)              # [M, N], rows in the standard order (rank k's
                                                             # shard is rows [k*M/t, (k+1)*M/t))
-    out, gathered = plan(a_shard, w, return_gathered=True)  # also the gathered [M, K] input in the standard order
-                                                            # (a row-parallel layer's backward reuses it for
-                                                            # wgrad); with the p2p transport it is the shape's
-                                                            # shared buffer, valid until the next AllGather of
-                                                            # the shape (GatherBuffer)
+    out, gathered = plan(a_shard, w, return_gathered=True)  # also the gathered [M, K] input (a row-parallel
+                                                            # layer's backward reuses it for wgrad); with the p2p
+                                                            # transport it is the shape's shared buffer, valid
+                                                            # until the next AllGather of the shape (GatherBuffer)
     out = ag_gemm(a_shard, w, group, bias=..., config=...)  # the same through a cached plan
 
 Methods (OverlapConfig.method):
   off        torch.distributed's all-gather, then cuBLAS (Megatron's path; the reference under gloo).
   decompose  the local rows' GEMM first, while the comm stream gathers the peers' rows in `chunks`
-             row ranges; each chunk's cuBLAS GEMMs wait for its chunk only. Transports: `nccl` (one AllGather
-             per chunk, as below; a GEMM per peer piece) or `p2p` (the copy engines' pulls, as below; the local
-             GEMM reads the shard itself, so it waits for no copy, and no SM or Triton GEMM is involved).
+             row ranges; each chunk's cuBLAS GEMM waits for its chunk only. Transports: `nccl` (in-place
+             broadcasts, as below) or `p2p` (the copy engines' pulls, as below; the local GEMM reads the shard
+             itself, so it waits for no copy, and no SM or Triton GEMM is involved).
   signal     one persistent Triton GEMM (kernels/signaled_gemm.py) over a tile plan (tile_plan.ag_plan) that
              computes the local rows first, with no wait, then every chunk of the peers' rows; before a
              chunk's first load a CTA spins (acquire) on the chunk's ready flag, which the comm stream
              raises (to 1) once the chunk's transfer completed; after the GEMM the caller's stream lowers the
              flags again (0), so every call and every graph replay waits for the same value. Transports:
-               nccl  per chunk, one in-place ncclAllGather of every rank's rows of the chunk, into a
-                     chunk-major gathered buffer (tile_plan.chunk_major_rows; nccl.Communicator.all_gather_at
-                     says why not broadcasts or sends), which the plan's tiles read where the rows lie; the
-                     GEMM leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it).
+               nccl  per chunk, one ncclBroadcast per rank in a group call, straight into place; the GEMM
+                     leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it).
                p2p   copy-engine pulls from the peers' regions of their symmetric gathered buffers into ours
                      (ops/p2p.py GatherBuffer, one per shard shape): no SM spent on communication (ConCCL/FiCCO),
                      and the shard is copied once, into our region, where the GEMM and the peers read it. With
@@ -33,8 +30,7 @@ Methods (OverlapConfig.method):
                      engines (session 23: the kernel alone moves what they move, 180-300 GB/s per rank; the op and
                      the layer at t = 2 and 4 are as fast or slower, the GEMM losing the SMs): kept as an option.
   auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
-The output rows are always in the standard order. The gathered input is too, as the p2p transport and `off` move
-it; the `nccl` transport's chunk-major buffer is reordered (one pass over it) only when return_gathered asks for it.
+Rows always land at their standard position, so no reorder pass follows the transfer.
 """
 import contextlib
 from collections import OrderedDict
@@ -49,7 +45,7 @@ from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, ch
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.p2p import GatherBuffer
 from overlap_tp.ops.reduction import after_work, joined
-from overlap_tp.ops.tile_plan import ag_plan, chunk_major_pieces, chunk_major_rows
+from overlap_tp.ops.tile_plan import ag_plan
 from overlap_tp.ops.watchdog import Watched
 
 READY = 1   # the value a chunk's flag is raised to; the GEMM's tiles wait for it
@@ -64,7 +60,6 @@ class AgGemm(OpPlan):
                  config: Optional[OverlapConfig] = None):
         super().__init__(group, m, n, k, dtype, device, config)
         config, device, t = self.config, self.device, self.t
-        self._standard_rows = None   # the nccl transport's chunk-major gathered rows, in the standard order
         if self.method == "signal":
             if config.transport == "p2p" and config.comm_sms > 0 and config.copy_lanes > 1:
                 raise ValueError(f"ag_gemm: copy_lanes={config.copy_lanes} splits the copy engines' pulls; with "
@@ -77,7 +72,7 @@ class AgGemm(OpPlan):
                                  "on ready flags that NCCL kernels raise, so NCCL must have SMs the GEMM does not "
                                  "hold (transport='p2p' spends no SM and runs with comm_sms=0)")
             plan = ag_plan(t * m, n, k, t, self.rank, config.block_m, config.block_n, config.groups,
-                           torch.finfo(dtype).bits // 8, chunk_major=config.transport == "nccl")
+                           torch.finfo(dtype).bits // 8)
             self.chunks = tuple((c.src_lo, c.src_hi) for c in plan.collectives)
             self.tiles = plan.tiles.to(device)
             self.flags = torch.zeros(max(1, len(self.chunks)), dtype=torch.int32, device=device)
@@ -103,52 +98,29 @@ class AgGemm(OpPlan):
                 else:
                     self._transfers = self._pull_chunks
             else:
-                self._gather_chunk_major(self.chunks)
+                self.coll = comm.collectives(self.group, device, config.comm_sms)
                 self._run = self._run_signaled
+                # a raw NCCL communicator takes addresses: per chunk, every root's rows of the gathered buffer as
+                # (byte offset, elements), made once (no region or row views per call)
+                self._broadcasts = None
+                if hasattr(self.coll, "all_gather_rows_at"):
+                    from overlap_tp.ops.nccl import gather_spans   # as comm.collectives: NCCL's module on CUDA only
+                    self._broadcasts = tuple(gather_spans(t, m, k, torch.finfo(dtype).bits // 8, lo, hi)
+                                             for lo, hi in self.chunks)
         elif self.method == "decompose":
             if config.transport == "p2p":
                 if device.type != "cuda":
                     raise ValueError("ag_gemm: transport='p2p' needs CUDA tensors (symmetric memory)")
                 self._pull_into_gather_buffer()
                 self._run = self._pulled_decomposed
-            self.bounds = chunk_bounds(m, config.chunks)
-            if config.transport != "p2p":
-                self._gather_chunk_major(self.bounds)
+            else:
+                self.coll = comm.collectives(self.group, device, config.comm_sms)
                 self._run = self._run_decomposed
+            self.bounds = chunk_bounds(m, config.chunks)
             self.engine = comm.comm_engine(device)
         else:
             self._run = self._off
         self.out_shape = (t * m, n)
-
-    def _gather_chunk_major(self, chunks):
-        """The nccl transport's state: the communicator, and per chunk (lo, hi) of the local rows where its pieces lie
-        in the chunk-major gathered buffer (tile_plan.chunk_major_pieces: this rank's rows, the chunk's block, rows
-        per rank), in rows and, for a raw communicator (it takes addresses), in bytes; made once, no view per call."""
-        self.coll = comm.collectives(self.group, self.device, self.config.comm_sms)
-        self.pieces = chunk_major_pieces(self.t, self.rank, chunks)
-        # what a call stages: the pieces, or at t = 1 (no chunk) the shard as the whole buffer
-        self._staged = self.pieces or chunk_major_pieces(1, 0, [(0, self.m)])
-        row_bytes = self.k * torch.finfo(self.dtype).bits // 8
-        self._piece_bytes, self._staged_bytes = (tuple((own * row_bytes, block * row_bytes, rows * row_bytes)
-                                                       for own, block, rows in pieces)
-                                                 for pieces in (self.pieces, self._staged))
-        self._raw = hasattr(self.coll, "all_gather_at")
-        if self.t > 1:
-            self._standard_rows = chunk_major_rows(self.m, self.t, chunks).to(self.device)
-
-    def _stage_pieces(self, a_shard, gathered, current):
-        """This rank's rows of every chunk into their place in the chunk-major buffer, where the local tiles read
-        them and each chunk's in-place AllGather sends them from: copy-engine copies through the driver on CUDA
-        (`current`: the caller's raw stream; a fraction of copy_'s host time, docs/perf/s17). A chunk's block
-        starts at t times its first local row (chunk_major_rows), in rows and in bytes."""
-        t = self.t
-        if current is None:
-            for own, block, rows in self._staged:
-                gathered[own:own + rows].copy_(a_shard[block // t:block // t + rows])
-            return
-        base, src = gathered.data_ptr(), a_shard.data_ptr()
-        for own, block, nbytes in self._staged_bytes:
-            memops.copy(current, base + own, src + block // t, nbytes)
 
     def _pull_into_gather_buffer(self):
         """The p2p transport's state: the shape's gathered buffer (shared with the other AllGathers of the shape) and
@@ -163,11 +135,7 @@ class AgGemm(OpPlan):
         self.check_call(a_shard, w, bias)
         out = torch.empty(self.out_shape, dtype=a_shard.dtype, device=a_shard.device)
         gathered = self._run(a_shard, w, bias, out)   # the method's runner, picked when the plan was built
-        if not return_gathered:
-            return out
-        if self._standard_rows is not None:   # the nccl transport's chunk-major buffer, in the standard order
-            gathered = gathered.index_select(0, self._standard_rows)
-        return out, gathered
+        return (out, gathered) if return_gathered else out
 
     # The runners: each fills `out` (bias included) and returns the gathered input.
 
@@ -191,47 +159,52 @@ class AgGemm(OpPlan):
         return gathered
 
     def _decomposed(self, a_shard, w, gathered, out):
-        """The local rows' cuBLAS GEMM at once; chunk c's rows gathered on the comm stream, then its GEMMs (one per
-        peer piece of the chunk-major buffer, into the peer's output rows). One fork, after the local pieces are
-        staged (each chunk's AllGather sends them from the buffer) and before the local GEMM: no gather waits for
-        a GEMM (a fork per chunk made chunk c's gather wait for chunk c-1's GEMM: no overlap at all)."""
+        """The local rows' cuBLAS GEMM at once; chunk c's rows gathered on the comm stream, then its GEMM.
+        One fork, after the local shard's copy (the in-place broadcasts send this rank's rows from `gathered`)
+        and before the local GEMM: no gather waits for a GEMM (a fork per chunk made chunk c's gather wait for
+        chunk c-1's GEMM: no overlap at all)."""
         t, rank, engine = self.t, self.rank, self.engine
-        out_regions = out.chunk(t)
+        regions, out_regions = gathered.chunk(t), out.chunk(t)
         cuda = engine.stream is not None
         capturing = comm.capturing(self.device)
         wt = w.t()
-        current = engine.current() if cuda else None
-        self._stage_pieces(a_shard, gathered, current)
+        regions[rank].copy_(a_shard)
         if cuda:
+            current = engine.current()
             engine.fork(current, capturing)
         torch.mm(a_shard, wt, out=out_regions[rank])
-        for (own, block, rows), (lo, hi) in zip(self.pieces, self.bounds):
-            chunk = gathered[block:block + t * rows]
-            self.coll.all_gather_into(chunk, gathered[own:own + rows], stream=engine.raw if cuda else None)
+        for lo, hi in self.bounds:
             if cuda:
+                self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=engine.raw)
                 engine.join(current, capturing)
+            else:
+                self.coll.all_gather_rows(gathered, a_shard, lo, hi)
             for p in range(t):
                 if p != rank:
-                    torch.mm(chunk[p * rows:(p + 1) * rows], wt, out=out_regions[p][lo:hi])
+                    torch.mm(regions[p][lo:hi], wt, out=out_regions[p][lo:hi])
 
     def _signaled(self, a_shard, w, bias, gathered, out):
         """The persistent GEMM over the plan: local rows at once, each peer chunk behind its ready flag, which
-        the comm stream raises after the chunk's AllGather."""
-        engine = self.engine
-        current = None if engine.stream is None else engine.current()
-        self._stage_pieces(a_shard, gathered, current)
-        coll, t = self.coll, self.t
-        if self._raw:   # the raw communicator (CUDA): each chunk's AllGather by address
-            base, dtype, elem = gathered.data_ptr(), gathered.dtype, gathered.element_size()
+        the comm stream raises after the chunk's NCCL broadcasts."""
+        engine, current = self.engine, None
+        if engine.stream is None:
+            gathered.narrow(0, self.rank * self.m, self.m).copy_(a_shard)
+        else:   # a copy-engine copy through the driver: a fraction of copy_'s host time (docs/perf/s17)
+            nbytes = a_shard.numel() * a_shard.element_size()
+            current = engine.current()
+            memops.copy(current, gathered.data_ptr() + self.rank * nbytes, a_shard.data_ptr(), nbytes)
+
+        if self._broadcasts is not None:   # the raw communicator (CUDA): each chunk's broadcasts by address
+            coll, base, dtype = self.coll, gathered.data_ptr(), gathered.dtype
 
             def transfers(stream):
-                for (own, block, nbytes), flag in zip(self._piece_bytes, self.ready.addresses):
-                    coll.all_gather_at(base + own, base + block, nbytes // elem, dtype, stream)
+                for spans, flag in zip(self._broadcasts, self.ready.addresses):
+                    coll.all_gather_rows_at(base, spans, dtype, stream)
                     memops.write_value(stream, flag, READY)   # engine.raise_flag, the address looked up once
         else:
             def transfers(stream):
-                for c, (own, block, rows) in enumerate(self.pieces):
-                    coll.all_gather_into(gathered[block:block + t * rows], gathered[own:own + rows], stream=stream)
+                for c, (lo, hi) in enumerate(self.chunks):
+                    self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=stream)
                     engine.raise_flag(self.ready, c)
 
         # NCCL needs SMs left free by the GEMM's grid (comm_sms) to run beside it

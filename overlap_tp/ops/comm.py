@@ -82,17 +82,11 @@ class TorchCollectives:
         out.copy_(total.view(dist.get_world_size(self.group), *out.shape)[dist.get_rank(self.group)])
         return None
 
-    def all_gather_into(self, gathered, piece, stream=None):
-        """Every rank's `piece` into `gathered` [t * rows, ...], rank p's at rows [p * rows, (p + 1) * rows); in
-        place when piece is this rank's part of gathered (gloo, which has no all_gather_into_tensor, copies it
-        first: its list form would copy the piece onto itself)."""
-        if not self.gloo:
-            dist.all_gather_into_tensor(gathered, piece, group=self.group)
-            return
-        parts = list(gathered.chunk(dist.get_world_size(self.group)))
-        if piece.data_ptr() == parts[dist.get_rank(self.group)].data_ptr():
-            piece = piece.clone()
-        dist.all_gather(parts, piece, group=self.group)
+    def all_gather_rows(self, gathered, src, lo, hi, stream=None):
+        """Rows [lo, hi) of every rank's shard `src` into the same rows of that rank's region of
+        `gathered` [t * rows, K] (the standard order)."""
+        regions = gathered.chunk(dist.get_world_size(self.group))
+        dist.all_gather([region[lo:hi] for region in regions], src[lo:hi], group=self.group)
 
     def exchange(self, sends, recvs, stream=None):
         """Send every (peer, tensor) of `sends` and receive every (peer, tensor) of `recvs` in place, as one
@@ -142,9 +136,8 @@ def collectives(group, device: torch.device, max_ctas: int):
 
 
 def exchange_collectives(group, device: torch.device, max_ctas: int):
-    """collectives() for the ops that send and receive through NCCL (the MoE exchanges), with NCCL's peer
-    connections made before the first exchange (Communicator.connect_peers says why). Called by every rank of the
-    group at the same op."""
+    """collectives() for the MoE exchanges (NCCL send / receive), with NCCL's peer connections made before the
+    first exchange (Communicator.connect_peers says why). Called by every rank of the group at the same op."""
     coll = collectives(group, device, max_ctas)
     coll.connect_peers()
     return coll

@@ -38,7 +38,7 @@ class OverlapConfig:
                  on the comm stream. `p2p` (gemm_rs and ag_gemm, CUDA only): no collective. gemm_rs: the
                  GEMM's epilogue stores each region's rows straight into the owner's symmetric-memory buffer
                  over NVLink, then a barrier and one add per rank (schedule and groups do not apply). ag_gemm:
-                 `nccl` sends and receives each chunk into place (signal needs comm_sms >= 1); `p2p` pulls the peers'
+                 `nccl` broadcasts each chunk in place (signal needs comm_sms >= 1); `p2p` pulls the peers'
                  rows with copy-engine copies from their symmetric gathered buffers (no SM), or, for `signal`
                  with comm_sms > 0, with a copy kernel on those SMs (kernels/peer_copy.py).
     comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a

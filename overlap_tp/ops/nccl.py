@@ -56,8 +56,8 @@ def library():
                       ctypes.c_void_p]
         lib.ncclReduceScatter.argtypes = collective
         lib.ncclAllReduce.argtypes = collective
-        lib.ncclAllGather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p,
-                                      ctypes.c_void_p]
+        lib.ncclBroadcast.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p]
         point_to_point = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.ncclSend.argtypes = point_to_point
         lib.ncclRecv.argtypes = point_to_point
@@ -68,6 +68,13 @@ def library():
 def _check(result, what):
     if result != 0:
         raise RuntimeError(f"overlap_tp: {what} failed: {library().ncclGetErrorString(result).decode()}")
+
+
+def gather_spans(world: int, rows: int, cols: int, elem_bytes: int, lo: int, hi: int):
+    """Where rows [lo, hi) of every root's region of a gathered [world * rows, cols] buffer lie, as (byte offset from
+    the buffer, elements) per root: what all_gather_rows_at broadcasts."""
+    row_bytes = cols * elem_bytes
+    return tuple(((root * rows + lo) * row_bytes, (hi - lo) * cols) for root in range(world))
 
 
 class Communicator:
@@ -88,30 +95,28 @@ class Communicator:
         # No thread-block clusters: NCCL's default on Hopper launches clusters of CTAs, which must be
         # co-scheduled within one GPC. Next to a persistent GEMM that holds all but `max_ctas` SMs, the
         # free SMs are scattered over GPCs and a cluster may never fit; an AllGather+GEMM whose CTAs
-        # spin on the transfers' ready flags then hangs (seen on the H200 pair: docs/perf/README.md, earlier records: ag_gemm).
+        # spin on the broadcast's ready flags then hangs (seen on the H200 pair: docs/perf/README.md, earlier records: ag_gemm).
         config.cgaClusterSize = 1
         self.comm = ctypes.c_void_p()
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.device_index = device.index
         self._peers_connected = False
-        self._reduce_scatter, self._all_reduce, self._all_gather = (lib.ncclReduceScatter, lib.ncclAllReduce,
-                                                                    lib.ncclAllGather)
+        self._reduce_scatter, self._all_reduce = lib.ncclReduceScatter, lib.ncclAllReduce
         with torch.cuda.device(device):
             _check(lib.ncclCommInitRankConfig(ctypes.byref(self.comm), dist.get_world_size(group), uid,
                                               dist.get_rank(group), ctypes.byref(config)), "ncclCommInitRankConfig")
 
     def connect_peers(self):
         """Make NCCL's send/receive connections to every peer now, with one element each way and a wait, once per
-        communicator; every rank of the group calls it at the same point (when an MoE exchange's plan is built).
-        NCCL connects a peer pair at its first
-        send/receive, and that setup waits for the device: at the first signaled dispatch, beside a persistent GEMM
-        whose tiles spin until the exchange raises their flags, it never returned (session 23: mixtral-proxy with the
-        overlap on hung in ncclGroupEnd at its first iteration)."""
+        communicator; every rank of the group calls it at the same point (its first MoE exchange). NCCL connects a
+        peer pair at its first send/receive, and that setup waits for the device: at the first signaled dispatch,
+        beside a persistent GEMM whose tiles spin until the exchange raises their flags, it never returned (session
+        23: mixtral-proxy with the overlap on hung in ncclGroupEnd at its first iteration)."""
         if self._peers_connected:
             return
         if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("overlap_tp: the first send/receive exchange of a communicator was captured into a "
-                               "CUDA graph; NCCL's peer connections are made (with a wait) before it: run one step "
+            raise RuntimeError("overlap_tp: the first MoE exchange of a communicator was captured into a CUDA graph; "
+                               "NCCL's peer connections are made (with a wait) at the first exchange: run one step "
                                "eagerly before capture (Megatron's warmup iterations do)")
         peers = [p for p in range(self.world) if p != self.rank]
         sent = torch.zeros(self.world, dtype=torch.float32, device=torch.device("cuda", self.device_index))
@@ -145,21 +150,33 @@ class Communicator:
         """all_reduce on device addresses: dst = sum over ranks of `count` elements at src (in place: src == dst)."""
         _check(self._all_reduce(src, dst, count, NCCL_DTYPES[dtype], NCCL_SUM, self.comm, stream), "ncclAllReduce")
 
-    def all_gather_into(self, gathered: torch.Tensor, piece: torch.Tensor, stream=None):
-        """On `stream` (default: the current one): every rank's `piece` into `gathered` [t * rows, ...], rank p's at
-        rows [p * rows, (p + 1) * rows); in place when piece is this rank's part of gathered."""
-        self.all_gather_at(piece.data_ptr(), gathered.data_ptr(), piece.numel(), piece.dtype, self._stream(stream))
+    def all_gather_rows(self, gathered: torch.Tensor, src: torch.Tensor, lo: int, hi: int, stream=None):
+        """On `stream` (default: the current one): rows [lo, hi) of every rank's shard into the same rows of
+        that rank's region of `gathered` [t * rows, K], in place (one broadcast per root in one NCCL group
+        call), so the rows land in the standard order with no staging copy. This rank's own rows are expected
+        to be in `gathered` already (in-place broadcast); `src` is checked to be this rank's shard shape."""
+        rows, cols = gathered.shape[0] // self.world, gathered.shape[1]
+        assert src.shape == (rows, cols), (src.shape, (rows, cols))
+        self.all_gather_rows_at(gathered.data_ptr(), gather_spans(self.world, rows, cols, gathered.element_size(),
+                                                                  lo, hi), gathered.dtype, self._stream(stream))
 
-    def all_gather_at(self, src: int, dst: int, count: int, dtype: torch.dtype, stream: int):
-        """all_gather_into on device addresses: `count` elements at src from every rank, rank p's to dst + p * count
-        elements (AgGemm's chunks: the addresses' offsets made once per plan, no tensor view per call).
+    def all_gather_rows_at(self, base: int, spans, dtype: torch.dtype, stream: int):
+        """all_gather_rows on device addresses: spans[root] = (byte offset from `base`, elements) of root's rows of
+        the gathered buffer, broadcast in place from root, one NCCL group call (AgGemm's chunks: the spans are made
+        once per plan, no region or row view per call).
 
-        One ncclAllGather per chunk, into a chunk-major buffer (tile_plan.chunk_major_rows), which the GEMM reads as
-        it lies. Tried before it and measured slower at the cross-node proxy (NCCL's SHM transport, the mid-size
-        layer): one in-place ncclBroadcast per root (standard order), which NCCL ran one after the other, each as
-        long as Megatron's AllGather of twice the rows (session 26: signal 0.996x of Megatron's layer); sends and
-        receives in one group call, on NCCL's point-to-point channels (session 27: 1.056x)."""
-        _check(self._all_gather(src, dst, count, NCCL_DTYPES[dtype], self.comm, stream), "ncclAllGather")
+        NCCL runs a group's broadcasts one after the other (session 26's trace at the cross-node proxy, NCCL's SHM
+        transport: each as long as Megatron's AllGather of twice the rows). Two replacements were measured against
+        them in session 27, both slower on the mid-size layer at the proxy: sends and receives per peer in one group
+        call (NCCL's point-to-point channels; 1.056x of Megatron's layer, H100 pair, against 0.996x), and one
+        in-place ncclAllGather per chunk into a chunk-major buffer that the GEMM's tiles read where the rows lie
+        (1.020x against 0.999x in the same call, H200 pair; docs/perf/s27/README.md)."""
+        lib, nccl_dtype = library(), NCCL_DTYPES[dtype]
+        _check(lib.ncclGroupStart(), "ncclGroupStart")
+        for root, (offset, count) in enumerate(spans):
+            _check(lib.ncclBroadcast(base + offset, base + offset, count, nccl_dtype, root, self.comm, stream),
+                   "ncclBroadcast")
+        _check(lib.ncclGroupEnd(), "ncclGroupEnd")
 
     def exchange(self, sends, recvs, stream=None):
         """On `stream` (default: the current one): send every (peer, tensor) of `sends` and receive every

@@ -203,27 +203,8 @@ def ring_peers(rank: int, t: int) -> List[int]:
     return [(rank + i) % t for i in range(1, t)]
 
 
-def chunk_major_rows(m_local: int, world: int, chunks) -> torch.Tensor:
-    """The rows of a chunk-major gathered buffer [world * m_local, K], the layout one AllGather per chunk writes:
-    chunk c (local rows [lo, hi)) is the block of rows [world*lo, world*hi), in which rank p's rows [lo, hi) start at
-    world*lo + p*(hi - lo) (NCCL's AllGather places rank p's piece at p times the piece). Returns rows [world *
-    m_local] (int64): rows[p*m_local + r] = where row r of rank p's shard lies; gathered_standard = chunk_major[rows].
-    chunks: (lo, hi) covering [0, m_local) in order (none: the standard order itself)."""
-    rows = torch.arange(world * m_local, dtype=torch.int64).view(world, m_local)
-    for lo, hi in chunks:
-        rows[:, lo:hi] = world * lo + torch.arange(world).view(world, 1) * (hi - lo) + torch.arange(hi - lo)
-    return rows.view(-1)
-
-
-def chunk_major_pieces(world: int, rank: int, chunks):
-    """Per chunk (lo, hi) of the local rows: (where this rank's rows of it start, where the chunk's block starts, rows
-    per rank) in the chunk-major gathered buffer (chunk_major_rows): what the chunk's in-place AllGather sends from
-    and writes to."""
-    return tuple((world * lo + rank * (hi - lo), world * lo, hi - lo) for lo, hi in chunks)
-
-
 def ag_plan(m: int, n: int, k: int, world: int, rank: int, block_m: int, block_n: int, groups="auto",
-            elem_bytes: int = 2, chunk_major: bool = False) -> TilePlan:
+            elem_bytes: int = 2) -> TilePlan:
     """AllGather+GEMM on rank `rank`: C[M, N] = gathered A[M, K] @ W.T, rows in the standard order.
 
     The local region's tiles come first and wait for nothing. The peers' rows arrive in chunks: chunk
@@ -232,34 +213,33 @@ def ag_plan(m: int, n: int, k: int, world: int, rank: int, block_m: int, block_n
     tile reads rows of a chunk that has not arrived (a tile's load box may overhang into the next
     region; those rows are masked out of the store and never used). `collectives[c]` holds the chunk's
     local row range as (lo, hi, lo, hi); `group_tiles[c]` counts the tiles that wait on it.
-    chunk_major: the tiles read A from the chunk-major gathered buffer (chunk_major_rows: one AllGather per
-    chunk fills it), where a tile's rows, whole row-slices of one chunk of one rank, are contiguous too; they
-    store in the standard order.
     """
     if m % world:
         raise ValueError(f"M={m} is not divisible by the group size t={world}")
     m_local = m // world
     slices, n_tiles = _cdiv(m_local, block_m), _cdiv(n, block_n)
-    peers = ring_peers(rank, world)
-    sizes = split_units(slices, groups, (world - 1) * block_m * k * elem_bytes) if peers else []
-    bounds = [sum(sizes[:c]) for c in range(len(sizes) + 1)]
-    chunks = [(j0 * block_m, min(j1 * block_m, m_local)) for j0, j1 in zip(bounds, bounds[1:])]
-    rows_at = chunk_major_rows(m_local, world, chunks if chunk_major else ()).tolist()
 
     def region_tiles(regions, j0, j1, wait):
         rows = [(p * m_local + j * block_m, min(p * m_local + (j + 1) * block_m, (p + 1) * m_local))
                 for p in regions for j in range(j0, j1)]
-        return [(rows_at[dst], rows_at[dst] + end - dst, nt * block_n, dst, nt * block_n, 0, 0, wait, 0)
-                for r, nt in raster(len(rows), n_tiles) for dst, end in [rows[r]]]
+        return [(src, end, nt * block_n, src, nt * block_n, 0, 0, wait, 0)
+                for r, nt in raster(len(rows), n_tiles) for src, end in [rows[r]]]
 
     tiles = region_tiles([rank], 0, slices, NO_WAIT)
-    group_tiles = []
-    for c, (j0, j1) in enumerate(zip(bounds, bounds[1:])):
-        chunk = region_tiles(peers, j0, j1, c)
-        tiles += chunk
-        group_tiles.append(len(chunk))
+    group_tiles, collectives = [], []
+    peers = ring_peers(rank, world)
+    if peers:
+        sizes = split_units(slices, groups, (world - 1) * block_m * k * elem_bytes)
+        j0 = 0
+        for c, size in enumerate(sizes):
+            chunk = region_tiles(peers, j0, j0 + size, c)
+            tiles += chunk
+            group_tiles.append(len(chunk))
+            lo, hi = j0 * block_m, min((j0 + size) * block_m, m_local)
+            collectives.append(Collective(lo, hi, lo, hi))
+            j0 += size
     return TilePlan("ag", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
-                    tuple(group_tiles), tuple(Collective(lo, hi, lo, hi) for lo, hi in chunks), (m, n), (m, n), None)
+                    tuple(group_tiles), tuple(collectives), (m, n), (m, n), None)
 
 
 def make_plan(schedule: str, m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",

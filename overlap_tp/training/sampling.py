@@ -109,7 +109,7 @@ def measure_reference(shape: OpShape) -> Reference:
             coll.all_reduce(product)
     elif shape.kind == "ag_gemm":
         def collective():
-            coll.all_gather_into(gemm_in, a)
+            coll.all_gather_rows(gemm_in, a, 0, shape.a_shape[0])
     else:
         raise ValueError(f"overlap_tp sampling: op kind {shape.kind!r} is not one of {SAMPLED_OPS}")
     return Reference(gemm_ms=_median_ms(lambda: torch.matmul(gemm_in, w.t()), device),

@@ -152,10 +152,11 @@ def _comm_curve(shape: Shape, kind: str, cap: int, group, device, reps, points):
         shard = torch.randn(shape.m_local, shape.k, device=device, dtype=dtype)
         gathered = torch.empty(shape.m, shape.k, device=device, dtype=dtype)
         for r in _sizes(shape.m_local, points):
-            # one AllGather of r rows per rank, as an AgGemm chunk (torch.distributed off CUDA: uncapped, recorded
-            # under the cap asked for; docs/tuner.md)
-            view, part = gathered[:t * r], shard[:r]
-            fn = lambda: coll.all_gather_into(view, part)   # noqa: E731
+            if hasattr(coll, "all_gather_rows"):
+                fn = lambda: coll.all_gather_rows(gathered, shard, 0, r)   # noqa: E731
+            else:   # torch.distributed, uncapped (recorded under the cap asked for; docs/tuner.md)
+                view, part = gathered[:t * r], shard[:r]
+                fn = lambda: dist.all_gather_into_tensor(view, part, group=group)   # noqa: E731
             pts.append((t * r * shape.k * eb, _timed(fn, [()], reps, group)))
     elif kind == "ag_p2p":
         pts = _p2p_pull_curve(shape, group, device, reps, points)

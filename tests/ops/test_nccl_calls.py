@@ -1,10 +1,9 @@
 """The raw NCCL communicator's calls (overlap_tp/ops/nccl.py), against a stand-in library that records them: what an
-AllGather+GEMM over NCCL enqueues per chunk, for every rank of several group sizes (the GPU tests check the rows that
+AllGather+GEMM chunk over NCCL enqueues, for every rank of several group sizes (the GPU tests check the rows that
 arrive)."""
 import pytest
 
 from overlap_tp.ops import nccl
-from overlap_tp.ops.tile_plan import chunk_major_pieces, chunk_major_rows
 
 
 class RecordingLibrary:
@@ -20,35 +19,22 @@ class RecordingLibrary:
         return call
 
 
-def communicator(rank, world, lib):
-    comm = object.__new__(nccl.Communicator)   # no NCCL init: only the fields the calls read
-    comm.rank, comm.world, comm.comm, comm._all_gather = rank, world, "comm", lib.ncclAllGather
-    return comm
-
-
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
-def test_each_chunk_is_one_in_place_allgather_that_fills_its_block(monkeypatch, world):
-    """Per chunk one ncclAllGather: this rank's rows sent from its place in the chunk's block, every rank's rows
-    received into the block (NCCL's in-place rule: send address = receive address + rank * count). Replayed over
-    every rank's calls, the blocks hold each rank's rows where chunk_major_rows says."""
-    rows, cols, chunks, base, stream, elem = 64, 48, [(0, 16), (16, 40), (40, 64)], 1 << 20, 7, 2
-    row_bytes = cols * elem
+def test_a_chunk_is_one_in_place_broadcast_per_root_in_one_group(monkeypatch, world):
+    """Rows [lo, hi) of every root's region: broadcast in place from that region (the same address on every rank,
+    so each rank's rows land at their standard place), in one group call, in root order on every rank (NCCL
+    matches a group's collectives by their order)."""
+    rows, cols, lo, hi, base, stream = 64, 48, 16, 40, 1 << 20, 7
+    spans = nccl.gather_spans(world, rows, cols, 2, lo, hi)
     dtype = nccl.NCCL_DTYPES[nccl.torch.bfloat16]
-    landed = {}   # buffer row -> (rank, local row) that every rank's buffer holds there
     for rank in range(world):
         lib = RecordingLibrary()
         monkeypatch.setattr(nccl, "library", lambda: lib)
-        comm = communicator(rank, world, lib)
-        for own, block, n in chunk_major_pieces(world, rank, chunks):
-            comm.all_gather_at(base + own * row_bytes, base + block * row_bytes, n * cols, nccl.torch.bfloat16,
-                               stream)
-        assert [name for name, _ in lib.calls] == ["ncclAllGather"] * len(chunks)
-        for (_, (src, dst, count, dt, c, s)), (lo, hi) in zip(lib.calls, chunks):
-            assert (count, dst, (dt, c, s)) == ((hi - lo) * cols, base + world * lo * row_bytes, (dtype, "comm", stream))
-            assert src == dst + rank * count * elem
-            first = (src - base) // row_bytes   # rank's rows [lo, hi) go to every rank's buffer at the same rows
-            for r in range(hi - lo):
-                assert landed.setdefault(first + r, (rank, lo + r)) == (rank, lo + r)
-    where = chunk_major_rows(rows, world, chunks).tolist()
-    assert sorted(landed) == list(range(world * rows))
-    assert all(where[p * rows + r] == row for row, (p, r) in landed.items())
+        comm = object.__new__(nccl.Communicator)   # no NCCL init: only the fields the call reads
+        comm.rank, comm.world, comm.comm = rank, world, "comm"
+        comm.all_gather_rows_at(base, spans, nccl.torch.bfloat16, stream)
+        assert [name for name, _ in lib.calls] == ["ncclGroupStart"] + ["ncclBroadcast"] * world + ["ncclGroupEnd"]
+        region = base + lo * cols * 2
+        assert [args for _, args in lib.calls[1:-1]] == [
+            (region + root * rows * cols * 2,) * 2 + ((hi - lo) * cols, dtype, root, "comm", stream)
+            for root in range(world)]

@@ -608,40 +608,30 @@ def test_transfers_then_gemm_enqueues_the_gemm_before_the_transfers_where_they_n
 
 
 def test_decomposed_allgather_forks_once_so_no_gather_waits_for_a_gemm(monkeypatch):
-    """AgGemm's decompose method: the comm stream forks once, after the local pieces are staged in the chunk-major
-    buffer (each chunk's in-place AllGather sends them from there) and before any GEMM; then gather c, join, GEMM c
-    (the peer's piece of the chunk). A fork per chunk made each gather wait for the previous chunk's GEMM (no
-    overlap at all)."""
-    import ctypes
-    from types import SimpleNamespace
-    from overlap_tp.ops import ag_gemm as ag
+    """AgGemm's decompose method: the comm stream forks once, after the local shard is in `gathered` (the
+    in-place broadcasts send it from there) and before any GEMM; then gather c, join, GEMM c. A fork per chunk
+    made each gather wait for the previous chunk's GEMM (no overlap at all)."""
+    from overlap_tp.ops.ag_gemm import AgGemm
     engine = _OrderEngine()
     log = engine.log
     a_shard, w = torch.randn(4, 3), torch.randn(5, 3)
     gathered, out = torch.zeros(8, 3), torch.zeros(8, 5)
-    # rank 0 of 2, chunks of local rows (0, 2), (2, 4): buffer rows [own 0-1, peer 0-1 | own 2-3, peer 2-3]
-    engine.fork = lambda current, capturing: log.append(("fork", torch.equal(gathered[[0, 1, 4, 5]], a_shard)))
-    monkeypatch.setattr(ag.memops, "copy", lambda stream, dst, src, nbytes: (
-        log.append(f"stage on {stream}"), ctypes.memmove(dst, src, nbytes)))   # CPU tensors: host addresses
+    engine.fork = lambda current, capturing: log.append(("fork", torch.equal(gathered[:4], a_shard)))
 
     class Coll:
-        def all_gather_into(self, chunk, piece, stream=None):
-            log.append(f"gather {tuple(chunk.shape)} on {stream}")
-            assert piece.data_ptr() == chunk.data_ptr()   # in place: rank 0's piece leads its chunk
-            chunk[piece.shape[0]:] = 1.0                  # the peer's rows
+        def all_gather_rows(self, gathered, src, lo, hi, stream=None):
+            log.append(f"gather {lo}:{hi} on {stream}")
+            gathered[4 + lo:4 + hi] = 1.0                 # the peer's rows
 
-    monkeypatch.setattr(comm, "collectives", lambda group, device, cap: Coll())
-    plan = object.__new__(ag.AgGemm)
-    plan.t, plan.rank, plan.m, plan.k, plan.dtype, plan.group = 2, 0, 4, 3, torch.float32, None
-    plan.device, plan.engine, plan.config, plan.bounds = torch.device("cpu"), engine, SimpleNamespace(comm_sms=0), \
+    plan = object.__new__(AgGemm)
+    plan.t, plan.rank, plan.device, plan.engine, plan.coll, plan.bounds = 2, 0, torch.device("cpu"), engine, Coll(), \
         [(0, 2), (2, 4)]
-    plan._gather_chunk_major(plan.bounds)
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b, out: (log.append(f"gemm {tuple(a.shape)}"), real_mm(a, b, out=out)))
     plan._decomposed(a_shard, w, gathered, out)
-    assert log == ["stage on caller", "stage on caller", ("fork", True), "gemm (4, 3)", "gather (4, 3) on comm",
-                   "join", "gemm (2, 3)", "gather (4, 3) on comm", "join", "gemm (2, 3)"]
-    assert torch.allclose(out, torch.cat([a_shard, torch.ones(4, 3)]) @ w.t())
+    assert log == [("fork", True), "gemm (4, 3)", "gather 0:2 on comm", "join", "gemm (2, 3)",
+                   "gather 2:4 on comm", "join", "gemm (2, 3)"]
+    assert torch.allclose(out, gathered @ w.t())
 
 
 def test_decomposed_dispatch_forks_once_so_no_exchange_waits_for_a_matmul(monkeypatch):

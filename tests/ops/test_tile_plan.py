@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, NO_WAIT, SRC_ROW, SRC_ROW_END, WAIT, ag_plan,
-                             chunk_major_rows, make_plan, p2p_plan, raster, split_units)
+                             make_plan, p2p_plan, raster, split_units)
 
 
 def simulate(plan):
@@ -156,28 +156,24 @@ def test_p2p_plan_stores_to_the_owners_in_ring_order(t, n):
         assert firsts == sorted(firsts) and seq[0] == 1 % t and seq[-1] == 0
 
 
-@pytest.mark.parametrize("chunk_major", [False, True])
 @pytest.mark.parametrize("m,n,t,bm,bn,groups", CASES)
-def test_ag_plan_covers_every_output_tile_after_its_rows_arrive(m, n, t, bm, bn, groups, chunk_major):
+def test_ag_plan_covers_every_output_tile_after_its_rows_arrive(m, n, t, bm, bn, groups):
     """For every rank: each output element is computed exactly once, from its own rows, at its standard
     position; local rows come first and wait for nothing; a peer row is read only by tiles that wait
-    on the chunk that carries it (chunks: the same local row range of every peer region). Chunk-major: each
-    tile reads its standard rows where the chunk's AllGather put them, a contiguous run."""
+    on the chunk that carries it (chunks: the same local row range of every peer region)."""
     m_local = m // t
     for rank in range(t):
-        plan = ag_plan(m, n, 64, t, rank, bm, bn, groups, chunk_major=chunk_major)
-        rows_at = chunk_major_rows(m_local, t, [(c.src_lo, c.src_hi) for c in plan.collectives] if chunk_major else ())
+        plan = ag_plan(m, n, 64, t, rank, bm, bn, groups)
         written = torch.zeros(m, n, dtype=torch.int64)
         waits = plan.tiles[:, WAIT].tolist()
         first_wait = next((i for i, f in enumerate(waits) if f != NO_WAIT), len(waits))
         assert all(f == NO_WAIT for f in waits[:first_wait]) and all(f != NO_WAIT for f in waits[first_wait:])
         assert waits[first_wait:] == sorted(waits[first_wait:]), "chunks in arrival order"
         for tile in plan.tiles.tolist():
-            src, end, col = tile[DST_ROW], tile[DST_ROW] + tile[SRC_ROW_END] - tile[SRC_ROW], tile[COL]
+            src, end, col = tile[SRC_ROW], tile[SRC_ROW_END], tile[COL]
             region = src // m_local
             assert region == (end - 1) // m_local and 0 < end - src <= bm
-            assert tile[DST_COL] == col
-            assert rows_at[src:end].tolist() == list(range(tile[SRC_ROW], tile[SRC_ROW_END]))
+            assert (tile[DST_ROW], tile[DST_COL]) == (src, col)
             if tile[WAIT] == NO_WAIT:
                 assert region == rank
             else:
@@ -189,15 +185,3 @@ def test_ag_plan_covers_every_output_tile_after_its_rows_arrive(m, n, t, bm, bn,
             assert plan.collectives[0].src_lo == 0 and plan.collectives[-1].src_hi == m_local
             assert all(a.src_hi == b.src_lo for a, b in zip(plan.collectives, plan.collectives[1:]))
             assert sum(plan.group_tiles) == int((plan.tiles[:, WAIT] != NO_WAIT).sum())
-
-
-def test_chunk_major_rows_are_where_each_chunks_allgather_puts_them():
-    """One AllGather per chunk (rank p's piece at p times the piece, in the chunk's block) of shards whose rows
-    hold (rank, row), read back through chunk_major_rows, gives the standard gathered order; no chunks: identity."""
-    world, m_local, k = 3, 10, 2
-    chunks = [(0, 4), (4, 5), (5, 10)]
-    shards = [torch.tensor([[p, r] for r in range(m_local)]) for p in range(world)]
-    gathered = torch.cat([torch.cat([s[lo:hi] for s in shards]) for lo, hi in chunks])
-    assert gathered.shape == (world * m_local, k)
-    assert torch.equal(gathered[chunk_major_rows(m_local, world, chunks)], torch.cat(shards))
-    assert torch.equal(chunk_major_rows(m_local, world, ()), torch.arange(world * m_local))

@@ -162,7 +162,7 @@ def install():
             c = nccl.Communicator.__new__(nccl.Communicator)
             c.comm, c.rank, c.world, c.device_index = ctypes.c_void_p(), dist.get_rank(group), \
                 dist.get_world_size(group), None
-            c._reduce_scatter, c._all_reduce, c._all_gather = _ok, _ok, _ok
+            c._reduce_scatter, c._all_reduce = _ok, _ok
             communicators[group, max_ctas] = c
         return communicators[group, max_ctas]
     comm.collectives = collectives
