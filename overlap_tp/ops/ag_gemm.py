@@ -20,7 +20,8 @@ Methods (OverlapConfig.method):
              chunk's first load a CTA spins (acquire) on the chunk's ready flag, which the comm stream
              raises (to 1) once the chunk's transfer completed; after the GEMM the caller's stream lowers the
              flags again (0), so every call and every graph replay waits for the same value. Transports:
-               nccl  per chunk, one ncclBroadcast per rank in a group call, straight into place; the GEMM
+               nccl  per chunk, one ncclBroadcast per rank in a group call, straight into place (two
+                     alternatives measured slower: nccl.Communicator.all_gather_rows_at); the GEMM
                      leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it).
                p2p   copy-engine pulls from the peers' regions of their symmetric gathered buffers into ours
                      (ops/p2p.py GatherBuffer, one per shard shape): no SM spent on communication (ConCCL/FiCCO),
