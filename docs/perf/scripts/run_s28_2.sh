@@ -1,0 +1,16 @@
+# The next session's second call (2 GPUs; ~9.5 min), written in session 27: `COMMIT=<sha> bash docs/perf/scripts/run_s28_2.sh`
+# (carry [".whl"]). Issue 21's llama3-8b at its 32 layers, TP 2, local graphs, off / signal / off / signal (s21, two H200s
+# of a 4-GPU host: 1.024x; not re-measured since, while the dense path changed in s22-s26: the ring order, the tile rule,
+# the MLP-boundary link at build). Predicted 1.02-1.03x. The cards that ran are in cards.txt.
+source docs/perf/scripts/setup_device.sh
+export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=585
+workdir s28_2
+export CUDA_VISIBLE_DEVICES=0,1
+nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
+for i in 1 2; do
+  for mode in off signal; do
+    train l8b32-$mode-$i 140 GRAPHS=local OVERLAP=$mode TRAIN_ITERS=20 GBS=4 -- $REPO/recipes/llama3-8b.sh
+  done
+done
+python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 8 $W/l8b32-*/train.log | sed "s#$W/##" | tee $W/l8b32.md
+grep -h -E "Error|error:|Traceback|OutOfMemory" $W/*/train.log | sort | uniq -c | head -8
