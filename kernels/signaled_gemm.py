@@ -352,11 +352,10 @@ def _plain_args(a, w, dst, tiles, counters, num_programs, config, bias, bias_row
     return grid, args, dict(num_stages=config.num_stages, num_warps=config.num_warps)
 
 
-# the kernel's parameters after its two descriptors, in order: the plain ones, then the constexprs
-_PLAIN = ("dst_ptr", "ld_dst", "dst_offsets_ptr", "bias_ptr", "bias_row_lo", "bias_row_hi", "tiles_ptr", "num_tiles",
-          "bounds_ptr", "num_groups", "counters_ptr", "flags_ptr", "wait_target", "N", "K")
 _CONSTEXPRS = ("HAS_BIAS", "SIGNAL", "WAIT", "INTERPRETED", "W_KN", "TILE_FIELDS", "BLOCK_M", "BLOCK_N", "BLOCK_K",
                "NUM_PROGRAMS", "ROW_TILES", "RASTER_M", "MAX_GROUPS")
+# the names of the kernel's plain parameters, between its two descriptors and its constexprs, as the kernel declares them
+_PLAIN = tuple(signaled_gemm_kernel.arg_names[2:len(signaled_gemm_kernel.arg_names) - len(_CONSTEXPRS)])
 
 
 def _jit_launch(grid, args, options):

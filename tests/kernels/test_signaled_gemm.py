@@ -179,7 +179,7 @@ def test_routings_share_one_compiled_kernel():
     """Row-tile plans of different routings (group counts 2-9, tile counts 1, 17, 32, 1000: Triton's classes of an
     integer) launch with the same specialization key, grid and constexprs, so a new routing compiles nothing;
     a dense plan's grid still stops at its tile count."""
-    from overlap_tp.kernels.signaled_gemm import (ROUTING_INTS, TILE_FIELDS, RowTiles, _plain_args,
+    from overlap_tp.kernels.signaled_gemm import (_CONSTEXPRS, ROUTING_INTS, TILE_FIELDS, RowTiles, _plain_args,
                                                   signaled_gemm_kernel, specialization_key)
     kernel = signaled_gemm_kernel   # under the interpreter the decorator's arguments are kept in kwargs
     unspecialized = getattr(kernel, "do_not_specialize", None) or kernel.kwargs["do_not_specialize"]
@@ -195,7 +195,7 @@ def test_routings_share_one_compiled_kernel():
                                               CONFIG, None, (0, row_tiles * 16), None,
                                               torch.zeros(groups, dtype=torch.int32), target)
             keys.add(specialization_key(0, a, w, rest, options))
-            launches.add((grid, tuple(rest[-13:])))
+            launches.add((grid, tuple(rest[-len(_CONSTEXPRS):])))
     assert len(keys) == 1 and len(launches) == 1, (keys, launches)
     grid, _, _ = _plain_args(a, w[0], dst, torch.zeros(5, TILE_FIELDS, dtype=torch.int32), None, 132, CONFIG, None,
                              (0, 0), None, None, 0)
