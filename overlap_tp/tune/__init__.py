@@ -13,6 +13,8 @@ Decision for one (device, op, dtype, t, M, N, K):
      decision is `off`. Every rank computes the decision from the same all-reduced numbers, and rank
      0's result is broadcast anyway (a config that differed across ranks would hang the collectives).
      Rank 0 writes the cache (if one was named: no file is written anywhere else).
+  Rank 0 of the group prints each decision once per process (`[overlap_tp] auto: ...`: the shape, the pick, where
+  it came from and, when measured here, its time beside off's), so a run's log says which path every op runs.
   On CPU tensors (gloo) the answer is OverlapConfig(method='off') with no measurement: the Triton
   interpreter's timings mean nothing.
 """
@@ -157,6 +159,7 @@ def choose_shape(shape: Shape, group, device: torch.device, *, cache=None, base:
     cached = _broadcast(cached["config"] if cached else None, group)
     if cached is not None:
         config = config_from_dict(cached)
+        how = "from the cache"
     else:
         if measure is None:
             from overlap_tp.tune import measure
@@ -168,12 +171,26 @@ def choose_shape(shape: Shape, group, device: torch.device, *, cache=None, base:
         config, name, times = decide(shape, meas, base, margin=margin, progress=progress, verify=verify,
                                      verify_count=verify_count)
         config = config_from_dict(_broadcast(config_to_dict(config), group))
+        how = _timed(label(config), times)
         if store is not None and dist.get_rank(group) == 0:
             top = dict(sorted(times.items(), key=lambda kv: kv[1])[:16])
             store.put(key, config, label=label(config), how="predicted+verified" if verify_count else "predicted",
                       times=top, measurements=meas.to_dict())
     _memo[memo_key] = config
+    if dist.get_rank(group) == 0:
+        print(f"[overlap_tp] auto: {shape.op} M={shape.m} N={shape.n} K={shape.k} t={t} {shape.dtype}: "
+              f"{label(config)} ({how})", flush=True)
     return config
+
+
+def _timed(name: str, times: dict) -> str:
+    """Where a measured decision came from: its time (measured or predicted, ms) beside off's."""
+    if name not in times:
+        return "measured here"
+    off = times.get("off")
+    if name == "off" or off is None:
+        return f"measured here: {times[name]:.3f} ms"
+    return f"measured here: {times[name]:.3f} ms, off {off:.3f} ms"
 
 
 def resolve_auto(op: str, m: int, n: int, k: int, dtype: torch.dtype, device: torch.device, group,

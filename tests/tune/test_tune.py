@@ -507,6 +507,32 @@ def test_choose_writes_no_file_unless_told(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def _choose_says_what_it_picked(rank, world, path):
+    import contextlib, io
+    a, w = torch.randn(1024, 128, dtype=torch.bfloat16), torch.randn(512, 128, dtype=torch.bfloat16)
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        config = choose("rs", a, w, dist.group.WORLD, cache=path, measure=FakeMeasure(rank))
+        choose("rs", a, w, dist.group.WORLD, cache=path, measure=FakeMeasure(rank))   # the memo: said once
+        clear_memo()
+        choose("rs", a, w, dist.group.WORLD, cache=path, measure=FakeMeasure(rank))   # a fresh process: the cache
+    lines = [line for line in said.getvalue().splitlines() if line.startswith("[overlap_tp] auto:")]
+    if rank != 0:
+        assert lines == []
+        return
+    shape = "rs M=1024 N=512 K=128 t=2 bfloat16"
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"[overlap_tp] auto: {shape}: {label(config)} (measured here: ")
+    assert ", off 1.100 ms)" in lines[0]          # the slowest rank's off time (1.0 and 1.1)
+    assert lines[1] == f"[overlap_tp] auto: {shape}: {label(config)} (from the cache)"
+
+
+def test_choose_says_what_it_picked(tmp_path):
+    """Rank 0 prints each decision once per process: the shape, the pick and where it came from (measured here,
+    with its time beside off's; or the cache)."""
+    run_distributed(2, _choose_says_what_it_picked, str(tmp_path / "tune.json"))
+
+
 def _end_to_end_leaves_no_candidate_plan(rank, world):
     from overlap_tp import gemm_rs
     from overlap_tp.ops import common
