@@ -308,13 +308,25 @@ class ForwardOutputs(NamedTuple):
     rstd: torch.Tensor          # fp32 [M]
 
 
-def empty_forward_outputs(x, residual, residual_dtype):
-    """Uninitialized outputs for `launch_forward` (shapes follow `residual`, or `x` without one)."""
+def empty_forward_outputs(x, residual, residual_dtype, y=None):
+    """Uninitialized outputs for `launch_forward` (shapes follow `residual`, or `x` without one). y: where the
+    normalized output goes instead of a new tensor (the next column-parallel layer's gathered buffer: check_y_out)."""
     like = residual if residual is not None else x
     rows = like.numel() // like.shape[-1]
     residual_out = None if residual is None else torch.empty(like.shape, dtype=residual_dtype, device=like.device)
-    return ForwardOutputs(torch.empty(like.shape, dtype=x.dtype, device=x.device), residual_out,
-                          torch.empty(rows, dtype=torch.float32, device=x.device))
+    if y is None:
+        y = torch.empty(like.shape, dtype=x.dtype, device=x.device)
+    return ForwardOutputs(y, residual_out, torch.empty(rows, dtype=torch.float32, device=x.device))
+
+
+def check_y_out(y_out, x, residual):
+    """Raise ValueError unless y_out can take the normalized output: x's dtype and device, the output's shape
+    (residual's, or x's without one), contiguous."""
+    like = residual if residual is not None else x
+    if (not isinstance(y_out, torch.Tensor) or y_out.shape != like.shape or y_out.dtype != x.dtype
+            or y_out.device != x.device or not y_out.is_contiguous()):
+        raise ValueError(f"y_out must be a contiguous {tuple(like.shape)} {x.dtype} tensor on {x.device}, got "
+                         f"{_describe(y_out) if isinstance(y_out, torch.Tensor) else type(y_out).__name__}")
 
 
 def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=False, dropout_p=0.0, seed=None,
@@ -562,12 +574,14 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, zero_centered_gamma, dropout_p, residual_dtype,
-                x_order, grad_order, x_sum=None):
+                x_order, grad_order, x_sum=None, y_out=None):
         rows, n = check_forward(x, residual, weight, bias, eps=eps, dropout_p=dropout_p,
                                 residual_dtype=residual_dtype, x_order=x_order)
         _check_order("grad_order", grad_order, rows, n, weight.device)
+        if y_out is not None:
+            check_y_out(y_out, x, residual)
         seed = dropout_seed(x.device) if dropout_p > 0 else None
-        out = empty_forward_outputs(x, residual, residual_dtype)
+        out = empty_forward_outputs(x, residual, residual_dtype, y_out)
 
         def launch(x_slots=None):
             launch_forward(x, residual, weight, bias, out, eps=eps, zero_centered_gamma=zero_centered_gamma,
@@ -601,16 +615,18 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
             dx_order=x_order, bias_grad=bias_dtype is not None and ctx.needs_input_grad[3], dy_slots=dy_slots),
             grad_order)
         return (d_residual if dx_is_d_residual else dx, d_residual, d_weight.to(weight.dtype),
-                None if d_bias is None else d_bias.to(bias_dtype), None, None, None, None, None, None, None)
+                None if d_bias is None else d_bias.to(bias_dtype), None, None, None, None, None, None, None, None)
 
 
 class RMSNormFunction(torch.autograd.Function):
     """y = x * rstd * g (plain RMSNorm, standard layout), what input_layernorm computes."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, zero_centered_gamma):
+    def forward(ctx, x, weight, eps, zero_centered_gamma, y_out=None):
         check_forward(x, None, weight, eps=eps)
-        out = empty_forward_outputs(x, None, None)
+        if y_out is not None:
+            check_y_out(y_out, x, None)
+        out = empty_forward_outputs(x, None, None, y_out)
         launch_forward(x, None, weight, None, out, eps=eps, zero_centered_gamma=zero_centered_gamma)
         ctx.save_for_backward(x, out.rstd, weight)
         ctx.zero_centered_gamma = zero_centered_gamma
@@ -623,7 +639,7 @@ class RMSNormFunction(torch.autograd.Function):
         d_weight, _ = _backward_summing(ctx, dy, lambda dy_slots: launch_backward(
             dy.contiguous(), None, x, rstd, weight, dx, None, zero_centered_gamma=ctx.zero_centered_gamma,
             dy_slots=dy_slots))
-        return dx, d_weight.to(weight.dtype), None, None
+        return dx, d_weight.to(weight.dtype), None, None, None
 
 
 # ----------------------------------------------------------------------------------------------

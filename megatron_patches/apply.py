@@ -18,7 +18,9 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
   holds the MoE module Megatron's own spec would build (its MoELayer, untouched).
 - the layer: OverlapTransformerLayer (bias-dropout-add and norm in one kernel, which also sums the p2p
   reduce-scatters and normalizes the next layer's input), or with `--no-overlap-tp-fused-norms` Megatron's own
-  TransformerLayer around the same linears and norms.
+  TransformerLayer around the same linears and norms; with `--overlap-tp-gather-in-place` its
+  norms write into linear_qkv's and linear_fc1's own gathered buffers (`overlap_tp.megatron.layers.
+  set_gather_in_place`).
 - `OVERLAP_TP_TUNE_CACHE` in the environment: `--overlap-tp-tune-cache`, else the variable as the user
   set it, else `overlap_tp_tune.json` in Megatron's `--save` folder
   (`overlap_tp.megatron.arguments.tune_cache_path`); with none of them it stays unset and the tuner
@@ -52,7 +54,7 @@ def is_overlap_spec(spec):
     return spec == [__name__, "overlap_layer_spec"] or (
         len(spec) == 2 and spec[0] == SPEC_MODULE and spec[1] in SPEC_ATTRIBUTES)
 
-_STATE = {"configs": None, "moe_config": None, "fused_norms": True}
+_STATE = {"configs": None, "moe_config": None, "fused_norms": True, "gather_in_place": False}
 
 
 @dataclasses.dataclass
@@ -102,6 +104,8 @@ def reset():
     """Forget the process-wide state (tests)."""
     _STATE["configs"] = _STATE["moe_config"] = None
     _STATE["fused_norms"] = True
+    _STATE["gather_in_place"] = False
+    _set_gather_in_place(False)
     tune_timing.set_regime("eager")
 
 
@@ -136,6 +140,12 @@ def apply(args, *, log=None):
         report.changed.append("the layer: " + ("overlap_tp's, fused bias-dropout-add + norm" if fused_norms else
                                                "Megatron's TransformerLayer (--no-overlap-tp-fused-norms)"))
         _STATE["fused_norms"] = fused_norms
+    in_place = bool(getattr(args, "overlap_tp_gather_in_place", False))
+    if _STATE["gather_in_place"] != in_place:
+        report.changed.append("the norms before linear_qkv and linear_fc1 write into those layers' own gathered "
+                              "buffers" if in_place else "the AllGathers stage their inputs (no gathering in place)")
+        _STATE["gather_in_place"] = in_place
+    _set_gather_in_place(in_place)
 
     spec = getattr(args, "spec", None)
     if not is_overlap_spec(spec):
@@ -169,6 +179,14 @@ def _set_layer_defaults(configs, moe_config):
     layers.set_default_overlap_config(**configs)
     if moe_config is not None:
         moe_layer.set_default_moe_overlap_config(moe_config)
+
+
+def _set_gather_in_place(on):
+    try:
+        from overlap_tp.megatron import layers
+    except ImportError:  # no megatron-core: no layer to build
+        return
+    layers.set_gather_in_place(on)
 
 
 def overlap_layer_spec(config, vp_stage=None):

@@ -33,6 +33,10 @@ process on the same inputs and the same weights:
   mixed-p2p, signal-p2p-lanes2, signal-p2p-sm16
                 (not in the default list) signal-p2p with, in turn: cuBLAS's regions for the ReduceScatters; the
                 AllGathers' copy-engine pulls over two streams; the AllGathers' pulls by a kernel on 16 SMs
+  signal-p2p-inplace, decompose-p2p-inplace
+                (not in the default list) signal-p2p / decompose-p2p with the layer built under
+                set_gather_in_place(True) (`--overlap-tp-gather-in-place`): the norms write into linear_qkv's and
+                linear_fc1's own gathered buffers, no staging copy, no re-gather in the backward
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
 timed (output, input grad and every parameter grad, max relative error <= --check-tol); every layer that
@@ -107,7 +111,13 @@ def configurations(device_type):
         # signal-p2p with the AllGathers' pulls by a kernel on 16 SMs (the GEMM behind them on the others)
         "signal-p2p-sm16": ("ours", {"ag_gemm": p2p_sm16, "gemm_rs": p2p, "gemm_ar": signal}, False),
         "auto": ("ours", OverlapConfig(method="auto"), False),
+        "signal-p2p-inplace": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
+        "decompose-p2p-inplace": ("ours", {"ag_gemm": decompose_p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal},
+                                  False),
     }
+
+
+IN_PLACE_SUFFIX = "-inplace"   # a configuration whose layer is built with set_gather_in_place(True)
 
 
 def parse_args(argv):
@@ -186,8 +196,9 @@ def layer_config(model, tp, device_type, fusions=None):
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1, use_cpu_initialization=device_type == "cpu")
 
 
-def build_layer(spec_kind, config, device, seed=1234):
-    """One TransformerLayer from our spec ('ours') or the Megatron reference spec ('megatron')."""
+def build_layer(spec_kind, config, device, seed=1234, in_place=False):
+    """One TransformerLayer from our spec ('ours') or the Megatron reference spec ('megatron'); in_place: ours, its
+    norms writing into the column-parallel linears' own gathered buffers (set_gather_in_place)."""
     from megatron.core.transformer.spec_utils import build_module
     if spec_kind == "ours":
         from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
@@ -199,7 +210,14 @@ def build_layer(spec_kind, config, device, seed=1234):
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(seed)
-    return build_module(spec, config=config, layer_number=1).to(device)
+    if not in_place:
+        return build_module(spec, config=config, layer_number=1).to(device)
+    from overlap_tp.megatron.layers import set_gather_in_place
+    set_gather_in_place(True)
+    try:
+        return build_module(spec, config=config, layer_number=1).to(device)
+    finally:
+        set_gather_in_place(False)
 
 
 def rotary_embedding(config, seq, device):
@@ -406,7 +424,7 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
-        layer = build_layer(spec_kind, config, device)
+        layer = build_layer(spec_kind, config, device, in_place=name.endswith(IN_PLACE_SUFFIX))
         if weights is not None:
             params = dict(layer.named_parameters())
             if sorted(params) != sorted(weights):

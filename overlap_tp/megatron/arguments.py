@@ -18,6 +18,7 @@ rather than at its first use, mid-training.
                                                tune_cache_path)
     --overlap-tp-layers                        use overlap_tp's layer spec even with --overlap-tp off
     --no-overlap-tp-fused-norms                Megatron's TransformerLayer between overlap_tp's linears (A/B)
+    --overlap-tp-gather-in-place               norms write into qkv's / fc1's own gathered buffers (off)
     --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
     --overlap-moe {off,signal,decompose,auto}  OverlapConfig.method for the MoE expert ops (off)
     --overlap-moe-transport {nccl,p2p}         OverlapConfig.transport for the MoE expert ops (nccl)
@@ -106,6 +107,15 @@ def add_overlap_args(parser):
              "default overlap_tp's layer runs each bias-dropout-add and the norm after it as one kernel, which "
              "also sums the p2p reduce-scatter's partials (linear_proj, linear_fc2) and normalizes the next "
              "layer's input. An A/B of those fusions; the GEMMs' overlap is unchanged.")
+    group.add_argument(
+        "--overlap-tp-gather-in-place", action="store_true",
+        help="linear_qkv and a dense MLP's linear_fc1 own their gathered input buffers, and the norm before each "
+             "writes its rows straight into this rank's region there: the forward's AllGather+GEMM stages no "
+             "copy, and the backward reads the gathered input still in place instead of gathering it again. "
+             "Costs (TP - 1) sequence shards of memory per such layer (about 2 GB per GPU at llama3-8b, 32 "
+             "layers, TP 2, s 8192). Needs overlap_tp's fused layer, --overlap-tp signal or decompose on the p2p "
+             "transport; off with activation recomputation, pipeline parallelism or CPU offloading (a warning "
+             "says why). Off by default.")
     group.add_argument(
         "--overlap-tp-peak-tflops", type=float, default=None, metavar="TFLOPS",
         help="Per-GPU peak for the MFU that overlap_tp logs. Default: $OVERLAP_TP_PEAK_TFLOPS, else "
@@ -221,6 +231,17 @@ def validate_overlap_args(args, *, warn=_warn):
         raise OverlapArgumentError(f"--overlap-tp-copy-lanes {lanes} splits the copy engines' pulls, and "
                                    f"--overlap-tp-comm-sms {comm_sms} with --overlap-tp-transport p2p runs them on SMs "
                                    "instead: give one of the two")
+
+    if getattr(args, "overlap_tp_gather_in_place", False):
+        if method not in ("signal", "decompose") or transport == "nccl":
+            raise OverlapArgumentError(
+                f"--overlap-tp-gather-in-place with --overlap-tp {method} --overlap-tp-transport {transport}: the "
+                "norms write into the AllGathers' own peer-to-peer buffers, which --overlap-tp signal or decompose "
+                "with --overlap-tp-transport p2p (or auto) uses. Change those, or drop --overlap-tp-gather-in-place.")
+        if not getattr(args, "overlap_tp_fused_norms", True):
+            raise OverlapArgumentError(
+                "--overlap-tp-gather-in-place with --no-overlap-tp-fused-norms: gathering in place is wired by "
+                "overlap_tp's layer (OverlapTransformerLayer), which that flag replaces with Megatron's. Drop one.")
 
     moe = getattr(args, "overlap_moe", "off")
     if moe not in METHODS:

@@ -19,6 +19,7 @@ dict by op kind) or, where it is None or names no config for the op kind, the mo
 `set_default_overlap_config`. Both are read at every call, so a training integration may set them after
 the model is built (`set_overlap_config(model, ...)` sets every layer of a model).
 """
+import math
 import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
@@ -40,7 +41,7 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
 
 from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.ag_gemm import ag_gemm, gather_rows
+from overlap_tp.ops.ag_gemm import OwnGather, ag_gemm, gather_rows
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
 
@@ -50,7 +51,8 @@ except ImportError:
     fused_weight_gradient_mlp_cuda = None
 
 __all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "get_default_overlap_config",
-           "set_default_overlap_config", "set_op_observer", "set_overlap_config"]
+           "gather_in_place_default", "set_default_overlap_config", "set_gather_in_place", "set_op_observer",
+           "set_overlap_config"]
 
 OP_KINDS = ("ag_gemm", "gemm_rs", "gemm_ar")
 LayerOverlapConfig = Union[None, OverlapConfig, Mapping[str, OverlapConfig]]
@@ -90,6 +92,19 @@ def get_default_overlap_config(op: str) -> OverlapConfig:
     if op not in OP_KINDS:
         raise ValueError(f"unknown op kind {op!r}; expected one of {OP_KINDS}")
     return _default_configs[op]
+
+
+_gather_in_place = [False]
+
+
+def set_gather_in_place(on: bool):
+    """Whether OverlapTransformerLayers built from now on have their norms write straight into linear_qkv's and a
+    dense linear_fc1's own gathered buffers (OverlapColumnParallelLinear.gather_in_place; `--overlap-tp-gather-in-place`)."""
+    _gather_in_place[0] = bool(on)
+
+
+def gather_in_place_default() -> bool:
+    return _gather_in_place[0]
 
 
 def _resolve_config(layer_config: LayerOverlapConfig, op: str) -> OverlapConfig:
@@ -199,10 +214,10 @@ class _LinearArgs:
     """What a layer's autograd Function needs besides tensors."""
 
     __slots__ = ("group", "sequence_parallel", "allreduce_dgrad", "gradient_accumulation_fusion", "layer_config",
-                 "defer_sum", "deferred_sum", "dgrad_link")
+                 "defer_sum", "deferred_sum", "dgrad_link", "own_gather")
 
     def __init__(self, group, sequence_parallel, allreduce_dgrad, gradient_accumulation_fusion, layer_config,
-                 defer_sum=False, dgrad_link=None):
+                 defer_sum=False, dgrad_link=None, own_gather=None):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.allreduce_dgrad = allreduce_dgrad
@@ -211,6 +226,7 @@ class _LinearArgs:
         self.defer_sum = defer_sum      # row, SP: leave a p2p reduce-scatter's sum to the output's consumer
         self.deferred_sum = None        # ... and here is what it left (ops.p2p.DeferredSum), for the module
         self.dgrad_link = dgrad_link    # column, SP: the input norm's DeferredGrad (the dgrad's p2p sum left to it)
+        self.own_gather = own_gather    # column, SP: the layer's OwnGather, whose claimed region is this input
 
     def config(self, op):
         return _resolve_config(self.layer_config, op)
@@ -241,6 +257,15 @@ class _ColumnParallelFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, args: _LinearArgs):
         _save_common(ctx, weight, bias, args)
+        ctx.x_shape = x.shape
+        ctx.kept_gathered = args.own_gather is not None
+        if ctx.kept_gathered:
+            # x is the layer's own gathered buffer's region, written by the norm: nothing staged, and the gathered
+            # input stays in that buffer (the layer's alone) until the backward, which reads it with no re-gather
+            out, gathered = _observed("ag_gemm", lambda: args.own_gather.ag_gemm(x, weight, bias, args.config("ag_gemm")),
+                                      x, weight, args.group)
+            ctx.save_for_backward(gathered, weight)
+            return out
         if args.sequence_parallel:
             # The gathered input is not kept: backward re-gathers it (Megatron's choice; keeping it
             # costs t times this layer's input activation memory).
@@ -255,12 +280,12 @@ class _ColumnParallelFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors   # x: the gathered input where kept_gathered
         args = ctx.args
         dy = dy.contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gathered, gathering = x, None
-        if need_dw and args.sequence_parallel:   # runs beside the dgrad below (p2p: on the copy engines, no SM)
+        if need_dw and args.sequence_parallel and not ctx.kept_gathered:   # beside the dgrad below (p2p: copy engines)
             gathering = gather_rows(x, args.group, args.config("ag_gemm"))
         dx = reducing_dx = None
         if need_dx:
@@ -280,7 +305,7 @@ class _ColumnParallelFn(torch.autograd.Function):
                 and not link.shared):
             # the input norm's backward kernel sums the t received partials itself (p2p transport): dx only stands
             # for the gradient in autograd, unwritten (kernels/fused_add_rmsnorm.py DeferredGrad)
-            dx = torch.empty(x.shape, dtype=dy.dtype, device=dy.device)
+            dx = torch.empty(ctx.x_shape, dtype=dy.dtype, device=dy.device)
             link.defer(dx, reducing_dx.deferred_sum)
         elif reducing_dx is not None:
             dx = reducing_dx.wait()
@@ -452,9 +477,17 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
     t partials to the norm's backward kernel, which sums them as it reads them (one pass over the input gradient and
     one launch less; kernels/fused_add_rmsnorm.py DeferredGrad, the backward mirror of defer_sum_next); an input
     that is not an overlap_tp norm's output, or a norm output with a second consumer, runs the sum as before.
+
+    gather_in_place: set by the module whose norm output is this layer's only input (OverlapTransformerLayer, with
+    set_gather_in_place(True)). The norm then writes its rows straight into this layer's own gathered buffer
+    (input_buffer, ops.ag_gemm.OwnGather): the forward's AllGather stages nothing, and the backward's wgrad reads the
+    gathered input still in that buffer, with no re-gather. Only where the ag_gemm config is the p2p transport with
+    method signal or decompose, on CUDA; elsewhere input_buffer returns None and the layer runs as before.
     """
 
     sum_dgrad_in_norm = False
+    gather_in_place = False
+    _own_gather = None
 
     def __init__(self, input_size, output_size, *, config, init_method: Callable, bias=True, gather_output=False,
                  stride=1, keep_master_weight_for_test=False, skip_bias_add=False,
@@ -521,8 +554,10 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         x2d = _flatten_input(input_, self.input_size, type(self).__name__)
         link = (accept_deferred_grad(input_) if self.sum_dgrad_in_norm and self.sequence_parallel
                 and torch.is_grad_enabled() else None)
+        own = self._own_gather
+        own = own if own is not None and self.sequence_parallel and own.holds(x2d) else None
         args = _LinearArgs(self.tp_group, self.sequence_parallel, self.allreduce_dgrad,
-                           self.gradient_accumulation_fusion, self.overlap_config, dgrad_link=link)
+                           self.gradient_accumulation_fusion, self.overlap_config, dgrad_link=link, own_gather=own)
         _check_main_grad(weight, self.gradient_accumulation_fusion)
         out2d = _ColumnParallelFn.apply(x2d, weight, bias, args)
         rows = input_.shape[0] * (get_pg_size(self.tp_group) if self.sequence_parallel else 1)
@@ -530,6 +565,23 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         if gather_output and get_pg_size(self.tp_group) > 1:
             output = _GatherLastDim.apply(output, self.tp_group)
         return output, (self.bias if self.skip_bias_add else None)
+
+    def input_buffer(self, shape, dtype, device) -> Optional[torch.Tensor]:
+        """Where the producer of this layer's next input ([s/t, b, h] `shape`, `dtype`) writes it: this rank's region
+        of the layer's own gathered buffer, claimed on the current stream (gather_in_place); None where the layer
+        gathers through the shared path (not in place, no SP, not CUDA, or an ag_gemm config other than the p2p
+        transport with method signal or decompose). The buffer is built at the first call, collectively."""
+        device = torch.device(device)
+        if (not self.gather_in_place or not self.sequence_parallel or shape[-1] != self.input_size
+                or dtype not in (torch.bfloat16, torch.float16)
+                or not OwnGather.supports(_resolve_config(self.overlap_config, "ag_gemm"), device)):
+            return None
+        m = math.prod(shape) // self.input_size
+        own = self._own_gather
+        if own is None or not own.fits(m, self.input_size, dtype, device):
+            self._own_gather = own = None   # a new shape: the old buffer goes (symmetric memory, freed with it)
+            own = self._own_gather = OwnGather(self.tp_group, m, self.input_size, dtype, device)
+        return own.claim().view(shape)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Sharding along axis 0, bias sharded (as Megatron's ColumnParallelLinear)."""

@@ -28,14 +28,15 @@ _CONFIG_DEFAULTS = {
 }
 
 
-def rmsnorm(x, weight, *, eps=1e-5, zero_centered_gamma=False):
-    """x * rstd(x) * (weight (+ 1)), over the last dimension; x contiguous, any leading shape."""
-    return RMSNormFunction.apply(x, weight, eps, zero_centered_gamma)
+def rmsnorm(x, weight, *, eps=1e-5, zero_centered_gamma=False, y_out=None):
+    """x * rstd(x) * (weight (+ 1)), over the last dimension; x contiguous, any leading shape. y_out: where the
+    output goes (x's shape and dtype, contiguous) instead of a new tensor."""
+    return RMSNormFunction.apply(x, weight, eps, zero_centered_gamma, y_out)
 
 
 def fused_add_rmsnorm(x, residual, weight, bias=None, *, eps=1e-5, zero_centered_gamma=False, dropout_p=0.0,
                       training=True, fp32_residual=False, residual_post_norm=False, x_order=None, grad_order=None,
-                      x_sum=None):
+                      x_sum=None, y_out=None):
     """Megatron's bias-dropout-add followed by the next RMSNorm:
 
         residual_out = residual + dropout(x + bias)        (dropout only when training)
@@ -51,11 +52,13 @@ def fused_add_rmsnorm(x, residual, weight, bias=None, *, eps=1e-5, zero_centered
     Every output is in the standard layout; x's gradient is in x's layout.
     x_sum: x is the not yet summed output of a peer-to-peer reduce-scatter (overlap_tp/ops/p2p.py, DeferredSum):
     the kernel reads its slots and sums them itself (FusedAddRMSNormFunction says more).
+    y_out: where `normalized` goes instead of a new tensor (residual's shape, x's dtype, contiguous): the next
+    column-parallel layer's own gathered buffer (OverlapRMSNorm.output_for).
     """
     residual_dtype = torch.float32 if fp32_residual else x.dtype
     normalized, residual_out = FusedAddRMSNormFunction.apply(
         x, residual, weight, bias, eps, zero_centered_gamma, dropout_p if training else 0.0, residual_dtype,
-        x_order, grad_order, x_sum)
+        x_order, grad_order, x_sum, y_out)
     return normalized, normalized if residual_post_norm else residual_out
 
 
@@ -71,6 +74,11 @@ class OverlapRMSNorm(torch.nn.Module):
     params_dtype and, on the fused residual path, hidden_dropout, fp32_residual_connection and
     apply_residual_connection_post_layernorm. memory_efficient_layer_norm and persist_layer_norm have no
     meaning here and are ignored.
+
+    output_for: set by the layer whose column-parallel linear is this norm's only consumer and gathers its input in
+    place (OverlapColumnParallelLinear.input_buffer): output_for(shape, dtype, device) is where the normalized rows
+    go (that linear's region of its own gathered buffer), or None (a new tensor). Every producer of this norm's
+    output asks it: this forward, and a fused bias-dropout-add that hands its rows over (output_buffer).
     """
 
     def __init__(self, config, hidden_size, eps=1e-5):
@@ -85,6 +93,7 @@ class OverlapRMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=_option(config, "params_dtype")))
         setattr(self.weight, "sequence_parallel", self.sequence_parallel)
         self._handover = None   # (x, this norm of x) computed ahead by a fused bias-dropout-add (hand_over)
+        self.output_for = None  # where the normalized rows go (the consumer linear's gathered buffer), see above
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -98,7 +107,12 @@ class OverlapRMSNorm(torch.nn.Module):
         handover, self._handover = self._handover, None
         if handover is not None and handover[0] is x:
             return handover[1]
-        return rmsnorm(x, self.weight, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma)
+        return rmsnorm(x, self.weight, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
+                       y_out=self.output_buffer(x.shape, x.dtype, x.device))
+
+    def output_buffer(self, shape, dtype, device):
+        """Where this norm's output goes: the consumer's buffer (output_for), or None (a new tensor)."""
+        return None if self.output_for is None else self.output_for(shape, dtype, device)
 
     def hand_over(self, x, normalized):
         """The next forward of this norm on x itself returns `normalized` (computed with this norm's weight, in

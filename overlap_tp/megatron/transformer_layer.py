@@ -40,6 +40,13 @@ Backward, the mirror of the deferred sums: linear_qkv and a dense MLP's linear_f
 only input, so their dgrad reduce-scatter on the p2p transport leaves its t partials to that norm's backward kernel,
 which sums them as it reads them (OverlapColumnParallelLinear.sum_dgrad_in_norm; the norm checks that what reaches it
 is the unsummed placeholder, so a second consumer of the norm's output is an error, never a silent read).
+
+Gathered in place (`set_gather_in_place(True)`, `--overlap-tp-gather-in-place`): the same two linears own their
+gathered input buffers, and every producer of their input (the input norm, the fused attention bda's pre-MLP norm, the
+previous layer's fused MLP bda) writes the normalized rows straight into this rank's region there
+(OverlapRMSNorm.output_for -> OverlapColumnParallelLinear.input_buffer): no staging copy before the forward's
+AllGather+GEMM, and no re-gather in the backward. Not with activation recomputation, pipeline parallelism (several
+micro-batches' gathered inputs alive at once) or CPU offloading; the layer says why once (a warning).
 """
 import warnings
 import weakref
@@ -49,7 +56,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear, gather_in_place_default
 from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
 
 __all__ = ["OverlapTransformerLayer"]
@@ -126,6 +133,34 @@ class OverlapTransformerLayer(TransformerLayer):
                        getattr(self.mlp, "linear_fc1", None) if type(self.mlp) is MLP else None):
             if isinstance(linear, OverlapColumnParallelLinear):
                 linear.sum_dgrad_in_norm = True
+        if gather_in_place_default():
+            self._gather_inputs_in_place()
+
+    def _gather_inputs_in_place(self):
+        """linear_qkv and a dense MLP's linear_fc1 gather their inputs in their own buffers, written by their norms
+        (the module docstring); a reason not to is warned once."""
+        config = self.config
+        reason = None
+        if not getattr(config, "sequence_parallel", False):
+            reason = "sequence parallelism is off (nothing is gathered)"
+        elif getattr(config, "recompute_granularity", None) is not None:
+            reason = "activations are recomputed (a recomputed forward would rewrite a buffer the backward still reads)"
+        elif getattr(config, "pipeline_model_parallel_size", 1) > 1:
+            reason = "pipeline parallelism keeps several micro-batches' gathered inputs alive at once"
+        elif getattr(config, "cpu_offloading", False):
+            reason = "activations are offloaded to the CPU"
+        if reason is not None:
+            if reason not in _warned:
+                _warned.add(reason)
+                warnings.warn(f"OverlapTransformerLayer: --overlap-tp-gather-in-place is off because {reason}; the "
+                              f"AllGathers stage their inputs and the backward re-gathers them")
+            return
+        pairs = ((self.input_layernorm, getattr(self.self_attention, "linear_qkv", None)),
+                 (self.pre_mlp_layernorm, getattr(self.mlp, "linear_fc1", None) if type(self.mlp) is MLP else None))
+        for norm, linear in pairs:
+            if type(norm) is OverlapRMSNorm and isinstance(linear, OverlapColumnParallelLinear):
+                linear.gather_in_place = True
+                norm.output_for = linear.input_buffer
 
     def _unfusable_reason(self) -> Optional[str]:
         if type(self.pre_mlp_layernorm) is not OverlapRMSNorm:
@@ -153,7 +188,8 @@ class OverlapTransformerLayer(TransformerLayer):
             # Megatron's TransformerLayer ignores apply_residual_connection_post_layernorm: so do we.
             normed, hidden = fused_add_rmsnorm(
                 x, residual, norm.weight, bias, eps=norm.eps, zero_centered_gamma=norm.zero_centered_gamma,
-                dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum)
+                dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum,
+                y_out=norm.output_buffer(residual.shape, x.dtype, x.device))
             norm.hand_over(hidden, normed)
             return hidden
 
@@ -200,7 +236,8 @@ class OverlapTransformerLayer(TransformerLayer):
                 return self._megatron_mlp_bda(training, fused)(x_with_bias, residual, prob)
             normed, hidden = fused_add_rmsnorm(
                 x, residual, norm.weight, bias, eps=norm.eps, zero_centered_gamma=norm.zero_centered_gamma,
-                dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum)
+                dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum,
+                y_out=norm.output_buffer(residual.shape, x.dtype, x.device))
             norm.hand_over(hidden, normed)
             return hidden
 

@@ -58,9 +58,14 @@ class AgGemm(OpPlan):
     op = "ag_gemm"
 
     def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
-                 config: Optional[OverlapConfig] = None):
+                 config: Optional[OverlapConfig] = None, gather: Optional[GatherBuffer] = None):
+        """gather: the GatherBuffer to pull into (OwnGather's, a consumer's own); None = the shape's shared one."""
         super().__init__(group, m, n, k, dtype, device, config)
         config, device, t = self.config, self.device, self.t
+        if gather is not None and (self.method not in ("signal", "decompose") or config.transport != "p2p"):
+            raise ValueError(f"ag_gemm: a gather buffer of its own is for the p2p transport (method signal or "
+                             f"decompose); this plan runs method={self.method!r}, transport={config.transport!r}")
+        self._own_buffer = gather
         if self.method == "signal":
             if config.transport == "p2p" and config.comm_sms > 0 and config.copy_lanes > 1:
                 raise ValueError(f"ag_gemm: copy_lanes={config.copy_lanes} splits the copy engines' pulls; with "
@@ -126,7 +131,8 @@ class AgGemm(OpPlan):
     def _pull_into_gather_buffer(self):
         """The p2p transport's state: the shape's gathered buffer (shared with the other AllGathers of the shape) and
         the streams its pulls are split over (config.copy_lanes; None: the comm stream alone)."""
-        self.gather = row_gather(self.group, self.m, self.k, self.dtype, self.device).buffer
+        self.gather = (self._own_buffer if self._own_buffer is not None else
+                       row_gather(self.group, self.m, self.k, self.dtype, self.device).buffer)
         self.lanes = comm.comm_engine(self.device).copy_lanes(self.config.copy_lanes)
         if self.watched is not None:   # a stuck call names the stage's and the pulls' signals too
             self.watched.words += (("peer signals [PULLED, READY] x rank", self.gather.signals.words),)
@@ -299,6 +305,59 @@ def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optiona
     plan = cached_plan(AgGemm, comm.resolve_group(group), a_shard.shape[0], w.shape[0], w.shape[1], a_shard.dtype,
                        a_shard.device, config)
     return plan(a_shard, w, bias, return_gathered=return_gathered)
+
+
+class OwnGather:
+    """A column-parallel layer's own gathered input buffer, written in place by the producer of its input: issue 22's
+    fused block, the pull variant. The norm before the GEMM writes its rows straight into this rank's region
+    (claim()), the AllGather+GEMM then stages nothing (no copy on the critical path, where CUDA graphs run it as an SM
+    kernel) and the peers pull the rows from there; the buffer is the layer's alone, so the whole gathered input is
+    still in it at the backward, whose wgrad reads it with no re-gather (no copies or pulls beside the dgrad GEMM).
+    Costs (t - 1) shards of memory per layer over the saved shard it replaces. One per (layer, shard shape); plans
+    per (weight rows, config), built at first use, collectively (every rank's layers run in the same order).
+
+        region = own.claim()                  # [m, k]: the producer writes the shard here (on the current stream)
+        out, gathered = own.ag_gemm(region, w, bias, config)   # gathered: valid until the next claim
+
+    The p2p transport with method signal or decompose only (supports()); any other config runs the shared path."""
+
+    def __init__(self, group, m: int, k: int, dtype, device: torch.device):
+        check_not_capturing(device, "a layer's own gathered buffer")
+        self.group = comm.resolve_group(group)
+        self.m, self.k, self.dtype, self.device = m, k, dtype, device
+        t, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self.buffer = GatherBuffer(self.group, rank, t, m, k, dtype, device, f"all_gather(M={m}, K={k}, t={t}, "
+                                   f"p2p, in place)")
+        self.region_ptr = self.buffer.own[rank]
+        self.engine = comm.comm_engine(device)
+        self._plans = {}
+
+    @staticmethod
+    def supports(config: OverlapConfig, device: torch.device) -> bool:
+        """Whether an ag_gemm of this config on this device can gather in place (symmetric memory: CUDA)."""
+        return config.method in ("signal", "decompose") and config.transport == "p2p" and device.type == "cuda"
+
+    def fits(self, m: int, k: int, dtype, device) -> bool:
+        return (m, k, dtype, device) == (self.m, self.k, self.dtype, self.device)
+
+    def claim(self) -> torch.Tensor:
+        """This rank's region [m, k] of the buffer, writable on the current stream (every peer pulled the previous
+        call's rows out of it)."""
+        engine = self.engine
+        return self.buffer.claim(engine.current(), engine.capturing())
+
+    def holds(self, x: torch.Tensor) -> bool:
+        """Whether x is the claimed region (the next ag_gemm stages nothing)."""
+        return self.buffer.claimed and x.data_ptr() == self.region_ptr and x.shape == (self.m, self.k)
+
+    def ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], config: OverlapConfig):
+        """all_gather(a_shard) @ w.T + bias through this buffer: (out, gathered)."""
+        key = (w.shape[0], config)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = AgGemm(self.group, self.m, w.shape[0], self.k, self.dtype, self.device, config,
+                                             gather=self.buffer)
+        return plan(a_shard, w, bias, return_gathered=True)
 
 
 class RowGather:

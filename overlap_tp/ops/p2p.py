@@ -207,7 +207,13 @@ class GatherBuffer:
     The buffer is what a call returns as the gathered input (gathered()), so it is valid until the next call on
     this buffer, which every AllGather of this shape shares (the AgGemm plans and gather_rows of the shape: one
     buffer per shape, as Transformer Engine's userbuffers). A call while the previous call's gathered tensor (or a
-    view of it) is still referenced is a RuntimeError, not an overwrite of data the caller may still read."""
+    view of it) is still referenced is a RuntimeError, not an overwrite of data the caller may still read.
+
+    Written in place (a buffer of one consumer's own, ag_gemm.OwnGather): the producer of the shard asks for our
+    region first (claim: the reference check and the PULLED wait of stage, on its stream), writes the shard there
+    itself (the norm before the column-parallel GEMM), and the stage that follows finds the shard in place: no wait
+    (done) and no copy. `claimed` is host state of the call in flight: a claim is followed by one stage, in the
+    same eager call sequence or the same captured graph."""
 
     PULLED, READY = 0, 1
 
@@ -230,6 +236,7 @@ class GatherBuffer:
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
                                    names=("PULLED", "READY"), graph_deadline=False)
         self._unreferenced = self._references()
+        self.claimed = False   # PULLED waited for and our region handed to the shard's producer (claim)
 
     def _references(self) -> int:
         """The tensors that use the buffer's storage (the count of its storage's users, less the storage object
@@ -243,12 +250,30 @@ class GatherBuffer:
         return self.buf.detach()
 
     def stage(self, stream: int, a_shard: torch.Tensor, capturing: bool):
-        if self._references() > self._unreferenced:
-            raise RuntimeError(f"overlap_tp {self.describe}: the previous call's gathered input is still referenced, "
-                               "and it is this shape's shared buffer, which this call overwrites; use it before the "
-                               "next AllGather of the shape, or keep a copy (.clone())")
+        """Our shard into our region, once every peer pulled the previous one: copied, or already there (claim)."""
+        if self.claimed:
+            self.claimed = False
+            if a_shard.data_ptr() != self.own[self.rank]:   # claimed, then handed another tensor: copy it
+                memops.copy(stream, self.own[self.rank], a_shard.data_ptr(), self.region_bytes)
+            return
+        self._check_unreferenced()
         self.signals.wait(stream, self.PULLED, capturing)
         memops.copy(stream, self.own[self.rank], a_shard.data_ptr(), self.region_bytes)
+
+    def claim(self, stream: int, capturing: bool) -> torch.Tensor:
+        """Our region [m, k] for the shard's producer to write into, on `stream` once every peer pulled the previous
+        call's rows from it; the next stage() then copies nothing. Claiming twice waits once."""
+        if not self.claimed:
+            self._check_unreferenced()
+            self.signals.wait(stream, self.PULLED, capturing)
+            self.claimed = True
+        return self.buf.narrow(0, self.rank * self.m, self.m)
+
+    def _check_unreferenced(self):
+        if self._references() > self._unreferenced:
+            raise RuntimeError(f"overlap_tp {self.describe}: the previous call's gathered input is still referenced, "
+                               "and this call overwrites the buffer it lives in; use it before the next AllGather "
+                               "into this buffer, or keep a copy (.clone())")
 
     def ready(self, stream: int, capturing: bool):
         self.signals.signal_then_wait(stream, self.READY, capturing)

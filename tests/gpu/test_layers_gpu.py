@@ -487,3 +487,68 @@ if __name__ == "__main__":
         run_distributed(2, check_same_seed_same_weights, "cuda", backend="nccl")
         for label in ("default", "p2p"):
             run_distributed(2, check_layers, "cuda", GPU_SHAPES, methods("cuda", p2p=label == "p2p"), backend="nccl")
+
+
+def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, steps=20, late_every=0):
+    """Two OverlapTransformerLayers in a row (SP, p2p transports) built with set_gather_in_place(True): every norm
+    before linear_qkv and linear_fc1 writes straight into that linear's own gathered buffer, the forward AllGathers
+    stage nothing and the backward re-gathers nothing. Against the same pair without it: bit for bit (the same bits,
+    written and read elsewhere) over `steps` steps with fresh inputs; late_every > 0: rank 1 holds its stream ~0.1 s
+    before every late_every-th step, so the claims' waits for the peers' pulls are real."""
+    _quiet()
+    _deterministic()
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron import layers as layers_module
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layers import set_overlap_config
+    ps = _setup(world, "cuda")
+    config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method, size=size)
+    pairs = []
+    for in_place in (True, False):
+        _seed(79, "cuda")
+        layers_module.set_gather_in_place(in_place)
+        try:
+            pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
+        finally:
+            layers_module.set_gather_in_place(False)
+        for layer in pair:
+            set_overlap_config(layer, p2p_configs)
+        pairs.append(pair)
+    real_gather_rows, regathers = layers_module.gather_rows, []
+
+    def counted_gather_rows(*args, **kwargs):
+        regathers.append(args[0].shape)
+        return real_gather_rows(*args, **kwargs)
+    layers_module.gather_rows = counted_gather_rows
+    try:
+        for step, (x, g) in enumerate(_fresh_steps(7 + rank, seq // world, config.hidden_size, steps)):
+            if late_every and step % late_every == 0 and rank == 1:
+                torch.cuda._sleep(200_000_000)   # ~0.1 s of GPU time ahead of this rank's step
+            regathers.clear()
+            got = _fwd_bwd(pairs[0], x, g)
+            assert not regathers, f"step {step}: the in-place pair re-gathered {regathers}"
+            want = _fwd_bwd(pairs[1], x, g)
+            assert len(regathers) == 4, regathers
+            assert torch.isfinite(got[0]).all()
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert torch.equal(a, b), f"step {step} rank {rank}: tensor {i} differs from the staged path"
+            del got, want
+    finally:
+        layers_module.gather_rows = real_gather_rows
+    for layer in pairs[0]:
+        for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
+            assert linear._own_gather is not None, "the linear should own its gathered buffer"
+    torch.cuda.synchronize()
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("method", P2P_METHODS)
+def test_norms_write_into_the_gathered_buffers_bitwise(method):
+    run_distributed(_gpu_world(), check_gather_in_place, method, backend="nccl")
+
+
+@pytest.mark.parametrize("method", P2P_METHODS)
+def test_gather_in_place_at_the_8b_layer_shape_and_200_steps_with_a_late_peer(method):
+    """Two 8B layers at s 8192 (3 steps), then 200 steps of the small pair with rank 1 late before every 50th."""
+    run_distributed(_gpu_world(), check_gather_in_place, method, "l8b", 8192, 3, 0, backend="nccl")
+    run_distributed(_gpu_world(), check_gather_in_place, method, "small", 2048, 200, 50, backend="nccl")

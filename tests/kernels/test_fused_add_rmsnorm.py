@@ -461,3 +461,47 @@ def test_a_deferred_dgrad_that_meets_a_second_consumer_is_an_error_not_a_read():
     first, second = accept_deferred_grad(y), accept_deferred_grad(y)
     assert first is not None and second is None and first.shared
     assert accept_deferred_grad(x) is None   # not a norm's output
+
+
+@pytest.mark.parametrize("shape", [(8, 2, 64), (5, 1, 96)])
+def test_y_out_takes_the_normalized_rows_in_place(shape):
+    """y_out (a column-parallel layer's region of its own gathered buffer): the normalized rows land there, bit for
+    bit what a new tensor gets, nothing else of the buffer is written, and the gradients are unchanged; plain and
+    fused norms alike."""
+    _, residual, weight, b = make_inputs(torch.bfloat16, torch.bfloat16, True, None, shape)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    dy = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    rows = shape[0] * shape[1]
+
+    def run(norm, into):
+        leaves = [x.clone().requires_grad_(), residual.clone().requires_grad_(), weight.clone().requires_grad_(),
+                  b.clone().requires_grad_()]
+        buffer = torch.full((3 * rows, shape[-1]), float("nan"), dtype=torch.bfloat16)
+        region = buffer.narrow(0, rows, rows).view(shape) if into else None
+        if norm == "fused":
+            y, _ = fused_add_rmsnorm(*leaves, y_out=region)
+            used = leaves
+        else:
+            y = rmsnorm(leaves[0], leaves[2], y_out=region)
+            used = [leaves[0], leaves[2]]
+        y.backward(dy)
+        if into:
+            assert y.data_ptr() == region.data_ptr()
+            assert buffer[:rows].isnan().all() and buffer[2 * rows:].isnan().all()   # only the region written
+        return (y.detach().clone(),) + tuple(leaf.grad for leaf in used)
+
+    for norm in ("fused", "plain"):
+        for got, want in zip(run(norm, True), run(norm, False)):
+            assert torch.equal(got, want), norm
+
+
+def test_y_out_of_the_wrong_shape_dtype_or_layout_is_refused():
+    shape = (4, 2, 64)
+    x, residual, weight, _ = make_inputs(torch.bfloat16, torch.bfloat16, False, None, shape)
+    for bad in (torch.empty(4, 64, dtype=torch.bfloat16), torch.empty(shape, dtype=torch.float32),
+                torch.empty(2, 4, 64, dtype=torch.bfloat16).transpose(0, 1)):
+        with pytest.raises(ValueError, match="y_out must be"):
+            fused_add_rmsnorm(x, residual, weight, y_out=bad)
+        with pytest.raises(ValueError, match="y_out must be"):
+            rmsnorm(x, weight, y_out=bad)

@@ -181,6 +181,23 @@ def test_no_fused_norms_builds_megatrons_transformer_layer(monkeypatch):
     assert patch.overlap_layer_spec(transformer).layer_specs[0].module is OverlapTransformerLayer
 
 
+def test_gather_in_place_reaches_the_layers_and_is_reported():
+    pytest.importorskip("megatron.core", reason="overlap_tp.megatron.layers needs megatron-core")
+    from overlap_tp.megatron import layers
+    try:
+        report = patch.apply(fake_args(overlap_tp_gather_in_place=True), log=quiet)
+        assert layers.gather_in_place_default() is True
+        assert any("own gathered buffers" in line for line in report.changed)
+        report = patch.apply(fake_args(overlap_tp_gather_in_place=True), log=quiet)
+        assert not any("gathered" in line for line in report.changed)     # idempotent
+        report = patch.apply(fake_args(), log=quiet)
+        assert layers.gather_in_place_default() is False
+        assert any("stage their inputs" in line for line in report.changed)
+    finally:
+        patch.reset()
+    assert layers.gather_in_place_default() is False
+
+
 def test_overlap_moe_alone_switches_the_spec_and_the_moe_config():
     pytest.importorskip("megatron.core", reason="overlap_tp.megatron.moe_layer needs megatron-core")
     from overlap_tp.megatron import moe_layer

@@ -219,6 +219,23 @@ def test_conflicts_say_what_to_change(overrides, match):
         validate_overlap_args(megatron_like(**overrides), warn=None)
 
 
+def test_gather_in_place_flag_and_what_it_needs():
+    parser = build_parser()
+    assert parser.parse_args([]).overlap_tp_gather_in_place is False
+    assert parser.parse_args(["--overlap-tp-gather-in-place"]).overlap_tp_gather_in_place is True
+    for transport in ("p2p", "auto"):
+        for method in ("signal", "decompose"):
+            validate_overlap_args(megatron_like(overlap_tp=method, overlap_tp_transport=transport,
+                                                overlap_tp_gather_in_place=True), warn=None)
+    for overrides in ({"overlap_tp_transport": "nccl"}, {"overlap_tp": "auto", "overlap_tp_transport": "p2p"},
+                      {"overlap_tp": "off", "overlap_tp_layers": True, "overlap_tp_transport": "p2p"}):
+        with pytest.raises(OverlapArgumentError, match="drop --overlap-tp-gather-in-place"):
+            validate_overlap_args(megatron_like(overlap_tp_gather_in_place=True, **overrides), warn=None)
+    with pytest.raises(OverlapArgumentError, match="--no-overlap-tp-fused-norms"):
+        validate_overlap_args(megatron_like(overlap_tp_transport="p2p", overlap_tp_gather_in_place=True,
+                                            overlap_tp_fused_norms=False), warn=None)
+
+
 def test_our_own_spec_is_accepted():
     assert validate_overlap_args(megatron_like(spec=list(SPEC)), warn=None) == []
 

@@ -551,6 +551,131 @@ def test_mlp_boundary_hands_the_next_norm_over_and_sums_fc2_in_the_kernel():
     run_distributed(2, _check_mlp_boundary)
 
 
+class _FakeOwnGather:
+    """ops.ag_gemm.OwnGather on gloo (its symmetric buffer is CUDA-only): a CPU buffer [t * m, k] whose region this
+    rank's norm writes into (claim), filled with the peers' rows by an all-gather, then the GEMM as AgGemm's `off`
+    runs it (so the result is bit for bit the shared path's); the reference check of GatherBuffer.claim included."""
+    built, gemms = [], []
+
+    def __init__(self, group, m, k, dtype, device):
+        import torch.distributed as dist
+        self.group, self.m, self.k, self.dtype, self.device = group, m, k, dtype, device
+        self.t, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.buf = torch.empty(self.t * m, k, dtype=dtype, device=device)
+        self.unreferenced = torch._C._storage_Use_Count(self.buf.untyped_storage()._cdata)
+        self.claimed = False
+        _FakeOwnGather.built.append(self)
+
+    @staticmethod
+    def supports(config, device):
+        return True
+
+    def fits(self, m, k, dtype, device):
+        return (m, k, dtype, device) == (self.m, self.k, self.dtype, self.device)
+
+    def claim(self):
+        if not self.claimed:
+            assert torch._C._storage_Use_Count(self.buf.untyped_storage()._cdata) == self.unreferenced, \
+                "claimed while the previous gathered input is still referenced"
+            self.claimed = True
+        return self.buf.narrow(0, self.rank * self.m, self.m)
+
+    def holds(self, x):
+        return self.claimed and x.data_ptr() == self.buf[self.rank * self.m].data_ptr() and x.shape == (self.m, self.k)
+
+    def ag_gemm(self, a_shard, w, bias, config):
+        import torch.distributed as dist
+        assert self.holds(a_shard)
+        self.claimed = False
+        parts = [torch.empty_like(a_shard) for _ in range(self.t)]
+        dist.all_gather(parts, a_shard.contiguous(), group=self.group)
+        for p in range(self.t):
+            if p != self.rank:
+                self.buf[p * self.m:(p + 1) * self.m].copy_(parts[p])
+        out = torch.mm(self.buf, w.t())
+        if bias is not None:
+            out += bias
+        _FakeOwnGather.gemms.append(w.shape)
+        return out, self.buf.detach()
+
+
+def _check_gather_in_place(rank, world):
+    """set_gather_in_place(True) (faked OwnGather on gloo): two linked layers' four norms (the first layer's input
+    norm, each fused attention bda, the first layer's fused MLP bda for the second's input norm) write straight into
+    linear_qkv's and linear_fc1's own buffers, whose forwards then gather through them, and whose backwards read the
+    gathered inputs kept there (no re-gather); outputs, input grad and every parameter grad bit for bit those of the
+    layers without it, over two steps. With activation recomputation it stays off, and says so."""
+    _quiet()
+    ps = _init_megatron(world)
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron import layers
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
+    g = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
+    real_own, real_gather_rows, regathers = layers.OwnGather, layers.gather_rows, []
+
+    def counted_gather_rows(*args, **kwargs):
+        regathers.append(args[0].shape)
+        return real_gather_rows(*args, **kwargs)
+
+    def run(in_place, steps=2):
+        torch.manual_seed(99)
+        layers.set_gather_in_place(in_place)
+        layers.OwnGather, layers.gather_rows = _FakeOwnGather, counted_gather_rows
+        _FakeOwnGather.built.clear()
+        try:
+            config = _layer_config(world, True)
+            first = build_module(spec, config=config, layer_number=1)
+            second = build_module(spec, config=config, layer_number=2)
+            results = []
+            for _ in range(steps):
+                regathers.clear()
+                _FakeOwnGather.gemms.clear()
+                for p in list(first.parameters()) + list(second.parameters()):
+                    p.grad = None
+                xi = x.clone().requires_grad_(True)
+                out, _ = second(hidden_states=first(hidden_states=xi, attention_mask=None)[0], attention_mask=None)
+                out.backward(g)
+                results.append([out, xi.grad] + [p.grad for p in list(first.parameters()) + list(second.parameters())])
+                # qkv and fc1 of both layers: gathered in place, never re-gathered; else re-gathered in the backward
+                assert len(_FakeOwnGather.gemms) == (4 if in_place else 0), _FakeOwnGather.gemms
+                assert len(regathers) == (0 if in_place else 4), regathers
+            assert len(_FakeOwnGather.built) == (4 if in_place else 0)   # one buffer per linear, kept across steps
+            for linear in (first.self_attention.linear_qkv, first.mlp.linear_fc1, second.self_attention.linear_qkv,
+                           second.mlp.linear_fc1):
+                assert linear.gather_in_place == in_place
+        finally:
+            layers.OwnGather, layers.gather_rows = real_own, real_gather_rows
+            layers.set_gather_in_place(False)
+        return results
+
+    want = run(False)
+    got = run(True)
+    for step_got, step_want in zip(got, want):
+        for a, b in zip(step_got, step_want):
+            assert torch.equal(a, b)
+
+    # activation recomputation: off, with a warning naming it
+    layers.set_gather_in_place(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer = build_module(spec, config=_layer_config(world, True).__class__(
+                **{**_layer_config(world, True).__dict__, "recompute_granularity": "full", "recompute_method": "uniform",
+                   "recompute_num_layers": 1}), layer_number=1)
+        assert not layer.self_attention.linear_qkv.gather_in_place and layer.input_layernorm.output_for is None
+        assert any("gather-in-place is off because activations are recomputed" in str(w.message) for w in caught)
+    finally:
+        layers.set_gather_in_place(False)
+    ps.destroy_model_parallel()
+
+
+def test_norms_write_into_the_gathered_buffers_and_the_backward_reads_them_in_place():
+    run_distributed(2, _check_gather_in_place)
+
+
 def _check_links_when_built(rank, world):
     """The MLP boundary's link is made when the layers are built, between consecutive layers of one block only: the
     same config object and the next layer number (Megatron's TransformerBlock), never across configs (another

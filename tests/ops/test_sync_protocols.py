@@ -305,16 +305,19 @@ def _gather_buffers(t, signals, m=1):
         g.rank, g.world, g.m, g.describe, g.signals = rank, t, m, "all_gather(test)", signals[rank]
         g.buf, g.base, g.row_bytes, g.region_bytes = bufs[rank], bufs[rank].data_ptr(), 16, 16 * m
         g._unreferenced = g._references()
+        g.claimed = False
         g.own = [bufs[p].data_ptr() + p * 16 * m for p in range(t)]
         g.peers = ring_peers(rank, t)
         gathers.append(g)
     return gathers, bufs
 
 
-def _run_gather(recorder, t, seed, stage_waits=True):
+def _run_gather(recorder, t, seed, stage_waits=True, in_place=False):
     """30 calls per rank of GatherBuffer's steps (stage, ready, pull, finish: one stream per rank, the order the caller's
     stream and the forked comm stream give them), run in a random interleaving: a rank's staging copy must not land
-    before every peer pulled its previous shard, and a rank's GEMM (check) must see every peer's shard of its call."""
+    before every peer pulled its previous shard, and a rank's GEMM (check) must see every peer's shard of its call.
+    in_place: the shard's producer claims our region and writes it there itself (a copy into the region after the
+    claim, standing for the norm's kernel), and the stage that follows finds it in place (records nothing)."""
     signals = _peer_signals(t, (1, 0))
     gathers, bufs = _gather_buffers(t, signals)
     calls = 30
@@ -325,7 +328,15 @@ def _run_gather(recorder, t, seed, stage_waits=True):
                                                   "signal_then_wait": signals[rank].signal_then_wait,
                                                   "signal": signals[rank].signal})()
         for call in range(calls):
-            g.stage(rank, torch.full((1, 4), call, dtype=torch.int32), False)
+            if in_place:
+                region = g.claim(rank, False)
+                recorder.emit(rank, ("copy", g.own[rank], 0, 16))   # the producer's kernel writes the region
+                before = len(recorder.programs[rank])
+                g.stage(rank, region, False)
+                assert len(recorder.programs[rank]) == before and not g.claimed   # in place: no wait, no copy
+                del region   # the next claim refuses while a view of the buffer is alive (the reference check)
+            else:
+                g.stage(rank, torch.full((1, 4), call, dtype=torch.int32), False)
             g.ready(rank, False)
             g.pull(rank, 0, 1)
             recorder.emit(rank, ("check", rank, call))
@@ -364,6 +375,38 @@ def test_the_simulator_catches_a_stage_without_its_pulled_wait(recorder):
     with pytest.raises(AssertionError, match="overwrote its region"):
         for seed in range(20):
             _run_gather(recorder, 2, seed, stage_waits=False)
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (3, 2), (4, 3)])
+def test_gather_buffer_written_in_place_by_its_producer_never_overwrites_a_region_being_pulled(recorder, t, seed):
+    """claim() is the stage's PULLED wait moved ahead of the producer: the producer's write never lands on a region a
+    peer is still pulling, and every rank's GEMM sees every peer's rows of its call."""
+    _run_gather(recorder, t, seed, in_place=True)
+
+
+def test_the_simulator_catches_a_claim_without_its_pulled_wait(recorder):
+    with pytest.raises(AssertionError, match="overwrote its region"):
+        for seed in range(20):
+            _run_gather(recorder, 2, seed, stage_waits=False, in_place=True)
+
+
+def test_a_claimed_region_handed_another_tensor_is_copied_and_claims_wait_once(recorder):
+    """A claim followed by a stage of some other tensor (the producer's rows went elsewhere): the stage copies it into
+    the region without waiting again (the claim waited); a second claim before the stage waits nothing more."""
+    signals = _peer_signals(2, (1, 0))
+    g = _gather_buffers(2, signals)[0][0]
+    g.claim(0, False)
+    g.claim(0, False)
+    waits = [op for op in recorder.take()[0] if op[0] == "wait"]
+    assert len(waits) == 1, waits
+    g.stage(0, torch.full((1, 4), 7, dtype=torch.int32), False)
+    ops = recorder.take()[0]
+    assert [op[0] for op in ops] == ["copy"] and ops[0][1] == g.own[0]
+    held = g.gathered()   # a call's gathered input, still referenced: the next claim refuses to overwrite it
+    with pytest.raises(RuntimeError, match="still referenced"):
+        g.claim(0, False)
+    del held
+    g.claim(0, False)
 
 
 class _FakeLanes(comm.CopyLanes):
