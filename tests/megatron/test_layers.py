@@ -394,6 +394,17 @@ def test_transformer_layer_from_spec():
     run_distributed(2, _check_transformer_layer)
 
 
+def _sp_layer_case(world, seed):
+    """Megatron at TP `world`, overlap_tp's layer spec (qk layernorm) and a bf16 input and output grad [s/t, b, h] of a
+    sequence-parallel layer."""
+    ps = _init_megatron(world)
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
+    g = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
+    return ps, get_gpt_layer_overlap_spec(qk_layernorm=True), x, g
+
+
 class _FakeDeferredSum:
     """The p2p transport's DeferredSum on the CPU: slots (out, 0), whose sum is the real reduce-scatter output."""
 
@@ -432,14 +443,9 @@ def _check_deferred_proj_sum(rank, world):
     input grad and every parameter grad are bit for bit those of the summed path; an attention block whose bda is not
     the fused one gets an error, not the unwritten output."""
     _quiet()
-    ps = _init_megatron(world)
+    ps, spec, x, g = _sp_layer_case(world, 4)
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers
-    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
-    g = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
     real_gemm_rs, consumed = layers.gemm_rs, []
     deferring_gemm_rs = _deferring(real_gemm_rs, consumed)
 
@@ -485,14 +491,9 @@ def _check_mlp_boundary(rank, world):
     and the summed fc2, and bit for bit between the first and the second step on the same input (a process's first
     step runs the same kernels as every later one: what a resumed run needs to match the uninterrupted one)."""
     _quiet()
-    ps = _init_megatron(world)
+    ps, spec, x, g = _sp_layer_case(world, 5)
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers, norm as norm_module
-    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
-    g = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
     real_gemm_rs, real_rmsnorm, consumed, norms = layers.gemm_rs, norm_module.rmsnorm, [], []
     deferring_gemm_rs = _deferring(real_gemm_rs, consumed)
 
@@ -606,14 +607,9 @@ def _check_gather_in_place(rank, world):
     gathered inputs kept there (no re-gather); outputs, input grad and every parameter grad bit for bit those of the
     layers without it, over two steps. With activation recomputation it stays off, and says so."""
     _quiet()
-    ps = _init_megatron(world)
+    ps, spec, x, g = _sp_layer_case(world, 6)
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers
-    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
-    gen = torch.Generator().manual_seed(6)
-    x = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
-    g = torch.randn(SEQ // world, BATCH, H, generator=gen).to(torch.bfloat16)
     real_own, real_gather_rows, regathers = layers.OwnGather, layers.gather_rows, []
 
     def counted_gather_rows(*args, **kwargs):
