@@ -348,7 +348,8 @@ class OwnGather:
 
     def holds(self, x: torch.Tensor) -> bool:
         """Whether x is the claimed region (the next ag_gemm stages nothing)."""
-        return self.buffer.claimed and x.data_ptr() == self.region_ptr and x.shape == (self.m, self.k)
+        return (self.buffer.claimed is not None and x.data_ptr() == self.region_ptr
+                and x.shape == (self.m, self.k))
 
     def ag_gemm(self, a_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], config: OverlapConfig):
         """all_gather(a_shard) @ w.T + bias through this buffer: (out, gathered)."""

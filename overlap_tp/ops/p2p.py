@@ -213,7 +213,8 @@ class GatherBuffer:
     region first (claim: the reference check and the PULLED wait of stage, on its stream), writes the shard there
     itself (the norm before the column-parallel GEMM), and the stage that follows finds the shard in place: no wait
     (done) and no copy. `claimed` is host state of the call in flight: a claim is followed by one stage, in the
-    same eager call sequence or the same captured graph."""
+    same eager call sequence or the same captured graph; a claim made in a capture that ended before its stage (a
+    failed capture: none of it ran) is forgotten, so the next eager call waits for PULLED itself."""
 
     PULLED, READY = 0, 1
 
@@ -236,7 +237,7 @@ class GatherBuffer:
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
                                    names=("PULLED", "READY"), graph_deadline=False)
         self._unreferenced = self._references()
-        self.claimed = False   # PULLED waited for and our region handed to the shard's producer (claim)
+        self.claimed = None    # PULLED waited for, our region handed to the producer: "eager" / "capture" (claim)
 
     def _references(self) -> int:
         """The tensors that use the buffer's storage (the count of its storage's users, less the storage object
@@ -251,8 +252,8 @@ class GatherBuffer:
 
     def stage(self, stream: int, a_shard: torch.Tensor, capturing: bool):
         """Our shard into our region, once every peer pulled the previous one: copied, or already there (claim)."""
-        if self.claimed:
-            self.claimed = False
+        if self._claimed(capturing):
+            self.claimed = None
             if a_shard.data_ptr() != self.own[self.rank]:   # claimed, then handed another tensor: copy it
                 memops.copy(stream, self.own[self.rank], a_shard.data_ptr(), self.region_bytes)
             return
@@ -263,11 +264,18 @@ class GatherBuffer:
     def claim(self, stream: int, capturing: bool) -> torch.Tensor:
         """Our region [m, k] for the shard's producer to write into, on `stream` once every peer pulled the previous
         call's rows from it; the next stage() then copies nothing. Claiming twice waits once."""
-        if not self.claimed:
+        if not self._claimed(capturing):
             self._check_unreferenced()
             self.signals.wait(stream, self.PULLED, capturing)
-            self.claimed = True
+            self.claimed = "capture" if capturing else "eager"
         return self.buf.narrow(0, self.rank * self.m, self.m)
+
+    def _claimed(self, capturing: bool) -> bool:
+        """Whether a claim of this call is in force: one made in a capture that has ended (it failed before the
+        stage, and nothing of it ran) is dropped."""
+        if self.claimed == "capture" and not capturing:
+            self.claimed = None
+        return self.claimed is not None
 
     def _check_unreferenced(self):
         if self._references() > self._unreferenced:

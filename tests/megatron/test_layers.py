@@ -564,7 +564,7 @@ class _FakeOwnGather:
         self.t, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.buf = torch.empty(self.t * m, k, dtype=dtype, device=device)
         self.unreferenced = torch._C._storage_Use_Count(self.buf.untyped_storage()._cdata)
-        self.claimed = False
+        self.claimed = None
         _FakeOwnGather.built.append(self)
 
     @staticmethod
@@ -575,19 +575,20 @@ class _FakeOwnGather:
         return (m, k, dtype, device) == (self.m, self.k, self.dtype, self.device)
 
     def claim(self):
-        if not self.claimed:
+        if self.claimed is None:
             assert torch._C._storage_Use_Count(self.buf.untyped_storage()._cdata) == self.unreferenced, \
                 "claimed while the previous gathered input is still referenced"
-            self.claimed = True
+            self.claimed = "eager"
         return self.buf.narrow(0, self.rank * self.m, self.m)
 
     def holds(self, x):
-        return self.claimed and x.data_ptr() == self.buf[self.rank * self.m].data_ptr() and x.shape == (self.m, self.k)
+        return (self.claimed is not None and x.data_ptr() == self.buf[self.rank * self.m].data_ptr()
+                and x.shape == (self.m, self.k))
 
     def ag_gemm(self, a_shard, w, bias, config):
         import torch.distributed as dist
         assert self.holds(a_shard)
-        self.claimed = False
+        self.claimed = None
         parts = [torch.empty_like(a_shard) for _ in range(self.t)]
         dist.all_gather(parts, a_shard.contiguous(), group=self.group)
         for p in range(self.t):

@@ -305,7 +305,7 @@ def _gather_buffers(t, signals, m=1):
         g.rank, g.world, g.m, g.describe, g.signals = rank, t, m, "all_gather(test)", signals[rank]
         g.buf, g.base, g.row_bytes, g.region_bytes = bufs[rank], bufs[rank].data_ptr(), 16, 16 * m
         g._unreferenced = g._references()
-        g.claimed = False
+        g.claimed = None
         g.own = [bufs[p].data_ptr() + p * 16 * m for p in range(t)]
         g.peers = ring_peers(rank, t)
         gathers.append(g)
@@ -333,7 +333,7 @@ def _run_gather(recorder, t, seed, stage_waits=True, in_place=False):
                 recorder.emit(rank, ("copy", g.own[rank], 0, 16))   # the producer's kernel writes the region
                 before = len(recorder.programs[rank])
                 g.stage(rank, region, False)
-                assert len(recorder.programs[rank]) == before and not g.claimed   # in place: no wait, no copy
+                assert len(recorder.programs[rank]) == before and g.claimed is None   # in place: no wait, no copy
                 del region   # the next claim refuses while a view of the buffer is alive (the reference check)
             else:
                 g.stage(rank, torch.full((1, 4), call, dtype=torch.int32), False)
@@ -407,6 +407,24 @@ def test_a_claimed_region_handed_another_tensor_is_copied_and_claims_wait_once(r
         g.claim(0, False)
     del held
     g.claim(0, False)
+
+
+def test_a_claim_in_a_failed_capture_is_forgotten(recorder):
+    """A claim recorded into a capture that ended before its stage (a failed capture: the GPU ran none of it): the
+    next eager claim, and an eager stage, wait for PULLED themselves instead of trusting it."""
+    signals = _peer_signals(2, (1, 0))
+    signals[0].graph_deadline = False   # GatherBuffer's (its waits under capture are the eager ones)
+    g = _gather_buffers(2, signals)[0][0]
+    g.claim(0, True)
+    recorder.take()
+    g.claim(0, False)
+    assert [op[0] for op in recorder.take()[0]] == ["wait", "write"]   # PULLED waited for, and reset
+    g.stage(0, torch.full((1, 4), 7, dtype=torch.int32), False)   # the eager claim is in force: no second wait
+    assert [op[0] for op in recorder.take()[0]] == ["copy"]
+    g.claim(0, True)
+    recorder.take()
+    g.stage(0, torch.full((1, 4), 7, dtype=torch.int32), False)
+    assert [op[0] for op in recorder.take()[0]] == ["wait", "write", "copy"]
 
 
 class _FakeLanes(comm.CopyLanes):
