@@ -147,7 +147,7 @@ class OverlapTransformerLayer(TransformerLayer):
             reason = "activations are recomputed (a recomputed forward would rewrite a buffer the backward still reads)"
         elif getattr(config, "pipeline_model_parallel_size", 1) > 1:
             reason = "pipeline parallelism keeps several micro-batches' gathered inputs alive at once"
-        elif getattr(config, "cpu_offloading", False):
+        elif getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
             reason = "activations are offloaded to the CPU"
         if reason is not None:
             if reason not in _warned:
