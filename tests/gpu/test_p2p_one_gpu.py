@@ -309,11 +309,12 @@ def _check_layer(rank, world, check):
 
 
 @pytest.mark.parametrize("method", ["signal", "decompose"])
-@pytest.mark.parametrize("name", ["check_deferred_proj_sum", "check_mlp_boundary"])
+@pytest.mark.parametrize("name", ["check_deferred_proj_sum", "check_mlp_boundary", "check_gather_in_place"])
 def test_transformer_layers_on_the_p2p_transports_at_t2_on_one_gpu(name, method):
-    """linear_proj's p2p sum left to the fused bda + norm, and the MLP boundary across two layers (the next layer's
-    norm and fc2's sum in one kernel): bit for bit their summed paths over 20 steps (test_layers_gpu.py), with the
-    signaled GEMMs and with cuBLAS's over the same transports."""
+    """linear_proj's p2p sum left to the fused bda + norm, the MLP boundary across two layers (the next layer's
+    norm and fc2's sum in one kernel), and the norms writing into the column-parallel layers' own gathered buffers:
+    bit for bit their summed / staged paths over 20 steps (test_layers_gpu.py), with the signaled GEMMs and with
+    cuBLAS's over the same transports."""
     import test_layers_gpu
     check = functools.partial(getattr(test_layers_gpu, name), method=method)
     run_distributed(T, _on_one_gpu, functools.partial(_check_layer, check=check), backend="gloo")
