@@ -212,22 +212,28 @@ def _check_gather(rank, world):
     dist.barrier()
 
 
-def _check_layer_captured(rank, world, method="signal"):
+def _check_layer_captured(rank, world, method="signal", in_place=False):
     """An OverlapTransformerLayer at TP 2 (SP, both sequence-parallel collectives and the backward's re-gather on
     the p2p transports: no other collective) captured forward + backward in one CUDA graph and replayed with fresh
     inputs: output, input grad and every parameter grad bit for bit the eager step's on the same input (Megatron's
-    deterministic mode), one rank late before some replays (issue 21: the layer replayed at t = 2)."""
+    deterministic mode), one rank late before some replays (issue 21: the layer replayed at t = 2). in_place: the
+    layer built with set_gather_in_place(True) (its norms write into qkv's and fc1's own gathered buffers)."""
     import test_layers_gpu as L
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    from overlap_tp.megatron.layers import set_overlap_config
+    from overlap_tp.megatron.layers import set_gather_in_place, set_overlap_config
     from overlap_tp.tune.timing import CapturedCalls
     L._quiet()
     L._deterministic()
     ps = L._setup(world, "cuda")
     config, p2p_configs = L._sp_p2p_config(world, num_layers=1, deterministic=True, method=method)
     L._seed(79, "cuda")
-    layer = build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=1).cuda()
+    set_gather_in_place(in_place)
+    try:
+        layer = build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=1).cuda()
+    finally:
+        set_gather_in_place(False)
+    assert layer.self_attention.linear_qkv.gather_in_place == in_place
     set_overlap_config(layer, p2p_configs)
     steps = list(L._fresh_steps(9 + rank, 2048 // world, config.hidden_size, 4))
     # detached: a kept output would keep its autograd graph, whose parameters' AccumulateGrad nodes remember the
@@ -293,10 +299,12 @@ CUBLAS = functools.partial   # the same check with cuBLAS's GEMMs over the p2p t
                                    CUBLAS(_check_ops, rs=RS_CUBLAS, ag=AG_CUBLAS),
                                    CUBLAS(_check_replays, rs=RS_CUBLAS, ag=AG_CUBLAS),
                                    CUBLAS(_check_norm_sums_the_slots, rs=RS_CUBLAS),
-                                   CUBLAS(_check_layer_captured, method="decompose")],
+                                   CUBLAS(_check_layer_captured, method="decompose"),
+                                   CUBLAS(_check_layer_captured, in_place=True),
+                                   CUBLAS(_check_layer_captured, method="decompose", in_place=True)],
                          ids=["eager", "replayed_late_peer", "norm_sums_the_slots", "gather_rows", "layer_captured",
                               "soak", "cublas_eager", "cublas_replayed_late_peer", "cublas_norm_sums_the_slots",
-                              "cublas_layer_captured"])
+                              "cublas_layer_captured", "layer_captured_in_place", "cublas_layer_captured_in_place"])
 def test_p2p_transports_at_t2_on_one_gpu(check):
     run_distributed(T, _on_one_gpu, check, backend="gloo")
 
