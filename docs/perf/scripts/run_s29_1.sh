@@ -4,7 +4,7 @@
 #    200 steps with a late peer; on one GPU too), the layer captured and replayed with it, and the existing fused-block
 #    tests beside them (nothing else changed there).
 # 1. One 8B layer fwd + bwd under graphs at s 8192, interleaved rounds: signal-p2p against signal-p2p-inplace (and the
-#    decompose pair). Predicted: in place 0.5-1% faster per layer (the forward's two stage copies, 2 x ~22 us on the
+#    decompose pair). Predicted: in place 0.3-0.8% faster per layer (the forward's two stage copies, 2 x ~22 us on the
 #    critical path, and the backward's two re-gathers beside the dgrad GEMMs, of ~12.3 ms per layer).
 # If the tests fail, stop there: run_s29_2.sh (end to end) needs them to pass.
 source docs/perf/scripts/setup_device.sh
