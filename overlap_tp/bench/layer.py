@@ -210,14 +210,9 @@ def build_layer(spec_kind, config, device, seed=1234, in_place=False):
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(seed)
-    if not in_place:
+    from overlap_tp.megatron.layers import gathering_in_place
+    with gathering_in_place(in_place):
         return build_module(spec, config=config, layer_number=1).to(device)
-    from overlap_tp.megatron.layers import set_gather_in_place
-    set_gather_in_place(True)
-    try:
-        return build_module(spec, config=config, layer_number=1).to(device)
-    finally:
-        set_gather_in_place(False)
 
 
 def rotary_embedding(config, seq, device):

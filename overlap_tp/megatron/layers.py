@@ -19,6 +19,7 @@ dict by op kind) or, where it is None or names no config for the op kind, the mo
 `set_default_overlap_config`. Both are read at every call, so a training integration may set them after
 the model is built (`set_overlap_config(model, ...)` sets every layer of a model).
 """
+import contextlib
 import math
 import warnings
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
@@ -51,8 +52,8 @@ except ImportError:
     fused_weight_gradient_mlp_cuda = None
 
 __all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "get_default_overlap_config",
-           "gather_in_place_default", "set_default_overlap_config", "set_gather_in_place", "set_op_observer",
-           "set_overlap_config"]
+           "gather_in_place_default", "gathering_in_place", "set_default_overlap_config", "set_gather_in_place",
+           "set_op_observer", "set_overlap_config"]
 
 OP_KINDS = ("ag_gemm", "gemm_rs", "gemm_ar")
 LayerOverlapConfig = Union[None, OverlapConfig, Mapping[str, OverlapConfig]]
@@ -105,6 +106,17 @@ def set_gather_in_place(on: bool):
 
 def gather_in_place_default() -> bool:
     return _gather_in_place[0]
+
+
+@contextlib.contextmanager
+def gathering_in_place(on: bool = True):
+    """set_gather_in_place(on) for the layers built inside the block; the previous setting is back after it."""
+    previous = _gather_in_place[0]
+    set_gather_in_place(on)
+    try:
+        yield
+    finally:
+        set_gather_in_place(previous)
 
 
 def _resolve_config(layer_config: LayerOverlapConfig, op: str) -> OverlapConfig:

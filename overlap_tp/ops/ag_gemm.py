@@ -62,9 +62,10 @@ class AgGemm(OpPlan):
         """gather: the GatherBuffer to pull into (OwnGather's, a consumer's own); None = the shape's shared one."""
         super().__init__(group, m, n, k, dtype, device, config)
         config, device, t = self.config, self.device, self.t
-        if gather is not None and (self.method not in ("signal", "decompose") or config.transport != "p2p"):
+        if gather is not None and not OwnGather.supports(config, device):
             raise ValueError(f"ag_gemm: a gather buffer of its own is for the p2p transport (method signal or "
-                             f"decompose); this plan runs method={self.method!r}, transport={config.transport!r}")
+                             f"decompose, CUDA); this plan runs method={self.method!r}, transport={config.transport!r} "
+                             f"on {device}")
         self._own_buffer = gather
         if self.method == "signal":
             if config.transport == "p2p" and config.comm_sms > 0 and config.copy_lanes > 1:

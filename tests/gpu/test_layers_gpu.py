@@ -506,11 +506,8 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
     pairs = []
     for in_place in (True, False):
         _seed(79, "cuda")
-        layers_module.set_gather_in_place(in_place)
-        try:
+        with layers_module.gathering_in_place(in_place):
             pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
-        finally:
-            layers_module.set_gather_in_place(False)
         for layer in pair:
             set_overlap_config(layer, p2p_configs)
         pairs.append(pair)

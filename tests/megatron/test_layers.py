@@ -619,13 +619,13 @@ def _check_gather_in_place(rank, world):
 
     def run(in_place, steps=2):
         torch.manual_seed(99)
-        layers.set_gather_in_place(in_place)
         layers.OwnGather, layers.gather_rows = _FakeOwnGather, counted_gather_rows
         _FakeOwnGather.built.clear()
         try:
             config = _layer_config(world, True)
-            first = build_module(spec, config=config, layer_number=1)
-            second = build_module(spec, config=config, layer_number=2)
+            with layers.gathering_in_place(in_place):
+                first = build_module(spec, config=config, layer_number=1)
+                second = build_module(spec, config=config, layer_number=2)
             results = []
             for _ in range(steps):
                 regathers.clear()
@@ -645,7 +645,6 @@ def _check_gather_in_place(rank, world):
                 assert linear.gather_in_place == in_place
         finally:
             layers.OwnGather, layers.gather_rows = real_own, real_gather_rows
-            layers.set_gather_in_place(False)
         return results
 
     want = run(False)
@@ -655,17 +654,14 @@ def _check_gather_in_place(rank, world):
             assert torch.equal(a, b)
 
     # activation recomputation: off, with a warning naming it
-    layers.set_gather_in_place(True)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            layer = build_module(spec, config=_layer_config(world, True).__class__(
-                **{**_layer_config(world, True).__dict__, "recompute_granularity": "full", "recompute_method": "uniform",
-                   "recompute_num_layers": 1}), layer_number=1)
-        assert not layer.self_attention.linear_qkv.gather_in_place and layer.input_layernorm.output_for is None
-        assert any("gather-in-place is off because activations are recomputed" in str(w.message) for w in caught)
-    finally:
-        layers.set_gather_in_place(False)
+    with warnings.catch_warnings(record=True) as caught, layers.gathering_in_place():
+        warnings.simplefilter("always")
+        layer = build_module(spec, config=_layer_config(world, True).__class__(
+            **{**_layer_config(world, True).__dict__, "recompute_granularity": "full", "recompute_method": "uniform",
+               "recompute_num_layers": 1}), layer_number=1)
+    assert not layer.self_attention.linear_qkv.gather_in_place and layer.input_layernorm.output_for is None
+    assert any("gather-in-place is off because activations are recomputed" in str(w.message) for w in caught)
+    assert not layers.gather_in_place_default()   # the previous setting back after the block
     ps.destroy_model_parallel()
 
 
