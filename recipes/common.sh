@@ -2,6 +2,9 @@
 # calls run_recipe "$@". Environment knobs (all optional):
 #   OVERLAP=signal|decompose|auto|off   --overlap-tp (default signal); off = the baseline
 #   TRANSPORT=auto|nccl|p2p  COMM_SMS=N --overlap-tp-transport / --overlap-tp-comm-sms (default auto)
+#   GATHER_IN_PLACE=1|0                 --overlap-tp-gather-in-place where OVERLAP is signal or decompose and
+#                                       TRANSPORT is not nccl (default 0; llama3-8b and llama3-70b-proxy: 1, measured
+#                                       faster there, docs/perf/s29/README.md)
 #   TP=2  NPROC=2  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static rendezvous)
 #   RDZV_ENDPOINT=host:port  RDZV_ID=job  torchrun's c10d rendezvous instead (multi-node, SLURM)
 #   TRANSFORMER_IMPL=local|transformer_engine   (default: transformer_engine where it imports)
@@ -33,6 +36,10 @@ run_recipe() {
   local overlap_args=(--overlap-tp "$OVERLAP")
   [[ -n ${TRANSPORT:-} ]] && overlap_args+=(--overlap-tp-transport "$TRANSPORT")
   [[ -n ${COMM_SMS:-} ]] && overlap_args+=(--overlap-tp-comm-sms "$COMM_SMS")
+  if [[ ${GATHER_IN_PLACE:-0} == 1 && ( $OVERLAP == signal || $OVERLAP == decompose ) && ${TRANSPORT:-auto} != nccl ]]
+  then
+    overlap_args+=(--overlap-tp-gather-in-place)   # the norms write into qkv's / fc1's own gathered buffers
+  fi
   local env_args=()
   if [[ ${DRY_RUN:-0} != 1 ]] && ! _imports transformer_engine && ! _imports fused_weight_gradient_mlp_cuda; then
     # Megatron's fused wgrad accumulation needs Apex or TE, its RoPE fusion TE.

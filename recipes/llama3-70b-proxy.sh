@@ -13,6 +13,10 @@
 # 1.028x of off at 8 layers; docs/perf/s20/README.md).
 set -euo pipefail
 OVERLAP=${OVERLAP:-decompose}
+# The norms write into linear_qkv's and linear_fc1's own gathered buffers (--overlap-tp-gather-in-place: +64 MB of
+# symmetric memory per linear and layer here): 1.033x of off against 1.029x without it, local graphs, 8 layers
+# (docs/perf/s29/README.md). GATHER_IN_PLACE=0 turns it off.
+GATHER_IN_PLACE=${GATHER_IN_PLACE:-1}
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=llama3-70b-proxy
 MODEL_ARGS=("${LLAMA_ARGS[@]}"

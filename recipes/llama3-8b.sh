@@ -6,6 +6,10 @@
 #   OVERLAP=off bash recipes/llama3-8b.sh baseline: Megatron's path, overlap off
 # Add flags after the script name, e.g. `--recompute-granularity selective` where attention is not fused.
 set -euo pipefail
+# The norms write into linear_qkv's and linear_fc1's own gathered buffers (--overlap-tp-gather-in-place: +32 MB of
+# symmetric memory per linear and layer, 2 GB per GPU): 1.031x of off against 1.026x without it, local graphs
+# (docs/perf/s29/README.md). GATHER_IN_PLACE=0 turns it off.
+GATHER_IN_PLACE=${GATHER_IN_PLACE:-1}
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=llama3-8b
 MODEL_ARGS=("${LLAMA_ARGS[@]}"

@@ -237,7 +237,8 @@ def validate_overlap_args(args, *, warn=_warn):
             raise OverlapArgumentError(
                 f"--overlap-tp-gather-in-place with --overlap-tp {method} --overlap-tp-transport {transport}: the "
                 "norms write into the AllGathers' own peer-to-peer buffers, which --overlap-tp signal or decompose "
-                "with --overlap-tp-transport p2p (or auto) uses. Change those, or drop --overlap-tp-gather-in-place.")
+                "with --overlap-tp-transport p2p (or auto) uses. Change those, or drop --overlap-tp-gather-in-place "
+                "(the llama3 recipes add it by default: GATHER_IN_PLACE=0).")
         if not getattr(args, "overlap_tp_fused_norms", True):
             raise OverlapArgumentError(
                 "--overlap-tp-gather-in-place with --no-overlap-tp-fused-norms: gathering in place is wired by "

@@ -23,7 +23,7 @@ def recipe_argv(name, *extra, **env):
     """The Megatron command line a recipe would launch (DRY_RUN=1 prints it)."""
     environ = {k: v for k, v in os.environ.items()
                if k not in ("OVERLAP", "TRANSPORT", "COMM_SMS", "TP", "EP", "NUM_LAYERS", "WANDB_PROJECT",
-                            "RDZV_ENDPOINT", "GRAPHS")}
+                            "RDZV_ENDPOINT", "GRAPHS", "GATHER_IN_PLACE")}
     environ.update(DRY_RUN="1", **env)
     out = subprocess.run(["bash", os.path.join(ROOT, "recipes", f"{name}.sh"), *extra], env=environ,
                          capture_output=True, text=True, check=True).stdout
@@ -81,6 +81,24 @@ def test_llama_shapes():
     # the mode measured fastest per recipe (docs/perf/s20): cuBLAS over p2p at the 70B shapes, signal at 8B
     assert (flag(seventy, "--overlap-tp"), flag(eight, "--overlap-tp")) == ("decompose", "signal")
     assert flag(recipe_argv("llama3-70b-proxy", OVERLAP="signal"), "--overlap-tp") == "signal"
+
+
+def test_gather_in_place_where_measured_faster_and_only_where_it_applies():
+    """llama3-8b and llama3-70b-proxy gather in place by default (measured faster, docs/perf/s29); never with the
+    overlap off or auto, nor over NCCL (the flag would be refused); GATHER_IN_PLACE=0/1 overrides a recipe's default."""
+    in_place = "--overlap-tp-gather-in-place"
+    for name in ("llama3-8b", "llama3-70b-proxy"):
+        for overlap in ("signal", "decompose"):
+            argv = recipe_argv(name, OVERLAP=overlap)
+            assert in_place in argv, (name, overlap)
+            args, _ = build_parser().parse_known_args(argv)
+            args.tensor_model_parallel_size, args.sequence_parallel = 2, True
+            args.normalization, args.transformer_impl = "RMSNorm", "local"
+            assert args.overlap_tp_gather_in_place and validate_overlap_args(args, warn=None) == []
+        for env in (dict(OVERLAP="off"), dict(OVERLAP="auto"), dict(TRANSPORT="nccl"), dict(GATHER_IN_PLACE="0")):
+            assert in_place not in recipe_argv(name, **env), (name, env)
+    assert in_place not in recipe_argv("smoke") and in_place not in recipe_argv("mixtral-proxy")
+    assert in_place in recipe_argv("smoke", GATHER_IN_PLACE="1")
 
 
 def test_mixtral_shapes_and_moe_layout():
