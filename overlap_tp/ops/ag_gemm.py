@@ -328,7 +328,7 @@ class OwnGather:
         self.m, self.k, self.dtype, self.device = m, k, dtype, device
         t, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.buffer = GatherBuffer(self.group, rank, t, m, k, dtype, device, f"all_gather(M={m}, K={k}, t={t}, "
-                                   f"p2p, in place)")
+                                   f"p2p, in place)", memory_kind="gathered in place")
         self.region_ptr = self.buffer.own[rank]
         self.engine = comm.comm_engine(device)
         self._plans = {}

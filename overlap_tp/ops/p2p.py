@@ -28,7 +28,7 @@ import torch
 from overlap_tp.kernels.peer_copy import PeerPull
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
 from overlap_tp.kernels.sum_slots import SumSlots
-from overlap_tp.ops import memops
+from overlap_tp.ops import memops, symmetric
 from overlap_tp.ops.sync import PeerSignals
 from overlap_tp.ops.tile_plan import p2p_plan, ring_peers
 
@@ -58,7 +58,7 @@ class P2PReduceScatter:
         (RegionGemms)."""
         from torch.distributed import _symmetric_memory as symm_mem
         self.t, self.m_local, self.n, self.watched = t, m // t, n, watched
-        self.buf = symm_mem.empty(t * self.m_local, n, dtype=dtype, device=device)
+        self.buf = symmetric.empty(t * self.m_local, n, dtype=dtype, device=device, kind="reduce-scatter slots")
         handle = symm_mem.rendezvous(self.buf, group)
         within = self.buf.data_ptr() - handle.buffer_ptrs[rank]        # the same on every rank
         byte_offsets = [handle.buffer_ptrs[k] + within - self.buf.data_ptr() for k in range(t)]
@@ -218,10 +218,10 @@ class GatherBuffer:
 
     PULLED, READY = 0, 1
 
-    def __init__(self, group, rank, t, m, k, dtype, device, describe):
+    def __init__(self, group, rank, t, m, k, dtype, device, describe, memory_kind="AllGather buffers"):
         from torch.distributed import _symmetric_memory as symm_mem
         self.rank, self.world, self.m, self.describe = rank, t, m, describe
-        self.buf = symm_mem.empty(t * m, k, dtype=dtype, device=device)
+        self.buf = symmetric.empty(t * m, k, dtype=dtype, device=device, kind=memory_kind)
         handle = symm_mem.rendezvous(self.buf, group)
         within = self.buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
         self.row_bytes = k * self.buf.element_size()
@@ -324,7 +324,7 @@ def _symmetric_rows(group, rank, t, capacity, cols, dtype, device):
     """A symmetric [capacity, cols] row buffer of the expert exchanges, rendezvoused over the group: (the buffer, its
     handle, every rank's address of it, the bytes of a row)."""
     from torch.distributed import _symmetric_memory as symm_mem
-    buf = symm_mem.empty(capacity, cols, dtype=dtype, device=device)
+    buf = symmetric.empty(capacity, cols, dtype=dtype, device=device, kind="expert exchange rows")
     handle = symm_mem.rendezvous(buf, group)
     within = buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
     return buf, handle, [handle.buffer_ptrs[p] + within for p in range(t)], cols * buf.element_size()

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from overlap_tp.ops import memops, watchdog
+from overlap_tp.ops import memops, symmetric, watchdog
 
 
 class PeerSignals:
@@ -42,7 +42,7 @@ class PeerSignals:
         from torch.distributed import _symmetric_memory as symm_mem
         self.rank, self.t, self.slots, self.device, self.describe = rank, t, len(initial), device, describe
         self.graph_deadline = graph_deadline
-        self.words = symm_mem.empty(self.slots, t, dtype=torch.int32, device=device)
+        self.words = symmetric.empty(self.slots, t, dtype=torch.int32, device=device, kind="signals")
         for slot, value in enumerate(initial):
             self.words[slot].fill_(value)
         handle = symm_mem.rendezvous(self.words, group)

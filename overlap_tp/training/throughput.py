@@ -44,6 +44,8 @@ import math
 import os
 import time
 
+from overlap_tp.ops import symmetric
+
 PEAK_BF16_DENSE_TFLOPS = 989.0
 PEAK_SOURCE = ("NVIDIA H100 SXM / H200 datasheets: BF16 Tensor Core 1,979 TFLOP/s with 2:4 sparsity, "
                "989 dense")
@@ -296,6 +298,9 @@ class ThroughputLogger:
         if is_last_rank:
             self.printer(format_line(iteration, scalars, left_out=(overlap or {}).get("left_out")))
             write_scalars(scalars, iteration, tensorboard_writer, wandb_writer)
+            if len(self.history) == 1 and symmetric.summary():   # the plans are built by now (first step)
+                self.printer(f"[overlap_tp] symmetric memory on this GPU, not in torch's or Megatron's memory "
+                             f"report: {symmetric.summary()}")
         return scalars
 
 

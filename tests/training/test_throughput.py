@@ -183,6 +183,31 @@ def test_logger_intervals_writers_and_report_round_trip():
     assert run.points[10]["exposed_comm_ms"] == pytest.approx(0.1)
 
 
+def test_logger_prints_the_symmetric_memory_once(monkeypatch):
+    """Symmetric memory is outside torch's allocator (Megatron's memory report misses it): the first printed
+    interval is followed by one line that says how much this GPU holds; later intervals do not repeat it."""
+    from collections import Counter
+    from overlap_tp.ops import symmetric
+    monkeypatch.setattr(symmetric, "_bytes", Counter({"gathered in place": 2_147_483_648, "signals": 64}))
+    clock = iter([0.5 * i for i in range(0, 12)])
+    lines = []
+    logger = tp.ThroughputLogger(llama3_8b_args(), clock=lambda: next(clock), stats=None, printer=lines.append)
+    for iteration in range(0, 11):
+        logger.on_log(iteration)
+    memory = [line for line in lines if "symmetric memory" in line]
+    assert memory == ["[overlap_tp] symmetric memory on this GPU, not in torch's or Megatron's memory report: "
+                      "2.15 GB (gathered in place 2.15, signals 0.00)"]
+    assert lines.index(memory[0]) == 1   # right after the first interval's line
+    assert sorted(parse_log(lines).points) == [5, 10]   # the report's parser reads past it
+    monkeypatch.setattr(symmetric, "_bytes", Counter())
+    lines.clear()
+    clock = iter([0.5 * i for i in range(0, 12)])
+    quiet = tp.ThroughputLogger(llama3_8b_args(), clock=lambda: next(clock), stats=None, printer=lines.append)
+    for iteration in range(0, 6):
+        quiet.on_log(iteration)
+    assert len(lines) == 1 and not any("symmetric memory" in line for line in lines)   # nothing allocated: nothing said
+
+
 def test_hook_wraps_training_log_once():
     calls = []
 

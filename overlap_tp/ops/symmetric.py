@@ -1,0 +1,36 @@
+"""Symmetric memory, allocated and counted: every buffer the p2p transports allocate with torch's symmetric memory
+comes through `empty`, which tallies its bytes by what the buffer is for.
+
+Why count: symmetric memory is mapped by its own allocator (cuMemCreate), outside torch's caching allocator, so
+torch.cuda.memory_allocated(), Megatron's memory report and its `max allocated` do not include it. `allocated()`
+says how much this process holds (the training log prints it once: overlap_tp/training/throughput.py); the
+largest user is `--overlap-tp-gather-in-place` (a gathered buffer per column-parallel layer)."""
+from collections import Counter
+
+import torch
+
+_bytes = Counter()   # what the buffers are for -> bytes this process allocated (never freed: plans live as long)
+
+
+def empty(rows: int, cols: int, *, dtype, device, kind: str) -> torch.Tensor:
+    """torch's symmetric memory [rows, cols] (symm_mem.empty, looked up per call: a test harness may replace it),
+    counted under `kind`."""
+    from torch.distributed import _symmetric_memory as symm_mem
+    buf = symm_mem.empty(rows, cols, dtype=dtype, device=device)
+    _bytes[kind] += buf.numel() * buf.element_size()
+    return buf
+
+
+def allocated() -> dict:
+    """{kind: bytes} of the symmetric memory this process allocated, largest first."""
+    return dict(_bytes.most_common())
+
+
+def summary() -> str:
+    """One line: the total and each kind, in GB (empty when nothing was allocated)."""
+    counts = allocated()
+    if not counts:
+        return ""
+    total = sum(counts.values())
+    parts = ", ".join(f"{kind} {count / 1e9:.2f}" for kind, count in counts.items())
+    return f"{total / 1e9:.2f} GB ({parts})"
