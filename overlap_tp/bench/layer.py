@@ -67,6 +67,7 @@ import torch.distributed as dist
 
 from overlap_tp.tune import report
 from overlap_tp.tune.timing import CapturedCalls, queued_ms, slowest_median, timed_samples
+from overlap_tp.ops import symmetric
 from overlap_tp.ops.config import OverlapConfig
 
 MODELS = {
@@ -307,7 +308,7 @@ COLUMNS = [
     ("host_ms", "host ms", "{:.3f}"),
     ("check_err", "check err", "{:.1e}"), ("check_worst", "worst", "{}"), ("same_init", "init = megatron's", "{}"),
     ("collectives", "dist calls", "{}"),
-    ("peak_gib", "peak GiB", "{:.1f}"), ("error", "error", "{}"),
+    ("peak_gib", "peak GiB", "{:.1f}"), ("symmetric_gib", "symmetric GiB", "{:.2f}"), ("error", "error", "{}"),
 ]
 
 
@@ -380,7 +381,9 @@ def write_report(args, rows, command, group):
              "the host's time to enqueue it (tune.timing.queued_ms); ms above GPU ms is time the host set the pace. "
              "GPU/megatron: GPU ms over Megatron's. The queued run is not always the faster one: with several "
              f"streams its GPU ms has exceeded the span; a GPU ms above {GPU_MS_SLACK} x ms is flagged in 'GPU ms "
-             "note' and left out of the ratios (and Megatron's flagged leaves every ratio out).\n\n"
+             "note' and left out of the ratios (and Megatron's flagged leaves every ratio out). peak GiB: torch's "
+             "allocator; symmetric GiB: the symmetric memory the configuration allocated, outside it (a shape's "
+             "shared buffers count where first built).\n\n"
              "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "\n\n" + "\n".join(lines))
     report.write(args.out, args.name, f"One Llama TransformerLayer forward + backward, TP = {settings['tp']}, "
                  f"{'SP' if settings['tp'] > 1 else 'no SP'}, s = {args.seq}", rows, COLUMNS, notes, command=command)
@@ -416,6 +419,7 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
     spec_kind, overlap, nocomm = table[name]
     row, layer, result = {"config": name}, None, None
     before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    symmetric_before = sum(symmetric.allocated().values())
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -441,6 +445,8 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
         peak = torch.tensor((torch.cuda.max_memory_allocated() - before) / 2 ** 30, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         row["peak_gib"] = float(peak)
+    # symmetric memory is outside torch's allocator (not in peak GiB); a shape's shared buffers count where first built
+    row["symmetric_gib"] = (sum(symmetric.allocated().values()) - symmetric_before) / 2 ** 30
     return row, layer, result
 
 
