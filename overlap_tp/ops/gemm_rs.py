@@ -76,9 +76,9 @@ class GemmRS(OpPlan):
             # the sum (after the wait for every peer's stores) runs on the stream current at wait(): with
             # async_op, work queued before wait() hides the wait for the slowest peer. pending.deferred_sum lets
             # the kernel that reads the output sum the slots itself instead (the fused add + RMSNorm).
-            deferred = self.p2p(a, w, bias)
             if not async_op:   # summed at once, on this stream
-                return deferred()
+                return self.p2p.summed(a, w, bias)
+            deferred = self.p2p(a, w, bias)
             pending = Pending(deferred, deferred_sum=deferred)
         elif self.method == "signal":
             signaled = self.signaled

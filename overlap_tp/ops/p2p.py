@@ -92,6 +92,14 @@ class P2PReduceScatter:
         the peers (the column-parallel backward's wgrad GEMM, through gemm_rs(async_op=True)), or by the kernel
         that reads the sum (the fused add + RMSNorm). Until it ran, the plan refuses another call: that call's
         wait for SUMMED would queue ahead of the sum it waits for, on every rank (a deadlock on the GPU)."""
+        capturing, stream = self._begin()
+        self.store_half(stream, lambda: self.store(a, w, bias), capturing)
+        self.outstanding = "capture" if capturing else "eager"
+        return DeferredSum(self)
+
+    def _begin(self):
+        """(capturing, the caller's raw stream) for a new call; refused while the previous call's second half has
+        not run."""
         capturing = torch.cuda.is_current_stream_capturing()
         if self.outstanding == "capture" and not capturing:
             # issued into a capture that ended without its second half: the capture failed, and nothing of it
@@ -100,10 +108,19 @@ class P2PReduceScatter:
         if self.outstanding is not None:
             raise RuntimeError("overlap_tp gemm_rs (p2p): the plan was called again before the previous call's "
                                "result was waited for (Pending.wait()); wait for it first")
-        stream = torch._C._cuda_getCurrentRawStream(self.device_index)
-        self.store_half(stream, lambda: self.store(a, w, bias), capturing)
-        self.outstanding = "capture" if capturing else "eager"
-        return DeferredSum(self)
+        return capturing, torch._C._cuda_getCurrentRawStream(self.device_index)
+
+    def summed(self, a, w, bias) -> torch.Tensor:
+        """The whole call on the caller's stream, summed at once (gemm_rs without async_op): the same operations as
+        __call__ and then its DeferredSum, with the ARRIVED signal and the wait for the peers' ARRIVED that follows
+        it in one batched driver call (store_and_reduce) instead of two."""
+        capturing, stream = self._begin()
+        out = torch.empty(self.m_local, self.n, dtype=self.buf.dtype, device=self.buf.device)
+        self.store_and_reduce(stream, lambda: self.store(a, w, bias), lambda: self.sum(self.flat_slots, out),
+                              capturing)
+        if not capturing:
+            self.watched.record(stream)
+        return out
 
     def finish(self, read_slots):
         """The call's second half on the current stream, around read_slots(slots [t, M/t, N])."""
@@ -119,6 +136,15 @@ class P2PReduceScatter:
         self.signals.wait(stream, self.SUMMED, capturing)
         store()
         self.signals.signal(stream, self.ARRIVED)
+
+    def store_and_reduce(self, stream, store, reduce, capturing: bool):
+        """store_half, then reduce_half, on one stream: the same order of operations, with store_half's closing
+        signal and reduce_half's opening wait issued together (PeerSignals.signal_then_wait)."""
+        self.signals.wait(stream, self.SUMMED, capturing)
+        store()
+        self.signals.signal_then_wait(stream, self.ARRIVED, capturing)
+        reduce()
+        self.signals.signal(stream, self.SUMMED)
 
     def reduce_half(self, stream, reduce, capturing: bool):
         """wait ARRIVED from every peer, reset; reduce (the sum of our slots); signal SUMMED."""

@@ -264,6 +264,8 @@ def _peer_signals(t, initial):
 
 @pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (2, 2), (3, 3)])
 def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
+    """Calls in two halves (store_half, then reduce_half: async_op, the deferred sums) and whole (store_and_reduce:
+    gemm_rs summed at once, the ARRIVED signal and wait batched), mixed at random per call, every rank the same."""
     signals = _peer_signals(t, (1, 0))
     ranks = []
     for rank in range(t):
@@ -271,11 +273,17 @@ def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
         op.signals = signals[rank]
         ranks.append(op)
     calls = 30
+    whole = [random.Random(seed + 100).random() < 0.5 for _ in range(calls)]
     programs = {}
     for rank, op in enumerate(ranks):
         for call in range(calls):   # recorded once per call: the same ops a graph replays every time
-            op.store_half(rank, lambda r=rank, c=call: recorder.emit(r, ("store", r, c)), False)
-            op.reduce_half(rank, lambda r=rank, c=call: recorder.emit(r, ("sum", r, c)), False)
+            store = lambda r=rank, c=call: recorder.emit(r, ("store", r, c))
+            reduce = lambda r=rank, c=call: recorder.emit(r, ("sum", r, c))
+            if whole[call]:
+                op.store_and_reduce(rank, store, reduce, False)
+            else:
+                op.store_half(rank, store, False)
+                op.reduce_half(rank, reduce, False)
         programs[rank] = recorder.take()[rank]
     slots = [[-1] * t for _ in range(t)]   # slots[owner][source]: the call whose partial is there
     summed = [-1] * t
