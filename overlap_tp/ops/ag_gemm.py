@@ -101,6 +101,9 @@ class AgGemm(OpPlan):
                     # once (the buffer's and the flags' addresses are the plan's), so a call walks a list
                     self._pulls = tuple((tuple(self.gather.copies(lo, hi)), flag)
                                         for (lo, hi), flag in zip(self.chunks, self.ready.addresses))
+                    # the last chunk's flag and the PULLED signal to the peers (gather.finish) in one driver call
+                    self._last_flag_pulled = memops.MemOps(
+                        [("write", self._pulls[-1][1], READY)] + self.gather.signals.signal_ops(self.gather.PULLED))
                     self._transfers = self._pull_listed
                 else:
                     self._transfers = self._pull_chunks
@@ -237,14 +240,16 @@ class AgGemm(OpPlan):
 
     def _pull_listed(self, stream, capturing):
         """The transfers of _pulled with one lane of copy-engine pulls: behind the peers' READY, each chunk's copies
-        from every peer and its ready flag (the lists made when the plan was built), then PULLED."""
-        gather = self.gather
-        gather.ready(stream, capturing)
-        for copies, flag in self._pulls:
+        from every peer and its ready flag (the lists made when the plan was built), then PULLED (batched with the
+        last chunk's flag)."""
+        self.gather.ready(stream, capturing)
+        pulls = self._pulls
+        for c, (copies, flag) in enumerate(pulls, 1):
             for dst, src, nbytes in copies:
                 memops.copy(stream, dst, src, nbytes)
-            memops.write_value(stream, flag, READY)   # engine.raise_flag, the address looked up once
-        gather.finish(stream)
+            if c < len(pulls):
+                memops.write_value(stream, flag, READY)   # engine.raise_flag, the address looked up once
+        self._last_flag_pulled.issue(stream)   # the last flag, then gather.finish (PULLED)
 
     def _pull_chunks(self, stream, capturing):
         """The transfers of _pulled over copy lanes or by the pull kernel."""

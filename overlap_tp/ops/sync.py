@@ -68,11 +68,15 @@ class PeerSignals:
         self.signals, self.waits, self.exchanges = [], [], []
         for slot in range(self.slots):
             row = 4 * self.t * slot
-            signal = [("write", self.remote[p] + row, 1) for p in self.peers]
+            signal = self.signal_ops(slot)
             wait = [op for p in self.peers for op in (("wait", self.local[p] + row, 1), ("write", self.local[p] + row, 0))]
             self.signals.append(memops.MemOps(signal))
             self.waits.append(memops.MemOps(wait))
             self.exchanges.append(memops.MemOps(signal + wait))   # signal_then_wait
+
+    def signal_ops(self, slot: int):
+        """signal(slot)'s memory operations, for a caller that batches them with its own (memops.MemOps)."""
+        return [("write", self.remote[p] + 4 * self.t * slot, 1) for p in self.peers]
 
     def signal(self, stream: int, slot: int):
         self.signals[slot].issue(stream)

@@ -1,12 +1,11 @@
-# The next session's first call (2 GPUs; ~8 min), written in session 29: `COMMIT=<sha> bash docs/perf/scripts/run_s30_1.sh`
-# (carry [".whl"]). What session 29 changed after its device time ran out, on GPUs, then the smoke's rounds.
-# 0. GPU tests of gemm_rs summed at once on the p2p transport (store_and_reduce: the ARRIVED signal and its wait in one
-#    batched driver call): every shape against its reference, 200 back-to-back calls, the watchdog, async_op; every op
-#    replayed bitwise with a late peer (test_graphs_gpu); the p2p soak on one GPU. Each file its own step (session
-#    29's call 1 lost a test to one shared limit).
+# The next session's first call (2 GPUs; ~7 min), written in session 29: `COMMIT=<sha> bash docs/perf/scripts/run_s30_1.sh`
+# (carry [".whl"]). What session 29 changed after its device time ran out, on GPUs.
+# 0. GPU tests of the two host-path changes: gemm_rs summed at once on the p2p transport (store_and_reduce: the
+#    ARRIVED signal and its wait in one batched driver call) and ag_gemm's copy-engine pulls (the last chunk's flag
+#    and the PULLED signal in one batch): every shape against its reference, 200 back-to-back calls, a late peer, the
+#    watchdog, async_op; every op replayed bitwise (test_graphs_gpu); the p2p ops on one GPU. Each file its own step
+#    (session 29's call 1 lost a test to one shared limit).
 # 1. The smoke with `--overlap-tp-gather-in-place` for 10 iterations: the training log's new symmetric-memory line.
-# 2. The smoke under full_iteration graphs, off / signal / auto, two rounds in new orders (auto led signal in all
-#    three rounds of sessions 28-29; a lead in both rounds here makes auto the smoke's default).
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=585
 workdir s30_1
@@ -18,16 +17,9 @@ tests() {   # tests NAME SECONDS PYTEST-ARGS...
   grep -E "PASSED|FAILED|ERROR" $W/$name.out | grep -v "^\.\./" | cut -c1-160 | tail -12
 }
 tests gemm_rs 110 $REPO/tests/gpu/test_gemm_rs_gpu.py -k "test_gemm_rs or 200_back_to_back or watchdog or async_op"
+tests ag_gemm 100 $REPO/tests/gpu/test_ag_gemm_gpu.py
 tests graphs 80 $REPO/tests/gpu/test_graphs_gpu.py -k "every_op_replays"
 tests p2p_one_gpu 70 $REPO/tests/gpu/test_p2p_one_gpu.py -k "eager or replayed_late_peer"
 train smoke-memory 50 OVERLAP=signal TRAIN_ITERS=10 -- $REPO/recipes/smoke.sh --overlap-tp-gather-in-place
 grep -h "symmetric memory" $W/smoke-memory/train.log | head -2
-i=0
-for order in "auto signal off" "signal off auto"; do
-  i=$((i + 1))
-  for mode in $order; do
-    train smoke-$mode-$i 62 OVERLAP=$mode TRAIN_ITERS=40 LOG_INTERVAL=2 -- $REPO/recipes/smoke.sh
-  done
-done
-python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 10 $W/smoke-*-?/train.log | sed "s#$W/##" | tee $W/smoke.md
 grep -h -E "Error|error:|Traceback" $W/*/train.log | sort | uniq -c | head -8
