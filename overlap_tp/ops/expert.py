@@ -153,7 +153,7 @@ def resolve_method(op: str, config: OverlapConfig, a, w) -> str:
     """The method that runs, checked to be runnable."""
     if config.method == "auto":
         warn_once(f"overlap_tp {op}: method='auto' runs 'off' (the expert ops alone do not tune; OverlapMoELayer "
-                  f"resolves auto by timing both methods)")
+                  f"resolves auto by timing off, signal and decompose)")
         return "off"
     if config.method in ("signal", "decompose"):
         if config.transport not in ("nccl", "p2p"):
