@@ -535,6 +535,9 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
     for layer in pairs[0]:
         for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
             assert linear._own_gather is not None, "the linear should own its gathered buffer"
+    # the four own buffers ([seq, hidden] bf16 each) in the count the training log prints (ops/symmetric.py)
+    from overlap_tp.ops import symmetric
+    assert symmetric.allocated().get("gathered in place") == 4 * seq * config.hidden_size * 2, symmetric.allocated()
     torch.cuda.synchronize()
     ps.destroy_model_parallel()
 
