@@ -5,11 +5,12 @@ Why count: symmetric memory is mapped by its own allocator (cuMemCreate), outsid
 torch.cuda.memory_allocated(), Megatron's memory report and its `max allocated` do not include it. `allocated()`
 says how much this process holds (the training log prints it once: overlap_tp/training/throughput.py); the
 largest user is `--overlap-tp-gather-in-place` (a gathered buffer per column-parallel layer)."""
+import weakref
 from collections import Counter
 
 import torch
 
-_bytes = Counter()   # what the buffers are for -> bytes this process allocated (never freed: plans live as long)
+_bytes = Counter()   # what the buffers are for -> bytes of this process's live buffers
 
 
 def empty(rows: int, cols: int, *, dtype, device, kind: str) -> torch.Tensor:
@@ -17,12 +18,20 @@ def empty(rows: int, cols: int, *, dtype, device, kind: str) -> torch.Tensor:
     counted under `kind`."""
     from torch.distributed import _symmetric_memory as symm_mem
     buf = symm_mem.empty(rows, cols, dtype=dtype, device=device)
-    _bytes[kind] += buf.numel() * buf.element_size()
+    nbytes = buf.numel() * buf.element_size()
+    _bytes[kind] += nbytes
+    weakref.finalize(buf, _release, kind, nbytes)   # a plan or a layer's buffer dropped (a new shape) counts no more
     return buf
 
 
+def _release(kind: str, nbytes: int):
+    _bytes[kind] -= nbytes
+    if _bytes[kind] <= 0:
+        del _bytes[kind]
+
+
 def allocated() -> dict:
-    """{kind: bytes} of the symmetric memory this process allocated, largest first."""
+    """{kind: bytes} of the symmetric memory this process holds (its buffers still alive), largest first."""
     return dict(_bytes.most_common())
 
 
