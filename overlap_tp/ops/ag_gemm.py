@@ -97,13 +97,7 @@ class AgGemm(OpPlan):
                 self.puller = self.gather.sm_puller(config.comm_sms) if config.comm_sms > 0 else None
                 self._run = self._pulled
                 if self.puller is None and self.lanes is None:
-                    # one lane of copy-engine pulls: every chunk's copies (one per peer) and its flag's address, made
-                    # once (the buffer's and the flags' addresses are the plan's), so a call walks a list
-                    self._pulls = tuple((tuple(self.gather.copies(lo, hi)), flag)
-                                        for (lo, hi), flag in zip(self.chunks, self.ready.addresses))
-                    # the last chunk's flag and the PULLED signal to the peers (gather.finish) in one driver call
-                    self._last_flag_pulled = memops.MemOps(
-                        [("write", self._pulls[-1][1], READY)] + self.gather.signals.signal_ops(self.gather.PULLED))
+                    self._list_pulls()
                     self._transfers = self._pull_listed
                 else:
                     self._transfers = self._pull_chunks
@@ -237,6 +231,15 @@ class AgGemm(OpPlan):
                                    lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
                                    gemm_first=True, current=current, capturing=capturing)
         return gathered
+
+    def _list_pulls(self):
+        """One lane of copy-engine pulls: every chunk's copies (one per peer) and its flag's address, made once (the
+        buffer's and the flags' addresses are the plan's), so a call walks a list; the last chunk's flag and the
+        PULLED signal to the peers (gather.finish) go out in one driver call."""
+        self._pulls = tuple((tuple(self.gather.copies(lo, hi)), flag)
+                            for (lo, hi), flag in zip(self.chunks, self.ready.addresses))
+        self._last_flag_pulled = memops.MemOps(
+            [("write", self._pulls[-1][1], READY)] + self.gather.signals.signal_ops(self.gather.PULLED))
 
     def _pull_listed(self, stream, capturing):
         """The transfers of _pulled with one lane of copy-engine pulls: behind the peers' READY, each chunk's copies

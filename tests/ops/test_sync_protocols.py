@@ -22,7 +22,9 @@ import random
 import pytest
 import torch
 
-from overlap_tp.ops import comm, p2p, sync
+from types import SimpleNamespace
+
+from overlap_tp.ops import ag_gemm, comm, p2p, sync
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.p2p import P2PReduceScatter, RowPush
 from overlap_tp.ops.reduction import SignaledReduction
@@ -320,14 +322,30 @@ def _gather_buffers(t, signals, m=1):
     return gathers, bufs
 
 
-def _run_gather(recorder, t, seed, stage_waits=True, in_place=False):
+def _pull_lists(gathers, chunks):
+    """Per rank, an AgGemm's one-lane pull list over its GatherBuffer (AgGemm._list_pulls: the plan's own code), with
+    ready-flag words of its own: (the plans, the flag tensors)."""
+    flags = [torch.zeros(len(chunks), dtype=torch.int32) for _ in gathers]
+    plans = []
+    for g, words in zip(gathers, flags):
+        plan = ag_gemm.AgGemm.__new__(ag_gemm.AgGemm)
+        plan.gather, plan.chunks = g, chunks
+        plan.ready = SimpleNamespace(addresses=[words.data_ptr() + 4 * c for c in range(len(chunks))])
+        plan._list_pulls()
+        plans.append(plan)
+    return plans, flags
+
+
+def _run_gather(recorder, t, seed, stage_waits=True, in_place=False, plan_pulls=False):
     """30 calls per rank of GatherBuffer's steps (stage, ready, pull, finish: one stream per rank, the order the caller's
     stream and the forked comm stream give them), run in a random interleaving: a rank's staging copy must not land
     before every peer pulled its previous shard, and a rank's GEMM (check) must see every peer's shard of its call.
     in_place: the shard's producer claims our region and writes it there itself (a copy into the region after the
-    claim, standing for the norm's kernel), and the stage that follows finds it in place (records nothing)."""
+    claim, standing for the norm's kernel), and the stage that follows finds it in place (records nothing).
+    plan_pulls: ready, pull and finish as AgGemm's one-lane pull list issues them (its last flag and PULLED batched)."""
     signals = _peer_signals(t, (1, 0))
     gathers, bufs = _gather_buffers(t, signals)
+    plans, flags = _pull_lists(gathers, [(0, 1)]) if plan_pulls else ([None] * t, [])
     calls = 30
     programs = {}
     for rank, g in enumerate(gathers):
@@ -345,10 +363,14 @@ def _run_gather(recorder, t, seed, stage_waits=True, in_place=False):
                 del region   # the next claim refuses while a view of the buffer is alive (the reference check)
             else:
                 g.stage(rank, torch.full((1, 4), call, dtype=torch.int32), False)
-            g.ready(rank, False)
-            g.pull(rank, 0, 1)
+            if plan_pulls:
+                plans[rank]._pull_listed(rank, False)
+            else:
+                g.ready(rank, False)
+                g.pull(rank, 0, 1)
             recorder.emit(rank, ("check", rank, call))
-            g.finish(rank)
+            if not plan_pulls:
+                g.finish(rank)
         programs[rank] = recorder.take()[rank]
     published = [-1] * t
     pulled = [[-1] * t for _ in range(t)]   # pulled[r][p]: the call of p's shard that r's buffer holds
@@ -370,13 +392,39 @@ def _run_gather(recorder, t, seed, stage_waits=True, in_place=False):
             assert published[rank] == call and all(pulled[rank][p] == call for p in range(t) if p != rank), \
                 (rank, call, pulled[rank])
 
-    run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed))
+    run(programs, Memory(*[s.words for s in signals], *flags), act, random.Random(seed))
     assert published == [calls - 1] * t
 
 
 @pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (2, 2), (3, 3), (4, 4)])
 def test_gather_buffer_never_overwrites_a_region_being_pulled_or_reads_early(recorder, t, seed):
     _run_gather(recorder, t, seed)
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (3, 2), (4, 3)])
+def test_ag_gemm_pull_list_keeps_the_protocol(recorder, monkeypatch, t, seed):
+    """AgGemm's one-lane pulls (the peers' READY, each chunk's copies and flag, the last flag batched with PULLED)
+    under the same checks, staged and in place."""
+    monkeypatch.setattr(ag_gemm, "memops", recorder)
+    _run_gather(recorder, t, seed, plan_pulls=True)
+    _run_gather(recorder, t, seed, plan_pulls=True, in_place=True)
+
+
+def test_ag_gemm_pull_list_raises_pulled_after_the_last_copies(recorder, monkeypatch):
+    """One call's program: READY exchanged, then per chunk the copies from the peer and the chunk's flag; the last
+    chunk's flag and the PULLED signal to the peer form one batch, after every copy (a PULLED ahead of a copy would
+    let the peer overwrite rows still being read)."""
+    monkeypatch.setattr(ag_gemm, "memops", recorder)
+    signals = _peer_signals(2, (1, 0))
+    gathers, _ = _gather_buffers(2, signals, m=2)
+    plans, flags = _pull_lists(gathers, [(0, 1), (1, 2)])
+    plans[0]._pull_listed(0, False)
+    ops = recorder.take()[0]
+    flag = [flags[0].data_ptr() + 4 * c for c in range(2)]
+    pulled = signals[0].remote[1] + 4 * 2 * p2p.GatherBuffer.PULLED
+    assert [op[0] for op in ops] == ["write", "wait", "write", "copy", "write", "copy", "write", "write"], ops
+    assert ops[4] == ("write", flag[0], ag_gemm.READY) and ops[6:] == [("write", flag[1], ag_gemm.READY),
+                                                                       ("write", pulled, 1)]
 
 
 def test_the_simulator_catches_a_stage_without_its_pulled_wait(recorder):
