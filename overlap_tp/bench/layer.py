@@ -419,7 +419,7 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
     spec_kind, overlap, nocomm = table[name]
     row, layer, result = {"config": name}, None, None
     before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    symmetric_before = sum(symmetric.allocated().values())
+    symmetric_before = symmetric.total()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -446,7 +446,7 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
         dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
         row["peak_gib"] = float(peak)
     # symmetric memory is outside torch's allocator (not in peak GiB); a shape's shared buffers count where first built
-    row["symmetric_gib"] = (sum(symmetric.allocated().values()) - symmetric_before) / 2 ** 30
+    row["symmetric_gib"] = (symmetric.total() - symmetric_before) / 2 ** 30
     return row, layer, result
 
 

@@ -35,11 +35,15 @@ def allocated() -> dict:
     return dict(_bytes.most_common())
 
 
+def total() -> int:
+    """Bytes of symmetric memory this process holds, every kind together."""
+    return sum(_bytes.values())
+
+
 def summary() -> str:
     """One line: the total and each kind, in GB (empty when nothing was allocated)."""
     counts = allocated()
     if not counts:
         return ""
-    total = sum(counts.values())
     parts = ", ".join(f"{kind} {count / 1e9:.2f}" for kind, count in counts.items())
-    return f"{total / 1e9:.2f} GB ({parts})"
+    return f"{total() / 1e9:.2f} GB ({parts})"

@@ -298,9 +298,10 @@ class ThroughputLogger:
         if is_last_rank:
             self.printer(format_line(iteration, scalars, left_out=(overlap or {}).get("left_out")))
             write_scalars(scalars, iteration, tensorboard_writer, wandb_writer)
-            if len(self.history) == 1 and symmetric.summary():   # the plans are built by now (first step)
+            memory = symmetric.summary() if len(self.history) == 1 else ""   # the plans are built by now
+            if memory:
                 self.printer(f"[overlap_tp] symmetric memory on this GPU, not in torch's or Megatron's memory "
-                             f"report: {symmetric.summary()}")
+                             f"report: {memory}")
         return scalars
 
 
