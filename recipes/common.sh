@@ -1,6 +1,7 @@
 # Shared by the recipes (sourced, not run). A recipe sets RECIPE, MODEL_ARGS and TRAIN_ARGS, then
 # calls run_recipe "$@". Environment knobs (all optional):
-#   OVERLAP=signal|decompose|auto|off   --overlap-tp (default signal); off = the baseline
+#   OVERLAP=signal|decompose|auto|off   --overlap-tp (default signal; the smoke: auto; the 70B proxy at TP 2:
+#                                       decompose); off = the baseline
 #   TRANSPORT=auto|nccl|p2p  COMM_SMS=N --overlap-tp-transport / --overlap-tp-comm-sms (default auto)
 #   GATHER_IN_PLACE=1|0                 --overlap-tp-gather-in-place where OVERLAP is signal or decompose and
 #                                       TRANSPORT is not nccl (default 0; llama3-8b and llama3-70b-proxy: 1, measured

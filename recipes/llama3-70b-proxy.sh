@@ -6,13 +6,16 @@
 # output layer 2.1 B params -> 19 GB; so ~10 layers in ~130 GB. NUM_LAYERS defaults to 8 to leave room
 # for NCCL/allocator overhead. Measured (no TE, GBS 4): 8 layers peak at 94 GB per GPU at TP=2;
 # 16 layers at TP=4 (TP=4 NPROC=4) peak at 83 GB (`git show 27bec54:docs/perf/llama3-70b-proxy/README.md`).
-#   bash recipes/llama3-70b-proxy.sh              overlap on (--overlap-tp decompose: cuBLAS over the p2p transports)
+#   bash recipes/llama3-70b-proxy.sh              overlap on (--overlap-tp decompose at TP 2: cuBLAS over the p2p
+#                                                 transports; signal at TP >= 4)
 #   OVERLAP=off bash recipes/llama3-70b-proxy.sh  baseline: Megatron's path, overlap off
-# The default mode is decompose here (signal elsewhere): at these shapes the long row-parallel GEMMs run faster under
-# cuBLAS than under the signaled kernel (one layer under graphs: 0.967 against signal's 0.991 of Megatron's; end to end
-# 1.028x of off at 8 layers; docs/perf/s20/README.md).
+# The default mode is decompose at TP 2 (signal elsewhere): at these shapes the long row-parallel GEMMs run faster
+# under cuBLAS than under the signaled kernel (one layer under graphs: 0.967 against signal's 0.991 of Megatron's; end
+# to end 1.028x of off at 8 layers, docs/perf/s20/README.md; 1.033x against signal's 1.021x gathering in place, s29).
+# At TP 4 and above it is signal: one layer under graphs at t = 4, gathering in place, 0.955 of Megatron's against
+# decompose's 1.002 (docs/perf/s30/README.md; the 8B layer 0.913 against 0.948).
 set -euo pipefail
-OVERLAP=${OVERLAP:-decompose}
+if (( ${TP:-2} >= 4 )); then OVERLAP=${OVERLAP:-signal}; else OVERLAP=${OVERLAP:-decompose}; fi
 # The norms write into linear_qkv's and linear_fc1's own gathered buffers (--overlap-tp-gather-in-place: +64 MB of
 # symmetric memory per linear and layer here): 1.033x of off against 1.029x without it, local graphs, 8 layers
 # (docs/perf/s29/README.md). GATHER_IN_PLACE=0 turns it off.

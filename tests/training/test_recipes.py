@@ -78,9 +78,16 @@ def test_llama_shapes():
     assert [flag(seventy, f) for f in ("--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
                                        "--num-query-groups", "--seq-length")] == ["8192", "28672", "64", "8", "8192"]
     assert flag(recipe_argv("llama3-70b-proxy", NUM_LAYERS="10"), "--num-layers") == "10"
-    # the mode measured fastest per recipe (docs/perf/s20): cuBLAS over p2p at the 70B shapes, signal at 8B
+    # the mode measured fastest per recipe: cuBLAS over p2p at the 70B shapes at TP 2 (docs/perf/s20, s29), signal
+    # there at TP 4 (s30) and at 8B, auto for the smoke (s28-s30)
     assert (flag(seventy, "--overlap-tp"), flag(eight, "--overlap-tp")) == ("decompose", "signal")
     assert flag(recipe_argv("llama3-70b-proxy", OVERLAP="signal"), "--overlap-tp") == "signal"
+    seventy_t4 = recipe_argv("llama3-70b-proxy", TP="4", NPROC="4")
+    assert (flag(seventy_t4, "--overlap-tp"), flag(seventy_t4, "--tensor-model-parallel-size")) == ("signal", "4")
+    assert "--overlap-tp-gather-in-place" in seventy_t4
+    assert flag(recipe_argv("llama3-70b-proxy", TP="4", NPROC="4", OVERLAP="decompose"), "--overlap-tp") == "decompose"
+    assert flag(recipe_argv("smoke"), "--overlap-tp") == "auto"
+    assert flag(recipe_argv("smoke", OVERLAP="signal"), "--overlap-tp") == "signal"
 
 
 def test_gather_in_place_where_measured_faster_and_only_where_it_applies():
@@ -98,7 +105,7 @@ def test_gather_in_place_where_measured_faster_and_only_where_it_applies():
         for env in (dict(OVERLAP="off"), dict(OVERLAP="auto"), dict(TRANSPORT="nccl"), dict(GATHER_IN_PLACE="0")):
             assert in_place not in recipe_argv(name, **env), (name, env)
     assert in_place not in recipe_argv("smoke") and in_place not in recipe_argv("mixtral-proxy")
-    assert in_place in recipe_argv("smoke", GATHER_IN_PLACE="1")
+    assert in_place in recipe_argv("smoke", GATHER_IN_PLACE="1", OVERLAP="signal")
 
 
 def test_mixtral_shapes_and_moe_layout():
@@ -155,7 +162,8 @@ def test_recipe_flags_in_megatrons_parser(monkeypatch):
     for name in RECIPES:
         monkeypatch.setattr(sys, "argv", ["pretrain"] + recipe_argv(name))
         args = arguments.parse_args(extra_args_provider=add_overlap_args)
-        mode = "decompose" if name == "llama3-70b-proxy" else "signal"   # each recipe's measured-fastest default
+        # each recipe's measured-fastest default
+        mode = {"llama3-70b-proxy": "decompose", "smoke": "auto"}.get(name, "signal")
         assert args.overlap_tp == mode and args.sequence_parallel and args.swiglu
 
 
