@@ -6,6 +6,8 @@
 #   GATHER_IN_PLACE=1|0                 --overlap-tp-gather-in-place where OVERLAP is signal or decompose and
 #                                       TRANSPORT is not nccl (default 0; llama3-8b and llama3-70b-proxy: 1, measured
 #                                       faster there, docs/perf/s29/README.md)
+#   TUNE_CACHE=PATH                     with OVERLAP=auto: --overlap-tp-tune-cache (default $OUT_DIR/overlap_tp_tune.json:
+#                                       a second run into the same OUT_DIR tunes nothing)
 #   TP=2  NPROC=2  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static rendezvous)
 #   RDZV_ENDPOINT=host:port  RDZV_ID=job  torchrun's c10d rendezvous instead (multi-node, SLURM)
 #   TRANSFORMER_IMPL=local|transformer_engine   (default: transformer_engine where it imports)
@@ -37,6 +39,12 @@ run_recipe() {
   local overlap_args=(--overlap-tp "$OVERLAP")
   [[ -n ${TRANSPORT:-} ]] && overlap_args+=(--overlap-tp-transport "$TRANSPORT")
   [[ -n ${COMM_SMS:-} ]] && overlap_args+=(--overlap-tp-comm-sms "$COMM_SMS")
+  if [[ $OVERLAP == auto ]]; then
+    # the tuner's decisions kept with the run (keyed by device and software versions), so that running the recipe
+    # again into the same OUT_DIR measures nothing before its first step; without it they would go to --save, which
+    # the recipes do not set
+    overlap_args+=(--overlap-tp-tune-cache "${TUNE_CACHE:-$out_dir/overlap_tp_tune.json}")
+  fi
   if [[ ${GATHER_IN_PLACE:-0} == 1 && ( $OVERLAP == signal || $OVERLAP == decompose ) && ${TRANSPORT:-auto} != nccl ]]
   then
     overlap_args+=(--overlap-tp-gather-in-place)   # the norms write into qkv's / fc1's own gathered buffers

@@ -23,7 +23,7 @@ def recipe_argv(name, *extra, **env):
     """The Megatron command line a recipe would launch (DRY_RUN=1 prints it)."""
     environ = {k: v for k, v in os.environ.items()
                if k not in ("OVERLAP", "TRANSPORT", "COMM_SMS", "TP", "EP", "NUM_LAYERS", "WANDB_PROJECT",
-                            "RDZV_ENDPOINT", "GRAPHS", "GATHER_IN_PLACE")}
+                            "RDZV_ENDPOINT", "GRAPHS", "GATHER_IN_PLACE", "TUNE_CACHE", "OUT_DIR")}
     environ.update(DRY_RUN="1", **env)
     out = subprocess.run(["bash", os.path.join(ROOT, "recipes", f"{name}.sh"), *extra], env=environ,
                          capture_output=True, text=True, check=True).stdout
@@ -106,6 +106,19 @@ def test_gather_in_place_where_measured_faster_and_only_where_it_applies():
             assert in_place not in recipe_argv(name, **env), (name, env)
     assert in_place not in recipe_argv("smoke") and in_place not in recipe_argv("mixtral-proxy")
     assert in_place in recipe_argv("smoke", GATHER_IN_PLACE="1", OVERLAP="signal")
+
+
+def test_auto_keeps_its_tune_cache_with_the_run():
+    """With OVERLAP=auto the tuner's decisions go next to the run's log (a second run into the same OUT_DIR measures
+    nothing before its first step); TUNE_CACHE moves them; the other modes do not tune and get no cache flag."""
+    cache = "--overlap-tp-tune-cache"
+    assert flag(recipe_argv("smoke"), cache) == "runs/smoke-auto/overlap_tp_tune.json"
+    assert flag(recipe_argv("smoke", OUT_DIR="/tmp/x"), cache) == "/tmp/x/overlap_tp_tune.json"
+    assert flag(recipe_argv("llama3-8b", OVERLAP="auto", TUNE_CACHE="/tmp/t.json"), cache) == "/tmp/t.json"
+    for env in (dict(OVERLAP="signal"), dict(OVERLAP="off")):
+        assert cache not in recipe_argv("smoke", **env), env
+    args, _ = build_parser().parse_known_args(recipe_argv("smoke"))
+    assert args.overlap_tp == "auto" and args.overlap_tp_tune_cache == "runs/smoke-auto/overlap_tp_tune.json"
 
 
 def test_mixtral_shapes_and_moe_layout():
