@@ -1,0 +1,21 @@
+# The next session's second call (4 GPUs, `nvidia-h200-x4`; ~8 min), written in session 30:
+# `COMMIT=<sha> bash docs/perf/scripts/run_s31_2.sh` (carry [".whl"]). llama3-8b at TP 4 end to end (32 layers, local
+# graphs), where one layer gathering in place measured 0.913 of Megatron's against 0.957 staged (session 30): off,
+# signal gathering in place (the recipe's default), signal staged, interleaved in two orders. Never run end to end at
+# TP 4 before. Predicted: in place 1.03-1.05x of off (the layer's 8.7% over off diluted by the embedding, output layer
+# and optimizer, as at TP 2 where the layer's 5.6% gave 3.1%), staged ~2 points less.
+source docs/perf/scripts/setup_device.sh
+export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=585
+workdir s31_2
+nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
+i=0
+for run in inplace off staged off inplace staged; do
+  i=$((i + 1))
+  gather=1; [[ $run == staged ]] && gather=0
+  mode=signal; [[ $run == off ]] && mode=off
+  train l8b32-t4-$run-$i 95 GRAPHS=local TP=4 NPROC=4 OVERLAP=$mode GATHER_IN_PLACE=$gather TRAIN_ITERS=14 GBS=8 -- \
+    $REPO/recipes/llama3-8b.sh
+done
+python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 6 $W/l8b32-*/train.log | sed "s#$W/##" | tee $W/l8b32_t4.md
+grep -h "symmetric memory" $W/l8b32-t4-inplace-1/train.log | head -1 | cut -c1-250
+grep -h -E "Error|error:|Traceback|OutOfMemory" $W/*/train.log | sort | uniq -c | head -8
