@@ -1,0 +1,17 @@
+# The next session's third call (2 GPUs; ~3 min), written in session 30: `COMMIT=<sha> bash
+# docs/perf/scripts/run_s31_3.sh` (carry [".whl"]). README's main job as a user runs it twice: the smoke with its
+# default (auto, since session 30) into one OUT_DIR. The first run tunes and writes runs' overlap_tp_tune.json
+# (TUNE_CACHE's default, new in session 30); the second must take every decision "from the cache" and start sooner.
+source docs/perf/scripts/setup_device.sh
+export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=300
+workdir s31_3
+export CUDA_VISIBLE_DEVICES=0,1
+nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
+for i in 1 2; do
+  t0=$SECONDS
+  env OUT_DIR=$W/smoke-auto TRAIN_ITERS=12 LOG_INTERVAL=2 timeout -s KILL 130 bash $REPO/recipes/smoke.sh \
+    > $W/smoke-auto-$i.out 2>&1
+  echo "run $i: exit $? after $((SECONDS - t0)) s; auto decisions: $(grep -c 'measured here' $W/smoke-auto-$i.out) measured, $(grep -c 'from the cache' $W/smoke-auto-$i.out) from the cache"
+done
+ls -l $W/smoke-auto/overlap_tp_tune.json
+grep -h -E "Error|error:|Traceback" $W/smoke-auto-*.out | sort | uniq -c | head -8
