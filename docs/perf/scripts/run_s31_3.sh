@@ -1,9 +1,10 @@
-# The next session's third call (2 GPUs; ~3 min), written in session 30: `COMMIT=<sha> bash
+# The next session's third call (2 GPUs; ~6 min), written in session 30: `COMMIT=<sha> bash
 # docs/perf/scripts/run_s31_3.sh` (carry [".whl"]). README's main job as a user runs it twice: the smoke with its
 # default (auto, since session 30) into one OUT_DIR. The first run tunes and writes runs' overlap_tp_tune.json
 # (TUNE_CACHE's default, new in session 30); the second must take every decision "from the cache" and start sooner.
+# Then the token-split probe at t = 2 (docs/fused_block.md, Token split).
 source docs/perf/scripts/setup_device.sh
-export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=300
+export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=420
 workdir s31_3
 export CUDA_VISIBLE_DEVICES=0,1
 nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
@@ -14,4 +15,10 @@ for i in 1 2; do
   echo "run $i: exit $? after $((SECONDS - t0)) s; auto decisions: $(grep -c 'measured here' $W/smoke-auto-$i.out) measured, $(grep -c 'from the cache' $W/smoke-auto-$i.out) from the cache"
 done
 ls -l $W/smoke-auto/overlap_tp_tune.json
+# The token-split probe at t = 2 (probe_token_split.py), on Megatron's one hardware queue and on eight
+for connections in 1 8; do
+  step probe_split_c$connections 45 env CUDA_DEVICE_MAX_CONNECTIONS=$connections torchrun --nproc-per-node 2 \
+    $REPO/docs/perf/scripts/probe_token_split.py --attn
+  grep -h -E "^(t = |eager|graph)" $W/probe_split_c$connections.out
+done
 grep -h -E "Error|error:|Traceback" $W/smoke-auto-*.out | sort | uniq -c | head -8
