@@ -33,10 +33,11 @@ process on the same inputs and the same weights:
   mixed-p2p, signal-p2p-lanes2, signal-p2p-sm16
                 (not in the default list) signal-p2p with, in turn: cuBLAS's regions for the ReduceScatters; the
                 AllGathers' copy-engine pulls over two streams; the AllGathers' pulls by a kernel on 16 SMs
-  signal-p2p-inplace, decompose-p2p-inplace
-                (not in the default list) signal-p2p / decompose-p2p with the layer built under
+  signal-p2p-inplace, decompose-p2p-inplace, auto-inplace
+                (not in the default list) signal-p2p / decompose-p2p / auto with the layer built under
                 set_gather_in_place(True) (`--overlap-tp-gather-in-place`): the norms write into linear_qkv's and
-                linear_fc1's own gathered buffers, no staging copy, no re-gather in the backward
+                linear_fc1's own gathered buffers, no staging copy, no re-gather in the backward (auto: where the
+                tuner picks signal or decompose on p2p for their AllGathers)
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
 timed (output, input grad and every parameter grad, max relative error <= --check-tol); every layer that
@@ -115,6 +116,9 @@ def configurations(device_type):
         "signal-p2p-inplace": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
         "decompose-p2p-inplace": ("ours", {"ag_gemm": decompose_p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal},
                                   False),
+        # auto, gathering in place where the tuner picks signal or decompose on p2p for linear_qkv's / linear_fc1's
+        # AllGather (OverlapColumnParallelLinear._in_place_config)
+        "auto-inplace": ("ours", OverlapConfig(method="auto"), False),
     }
 
 

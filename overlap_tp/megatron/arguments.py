@@ -233,12 +233,16 @@ def validate_overlap_args(args, *, warn=_warn):
                                    "instead: give one of the two")
 
     if getattr(args, "overlap_tp_gather_in_place", False):
-        if method not in ("signal", "decompose") or transport == "nccl":
+        if method not in ("signal", "decompose", "auto") or transport == "nccl":
             raise OverlapArgumentError(
                 f"--overlap-tp-gather-in-place with --overlap-tp {method} --overlap-tp-transport {transport}: the "
-                "norms write into the AllGathers' own peer-to-peer buffers, which --overlap-tp signal or decompose "
-                "with --overlap-tp-transport p2p (or auto) uses. Change those, or drop --overlap-tp-gather-in-place "
-                "(the llama3 recipes add it by default: GATHER_IN_PLACE=0).")
+                "norms write into the AllGathers' own peer-to-peer buffers, which --overlap-tp signal, decompose or "
+                "auto with --overlap-tp-transport p2p (or auto) uses. Change those, or drop "
+                "--overlap-tp-gather-in-place (the llama3 recipes add it by default: GATHER_IN_PLACE=0).")
+        if method == "auto":
+            note("--overlap-tp-gather-in-place with --overlap-tp auto: linear_qkv and linear_fc1 gather in place where "
+                 "the tuner picks signal or decompose on p2p for their AllGather, and through the shared buffer "
+                 "where it picks another path")
         if not getattr(args, "overlap_tp_fused_norms", True):
             raise OverlapArgumentError(
                 "--overlap-tp-gather-in-place with --no-overlap-tp-fused-norms: gathering in place is wired by "

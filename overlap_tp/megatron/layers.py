@@ -41,7 +41,7 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
                       "'megatron-core>=0.16')") from error
 
 from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
-from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.config import OverlapConfig, resolve_auto
 from overlap_tp.ops.ag_gemm import OwnGather, ag_gemm, gather_rows
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
@@ -582,18 +582,31 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         """Where the producer of this layer's next input ([s/t, b, h] `shape`, `dtype`) writes it: this rank's region
         of the layer's own gathered buffer, claimed on the current stream (gather_in_place); None where the layer
         gathers through the shared path (not in place, no SP, not CUDA, or an ag_gemm config other than the p2p
-        transport with method signal or decompose). The buffer is built at the first call, collectively."""
+        transport with method signal or decompose). The buffer is built at the first call, collectively.
+        method 'auto' is resolved here for this shape, by the tuner (collectively, once: its decision is kept, so the
+        ag_gemm call that follows runs the same config): in place where it picks signal or decompose on p2p."""
         device = torch.device(device)
         if (not self.gather_in_place or not self.sequence_parallel or shape[-1] != self.input_size
-                or dtype not in (torch.bfloat16, torch.float16)
-                or not OwnGather.supports(_resolve_config(self.overlap_config, "ag_gemm"), device)):
+                or dtype not in (torch.bfloat16, torch.float16)):
             return None
         m = math.prod(shape) // self.input_size
+        if self._in_place_config(m, dtype, device) is None:
+            return None
         own = self._own_gather
         if own is None or not own.fits(m, self.input_size, dtype, device):
             self._own_gather = own = None   # a new shape: the old buffer goes (symmetric memory, freed with it)
             own = self._own_gather = OwnGather(self.tp_group, m, self.input_size, dtype, device)
         return own.claim().view(shape)
+
+    def _in_place_config(self, m: int, dtype, device: torch.device) -> Optional[OverlapConfig]:
+        """The ag_gemm config this layer's forward runs on an [m, k] shard if it can gather in place
+        (OwnGather.supports), else None. 'auto' is resolved by the tuner for the gathered shape, as the ag_gemm call
+        will resolve it (the tuner keeps its decision: the same config)."""
+        config = _resolve_config(self.overlap_config, "ag_gemm")
+        if config.method == "auto" and device.type == "cuda":   # CPU tensors: the op runs auto as off
+            config = resolve_auto("ag_gemm", m * get_pg_size(self.tp_group), self.output_size_per_partition,
+                                  self.input_size, dtype, device, self.tp_group, config)
+        return config if OwnGather.supports(config, device) else None
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Sharding along axis 0, bias sharded (as Megatron's ColumnParallelLinear)."""

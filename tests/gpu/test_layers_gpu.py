@@ -494,7 +494,9 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
     before linear_qkv and linear_fc1 writes straight into that linear's own gathered buffer, the forward AllGathers
     stage nothing and the backward re-gathers nothing. Against the same pair without it: bit for bit (the same bits,
     written and read elsewhere) over `steps` steps with fresh inputs; late_every > 0: rank 1 holds its stream ~0.1 s
-    before every late_every-th step, so the claims' waits for the peers' pulls are real."""
+    before every late_every-th step, so the claims' waits for the peers' pulls are real.
+    method "auto": a linear gathers in place exactly where the tuner picked signal or decompose on p2p for its
+    AllGather (the staged pair runs the same picks: the tuner keeps one decision per shape), the others re-gather."""
     _quiet()
     _deterministic()
     from megatron.core.transformer.spec_utils import build_module
@@ -523,9 +525,11 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
                 torch.cuda._sleep(200_000_000)   # ~0.1 s of GPU time ahead of this rank's step
             regathers.clear()
             got = _fwd_bwd(pairs[0], x, g)
-            assert not regathers, f"step {step}: the in-place pair re-gathered {regathers}"
+            owned = [linear for layer in pairs[0] for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1)
+                     if linear._own_gather is not None]
+            assert len(regathers) == 4 - len(owned), f"step {step}: the in-place pair re-gathered {regathers}"
             want = _fwd_bwd(pairs[1], x, g)
-            assert len(regathers) == 4, regathers
+            assert len(regathers) == 4 - len(owned) + 4, regathers
             assert torch.isfinite(got[0]).all()
             for i, (a, b) in enumerate(zip(got, want)):
                 assert torch.equal(a, b), f"step {step} rank {rank}: tensor {i} differs from the staged path"
@@ -534,10 +538,13 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
         layers_module.gather_rows = real_gather_rows
     for layer in pairs[0]:
         for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
-            assert linear._own_gather is not None, "the linear should own its gathered buffer"
-    # the four own buffers ([seq, hidden] bf16 each) in the count the training log prints (ops/symmetric.py)
+            own = linear._in_place_config(seq // world, torch.bfloat16, torch.device("cuda")) is not None
+            assert own == (linear._own_gather is not None) and (own or method == "auto"), \
+                "a linear owns its gathered buffer exactly where its AllGather's config can gather in place"
+    # the own buffers ([seq, hidden] bf16 each) in the count the training log prints (ops/symmetric.py)
     from overlap_tp.ops import symmetric
-    assert symmetric.allocated().get("gathered in place") == 4 * seq * config.hidden_size * 2, symmetric.allocated()
+    assert symmetric.allocated().get("gathered in place", 0) == len(owned) * seq * config.hidden_size * 2, \
+        symmetric.allocated()
     torch.cuda.synchronize()
     ps.destroy_model_parallel()
 
@@ -545,6 +552,13 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
 @pytest.mark.parametrize("method", P2P_METHODS)
 def test_norms_write_into_the_gathered_buffers_bitwise(method):
     run_distributed(_gpu_world(), check_gather_in_place, method, backend="nccl")
+
+
+def test_auto_gathers_in_place_where_the_tuner_picks_p2p_bitwise():
+    """--overlap-tp auto with --overlap-tp-gather-in-place: in place where the tuner picks signal or decompose on p2p
+    for linear_qkv's / linear_fc1's AllGather, staged elsewhere, bit for bit the staged pair (the tuner measures each
+    shape once, before the first step)."""
+    run_distributed(_gpu_world(), check_gather_in_place, "auto", "small", 4096, 5, backend="nccl")
 
 
 @pytest.mark.parametrize("method", P2P_METHODS)

@@ -227,7 +227,11 @@ def test_gather_in_place_flag_and_what_it_needs():
         for method in ("signal", "decompose"):
             validate_overlap_args(megatron_like(overlap_tp=method, overlap_tp_transport=transport,
                                                 overlap_tp_gather_in_place=True), warn=None)
-    for overrides in ({"overlap_tp_transport": "nccl"}, {"overlap_tp": "auto", "overlap_tp_transport": "p2p"},
+        # auto: in place for the AllGathers the tuner puts on p2p signal or decompose, and said so
+        notes = validate_overlap_args(megatron_like(overlap_tp="auto", overlap_tp_transport=transport,
+                                                    overlap_tp_gather_in_place=True), warn=None)
+        assert any("gather in place where the tuner picks signal or decompose" in n for n in notes), notes
+    for overrides in ({"overlap_tp_transport": "nccl"}, {"overlap_tp": "auto", "overlap_tp_transport": "nccl"},
                       {"overlap_tp": "off", "overlap_tp_layers": True, "overlap_tp_transport": "p2p"}):
         with pytest.raises(OverlapArgumentError, match="drop --overlap-tp-gather-in-place"):
             validate_overlap_args(megatron_like(overlap_tp_gather_in_place=True, **overrides), warn=None)

@@ -797,3 +797,29 @@ def test_spec_and_provider():
         provider.grouped_mlp_modules(True, False)
     with pytest.raises(NotImplementedError, match="RMSNorm"):
         provider.layer_norm(rms_norm=False)
+
+
+def test_auto_gathers_in_place_where_the_tuner_picks_a_p2p_gather(monkeypatch):
+    """--overlap-tp auto with --overlap-tp-gather-in-place: a column-parallel layer asks the tuner for its AllGather's
+    config at the gathered shape (as its ag_gemm call will) and gathers in place only where that is signal or
+    decompose on p2p; on CPU tensors auto runs off and the tuner is not asked; a fixed config asks nothing."""
+    from types import SimpleNamespace
+    from overlap_tp.megatron import layers
+    asked, picks = [], []
+    monkeypatch.setattr(layers, "resolve_auto", lambda op, m, n, k, dtype, device, group, base:
+                        asked.append((op, m, n, k, base.method)) or picks[-1])
+    linear = SimpleNamespace(overlap_config=OverlapConfig(method="auto"), tp_group=None,
+                             output_size_per_partition=768, input_size=1024)
+    in_place_config = layers.OverlapColumnParallelLinear._in_place_config
+    cuda = torch.device("cuda")   # a device object only: nothing is allocated
+    for pick, in_place in ((OverlapConfig(method="signal", transport="p2p"), True),
+                           (OverlapConfig(method="decompose", transport="p2p"), True),
+                           (OverlapConfig(method="signal", transport="nccl"), False),
+                           (OverlapConfig(method="off"), False)):
+        picks.append(pick)
+        assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (pick if in_place else None), pick
+    assert asked == [("ag_gemm", 2048, 768, 1024, "auto")] * 4   # no TP group here: t = 1, the gathered rows = m
+    asked.clear()
+    assert in_place_config(linear, 2048, torch.bfloat16, torch.device("cpu")) is None and asked == []
+    linear.overlap_config = {"ag_gemm": OverlapConfig(method="decompose", transport="p2p")}
+    assert in_place_config(linear, 2048, torch.bfloat16, cuda) == linear.overlap_config["ag_gemm"] and asked == []

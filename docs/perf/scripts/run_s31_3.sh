@@ -1,10 +1,12 @@
-# The next session's third call (2 GPUs; ~6 min), written in session 30: `COMMIT=<sha> bash
+# The next session's third call (2 GPUs; ~9 min), written in session 30: `COMMIT=<sha> bash
 # docs/perf/scripts/run_s31_3.sh` (carry [".whl"]). README's main job as a user runs it twice: the smoke with its
 # default (auto, since session 30) into one OUT_DIR. The first run tunes and writes runs' overlap_tp_tune.json
 # (TUNE_CACHE's default, new in session 30); the second must take every decision "from the cache" and start sooner.
-# Then the token-split probe at t = 2 (docs/fused_block.md, Token split).
+# Then the token-split probe at t = 2 (docs/fused_block.md, Token split); then auto gathering in place (new in session
+# 30, CPU-tested): its GPU test, and the smoke with OVERLAP=auto --overlap-tp-gather-in-place (its log names what the
+# tuner picked and the symmetric memory the in-place buffers took).
 source docs/perf/scripts/setup_device.sh
-export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=420
+export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=585
 workdir s31_3
 export CUDA_VISIBLE_DEVICES=0,1
 nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
@@ -21,4 +23,9 @@ for connections in 1 8; do
     $REPO/docs/perf/scripts/probe_token_split.py --attn
   grep -h -E "^(t = |eager|graph)" $W/probe_split_c$connections.out
 done
-grep -h -E "Error|error:|Traceback" $W/smoke-auto-*.out | sort | uniq -c | head -8
+step auto_inplace_test 120 python3 -m pytest -m gpu -v -rA --tb=short -p no:cacheprovider \
+  $REPO/tests/gpu/test_layers_gpu.py -k "auto_gathers_in_place"
+grep -E "PASSED|FAILED|passed|failed" $W/auto_inplace_test.out | grep -v "^\.\./" | cut -c1-200 | tail -3
+train smoke-auto-inplace 100 OVERLAP=auto TRAIN_ITERS=12 LOG_INTERVAL=2 -- $REPO/recipes/smoke.sh --overlap-tp-gather-in-place
+grep -h -E "\[overlap_tp\] (auto:|symmetric memory)|gather in place" $W/smoke-auto-inplace/train.log | sort -u | cut -c1-200
+grep -h -E "Error|error:|Traceback" $W/smoke-auto-*.out $W/smoke-auto-inplace/train.log | sort | uniq -c | head -8
