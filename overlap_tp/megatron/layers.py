@@ -500,6 +500,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
     sum_dgrad_in_norm = False
     gather_in_place = False
     _own_gather = None
+    _auto_in_place = None   # ((auto config, m, dtype, device), the tuner's config for it): asked once per shape
 
     def __init__(self, input_size, output_size, *, config, init_method: Callable, bias=True, gather_output=False,
                  stride=1, keep_master_weight_for_test=False, skip_bias_add=False,
@@ -601,11 +602,16 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
     def _in_place_config(self, m: int, dtype, device: torch.device) -> Optional[OverlapConfig]:
         """The ag_gemm config this layer's forward runs on an [m, k] shard if it can gather in place
         (OwnGather.supports), else None. 'auto' is resolved by the tuner for the gathered shape, as the ag_gemm call
-        will resolve it (the tuner keeps its decision: the same config)."""
+        will resolve it (the tuner keeps its decision: the same config). The answer is kept per shape, so a forward
+        asks the tuner only when the shape or the config changed."""
         config = _resolve_config(self.overlap_config, "ag_gemm")
         if config.method == "auto" and device.type == "cuda":   # CPU tensors: the op runs auto as off
-            config = resolve_auto("ag_gemm", m * get_pg_size(self.tp_group), self.output_size_per_partition,
-                                  self.input_size, dtype, device, self.tp_group, config)
+            key = (config, m, dtype, device)
+            if self._auto_in_place is None or self._auto_in_place[0] != key:
+                self._auto_in_place = (key, resolve_auto("ag_gemm", m * get_pg_size(self.tp_group),
+                                                         self.output_size_per_partition, self.input_size, dtype,
+                                                         device, self.tp_group, config))
+            config = self._auto_in_place[1]
         return config if OwnGather.supports(config, device) else None
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):

@@ -808,8 +808,9 @@ def test_auto_gathers_in_place_where_the_tuner_picks_a_p2p_gather(monkeypatch):
     asked, picks = [], []
     monkeypatch.setattr(layers, "resolve_auto", lambda op, m, n, k, dtype, device, group, base:
                         asked.append((op, m, n, k, base.method)) or picks[-1])
-    linear = SimpleNamespace(overlap_config=OverlapConfig(method="auto"), tp_group=None,
-                             output_size_per_partition=768, input_size=1024)
+    def new_linear():
+        return SimpleNamespace(overlap_config=OverlapConfig(method="auto"), tp_group=None, _auto_in_place=None,
+                               output_size_per_partition=768, input_size=1024)
     in_place_config = layers.OverlapColumnParallelLinear._in_place_config
     cuda = torch.device("cuda")   # a device object only: nothing is allocated
     for pick, in_place in ((OverlapConfig(method="signal", transport="p2p"), True),
@@ -817,8 +818,12 @@ def test_auto_gathers_in_place_where_the_tuner_picks_a_p2p_gather(monkeypatch):
                            (OverlapConfig(method="signal", transport="nccl"), False),
                            (OverlapConfig(method="off"), False)):
         picks.append(pick)
+        linear = new_linear()
+        assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (pick if in_place else None), pick
+        # the next forward of the same shape asks nothing: the answer is kept
         assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (pick if in_place else None), pick
     assert asked == [("ag_gemm", 2048, 768, 1024, "auto")] * 4   # no TP group here: t = 1, the gathered rows = m
+    assert in_place_config(linear, 4096, torch.bfloat16, cuda) is None and asked[-1][1] == 4096   # a new shape asks
     asked.clear()
     assert in_place_config(linear, 2048, torch.bfloat16, torch.device("cpu")) is None and asked == []
     linear.overlap_config = {"ag_gemm": OverlapConfig(method="decompose", transport="p2p")}
