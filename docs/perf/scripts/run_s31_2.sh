@@ -1,4 +1,4 @@
-# The next session's second call (4 GPUs, `nvidia-h200-x4`; ~8 min), written in session 30:
+# Session 31's first call (4 GPUs, `nvidia-h200-x4`; ~9 min), written in session 30:
 # `COMMIT=<sha> bash docs/perf/scripts/run_s31_2.sh` (carry [".whl"]). llama3-8b at TP 4 end to end (32 layers, local
 # graphs), where one layer gathering in place measured 0.913 of Megatron's against 0.957 staged (session 30): off,
 # signal gathering in place (the recipe's default), signal staged, interleaved. Never run end to end at
@@ -8,7 +8,12 @@ source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=585
 workdir s31_2
 nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
-# First the token-split probe at t = 4 (probe_token_split.py: whether one half's pulls run beside the other half's
+# test_gemm_ar at t = 4 (moved here from run_s31_1.sh in session 31): it failed there in session 21 (tile_exact
+# against its sequential twin); session 23 found the cause in the test and fixed it; the fixed test has not run at t = 4.
+step gemm_ar_t4 60 python3 -m pytest -m gpu -v -rA --tb=short -p no:cacheprovider $REPO/tests/gpu/test_gemm_rs_gpu.py \
+  -k test_gemm_ar
+grep -E "PASSED|FAILED|passed|failed" $W/gemm_ar_t4.out | grep -v "^\.\./" | cut -c1-200 | tail -3
+# Then the token-split probe at t = 4 (probe_token_split.py: whether one half's pulls run beside the other half's
 # GEMM on one hardware queue and in a graph), with and without the attention stand-in.
 step probe_split 45 torchrun --nproc-per-node 4 $REPO/docs/perf/scripts/probe_token_split.py
 step probe_split_attn 45 torchrun --nproc-per-node 4 $REPO/docs/perf/scripts/probe_token_split.py --attn
