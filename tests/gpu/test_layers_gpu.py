@@ -547,6 +547,8 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
         symmetric.allocated()
     torch.cuda.synchronize()
     ps.destroy_model_parallel()
+    return [name for layer in pairs[0] for name in ("linear_qkv", "linear_fc1")
+            if getattr(layer.self_attention if name == "linear_qkv" else layer.mlp, name)._own_gather is not None]
 
 
 @pytest.mark.parametrize("method", P2P_METHODS)
@@ -554,15 +556,51 @@ def test_norms_write_into_the_gathered_buffers_bitwise(method):
     run_distributed(_gpu_world(), check_gather_in_place, method, backend="nccl")
 
 
+def check_auto_gathers_in_place(rank, world):
+    """check_gather_in_place under 'auto' with the tuner's answers fixed: linear_qkv's AllGather on p2p (signal),
+    linear_fc1's on NCCL, so both branches run whatever the machine would measure (session 31: the real tuner picked
+    NCCL for every AllGather of the small pair, and nothing gathered in place). The decisions are asked for where the
+    layers ask the tuner (OverlapColumnParallelLinear._in_place_config, then the ag_gemm call) and kept per shape, as
+    the tuner keeps them."""
+    from overlap_tp.ops import config as config_module
+    qkv_n = _qkv_output_size("small") // world
+    asked = []
+
+    def tuner_stand_in(op, m, n, k, dtype, device, group, base):
+        asked.append((op, n))
+        if op == "ag_gemm":
+            transport = "p2p" if n == qkv_n else "nccl"
+            return OverlapConfig(method="signal", transport=transport, comm_sms=0 if transport == "p2p" else 8)
+        return OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+
+    real = config_module._auto_resolver
+    config_module.set_auto_resolver(tuner_stand_in)
+    try:
+        owned = check_gather_in_place(rank, world, "auto", "small", 4096, 5)
+    finally:
+        config_module.set_auto_resolver(real)
+    assert owned == ["linear_qkv", "linear_qkv"], owned
+    assert ("ag_gemm", qkv_n) in asked and any(op == "ag_gemm" and n != qkv_n for op, n in asked), asked
+
+
+def _qkv_output_size(size):
+    """linear_qkv's output columns (all ranks) at LAYER_SIZES[size]: the queries plus one key and one value per group."""
+    dims = LAYER_SIZES[size]
+    head = dims["hidden"] // dims["heads"]
+    return dims["hidden"] + 2 * dims["groups"] * head
+
+
 def test_auto_gathers_in_place_where_the_tuner_picks_p2p_bitwise():
-    """--overlap-tp auto with --overlap-tp-gather-in-place: in place where the tuner picks signal or decompose on p2p
-    for linear_qkv's / linear_fc1's AllGather, staged elsewhere, bit for bit the staged pair (the tuner measures each
-    shape once, before the first step)."""
-    run_distributed(_gpu_world(), check_gather_in_place, "auto", "small", 4096, 5, backend="nccl")
+    """--overlap-tp auto with --overlap-tp-gather-in-place: in place where the tuner's config for linear_qkv's /
+    linear_fc1's AllGather is signal or decompose on p2p, staged elsewhere (here: qkv in place, fc1 staged), bit for
+    bit the staged pair."""
+    run_distributed(_gpu_world(), check_auto_gathers_in_place, backend="nccl")
 
 
 @pytest.mark.parametrize("method", P2P_METHODS)
-def test_gather_in_place_at_the_8b_layer_shape_and_200_steps_with_a_late_peer(method):
-    """Two 8B layers at s 8192 (3 steps), then 200 steps of the small pair with rank 1 late before every 50th."""
+def test_gather_in_place_at_the_8b_and_70b_layer_shapes_and_200_steps_with_a_late_peer(method):
+    """Two 8B layers at s 8192 (3 steps), two 70B layers at s 8192 (2 steps), then 200 steps of the small pair with
+    rank 1 late before every 50th."""
     run_distributed(_gpu_world(), check_gather_in_place, method, "l8b", 8192, 3, 0, backend="nccl")
+    run_distributed(_gpu_world(), check_gather_in_place, method, "l70b", 8192, 2, 0, backend="nccl")
     run_distributed(_gpu_world(), check_gather_in_place, method, "small", 2048, 200, 50, backend="nccl")

@@ -1,4 +1,4 @@
-# Session 31's first call (4 GPUs, `nvidia-h200-x4`; ~9 min), written in session 30:
+# Session 31's first call (4 GPUs, 4 x H200 with needs_h200; 505 s), written in session 30:
 # `COMMIT=<sha> bash docs/perf/scripts/run_s31_2.sh` (carry [".whl"]). llama3-8b at TP 4 end to end (32 layers, local
 # graphs), where one layer gathering in place measured 0.913 of Megatron's against 0.957 staged (session 30): off,
 # signal gathering in place (the recipe's default), signal staged, interleaved. Never run end to end at

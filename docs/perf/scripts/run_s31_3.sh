@@ -1,4 +1,4 @@
-# The next session's third call (2 GPUs; ~9 min), written in session 30: `COMMIT=<sha> bash
+# Session 31's third call (run on GPUs 0-1 of a 4 x H200 host; 318 s), written in session 30: `COMMIT=<sha> bash
 # docs/perf/scripts/run_s31_3.sh` (carry [".whl"]). README's main job as a user runs it twice: the smoke with its
 # default (auto, since session 30) into one OUT_DIR. The first run tunes and writes runs' overlap_tp_tune.json
 # (TUNE_CACHE's default, new in session 30); the second must take every decision "from the cache" and start sooner.
