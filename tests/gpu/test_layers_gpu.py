@@ -598,9 +598,14 @@ def test_auto_gathers_in_place_where_the_tuner_picks_p2p_bitwise():
 
 
 @pytest.mark.parametrize("method", P2P_METHODS)
-def test_gather_in_place_at_the_8b_and_70b_layer_shapes_and_200_steps_with_a_late_peer(method):
-    """Two 8B layers at s 8192 (3 steps), two 70B layers at s 8192 (2 steps), then 200 steps of the small pair with
-    rank 1 late before every 50th."""
+def test_gather_in_place_at_the_8b_layer_shape_and_200_steps_with_a_late_peer(method):
+    """Two 8B layers at s 8192 (3 steps), then 200 steps of the small pair with rank 1 late before every 50th."""
     run_distributed(_gpu_world(), check_gather_in_place, method, "l8b", 8192, 3, 0, backend="nccl")
-    run_distributed(_gpu_world(), check_gather_in_place, method, "l70b", 8192, 2, 0, backend="nccl")
     run_distributed(_gpu_world(), check_gather_in_place, method, "small", 2048, 200, 50, backend="nccl")
+
+
+@pytest.mark.parametrize("method", P2P_METHODS)
+def test_gather_in_place_at_the_70b_layer_shape(method):
+    """Two 70B layers at s 8192 (2 steps): session 31's 70B proxy at TP 4 parted from off's loss after iteration 1
+    (docs/perf/s31/README.md); the 8B shapes did not."""
+    run_distributed(_gpu_world(), check_gather_in_place, method, "l70b", 8192, 2, 0, backend="nccl")
