@@ -547,8 +547,9 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
         symmetric.allocated()
     torch.cuda.synchronize()
     ps.destroy_model_parallel()
-    return [name for layer in pairs[0] for name in ("linear_qkv", "linear_fc1")
-            if getattr(layer.self_attention if name == "linear_qkv" else layer.mlp, name)._own_gather is not None]
+    return [name for layer in pairs[0]   # the linears that gathered in place, by name
+            for name, linear in (("linear_qkv", layer.self_attention.linear_qkv), ("linear_fc1", layer.mlp.linear_fc1))
+            if linear._own_gather is not None]
 
 
 @pytest.mark.parametrize("method", P2P_METHODS)
@@ -584,7 +585,7 @@ def check_auto_gathers_in_place(rank, world):
 
 
 def _qkv_output_size(size):
-    """linear_qkv's output columns (all ranks) at LAYER_SIZES[size]: the queries plus one key and one value per group."""
+    """linear_qkv's output columns (all ranks) at LAYER_SIZES[size]: the queries, then a key and a value per group."""
     dims = LAYER_SIZES[size]
     head = dims["hidden"] // dims["heads"]
     return dims["hidden"] + 2 * dims["groups"] * head
