@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Smoke test of the whole training path: a tiny Llama-style GPT on 2 GPUs (TP=2, sequence parallel),
-# Megatron's mock data, about a minute (~1.5 min the first time on a machine); W&B offline (wandb/ under OUT_DIR), TensorBoard, train.log.
+# Megatron's mock data, about a minute (~1.5 min the first time on a machine); W&B offline (wandb/ under OUT_DIR),
+# TensorBoard, train.log.
 #   bash recipes/smoke.sh                 overlap on (--overlap-tp auto)
 #   OVERLAP=off bash recipes/smoke.sh     the same run, overlap off (baseline)
 # Both under Megatron's full-iteration CUDA graphs unless GRAPHS=local|none says otherwise.

@@ -1,5 +1,6 @@
 # The next session's first call (4 GPUs, `nvidia-h200-x4` with needs_h200: the 70B proxy's 16 layers need more than
-# 78 GiB per card; ~10 min: the last run is skipped if the time runs out), written in session 31: `COMMIT=<sha> bash docs/perf/scripts/run_s32_1.sh` (carry [".whl"]).
+# 78 GiB per card; ~10 min: the last run is skipped if the time runs out), written in session 31:
+# `COMMIT=<sha> bash docs/perf/scripts/run_s32_1.sh` (carry [".whl"]).
 # Settles session 31's open question (docs/perf/s31/README.md): at TP 4, 16 layers, 12 iterations, the 70B proxy's loss
 # under signal parted from off's after iteration 1, inside a grad-norm spike. If off against off parts as far as off
 # against signal, it is the training (chaos amplifying bf16 rounding); if only signal parts, it is ours.

@@ -21,7 +21,8 @@ for order in "off auto auto-inplace" "auto-inplace auto off"; do
     limit=62; [[ $i == 1 && $run != off ]] && limit=95   # round 1: compiles; the first auto run tunes (one cache)
     extra=(); [[ $run == auto-inplace ]] && extra=(--overlap-tp-gather-in-place)
     mode=${run%-inplace}
-    train smoke-$run-$i $limit OVERLAP=$mode TUNE_CACHE=$W/smoke_tune.json TRAIN_ITERS=40 LOG_INTERVAL=2 -- $REPO/recipes/smoke.sh "${extra[@]}"
+    train smoke-$run-$i $limit OVERLAP=$mode TUNE_CACHE=$W/smoke_tune.json TRAIN_ITERS=40 LOG_INTERVAL=2 -- \
+      $REPO/recipes/smoke.sh "${extra[@]}"
   done
 done
 python3 $REPO/docs/perf/scripts/summarize_runs.py --skip 10 $W/smoke-*/train.log | sed "s#$W/##" | tee $W/smoke.md
