@@ -89,8 +89,12 @@ class AgGemm(OpPlan):
             if self.watched is not None:
                 self.watched.words = (("ready flags", self.flags),)
             self.engine = comm.comm_engine(device)
+            self._started = None   # the call start() issued and finish() has not launched (StartedAgGemm)
             if device.type == "cuda":
                 default_offsets(device)
+                # start(): recorded behind this plan's transfers, so that finish() waits for them alone (one event per
+                # capture state: an event waited on inside a capture must have been recorded inside it)
+                self._transfers_done = {False: memops.Event(), True: memops.Event()}
             if config.transport == "p2p":
                 self._pull_into_gather_buffer()
                 # comm_sms > 0: the pulls on the SMs the GEMM's grid leaves free, else the copy engines
@@ -142,6 +146,62 @@ class AgGemm(OpPlan):
         gathered = self._run(a_shard, w, bias, out)   # the method's runner, picked when the plan was built
         return (out, gathered) if return_gathered else out
 
+    def start(self, a_shard: torch.Tensor) -> "StartedAgGemm":
+        """Phase one of a call split in two: the shard staged and the transfers issued on the comm stream now;
+        finish() launches the GEMM. For a schedule that runs other work between an AllGather's transfers and its
+        GEMM: issue 22's token split issues half B's transfers ahead of half A's compute (docs/fused_block.md, Token
+        split), each half through a plan with a gathered buffer of its own (`gather`), so that both can be in flight.
+        finish() makes the caller's stream wait for this plan's transfers only, not for those issued on the comm
+        stream after them.
+        Under a CUDA graph the transfers run beside whatever the caller issues between start and finish. Eagerly,
+        with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), that work is dispatched behind the transfers'
+        stream waits, as CommEngine.transfers_then_gemm explains: the split is for captured graphs. Method 'signal'
+        (either transport); one call of a plan in flight at a time."""
+        if self.method != "signal":
+            raise ValueError(f"{self.describe()}: start()/finish() split the signaled AllGather+GEMM; this plan runs "
+                             f"method={self.method!r} (call the plan instead)")
+        if self._started is not None:
+            raise RuntimeError(f"{self.describe()}: start() while the previous start() has not been finished; a plan "
+                               f"has one call in flight (build one plan, with its own gathered buffer, per half)")
+        if (a_shard.shape != (self.m, self.k) or a_shard.dtype != self.dtype or a_shard.device != self.device
+                or not a_shard.is_contiguous()):
+            raise ValueError(f"{self.describe()}: start() with a contiguous [{self.m}, {self.k}] {self.dtype} shard on "
+                             f"{self.device}; got {tuple(a_shard.shape)} {a_shard.dtype} on {a_shard.device}")
+        engine = self.engine
+        if self.config.transport == "p2p":
+            gathered, transfers, current, capturing = self._pulled_transfers(a_shard)
+        else:
+            gathered = torch.empty(self.t * self.m, self.k, dtype=a_shard.dtype, device=a_shard.device)
+            transfers, current = self._signaled_transfers(a_shard, gathered)
+            capturing = engine.capturing()
+        done = None if engine.stream is None else self._transfers_done[capturing]
+        engine.transfers_ahead(transfers, current, capturing, done)
+        self._started = StartedAgGemm(a_shard, gathered, current, capturing, done)
+        return self._started
+
+    def finish(self, started: "StartedAgGemm", w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+               return_gathered: bool = False):
+        """Phase two: the GEMM over the rows start() gathers, on the stream start() was called on (its tiles wait for
+        their chunks' flags). Returns what a call returns."""
+        if started is None or started is not self._started:
+            raise RuntimeError(f"{self.describe()}: finish() of a call this plan has not started (or finished "
+                               f"already)")
+        engine = self.engine
+        if engine.stream is not None and engine.current() != started.current:
+            raise RuntimeError(f"{self.describe()}: finish() on another stream than its start(); the GEMM must "
+                               f"follow what the shard's producer enqueued on that stream")
+        if started.capturing != engine.capturing():
+            raise RuntimeError(f"{self.describe()}: start() and finish() on either side of a CUDA graph capture's "
+                               f"edge")
+        self.check_call(started.a_shard, w, bias)
+        self._started = None
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        gathered = started.gathered
+        started.a_shard = started.gathered = None   # a handle kept after finish() holds no buffer (GatherBuffer's check)
+        engine.gemm_after_transfers(lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
+                                    started.current, started.capturing, started.done)
+        return (out, gathered) if return_gathered else out
+
     # The runners: each fills `out` (bias included) and returns the gathered input.
 
     def _off(self, a_shard, w, bias, out):
@@ -191,6 +251,15 @@ class AgGemm(OpPlan):
     def _signaled(self, a_shard, w, bias, gathered, out):
         """The persistent GEMM over the plan: local rows at once, each peer chunk behind its ready flag, which
         the comm stream raises after the chunk's NCCL broadcasts."""
+        transfers, current = self._signaled_transfers(a_shard, gathered)
+        # NCCL needs SMs left free by the GEMM's grid (comm_sms) to run beside it
+        self.engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready,
+                                        self.watched, gemm_first=self.config.comm_sms > 0, current=current)
+
+    def _signaled_transfers(self, a_shard, gathered):
+        """The shard copied into its rows of `gathered` on the caller's stream, and the NCCL transport's transfers
+        (each chunk's broadcasts, then its flag) as a function of the comm stream. Returns (transfers, the caller's
+        stream or None on CPU)."""
         engine, current = self.engine, None
         if engine.stream is None:
             gathered.narrow(0, self.rank * self.m, self.m).copy_(a_shard)
@@ -211,10 +280,7 @@ class AgGemm(OpPlan):
                 for c, (lo, hi) in enumerate(self.chunks):
                     self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=stream)
                     engine.raise_flag(self.ready, c)
-
-        # NCCL needs SMs left free by the GEMM's grid (comm_sms) to run beside it
-        engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
-                                   gemm_first=self.config.comm_sms > 0, current=current)
+        return transfers, current
 
     def _pulled(self, a_shard, w, bias, out):
         """The signaled GEMM on the p2p transport: the shard staged into its region of the shape's gathered buffer
@@ -222,15 +288,19 @@ class AgGemm(OpPlan):
         behind the peers' READY, raising its flag: by the copy engines, or by the pull kernel on the comm_sms SMs
         the GEMM's grid leaves free; the GEMM enqueued first (the pulls need no SM it holds). Returns the gathered
         buffer."""
+        gathered, transfers, current, capturing = self._pulled_transfers(a_shard)
+        self.engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready,
+                                        self.watched, gemm_first=True, current=current, capturing=capturing)
+        return gathered
+
+    def _pulled_transfers(self, a_shard):
+        """The shard staged on the caller's stream, and the p2p transport's transfers as a function of the comm
+        stream. Returns (the gathered buffer, transfers, the caller's stream, whether it is being captured)."""
         engine, gather = self.engine, self.gather
         capturing, current = engine.capturing(), engine.current()   # asked once per call
         gather.stage(current, a_shard, capturing)
-        gathered = gather.gathered()
         transfers = self._transfers
-        engine.transfers_then_gemm(lambda stream: transfers(stream, capturing),
-                                   lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
-                                   gemm_first=True, current=current, capturing=capturing)
-        return gathered
+        return gather.gathered(), lambda stream: transfers(stream, capturing), current, capturing
 
     def _list_pulls(self):
         """One lane of copy-engine pulls: every chunk's copies (one per peer) and its flag's address, made once (the
@@ -296,6 +366,17 @@ class AgGemm(OpPlan):
         if not capturing and self.watched is not None:
             self.watched.record(current)
         return gathered
+
+
+class StartedAgGemm:
+    """A call that AgGemm.start() issued: what finish() needs (the shard, the gathered buffer, the caller's stream and
+    capture state, the event behind the transfers). It references the shard and the buffer until finish()."""
+
+    __slots__ = ("a_shard", "gathered", "current", "capturing", "done")
+
+    def __init__(self, a_shard, gathered, current, capturing, done):
+        self.a_shard, self.gathered, self.current = a_shard, gathered, current
+        self.capturing, self.done = capturing, done
 
 
 def _mm(x, wt, out, bias):

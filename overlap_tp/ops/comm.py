@@ -329,6 +329,30 @@ class CommEngine:
         if not capturing and watched is not None:
             watched.record(current)
 
+    def transfers_ahead(self, transfers, current: int, capturing: bool, done: Optional["memops.Event"]):
+        """Phase one of transfers_then_gemm split in two (a plan's start()): fork, the transfers on the comm stream,
+        and `done` recorded behind them, so that gemm_after_transfers can wait for these transfers only, not for
+        whatever is issued on the comm stream after them (the next plan's transfers). CPU: the transfers run now."""
+        if self.stream is None:
+            transfers(None)
+            return
+        self.fork(current, capturing)
+        transfers(self.raw)
+        done.record(self.raw)
+
+    def gemm_after_transfers(self, gemm, flags, watched, current: int, capturing: bool,
+                             done: Optional["memops.Event"]):
+        """Phase two (a plan's finish()): the GEMM on the caller's stream (its tiles wait for their chunks' flags), the
+        flags lowered behind it, and the caller's stream joined to `done` (these transfers, not the comm stream's
+        tail). `current` must be the stream that phase one forked from."""
+        gemm()
+        self.lower_flags(flags, current)
+        if self.stream is None:
+            return
+        done.wait(current)
+        if not capturing and watched is not None:
+            watched.record(current)
+
     def prepare_graph_waits(self):
         """Compile the capture-time wait kernel now, eagerly (a compile inside a capture could load a module
         mid-capture), and open the watchdog's mailbox it reports into."""

@@ -259,3 +259,63 @@ def test_a_peer_that_never_replays_ends_the_waiting_rank():
     assert "in a CUDA graph replay" in err
     assert "NOT REACHED" not in out
     assert ended - replayed < 20, ended - replayed
+
+
+SPLIT_CONFIGS = [OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=4),
+                 OverlapConfig(method="signal", groups=2, comm_sms=16)]
+
+
+def _split_plans(group, world, config):
+    """Two AllGather+GEMM plans of one shape, one per half of a token split; on the p2p transport each with a
+    gathered buffer of its own (the shape's shared one holds one call at a time)."""
+    from overlap_tp.ops.ag_gemm import AgGemm, OwnGather
+    device = torch.device("cuda", torch.cuda.current_device())
+    m = M // world
+    return [AgGemm(group, m, N, K, torch.bfloat16, device, config,
+                   gather=OwnGather(group, m, K, torch.bfloat16, device).buffer if config.transport == "p2p" else None)
+            for _ in range(2)]
+
+
+def _split(plans, shards, w):
+    """The token split's order: both halves' transfers issued, then half A's GEMM and work that reads it, then half
+    B's GEMM (whose transfers ran beside A's)."""
+    started = [plan.start(shard) for plan, shard in zip(plans, shards)]
+    out_a = plans[0].finish(started[0], w)
+    between = out_a * 2   # half A's consumer, issued before half B's GEMM
+    out_b = plans[1].finish(started[1], w)
+    return out_a, between, out_b
+
+
+def _check_split_replays(rank, world):
+    group = dist.group.WORLD
+    for config in SPLIT_CONFIGS:
+        plans = _split_plans(group, world, config)
+        shards = [_operands("ag", world, 21 + 2 * rank + h)[0] for h in range(2)]
+        w = _operands("ag", world, 5)[1]
+        out_a, between, out_b = _split(plans, shards, w)   # eager: bit for bit each plan's own call
+        assert torch.equal(out_a, plans[0](shards[0], w)) and torch.equal(out_b, plans[1](shards[1], w)), config
+        assert torch.equal(between, out_a * 2), config
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = _split(plans, shards, w)
+        for replay in range(REPLAYS // 4):
+            fresh = [_operands("ag", world, 1000 * replay + 7 * rank + h)[0] for h in range(2)]
+            if replay == REPLAYS // 4 - 1 and rank == 1:
+                torch.cuda._sleep(int(0.5 * 1.9e9))   # a late peer
+            for shard, new in zip(shards, fresh):
+                shard.copy_(new)
+            graph.replay()
+            expected = [plans[h](fresh[h], w) for h in range(2)]
+            torch.cuda.synchronize()
+            assert torch.equal(static[0], expected[0]) and torch.equal(static[2], expected[1]), (config, replay)
+            assert torch.equal(static[1], expected[0] * 2), (config, replay)
+        del graph, static
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def test_split_allgather_gemm_replays_bitwise_equal_to_its_call():
+    """AgGemm.start()/finish() (the token split's building block), two halves in flight: eager and 50 graph replays
+    with fresh inputs, each bit for bit the plans' own calls; the last replay with a late peer."""
+    run_distributed(gpu_world(), _check_split_replays, backend="nccl")

@@ -71,3 +71,40 @@ def _check_bad_input(rank, world):
 
 def test_bad_input_is_named():
     run_distributed(2, _check_bad_input)
+
+
+def _check_split(rank, world):
+    """start()/finish(): two plans of one shape, both halves' transfers issued before either GEMM (the token split's
+    order), each half bit for bit the plan's own call; the misuses named."""
+    from overlap_tp.ops.ag_gemm import AgGemm
+    m, n, k = 64, 48, 32
+    config = OverlapConfig(method="signal", groups=2, **SMALL_TILES)
+    plans = [AgGemm(None, m // world, n, k, torch.bfloat16, "cpu", config) for _ in range(2)]
+    for seed in range(2):   # twice: the ready flags lowered by the first finish()es
+        problems = [dense_problem(m, n, k, seed=10 * seed + h, bias=True) for h in range(2)]
+        shards = [a[rank * m // world:(rank + 1) * m // world].contiguous() for a, _, _ in problems]
+        started = [plan.start(shard) for plan, shard in zip(plans, shards)]
+        for h, (plan, (a, w, b)) in enumerate(zip(plans, problems)):
+            out, gathered = plan.finish(started[h], w, b, return_gathered=True)
+            assert torch.equal(gathered, a), (seed, h)
+            assert torch.equal(out, plan(shards[h], w, b)), (seed, h)
+    a, w, b = problems[0]
+    plan = plans[0]
+    first = plan.start(shards[0])
+    with pytest.raises(RuntimeError, match="has not been finished"):
+        plan.start(shards[0])
+    with pytest.raises(RuntimeError, match="has not started"):
+        plans[1].finish(first, w)
+    plan.finish(first, w)
+    with pytest.raises(RuntimeError, match="has not started"):
+        plan.finish(first, w)
+    off = AgGemm(None, m // world, n, k, torch.bfloat16, "cpu", OverlapConfig(method="off"))
+    assert_each_raises([
+        (lambda: off.start(shards[0]), "split the signaled AllGather"),
+        (lambda: plan.start(shards[0][:-1].contiguous()), r"start\(\) with a contiguous"),
+    ])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_split_start_finish_matches_the_call(world):
+    run_distributed(world, _check_split)
