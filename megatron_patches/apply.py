@@ -20,7 +20,8 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
   reduce-scatters and normalizes the next layer's input), or with `--no-overlap-tp-fused-norms` Megatron's own
   TransformerLayer around the same linears and norms; with `--overlap-tp-gather-in-place` its
   norms write into linear_qkv's and linear_fc1's own gathered buffers (`overlap_tp.megatron.layers.
-  set_gather_in_place`).
+  set_gather_in_place`), and with `--overlap-tp-defer-wgrad` too linear_fc1's wgrad runs inside linear_proj's
+  backward (`set_defer_wgrad`).
 - `OVERLAP_TP_TUNE_CACHE` in the environment: `--overlap-tp-tune-cache`, else the variable as the user
   set it, else `overlap_tp_tune.json` in Megatron's `--save` folder
   (`overlap_tp.megatron.arguments.tune_cache_path`); with none of them it stays unset and the tuner
@@ -54,7 +55,7 @@ def is_overlap_spec(spec):
     return spec == [__name__, "overlap_layer_spec"] or (
         len(spec) == 2 and spec[0] == SPEC_MODULE and spec[1] in SPEC_ATTRIBUTES)
 
-_STATE = {"configs": None, "moe_config": None, "fused_norms": True, "gather_in_place": False}
+_STATE = {"configs": None, "moe_config": None, "fused_norms": True, "gather_in_place": False, "defer_wgrad": False}
 
 
 @dataclasses.dataclass
@@ -104,8 +105,8 @@ def reset():
     """Forget the process-wide state (tests)."""
     _STATE["configs"] = _STATE["moe_config"] = None
     _STATE["fused_norms"] = True
-    _STATE["gather_in_place"] = False
-    _set_gather_in_place(False)
+    _STATE["gather_in_place"] = _STATE["defer_wgrad"] = False
+    _set_gather_in_place(False, False)
     tune_timing.set_regime("eager")
 
 
@@ -145,7 +146,12 @@ def apply(args, *, log=None):
         report.changed.append("the norms before linear_qkv and linear_fc1 write into those layers' own gathered "
                               "buffers" if in_place else "the AllGathers stage their inputs (no gathering in place)")
         _STATE["gather_in_place"] = in_place
-    _set_gather_in_place(in_place)
+    defer = bool(getattr(args, "overlap_tp_defer_wgrad", False))
+    if _STATE["defer_wgrad"] != defer:
+        report.changed.append("linear_fc1's wgrad runs inside linear_proj's backward, beside its AllGather" if defer
+                              else "every linear's wgrad runs in its own backward")
+        _STATE["defer_wgrad"] = defer
+    _set_gather_in_place(in_place, defer)
 
     spec = getattr(args, "spec", None)
     if not is_overlap_spec(spec):
@@ -181,12 +187,13 @@ def _set_layer_defaults(configs, moe_config):
         moe_layer.set_default_moe_overlap_config(moe_config)
 
 
-def _set_gather_in_place(on):
+def _set_gather_in_place(on, defer_wgrad):
     try:
         from overlap_tp.megatron import layers
     except ImportError:  # no megatron-core: no layer to build
         return
     layers.set_gather_in_place(on)
+    layers.set_defer_wgrad(defer_wgrad)
 
 
 def overlap_layer_spec(config, vp_stage=None):

@@ -6,6 +6,8 @@
 #   GATHER_IN_PLACE=1|0                 --overlap-tp-gather-in-place where OVERLAP is signal or decompose and
 #                                       TRANSPORT is not nccl (default 0; llama3-8b and llama3-70b-proxy: 1, measured
 #                                       faster there, docs/perf/s29/README.md)
+#   DEFER_WGRAD=1|0                     --overlap-tp-defer-wgrad with gathering in place: fc1's wgrad runs beside
+#                                       proj's backward AllGather (default 0: not yet measured end to end)
 #   TUNE_CACHE=PATH                     with OVERLAP=auto: --overlap-tp-tune-cache (default $OUT_DIR/overlap_tp_tune.json:
 #                                       a second run into the same OUT_DIR tunes nothing)
 #   TP=2  NPROC=2  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static rendezvous)
@@ -48,6 +50,7 @@ run_recipe() {
   if [[ ${GATHER_IN_PLACE:-0} == 1 && ( $OVERLAP == signal || $OVERLAP == decompose ) && ${TRANSPORT:-auto} != nccl ]]
   then
     overlap_args+=(--overlap-tp-gather-in-place)   # the norms write into qkv's / fc1's own gathered buffers
+    [[ ${DEFER_WGRAD:-0} == 1 ]] && overlap_args+=(--overlap-tp-defer-wgrad)   # fc1's wgrad beside proj's AllGather
   fi
   local env_args=()
   if [[ ${DRY_RUN:-0} != 1 ]] && ! _imports transformer_engine && ! _imports fused_weight_gradient_mlp_cuda; then

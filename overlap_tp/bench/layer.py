@@ -38,6 +38,10 @@ process on the same inputs and the same weights:
                 set_gather_in_place(True) (`--overlap-tp-gather-in-place`): the norms write into linear_qkv's and
                 linear_fc1's own gathered buffers, no staging copy, no re-gather in the backward (auto: where the
                 tuner picks signal or decompose on p2p for their AllGathers)
+  signal-p2p-inplace-dw
+                (not in the default list) signal-p2p-inplace with set_defer_wgrad(True) (`--overlap-tp-defer-wgrad`):
+                linear_fc1's wgrad GEMM runs inside linear_proj's backward, between its dgrad AllGather's start and
+                its GEMM (layers.WgradHandoff)
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
 timed (output, input grad and every parameter grad, max relative error <= --check-tol); every layer that
@@ -119,10 +123,12 @@ def configurations(device_type):
         # auto, gathering in place where the tuner picks signal or decompose on p2p for linear_qkv's / linear_fc1's
         # AllGather (OverlapColumnParallelLinear._in_place_config)
         "auto-inplace": ("ours", OverlapConfig(method="auto"), False),
+        "signal-p2p-inplace-dw": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
     }
 
 
 IN_PLACE_SUFFIX = "-inplace"   # a configuration whose layer is built with set_gather_in_place(True)
+DEFER_WGRAD_SUFFIX = "-inplace-dw"   # ... and with set_defer_wgrad(True)
 
 
 def parse_args(argv):
@@ -201,9 +207,10 @@ def layer_config(model, tp, device_type, fusions=None):
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1, use_cpu_initialization=device_type == "cpu")
 
 
-def build_layer(spec_kind, config, device, seed=1234, in_place=False):
+def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgrad=False):
     """One TransformerLayer from our spec ('ours') or the Megatron reference spec ('megatron'); in_place: ours, its
-    norms writing into the column-parallel linears' own gathered buffers (set_gather_in_place)."""
+    norms writing into the column-parallel linears' own gathered buffers (set_gather_in_place); defer_wgrad: fc1's
+    wgrad inside proj's backward (set_defer_wgrad)."""
     from megatron.core.transformer.spec_utils import build_module
     if spec_kind == "ours":
         from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
@@ -215,8 +222,8 @@ def build_layer(spec_kind, config, device, seed=1234, in_place=False):
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(seed)
-    from overlap_tp.megatron.layers import gathering_in_place
-    with gathering_in_place(in_place):
+    from overlap_tp.megatron.layers import deferring_wgrad, gathering_in_place
+    with gathering_in_place(in_place), deferring_wgrad(defer_wgrad):
         return build_module(spec, config=config, layer_number=1).to(device)
 
 
@@ -427,7 +434,8 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
-        layer = build_layer(spec_kind, config, device, in_place=name.endswith(IN_PLACE_SUFFIX))
+        layer = build_layer(spec_kind, config, device, in_place=name.endswith((IN_PLACE_SUFFIX, DEFER_WGRAD_SUFFIX)),
+                            defer_wgrad=name.endswith(DEFER_WGRAD_SUFFIX))
         if weights is not None:
             params = dict(layer.named_parameters())
             if sorted(params) != sorted(weights):

@@ -19,6 +19,7 @@ rather than at its first use, mid-training.
     --overlap-tp-layers                        use overlap_tp's layer spec even with --overlap-tp off
     --no-overlap-tp-fused-norms                Megatron's TransformerLayer between overlap_tp's linears (A/B)
     --overlap-tp-gather-in-place               norms write into qkv's / fc1's own gathered buffers (off)
+    --overlap-tp-defer-wgrad                   fc1's wgrad runs beside proj's backward AllGather (off)
     --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
     --overlap-moe {off,signal,decompose,auto}  OverlapConfig.method for the MoE expert ops (off)
     --overlap-moe-transport {nccl,p2p}         OverlapConfig.transport for the MoE expert ops (nccl)
@@ -116,6 +117,13 @@ def add_overlap_args(parser):
              "layers, TP 2, s 8192). Needs overlap_tp's fused layer, --overlap-tp signal or decompose on the p2p "
              "transport; off with activation recomputation, pipeline parallelism or CPU offloading (a warning "
              "says why). Off by default.")
+    group.add_argument(
+        "--overlap-tp-defer-wgrad", action="store_true",
+        help="With --overlap-tp-gather-in-place: linear_fc1's backward leaves its weight-gradient GEMM to linear_proj's "
+             "backward, which runs it while its dgrad AllGather pulls the peers' rows (fc1's gathered input is still "
+             "in its own buffer): that AllGather no longer waits with nothing beside it. The gradient is the same, "
+             "accumulated into main_grad later in the same backward; not with --overlap-grad-reduce (DDP starts a "
+             "bucket's reduction when each weight's gradient arrives through autograd). Off by default.")
     group.add_argument(
         "--overlap-tp-peak-tflops", type=float, default=None, metavar="TFLOPS",
         help="Per-GPU peak for the MFU that overlap_tp logs. Default: $OVERLAP_TP_PEAK_TFLOPS, else "
@@ -247,6 +255,18 @@ def validate_overlap_args(args, *, warn=_warn):
             raise OverlapArgumentError(
                 "--overlap-tp-gather-in-place with --no-overlap-tp-fused-norms: gathering in place is wired by "
                 "overlap_tp's layer (OverlapTransformerLayer), which that flag replaces with Megatron's. Drop one.")
+
+    if getattr(args, "overlap_tp_defer_wgrad", False):
+        if not getattr(args, "overlap_tp_gather_in_place", False):
+            raise OverlapArgumentError(
+                "--overlap-tp-defer-wgrad needs --overlap-tp-gather-in-place: linear_fc1's deferred weight gradient "
+                "reads its gathered input from the layer's own buffer, which only gathering in place keeps until the "
+                "backward. Add it, or drop --overlap-tp-defer-wgrad.")
+        if getattr(args, "overlap_grad_reduce", False):
+            raise OverlapArgumentError(
+                "--overlap-tp-defer-wgrad with --overlap-grad-reduce: Megatron's DDP starts each bucket's reduction "
+                "once autograd has delivered every weight gradient in it, and linear_fc1's arrives later, outside "
+                "autograd (accumulated into main_grad in linear_proj's backward). Drop one of the two.")
 
     moe = getattr(args, "overlap_moe", "off")
     if moe not in METHODS:

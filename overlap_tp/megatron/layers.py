@@ -42,7 +42,7 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
 
 from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
 from overlap_tp.ops.config import OverlapConfig, resolve_auto
-from overlap_tp.ops.ag_gemm import OwnGather, ag_gemm, gather_rows
+from overlap_tp.ops.ag_gemm import OwnGather, ag_gemm, ag_gemm_plan, gather_rows
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
 
@@ -52,8 +52,9 @@ except ImportError:
     fused_weight_gradient_mlp_cuda = None
 
 __all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "get_default_overlap_config",
-           "gather_in_place_default", "gathering_in_place", "set_default_overlap_config", "set_gather_in_place",
-           "set_op_observer", "set_overlap_config"]
+           "defer_wgrad_default", "deferring_wgrad", "gather_in_place_default", "gathering_in_place",
+           "set_default_overlap_config", "set_defer_wgrad", "set_gather_in_place", "set_op_observer",
+           "set_overlap_config", "WgradHandoff"]
 
 OP_KINDS = ("ag_gemm", "gemm_rs", "gemm_ar")
 LayerOverlapConfig = Union[None, OverlapConfig, Mapping[str, OverlapConfig]]
@@ -117,6 +118,74 @@ def gathering_in_place(on: bool = True):
         yield
     finally:
         set_gather_in_place(previous)
+
+
+_defer_wgrad = [False]
+
+
+def set_defer_wgrad(on: bool):
+    """Whether OverlapTransformerLayers built from now on leave linear_fc1's weight gradient to linear_proj's backward,
+    to run while proj's dgrad AllGather pulls (WgradHandoff; `--overlap-tp-defer-wgrad`). Takes effect with gathering
+    in place (set_gather_in_place), where fc1's gathered input stays in its own buffer until the backward."""
+    _defer_wgrad[0] = bool(on)
+
+
+def defer_wgrad_default() -> bool:
+    return _defer_wgrad[0]
+
+
+@contextlib.contextmanager
+def deferring_wgrad(on: bool = True):
+    """set_defer_wgrad(on) for the layers built inside the block; the previous setting is back after it."""
+    previous = _defer_wgrad[0]
+    set_defer_wgrad(on)
+    try:
+        yield
+    finally:
+        set_defer_wgrad(previous)
+
+
+class WgradHandoff:
+    """A column-parallel layer's weight-gradient GEMM left to a row-parallel layer's backward that autograd runs after
+    it, to run between that backward's AllGather start and its GEMM (AgGemm.start/finish): one layer's linear_fc1 and
+    linear_proj (OverlapTransformerLayer, `--overlap-tp-defer-wgrad`).
+
+    Why: in a layer's backward, linear_proj's dgrad AllGather+GEMM waits for the pre-MLP norm's backward, which waits
+    for fc1's dgrad; its pulls (at TP 4 on the 8B layer ~0.2 ms against a 0.09 ms GEMM, docs/perf/s32) had nothing to
+    run beside. fc1's wgrad GEMM (~0.6 ms there) depends on neither, so it moves there: under a CUDA graph the copy
+    engines pull proj's rows while the SMs run fc1's wgrad, and proj's dgrad GEMM then finds its rows in place.
+
+    What it changes for the gradient's consumer: fc1's backward returns no weight gradient; the GEMM accumulates it
+    later, in the same backward, where the gradient would have gone: weight.main_grad (Megatron's DDP: with
+    gradient_accumulation_fusion as that path does, else as DDP's hook adds a returned grad), else weight.grad. No
+    autograd accumulation hook fires for fc1's weight, so DDP's --overlap-grad-reduce (which counts those hooks) is
+    refused with this flag (overlap_tp.megatron.arguments). Bit for bit the gradients of the undeferred path.
+
+    Armed by linear_proj's forward (its backward will run: it needs a gradient); a wgrad left and never run is a
+    RuntimeError at proj's next forward, never a silently missing gradient."""
+
+    __slots__ = ("armed", "pending")
+
+    def __init__(self):
+        self.armed = False     # the consumer's forward ran with autograd recording: its backward will run
+        self.pending = None    # the wgrad left by the producer's backward, for the consumer's backward
+
+    def arm(self, armed: bool):
+        if self.pending is not None:
+            raise RuntimeError("overlap_tp: linear_fc1's deferred weight gradient was never run (linear_proj's "
+                               "backward did not come after fc1's); turn --overlap-tp-defer-wgrad off")
+        self.armed = armed
+
+    def leave(self, wgrad: Callable[[], None]) -> bool:
+        """Leave `wgrad` to the consumer's backward; False (run it yourself) where the consumer's will not run."""
+        if not self.armed or self.pending is not None:
+            return False
+        self.pending = wgrad
+        return True
+
+    def take(self) -> Optional[Callable[[], None]]:
+        wgrad, self.pending = self.pending, None
+        return wgrad
 
 
 def _resolve_config(layer_config: LayerOverlapConfig, op: str) -> OverlapConfig:
@@ -205,6 +274,24 @@ def _accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
     main_grad.add_(dy.t().matmul(x))   # the GEMM rounds to dy's dtype once, as the unfused path does
 
 
+def _late_weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
+    """The wgrad dy.T @ x of a backward that returned none (WgradHandoff), accumulated where autograd and DDP would
+    have put the returned one: into weight.main_grad (with gradient_accumulation_fusion as _weight_grad does; else
+    the bf16 GEMM added, as DDP's hook adds a returned grad), else into weight.grad."""
+    if ctx.gradient_accumulation_fusion:
+        weight.main_grad = ctx.main_grad
+        _accumulate_wgrad(ctx.main_grad, dy, x)
+        return
+    dw = dy.t().matmul(x)
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is not None:
+        main_grad.add_(dw)
+    elif weight.grad is None:
+        weight.grad = dw
+    else:
+        weight.grad += dw
+
+
 def _weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
     """The wgrad dy.T @ x, or with gradient_accumulation_fusion its accumulation into weight.main_grad and
     what Megatron's DDP expects back (Megatron's LinearWithGradAccumulationAndAsyncCommunication): a dummy
@@ -226,10 +313,10 @@ class _LinearArgs:
     """What a layer's autograd Function needs besides tensors."""
 
     __slots__ = ("group", "sequence_parallel", "allreduce_dgrad", "gradient_accumulation_fusion", "layer_config",
-                 "defer_sum", "deferred_sum", "dgrad_link", "own_gather")
+                 "defer_sum", "deferred_sum", "dgrad_link", "own_gather", "wgrad_handoff")
 
     def __init__(self, group, sequence_parallel, allreduce_dgrad, gradient_accumulation_fusion, layer_config,
-                 defer_sum=False, dgrad_link=None, own_gather=None):
+                 defer_sum=False, dgrad_link=None, own_gather=None, wgrad_handoff=None):
         self.group = group
         self.sequence_parallel = sequence_parallel
         self.allreduce_dgrad = allreduce_dgrad
@@ -239,6 +326,7 @@ class _LinearArgs:
         self.deferred_sum = None        # ... and here is what it left (ops.p2p.DeferredSum), for the module
         self.dgrad_link = dgrad_link    # column, SP: the input norm's DeferredGrad (the dgrad's p2p sum left to it)
         self.own_gather = own_gather    # column, SP: the layer's OwnGather, whose claimed region is this input
+        self.wgrad_handoff = wgrad_handoff   # column: where its wgrad may be left; row: where one may wait for it
 
     def config(self, op):
         return _resolve_config(self.layer_config, op)
@@ -311,7 +399,13 @@ class _ColumnParallelFn(torch.autograd.Function):
                 dx = dy.matmul(weight)
         if gathering is not None:
             gathered = gathering.wait()
-        dw = _weight_grad(ctx, weight, dy, gathered) if need_dw else None
+        dw = None
+        handoff = args.wgrad_handoff
+        # the gathered input is kept in the layer's own buffer until its next forward: the wgrad can wait for the
+        # row-parallel backward that follows (WgradHandoff), which needs dx (it reaches it through the norm)
+        if need_dw and not (ctx.kept_gathered and need_dx and handoff is not None and
+                            handoff.leave(lambda: _late_weight_grad(ctx, weight, dy, gathered))):
+            dw = _weight_grad(ctx, weight, dy, gathered)
         link = args.dgrad_link
         if (reducing_dx is not None and reducing_dx.deferred_sum is not None and link is not None
                 and not link.shared):
@@ -357,8 +451,15 @@ class _RowParallelFn(torch.autograd.Function):
         dz = dz.contiguous()
         need_dy, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy, dz_full = None, dz
+        # a column-parallel layer's wgrad left to run beside this backward's AllGather (WgradHandoff)
+        between = args.wgrad_handoff.take() if args.wgrad_handoff is not None else None
+        if between is not None and not (args.sequence_parallel and need_dy):
+            between()
+            between = None
         if args.sequence_parallel:
-            if need_dy:   # the gathered dZ comes back with the dgrad and is reused for the wgrad
+            if need_dy and between is not None:
+                dy, dz_full = _ag_gemm_around(dz, weight.t(), args, between)
+            elif need_dy:   # the gathered dZ comes back with the dgrad and is reused for the wgrad
                 dy, dz_full = _observed("ag_gemm", lambda: ag_gemm(dz, weight.t(), args.group, config=args.config("ag_gemm"),
                                                                    return_gathered=True), dz, weight.t(), args.group)
             elif need_dw:
@@ -370,6 +471,19 @@ class _RowParallelFn(torch.autograd.Function):
         # finalize_model_grads all-reduces it over the TP group (as for Megatron's own layer).
         db = dz.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
         return dy, dw, db, None
+
+
+def _ag_gemm_around(dz: torch.Tensor, wt: torch.Tensor, args: _LinearArgs, between: Callable[[], None]):
+    """ag_gemm(dz, wt, return_gathered=True) with between() run after its transfers were issued and before its GEMM
+    (AgGemm.start/finish: the signaled method; any other method runs between() first, then the call). Not observed by
+    the telemetry hook: the call is two calls here."""
+    plan = ag_gemm_plan(dz, wt, args.group, args.config("ag_gemm"))
+    if plan.method != "signal":
+        between()
+        return plan(dz, wt, return_gathered=True)
+    started = plan.start(dz)
+    between()
+    return plan.finish(started, wt, return_gathered=True)
 
 
 def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
@@ -499,6 +613,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
 
     sum_dgrad_in_norm = False
     gather_in_place = False
+    wgrad_handoff = None    # a WgradHandoff to leave the wgrad to (OverlapTransformerLayer: linear_fc1 in place)
     _own_gather = None
     _auto_in_place = None   # ((auto config, m, dtype, device), the tuner's config for it): asked once per shape
 
@@ -570,7 +685,8 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         own = self._own_gather
         own = own if own is not None and self.sequence_parallel and own.holds(x2d) else None
         args = _LinearArgs(self.tp_group, self.sequence_parallel, self.allreduce_dgrad,
-                           self.gradient_accumulation_fusion, self.overlap_config, dgrad_link=link, own_gather=own)
+                           self.gradient_accumulation_fusion, self.overlap_config, dgrad_link=link, own_gather=own,
+                           wgrad_handoff=self.wgrad_handoff if own is not None else None)
         _check_main_grad(weight, self.gradient_accumulation_fusion)
         out2d = _ColumnParallelFn.apply(x2d, weight, bias, args)
         rows = input_.shape[0] * (get_pg_size(self.tp_group) if self.sequence_parallel else 1)
@@ -639,6 +755,7 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
 
     defer_sum_next = False
     deferred_sum = None   # the last forward's DeferredSum (None: its output was written), for the consumer's check
+    wgrad_handoff = None  # a WgradHandoff whose wgrad the backward runs beside its AllGather (linear_proj)
 
     def __init__(self, input_size, output_size, *, config, init_method: Callable, bias: bool,
                  input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
@@ -679,8 +796,11 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
         y2d = _flatten_input(input_, self.input_size_per_partition, type(self).__name__)
         bias = self.bias if not self.skip_bias_add else None
         defer_sum, self.defer_sum_next = self.defer_sum_next, False
+        handoff = self.wgrad_handoff
+        if handoff is not None:   # our backward will run (and take what the handoff holds) if autograd records us
+            handoff.arm(torch.is_grad_enabled() and (y2d.requires_grad or self.weight.requires_grad))
         args = _LinearArgs(self.tp_group, self.sequence_parallel, False, self.gradient_accumulation_fusion,
-                           self.overlap_config, defer_sum=defer_sum)
+                           self.overlap_config, defer_sum=defer_sum, wgrad_handoff=handoff)
         t = get_pg_size(self.tp_group)
         if self.sequence_parallel and input_.shape[0] % t:
             raise ValueError(f"OverlapRowParallelLinear: sequence length {input_.shape[0]} is not divisible by the "

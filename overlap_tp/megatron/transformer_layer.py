@@ -47,6 +47,10 @@ previous layer's fused MLP bda) writes the normalized rows straight into this ra
 (OverlapRMSNorm.output_for -> OverlapColumnParallelLinear.input_buffer): no staging copy before the forward's
 AllGather+GEMM, and no re-gather in the backward. Not with activation recomputation, pipeline parallelism (several
 micro-batches' gathered inputs alive at once) or CPU offloading; the layer says why once (a warning).
+
+With gathering in place and `set_defer_wgrad(True)` (`--overlap-tp-defer-wgrad`), linear_fc1's backward leaves its
+weight-gradient GEMM to linear_proj's backward, which runs it between its dgrad AllGather's start and its GEMM, so
+that proj's pulls run beside it (layers.WgradHandoff).
 """
 import warnings
 import weakref
@@ -56,7 +60,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear, gather_in_place_default
+from overlap_tp.megatron.layers import (OverlapColumnParallelLinear, OverlapRowParallelLinear, WgradHandoff,
+                                        defer_wgrad_default, gather_in_place_default)
 from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
 
 __all__ = ["OverlapTransformerLayer"]
@@ -161,6 +166,11 @@ class OverlapTransformerLayer(TransformerLayer):
             if type(norm) is OverlapRMSNorm and isinstance(linear, OverlapColumnParallelLinear):
                 linear.gather_in_place = True
                 norm.output_for = linear.input_buffer
+        fc1, proj = pairs[1][1], getattr(self.self_attention, "linear_proj", None)
+        if (defer_wgrad_default() and fc1 is not None and fc1.gather_in_place
+                and isinstance(proj, OverlapRowParallelLinear) and proj.sequence_parallel):
+            # fc1's wgrad runs beside proj's dgrad AllGather (WgradHandoff): fc1's backward leaves it, proj's takes it
+            fc1.wgrad_handoff = proj.wgrad_handoff = WgradHandoff()
 
     def _unfusable_reason(self) -> Optional[str]:
         if type(self.pre_mlp_layernorm) is not OverlapRMSNorm:

@@ -392,9 +392,13 @@ def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optiona
     """all_gather(a_shard) @ w.T + bias; with return_gathered=True returns (out, gathered). Runs the cached
     AgGemm plan of this shape."""
     check_operands(a_shard, w, bias)
-    plan = cached_plan(AgGemm, comm.resolve_group(group), a_shard.shape[0], w.shape[0], w.shape[1], a_shard.dtype,
+    return ag_gemm_plan(a_shard, w, group, config)(a_shard, w, bias, return_gathered=return_gathered)
+
+
+def ag_gemm_plan(a_shard: torch.Tensor, w: torch.Tensor, group=None, config: Optional[OverlapConfig] = None) -> AgGemm:
+    """The cached AgGemm plan that ag_gemm(a_shard, w, group, config=config) runs (for its start()/finish())."""
+    return cached_plan(AgGemm, comm.resolve_group(group), a_shard.shape[0], w.shape[0], w.shape[1], a_shard.dtype,
                        a_shard.device, config)
-    return plan(a_shard, w, bias, return_gathered=return_gathered)
 
 
 class OwnGather:

@@ -489,14 +489,17 @@ if __name__ == "__main__":
             run_distributed(2, check_layers, "cuda", GPU_SHAPES, methods("cuda", p2p=label == "p2p"), backend="nccl")
 
 
-def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, steps=20, late_every=0):
+def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, steps=20, late_every=0,
+                          defer_wgrad=False):
     """Two OverlapTransformerLayers in a row (SP, p2p transports) built with set_gather_in_place(True): every norm
     before linear_qkv and linear_fc1 writes straight into that linear's own gathered buffer, the forward AllGathers
     stage nothing and the backward re-gathers nothing. Against the same pair without it: bit for bit (the same bits,
     written and read elsewhere) over `steps` steps with fresh inputs; late_every > 0: rank 1 holds its stream ~0.1 s
     before every late_every-th step, so the claims' waits for the peers' pulls are real.
     method "auto": a linear gathers in place exactly where the tuner picked signal or decompose on p2p for its
-    AllGather (the staged pair runs the same picks: the tuner keeps one decision per shape), the others re-gather."""
+    AllGather (the staged pair runs the same picks: the tuner keeps one decision per shape), the others re-gather.
+    defer_wgrad: the in-place pair also leaves each linear_fc1's wgrad to linear_proj's backward (set_defer_wgrad),
+    which must run it (the handoffs empty after every step) with the same bits."""
     _quiet()
     _deterministic()
     from megatron.core.transformer.spec_utils import build_module
@@ -508,7 +511,7 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
     pairs = []
     for in_place in (True, False):
         _seed(79, "cuda")
-        with layers_module.gathering_in_place(in_place):
+        with layers_module.gathering_in_place(in_place), layers_module.deferring_wgrad(defer_wgrad and in_place):
             pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
         for layer in pair:
             set_overlap_config(layer, p2p_configs)
@@ -525,6 +528,8 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
                 torch.cuda._sleep(200_000_000)   # ~0.1 s of GPU time ahead of this rank's step
             regathers.clear()
             got = _fwd_bwd(pairs[0], x, g)
+            handoffs = [layer.mlp.linear_fc1.wgrad_handoff for layer in pairs[0]]
+            assert all((h is not None) == defer_wgrad and (h is None or h.pending is None) for h in handoffs), handoffs
             owned = [linear for layer in pairs[0] for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1)
                      if linear._own_gather is not None]
             assert len(regathers) == 4 - len(owned), f"step {step}: the in-place pair re-gathered {regathers}"
@@ -603,6 +608,15 @@ def test_gather_in_place_at_the_8b_layer_shape_and_200_steps_with_a_late_peer(me
     """Two 8B layers at s 8192 (3 steps), then 200 steps of the small pair with rank 1 late before every 50th."""
     run_distributed(_gpu_world(), check_gather_in_place, method, "l8b", 8192, 3, 0, backend="nccl")
     run_distributed(_gpu_world(), check_gather_in_place, method, "small", 2048, 200, 50, backend="nccl")
+
+
+@pytest.mark.parametrize("method", P2P_METHODS)
+def test_deferred_fc1_wgrad_bitwise(method):
+    """--overlap-tp-defer-wgrad: each fc1 wgrad run inside proj's backward (signal: between its AllGather's start and
+    its GEMM; decompose: before the call), 8B layers at s 8192, 3 steps, then the small pair 20 steps with a late peer:
+    bit for bit the staged pair."""
+    run_distributed(_gpu_world(), check_gather_in_place, method, "l8b", 8192, 3, 0, True, backend="nccl")
+    run_distributed(_gpu_world(), check_gather_in_place, method, "small", 4096, 20, 5, True, backend="nccl")
 
 
 @pytest.mark.parametrize("method", P2P_METHODS)

@@ -193,9 +193,15 @@ def test_gather_in_place_reaches_the_layers_and_is_reported():
         report = patch.apply(fake_args(), log=quiet)
         assert layers.gather_in_place_default() is False
         assert any("stage their inputs" in line for line in report.changed)
+        report = patch.apply(fake_args(overlap_tp_gather_in_place=True, overlap_tp_defer_wgrad=True), log=quiet)
+        assert layers.defer_wgrad_default() is True
+        assert any("inside linear_proj's backward" in line for line in report.changed)
+        report = patch.apply(fake_args(overlap_tp_gather_in_place=True), log=quiet)
+        assert layers.defer_wgrad_default() is False
+        assert any("in its own backward" in line for line in report.changed)
     finally:
         patch.reset()
-    assert layers.gather_in_place_default() is False
+    assert layers.gather_in_place_default() is False and layers.defer_wgrad_default() is False
 
 
 def test_overlap_moe_alone_switches_the_spec_and_the_moe_config():

@@ -669,6 +669,98 @@ def test_norms_write_into_the_gathered_buffers_and_the_backward_reads_them_in_pl
     run_distributed(2, _check_gather_in_place)
 
 
+def _check_defer_wgrad(rank, world):
+    """set_defer_wgrad(True) with gathering in place (faked OwnGather on gloo; proj's dgrad AllGather on the signaled
+    op in the Triton interpreter, so AgGemm.start/finish run): each layer's linear_fc1 backward leaves its wgrad,
+    which linear_proj's backward runs between its AllGather's start and its GEMM; outputs, input grad and every
+    parameter grad bit for bit those of the same layers without it, over two steps, into .grad and into an fp32
+    main_grad (Megatron's DDP, as its hook adds a returned grad). Without gathering in place nothing is deferred; a
+    deferred wgrad that no backward took is an error at proj's next forward."""
+    _quiet()
+    ps, spec, x, g = _sp_layer_case(world, 8)
+    from megatron.core.transformer.spec_utils import build_module
+    from problems import SMALL_TILES
+    from overlap_tp.megatron import layers
+    real_own, real_late, real_around, events = layers.OwnGather, layers._late_weight_grad, layers._ag_gemm_around, []
+
+    def late(ctx, weight, dy, x):
+        events.append(("late wgrad", tuple(weight.shape)))
+        real_late(ctx, weight, dy, x)
+
+    def around(dz, wt, args, between):
+        events.append("gather started")
+        out = real_around(dz, wt, args, lambda: (events.append("between"), between()))
+        events.append("gemm done")
+        return out
+
+    signal = {"ag_gemm": OverlapConfig(method="signal", groups=1, **SMALL_TILES), "gemm_rs": OFF, "gemm_ar": OFF}
+
+    def run(defer, main_grad, in_place=True, steps=2):
+        torch.manual_seed(99)
+        layers.OwnGather, layers._late_weight_grad, layers._ag_gemm_around = _FakeOwnGather, late, around
+        try:
+            config = _layer_config(world, True)
+            with layers.gathering_in_place(in_place), layers.deferring_wgrad(defer):
+                built = [build_module(spec, config=config, layer_number=n) for n in (1, 2)]
+            for layer in built:
+                layers.set_overlap_config(layer, signal)
+                shared = layer.mlp.linear_fc1.wgrad_handoff
+                assert (shared is not None) == (defer and in_place)
+                assert shared is layer.self_attention.linear_proj.wgrad_handoff
+            params = [p for layer in built for p in layer.parameters()]
+            for p in params:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32) if main_grad else None
+            results = []
+            for _ in range(steps):
+                events.clear()
+                for p in params:
+                    p.grad = None
+                    if main_grad:
+                        p.main_grad.zero_()   # as Megatron zeroes its grad buffers every iteration
+                xi = x.clone().requires_grad_(True)
+                out, _ = built[1](hidden_states=built[0](hidden_states=xi, attention_mask=None)[0],
+                                  attention_mask=None)
+                out.backward(g)
+                grads = [p.main_grad.clone() if main_grad else p.grad for p in params]
+                if main_grad:   # what Megatron's DDP hook does with a returned grad, for the undeferred path
+                    grads = [m + p.grad.float() if p.grad is not None else m for m, p in zip(grads, params)]
+                results.append([out, xi.grad] + grads)
+                fc1 = tuple(built[0].mlp.linear_fc1.weight.shape)
+                want = (["gather started", "between", ("late wgrad", fc1), "gemm done"] * 2) if defer and in_place else []
+                assert events == want, events
+                for layer in built:
+                    assert layer.mlp.linear_fc1.wgrad_handoff is None or layer.mlp.linear_fc1.wgrad_handoff.pending is None
+        finally:
+            layers.OwnGather, layers._late_weight_grad, layers._ag_gemm_around = real_own, real_late, real_around
+        return results, built
+
+    for main_grad in (False, True):
+        want, _ = run(False, main_grad)
+        got, _ = run(True, main_grad)
+        for step, (step_got, step_want) in enumerate(zip(got, want)):
+            for i, (a, b) in enumerate(zip(step_got, step_want)):
+                assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)), \
+                    (main_grad, step, i)
+    run(True, False, in_place=False, steps=1)   # no own buffer: nothing deferred (the events check)
+
+    # a wgrad left and never taken: proj's next forward says so
+    _, built = run(True, False, steps=1)
+    handoff = built[0].mlp.linear_fc1.wgrad_handoff
+    handoff.pending = lambda: None
+    with pytest.raises(RuntimeError, match="deferred weight gradient was never run"):
+        layers.OwnGather = _FakeOwnGather
+        try:
+            built[0](hidden_states=x.clone().requires_grad_(True), attention_mask=None)
+        finally:
+            layers.OwnGather = real_own
+    assert not layers.defer_wgrad_default()
+    ps.destroy_model_parallel()
+
+
+def test_fc1_wgrad_runs_inside_proj_backward_bit_for_bit():
+    run_distributed(2, _check_defer_wgrad)
+
+
 def _check_links_when_built(rank, world):
     """The MLP boundary's link is made when the layers are built, between consecutive layers of one block only: the
     same config object and the next layer number (Megatron's TransformerBlock), never across configs (another

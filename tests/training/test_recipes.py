@@ -23,7 +23,8 @@ def recipe_argv(name, *extra, **env):
     """The Megatron command line a recipe would launch (DRY_RUN=1 prints it)."""
     environ = {k: v for k, v in os.environ.items()
                if k not in ("OVERLAP", "TRANSPORT", "COMM_SMS", "TP", "EP", "NUM_LAYERS", "WANDB_PROJECT",
-                            "RDZV_ENDPOINT", "GRAPHS", "GATHER_IN_PLACE", "TUNE_CACHE", "OUT_DIR")}
+                            "RDZV_ENDPOINT", "GRAPHS", "GATHER_IN_PLACE", "DEFER_WGRAD", "TUNE_CACHE",
+                            "OUT_DIR")}
     environ.update(DRY_RUN="1", **env)
     out = subprocess.run(["bash", os.path.join(ROOT, "recipes", f"{name}.sh"), *extra], env=environ,
                          capture_output=True, text=True, check=True).stdout
@@ -106,6 +107,10 @@ def test_gather_in_place_where_measured_faster_and_only_where_it_applies():
             assert in_place not in recipe_argv(name, **env), (name, env)
     assert in_place not in recipe_argv("smoke") and in_place not in recipe_argv("mixtral-proxy")
     assert in_place in recipe_argv("smoke", GATHER_IN_PLACE="1", OVERLAP="signal")
+    # DEFER_WGRAD=1: with gathering in place only (the flag needs it); off by default
+    defer = "--overlap-tp-defer-wgrad"
+    assert defer not in recipe_argv("llama3-8b") and defer in recipe_argv("llama3-8b", DEFER_WGRAD="1")
+    assert defer not in recipe_argv("llama3-8b", DEFER_WGRAD="1", GATHER_IN_PLACE="0")
 
 
 def test_auto_keeps_its_tune_cache_with_the_run():
