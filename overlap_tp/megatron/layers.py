@@ -153,37 +153,45 @@ class WgradHandoff:
     Why: in a layer's backward, linear_proj's dgrad AllGather+GEMM waits for the pre-MLP norm's backward, which waits
     for fc1's dgrad; its pulls (at TP 4 on the 8B layer ~0.2 ms against a 0.09 ms GEMM, docs/perf/s32) had nothing to
     run beside. fc1's wgrad GEMM (~0.6 ms there) depends on neither, so it moves there: under a CUDA graph the copy
-    engines pull proj's rows while the SMs run fc1's wgrad, and proj's dgrad GEMM then finds its rows in place.
+    engines pull proj's rows while the SMs run fc1's wgrad, and proj's dgrad GEMM then finds its rows in place
+    (measured: that op 0.275 -> 0.090 ms, the layer -2.3%). Eagerly, with one hardware queue, the wgrad's launch waits
+    behind the pulls enqueued before it (AgGemm.start), so the move pays under graphs only.
 
-    What it changes for the gradient's consumer: fc1's backward returns no weight gradient; the GEMM accumulates it
-    later, in the same backward, where the gradient would have gone: weight.main_grad (Megatron's DDP: with
-    gradient_accumulation_fusion as that path does, else as DDP's hook adds a returned grad), else weight.grad. No
-    autograd accumulation hook fires for fc1's weight, so DDP's --overlap-grad-reduce (which counts those hooks) is
-    refused with this flag (overlap_tp.megatron.arguments). Bit for bit the gradients of the undeferred path.
+    How the gradient gets home: fc1's weight is also an input of proj's autograd Function (`consumer_input`, passed at
+    proj's forward), so fc1's backward returns no weight gradient and proj's backward returns it, computed by the
+    same _weight_grad (main_grad accumulation and Megatron's dummy with gradient_accumulation_fusion). Autograd sums
+    the two edges and accumulates fc1's weight once, after proj's backward: DDP's hooks, --overlap-grad-reduce and
+    the gradient capture of Megatron's CUDA graphs see it as any other weight's. Bit for bit the undeferred path.
 
-    Armed by linear_proj's forward (its backward will run: it needs a gradient); a wgrad left and never run is a
-    RuntimeError at proj's next forward, never a silently missing gradient."""
+    Armed by proj's forward (its backward will run and return fc1's weight gradient); a wgrad left and never taken is
+    a RuntimeError at proj's next forward, never a silently missing gradient."""
 
-    __slots__ = ("armed", "pending")
+    __slots__ = ("producer", "armed", "pending")
 
-    def __init__(self):
-        self.armed = False     # the consumer's forward ran with autograd recording: its backward will run
-        self.pending = None    # the wgrad left by the producer's backward, for the consumer's backward
+    def __init__(self, producer: torch.nn.Module):
+        self.producer = producer   # the column-parallel layer whose wgrad is left (its .weight is read at each forward)
+        self.armed = False         # the consumer's forward took the producer's weight as an input: its backward runs
+        self.pending = None        # the wgrad left by the producer's backward: a function returning its gradient
 
-    def arm(self, armed: bool):
+    def consumer_input(self, grad_enabled: bool) -> Optional[torch.Tensor]:
+        """At the consumer's forward: the producer's weight, as an extra input of the consumer's Function (None where
+        autograd records nothing, or the weight needs no gradient); arms the handoff accordingly."""
         if self.pending is not None:
             raise RuntimeError("overlap_tp: linear_fc1's deferred weight gradient was never run (linear_proj's "
                                "backward did not come after fc1's); turn --overlap-tp-defer-wgrad off")
-        self.armed = armed
+        weight = getattr(self.producer, "weight", None)
+        self.armed = grad_enabled and weight is not None and weight.requires_grad
+        return weight if self.armed else None
 
-    def leave(self, wgrad: Callable[[], None]) -> bool:
-        """Leave `wgrad` to the consumer's backward; False (run it yourself) where the consumer's will not run."""
+    def leave(self, wgrad: Callable[[], Optional[torch.Tensor]]) -> bool:
+        """Leave `wgrad` (returns the weight's gradient for autograd) to the consumer's backward; False (run it
+        yourself) where the consumer's forward did not take the weight."""
         if not self.armed or self.pending is not None:
             return False
         self.pending = wgrad
         return True
 
-    def take(self) -> Optional[Callable[[], None]]:
+    def take(self) -> Optional[Callable[[], Optional[torch.Tensor]]]:
         wgrad, self.pending = self.pending, None
         return wgrad
 
@@ -272,24 +280,6 @@ def _accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
         except (TypeError, RuntimeError):
             _addmm_out_dtype_works = False
     main_grad.add_(dy.t().matmul(x))   # the GEMM rounds to dy's dtype once, as the unfused path does
-
-
-def _late_weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
-    """The wgrad dy.T @ x of a backward that returned none (WgradHandoff), accumulated where autograd and DDP would
-    have put the returned one: into weight.main_grad (with gradient_accumulation_fusion as _weight_grad does; else
-    the bf16 GEMM added, as DDP's hook adds a returned grad), else into weight.grad."""
-    if ctx.gradient_accumulation_fusion:
-        weight.main_grad = ctx.main_grad
-        _accumulate_wgrad(ctx.main_grad, dy, x)
-        return
-    dw = dy.t().matmul(x)
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is not None:
-        main_grad.add_(dw)
-    elif weight.grad is None:
-        weight.grad = dw
-    else:
-        weight.grad += dw
 
 
 def _weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
@@ -402,9 +392,10 @@ class _ColumnParallelFn(torch.autograd.Function):
         dw = None
         handoff = args.wgrad_handoff
         # the gathered input is kept in the layer's own buffer until its next forward: the wgrad can wait for the
-        # row-parallel backward that follows (WgradHandoff), which needs dx (it reaches it through the norm)
+        # row-parallel backward that follows (WgradHandoff), which returns the gradient; that backward needs our dx
+        # (it reaches it through the norm)
         if need_dw and not (ctx.kept_gathered and need_dx and handoff is not None and
-                            handoff.leave(lambda: _late_weight_grad(ctx, weight, dy, gathered))):
+                            handoff.leave(lambda: _weight_grad(ctx, weight, dy, gathered))):
             dw = _weight_grad(ctx, weight, dy, gathered)
         link = args.dgrad_link
         if (reducing_dx is not None and reducing_dx.deferred_sum is not None and link is not None
@@ -423,7 +414,9 @@ class _RowParallelFn(torch.autograd.Function):
     """z = RS(y @ W.T) + b (SP) or AR(y @ W.T) + b; y [M, K/t], W [N, K/t]."""
 
     @staticmethod
-    def forward(ctx, y, weight, bias, args: _LinearArgs):
+    def forward(ctx, y, weight, bias, args: _LinearArgs, handed_weight=None):
+        """handed_weight: the weight whose gradient args.wgrad_handoff may leave to this backward (an input only so
+        that autograd takes that gradient from here); unused by the forward."""
         _save_common(ctx, weight, bias, args)
         if args.sequence_parallel and args.defer_sum:   # not observed: its sum lands in the consumer's kernel
             pending = gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs"), async_op=True)
@@ -451,8 +444,11 @@ class _RowParallelFn(torch.autograd.Function):
         dz = dz.contiguous()
         need_dy, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy, dz_full = None, dz
-        # a column-parallel layer's wgrad left to run beside this backward's AllGather (WgradHandoff)
-        between = args.wgrad_handoff.take() if args.wgrad_handoff is not None else None
+        # a column-parallel layer's wgrad left to run beside this backward's AllGather (WgradHandoff); its gradient
+        # goes out through handed_weight
+        wgrad = args.wgrad_handoff.take() if args.wgrad_handoff is not None else None
+        handed = []
+        between = None if wgrad is None else (lambda: handed.append(wgrad()))
         if between is not None and not (args.sequence_parallel and need_dy):
             between()
             between = None
@@ -470,7 +466,7 @@ class _RowParallelFn(torch.autograd.Function):
         # SP: this rank's rows only; the bias carries sequence_parallel=True, so Megatron's
         # finalize_model_grads all-reduces it over the TP group (as for Megatron's own layer).
         db = dz.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
-        return dy, dw, db, None
+        return dy, dw, db, None, (handed[0] if handed else None)
 
 
 def _ag_gemm_around(dz: torch.Tensor, wt: torch.Tensor, args: _LinearArgs, between: Callable[[], None]):
@@ -797,8 +793,8 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
         bias = self.bias if not self.skip_bias_add else None
         defer_sum, self.defer_sum_next = self.defer_sum_next, False
         handoff = self.wgrad_handoff
-        if handoff is not None:   # our backward will run (and take what the handoff holds) if autograd records us
-            handoff.arm(torch.is_grad_enabled() and (y2d.requires_grad or self.weight.requires_grad))
+        # linear_fc1's weight, whose gradient our backward may return (WgradHandoff)
+        handed = handoff.consumer_input(torch.is_grad_enabled()) if handoff is not None else None
         args = _LinearArgs(self.tp_group, self.sequence_parallel, False, self.gradient_accumulation_fusion,
                            self.overlap_config, defer_sum=defer_sum, wgrad_handoff=handoff)
         t = get_pg_size(self.tp_group)
@@ -806,7 +802,7 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
             raise ValueError(f"OverlapRowParallelLinear: sequence length {input_.shape[0]} is not divisible by the "
                              f"tensor-parallel size {t} (sequence parallel)")
         _check_main_grad(self.weight, self.gradient_accumulation_fusion)
-        out2d = _RowParallelFn.apply(y2d, self.weight, bias, args)
+        out2d = _RowParallelFn.apply(y2d, self.weight, bias, args, handed)
         rows = input_.shape[0] // t if self.sequence_parallel else input_.shape[0]
         output = out2d.view(rows, *input_.shape[1:-1], self.output_size)
         self.deferred_sum = args.deferred_sum

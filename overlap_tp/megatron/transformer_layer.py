@@ -170,7 +170,7 @@ class OverlapTransformerLayer(TransformerLayer):
         if (defer_wgrad_default() and fc1 is not None and fc1.gather_in_place
                 and isinstance(proj, OverlapRowParallelLinear) and proj.sequence_parallel):
             # fc1's wgrad runs beside proj's dgrad AllGather (WgradHandoff): fc1's backward leaves it, proj's takes it
-            fc1.wgrad_handoff = proj.wgrad_handoff = WgradHandoff()
+            fc1.wgrad_handoff = proj.wgrad_handoff = WgradHandoff(fc1)
 
     def _unfusable_reason(self) -> Optional[str]:
         if type(self.pre_mlp_layernorm) is not OverlapRMSNorm:

@@ -248,9 +248,8 @@ def test_defer_wgrad_flag_and_what_it_needs():
                                         overlap_tp_defer_wgrad=True), warn=None)
     with pytest.raises(OverlapArgumentError, match="needs --overlap-tp-gather-in-place"):
         validate_overlap_args(megatron_like(overlap_tp_transport="p2p", overlap_tp_defer_wgrad=True), warn=None)
-    with pytest.raises(OverlapArgumentError, match="with --overlap-grad-reduce"):
-        validate_overlap_args(megatron_like(overlap_tp_transport="p2p", overlap_tp_gather_in_place=True,
-                                            overlap_tp_defer_wgrad=True, overlap_grad_reduce=True), warn=None)
+    validate_overlap_args(megatron_like(overlap_tp_transport="p2p", overlap_tp_gather_in_place=True,
+                                        overlap_tp_defer_wgrad=True, overlap_grad_reduce=True), warn=None)
 
 
 def test_our_own_spec_is_accepted():

@@ -672,20 +672,16 @@ def test_norms_write_into_the_gathered_buffers_and_the_backward_reads_them_in_pl
 def _check_defer_wgrad(rank, world):
     """set_defer_wgrad(True) with gathering in place (faked OwnGather on gloo; proj's dgrad AllGather on the signaled
     op in the Triton interpreter, so AgGemm.start/finish run): each layer's linear_fc1 backward leaves its wgrad,
-    which linear_proj's backward runs between its AllGather's start and its GEMM; outputs, input grad and every
-    parameter grad bit for bit those of the same layers without it, over two steps, into .grad and into an fp32
-    main_grad (Megatron's DDP, as its hook adds a returned grad). Without gathering in place nothing is deferred; a
-    deferred wgrad that no backward took is an error at proj's next forward."""
+    which linear_proj's backward runs between its AllGather's start and its GEMM and returns through fc1's weight;
+    outputs, input grad and every parameter grad bit for bit those of the same layers without it, over two steps,
+    with and without an fp32 main_grad added to as Megatron's DDP hook adds a returned grad. Without gathering in place
+    nothing is deferred; a deferred wgrad that no backward took is an error at proj's next forward."""
     _quiet()
     ps, spec, x, g = _sp_layer_case(world, 8)
     from megatron.core.transformer.spec_utils import build_module
     from problems import SMALL_TILES
     from overlap_tp.megatron import layers
-    real_own, real_late, real_around, events = layers.OwnGather, layers._late_weight_grad, layers._ag_gemm_around, []
-
-    def late(ctx, weight, dy, x):
-        events.append(("late wgrad", tuple(weight.shape)))
-        real_late(ctx, weight, dy, x)
+    real_own, real_around, events = layers.OwnGather, layers._ag_gemm_around, []
 
     def around(dz, wt, args, between):
         events.append("gather started")
@@ -697,7 +693,7 @@ def _check_defer_wgrad(rank, world):
 
     def run(defer, main_grad, in_place=True, steps=2):
         torch.manual_seed(99)
-        layers.OwnGather, layers._late_weight_grad, layers._ag_gemm_around = _FakeOwnGather, late, around
+        layers.OwnGather, layers._ag_gemm_around = _FakeOwnGather, around
         try:
             config = _layer_config(world, True)
             with layers.gathering_in_place(in_place), layers.deferring_wgrad(defer):
@@ -725,13 +721,12 @@ def _check_defer_wgrad(rank, world):
                 if main_grad:   # what Megatron's DDP hook does with a returned grad, for the undeferred path
                     grads = [m + p.grad.float() if p.grad is not None else m for m, p in zip(grads, params)]
                 results.append([out, xi.grad] + grads)
-                fc1 = tuple(built[0].mlp.linear_fc1.weight.shape)
-                want = (["gather started", "between", ("late wgrad", fc1), "gemm done"] * 2) if defer and in_place else []
+                want = ["gather started", "between", "gemm done"] * 2 if defer and in_place else []
                 assert events == want, events
                 for layer in built:
                     assert layer.mlp.linear_fc1.wgrad_handoff is None or layer.mlp.linear_fc1.wgrad_handoff.pending is None
         finally:
-            layers.OwnGather, layers._late_weight_grad, layers._ag_gemm_around = real_own, real_late, real_around
+            layers.OwnGather, layers._ag_gemm_around = real_own, real_around
         return results, built
 
     for main_grad in (False, True):
