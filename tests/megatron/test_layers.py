@@ -729,9 +729,9 @@ def _check_defer_wgrad(rank, world):
             layers.OwnGather, layers._ag_gemm_around = real_own, real_around
         return results, built
 
-    for main_grad in (False, True):
-        want, _ = run(False, main_grad)
-        got, _ = run(True, main_grad)
+    for main_grad, steps in ((False, 2), (True, 1)):   # two steps: the handoff, flags and buffers used again
+        want, _ = run(False, main_grad, steps=steps)
+        got, built = run(True, main_grad, steps=steps)
         for step, (step_got, step_want) in enumerate(zip(got, want)):
             for i, (a, b) in enumerate(zip(step_got, step_want)):
                 assert (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b)), \
@@ -739,7 +739,6 @@ def _check_defer_wgrad(rank, world):
     run(True, False, in_place=False, steps=1)   # no own buffer: nothing deferred (the events check)
 
     # a wgrad left and never taken: proj's next forward says so
-    _, built = run(True, False, steps=1)
     handoff = built[0].mlp.linear_fc1.wgrad_handoff
     handoff.pending = lambda: None
     with pytest.raises(RuntimeError, match="deferred weight gradient was never run"):
