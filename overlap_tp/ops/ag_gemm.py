@@ -160,6 +160,9 @@ class AgGemm(OpPlan):
         if self.method != "signal":
             raise ValueError(f"{self.describe()}: start()/finish() split the signaled AllGather+GEMM; this plan runs "
                              f"method={self.method!r} (call the plan instead)")
+        engine = self.engine
+        if self._started is not None and self._started.capturing and not engine.capturing():
+            self._started = None   # started in a capture that ended before its finish(): it failed, nothing of it ran
         if self._started is not None:
             raise RuntimeError(f"{self.describe()}: start() while the previous start() has not been finished; a plan "
                                f"has one call in flight (build one plan, with its own gathered buffer, per half)")
@@ -167,7 +170,6 @@ class AgGemm(OpPlan):
                 or not a_shard.is_contiguous()):
             raise ValueError(f"{self.describe()}: start() with a contiguous [{self.m}, {self.k}] {self.dtype} shard on "
                              f"{self.device}; got {tuple(a_shard.shape)} {a_shard.dtype} on {a_shard.device}")
-        engine = self.engine
         if self.config.transport == "p2p":
             gathered, transfers, current, capturing = self._pulled_transfers(a_shard)
         else:
