@@ -110,14 +110,19 @@ def gather_in_place_default() -> bool:
 
 
 @contextlib.contextmanager
-def gathering_in_place(on: bool = True):
-    """set_gather_in_place(on) for the layers built inside the block; the previous setting is back after it."""
-    previous = _gather_in_place[0]
-    set_gather_in_place(on)
+def _switched(setting: list, on: bool):
+    """setting[0] = on for the layers built inside the block; the previous value is back after it."""
+    previous = setting[0]
+    setting[0] = bool(on)
     try:
         yield
     finally:
-        set_gather_in_place(previous)
+        setting[0] = previous
+
+
+def gathering_in_place(on: bool = True):
+    """set_gather_in_place(on) for the layers built inside the block; the previous setting is back after it."""
+    return _switched(_gather_in_place, on)
 
 
 _defer_wgrad = [False]
@@ -134,15 +139,9 @@ def defer_wgrad_default() -> bool:
     return _defer_wgrad[0]
 
 
-@contextlib.contextmanager
 def deferring_wgrad(on: bool = True):
     """set_defer_wgrad(on) for the layers built inside the block; the previous setting is back after it."""
-    previous = _defer_wgrad[0]
-    set_defer_wgrad(on)
-    try:
-        yield
-    finally:
-        set_defer_wgrad(previous)
+    return _switched(_defer_wgrad, on)
 
 
 class WgradHandoff:
@@ -447,14 +446,12 @@ class _RowParallelFn(torch.autograd.Function):
         # a column-parallel layer's wgrad left to run beside this backward's AllGather (WgradHandoff); its gradient
         # goes out through handed_weight
         wgrad = args.wgrad_handoff.take() if args.wgrad_handoff is not None else None
-        handed = []
-        between = None if wgrad is None else (lambda: handed.append(wgrad()))
-        if between is not None and not (args.sequence_parallel and need_dy):
-            between()
-            between = None
+        handed_grad = None
+        if wgrad is not None and not (args.sequence_parallel and need_dy):   # no AllGather to run it beside
+            handed_grad, wgrad = wgrad(), None
         if args.sequence_parallel:
-            if need_dy and between is not None:
-                dy, dz_full = _ag_gemm_around(dz, weight.t(), args, between)
+            if need_dy and wgrad is not None:
+                dy, dz_full, handed_grad = _ag_gemm_around(dz, weight.t(), args, wgrad)
             elif need_dy:   # the gathered dZ comes back with the dgrad and is reused for the wgrad
                 dy, dz_full = _observed("ag_gemm", lambda: ag_gemm(dz, weight.t(), args.group, config=args.config("ag_gemm"),
                                                                    return_gathered=True), dz, weight.t(), args.group)
@@ -466,20 +463,20 @@ class _RowParallelFn(torch.autograd.Function):
         # SP: this rank's rows only; the bias carries sequence_parallel=True, so Megatron's
         # finalize_model_grads all-reduces it over the TP group (as for Megatron's own layer).
         db = dz.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
-        return dy, dw, db, None, (handed[0] if handed else None)
+        return dy, dw, db, None, handed_grad
 
 
-def _ag_gemm_around(dz: torch.Tensor, wt: torch.Tensor, args: _LinearArgs, between: Callable[[], None]):
+def _ag_gemm_around(dz: torch.Tensor, wt: torch.Tensor, args: _LinearArgs, between: Callable[[], Any]):
     """ag_gemm(dz, wt, return_gathered=True) with between() run after its transfers were issued and before its GEMM
-    (AgGemm.start/finish: the signaled method; any other method runs between() first, then the call). Not observed by
-    the telemetry hook: the call is two calls here."""
+    (AgGemm.start/finish: the signaled method; any other method runs between() first, then the call): (out, gathered,
+    what between() returned). Not observed by the telemetry hook: the call is two calls here."""
     plan = ag_gemm_plan(dz, wt, args.group, args.config("ag_gemm"))
     if plan.method != "signal":
-        between()
-        return plan(dz, wt, return_gathered=True)
+        result = between()
+        return (*plan(dz, wt, return_gathered=True), result)
     started = plan.start(dz)
-    between()
-    return plan.finish(started, wt, return_gathered=True)
+    result = between()
+    return (*plan.finish(started, wt, return_gathered=True), result)
 
 
 def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
