@@ -7,7 +7,8 @@
 #                                       TRANSPORT is not nccl (default 0; llama3-8b and llama3-70b-proxy: 1, measured
 #                                       faster there, docs/perf/s29/README.md)
 #   DEFER_WGRAD=1|0                     --overlap-tp-defer-wgrad with gathering in place: fc1's wgrad runs beside
-#                                       proj's backward AllGather (default 0: not yet measured end to end)
+#                                       proj's backward AllGather (default 0; llama3-8b and llama3-70b-proxy: 1 at
+#                                       TP >= 4 under graphs, measured faster there, docs/perf/s33/README.md)
 #   TUNE_CACHE=PATH                     with OVERLAP=auto: --overlap-tp-tune-cache (default $OUT_DIR/overlap_tp_tune.json:
 #                                       a second run into the same OUT_DIR tunes nothing)
 #   TP=2  NPROC=2  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static rendezvous)

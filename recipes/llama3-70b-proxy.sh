@@ -20,6 +20,10 @@ if (( ${TP:-2} >= 4 )); then OVERLAP=${OVERLAP:-signal}; else OVERLAP=${OVERLAP:
 # symmetric memory per linear and layer here): 1.033x of off against 1.029x without it, local graphs, 8 layers
 # (docs/perf/s29/README.md). GATHER_IN_PLACE=0 turns it off.
 GATHER_IN_PLACE=${GATHER_IN_PLACE:-1}
+# At TP >= 4 under graphs linear_fc1's wgrad also runs beside linear_proj's backward AllGather
+# (--overlap-tp-defer-wgrad): 16 layers at TP 4 1877.4 -> 1868.6 ms per iteration (one pair, docs/perf/s33/README.md;
+# llama3-8b at TP 4 -0.9% in two). DEFER_WGRAD=0/1 overrides.
+if (( ${TP:-2} >= 4 )) && [[ ${GRAPHS:-local} != none ]]; then DEFER_WGRAD=${DEFER_WGRAD:-1}; fi
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=llama3-70b-proxy
 MODEL_ARGS=("${LLAMA_ARGS[@]}"

@@ -10,6 +10,10 @@ set -euo pipefail
 # symmetric memory per linear and layer, 2 GB per GPU): 1.031x of off against 1.026x without it, local graphs
 # (docs/perf/s29/README.md). GATHER_IN_PLACE=0 turns it off.
 GATHER_IN_PLACE=${GATHER_IN_PLACE:-1}
+# At TP >= 4 under graphs linear_fc1's wgrad also runs beside linear_proj's backward AllGather
+# (--overlap-tp-defer-wgrad): TP 4 2517.2 / 2503.8 -> 2495.8 / 2480.1 ms per iteration in two interleaved pairs, 1.068x
+# of off against 1.060x; a tie at TP 2 (docs/perf/s33/README.md). DEFER_WGRAD=0/1 overrides.
+if (( ${TP:-2} >= 4 )) && [[ ${GRAPHS:-local} != none ]]; then DEFER_WGRAD=${DEFER_WGRAD:-1}; fi
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=llama3-8b
 MODEL_ARGS=("${LLAMA_ARGS[@]}"

@@ -91,9 +91,10 @@ def test_llama_shapes():
     assert flag(recipe_argv("smoke", OVERLAP="signal"), "--overlap-tp") == "signal"
 
 
-def test_gather_in_place_where_measured_faster_and_only_where_it_applies():
-    """llama3-8b and llama3-70b-proxy gather in place by default (measured faster, docs/perf/s29); never with the
-    overlap off or auto, nor over NCCL (the flag would be refused); GATHER_IN_PLACE=0/1 overrides a recipe's default."""
+def test_gather_in_place_and_defer_wgrad_where_measured_faster_and_only_where_they_apply():
+    """llama3-8b and llama3-70b-proxy gather in place by default (measured faster, docs/perf/s29), and at TP >= 4
+    under graphs defer fc1's wgrad as well (s33); never with the overlap off or auto, nor over NCCL (the flags would
+    be refused); GATHER_IN_PLACE / DEFER_WGRAD=0/1 override a recipe's defaults."""
     in_place = "--overlap-tp-gather-in-place"
     for name in ("llama3-8b", "llama3-70b-proxy"):
         for overlap in ("signal", "decompose"):
@@ -107,10 +108,20 @@ def test_gather_in_place_where_measured_faster_and_only_where_it_applies():
             assert in_place not in recipe_argv(name, **env), (name, env)
     assert in_place not in recipe_argv("smoke") and in_place not in recipe_argv("mixtral-proxy")
     assert in_place in recipe_argv("smoke", GATHER_IN_PLACE="1", OVERLAP="signal")
-    # DEFER_WGRAD=1: with gathering in place only (the flag needs it); off by default
+    # DEFER_WGRAD: with gathering in place only (the flag needs it); the llama3 recipes' default at TP >= 4 under
+    # graphs (measured faster there, docs/perf/s33), off at TP 2 (a tie), eagerly and elsewhere
     defer = "--overlap-tp-defer-wgrad"
-    assert defer not in recipe_argv("llama3-8b") and defer in recipe_argv("llama3-8b", DEFER_WGRAD="1")
-    assert defer not in recipe_argv("llama3-8b", DEFER_WGRAD="1", GATHER_IN_PLACE="0")
+    for name in ("llama3-8b", "llama3-70b-proxy"):
+        assert defer not in recipe_argv(name) and defer in recipe_argv(name, DEFER_WGRAD="1")
+        assert defer in recipe_argv(name, TP="4") and defer in recipe_argv(name, TP="8", GRAPHS="full_iteration")
+        for env in (dict(TP="4", GRAPHS="none"), dict(TP="4", DEFER_WGRAD="0"), dict(TP="4", GATHER_IN_PLACE="0"),
+                    dict(TP="4", OVERLAP="off"), dict(DEFER_WGRAD="1", GATHER_IN_PLACE="0")):
+            assert defer not in recipe_argv(name, **env), (name, env)
+        args, _ = build_parser().parse_known_args(recipe_argv(name, TP="4"))
+        args.tensor_model_parallel_size, args.sequence_parallel = 4, True
+        args.normalization, args.transformer_impl = "RMSNorm", "local"
+        assert args.overlap_tp_defer_wgrad and validate_overlap_args(args, warn=None) == []
+    assert defer not in recipe_argv("smoke", TP="4") and defer not in recipe_argv("mixtral-proxy", TP="4")
 
 
 def test_auto_keeps_its_tune_cache_with_the_run():
