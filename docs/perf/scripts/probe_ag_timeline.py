@@ -1,0 +1,82 @@
+"""Where our AllGather+GEMM's time goes against PyTorch's async-TP at one shape: each captured in a CUDA graph,
+one replay profiled, rank 0's GPU events printed in start order (kernels and copies: start and end in us from the
+replay's first event, stream, name).
+
+    torchrun --nproc-per-node 4 docs/perf/scripts/probe_ag_timeline.py --m 8192 --k 4096 --n 1536
+
+Session 33: on l8b.qkv at t = 4 ours (signal, copy-engine pulls) takes ~0.31 ms under graphs, async-TP 0.22, the pulls
+alone ~0.19 and cuBLAS 0.134; finer chunks are slower (g8 0.37). The timeline shows when the pulls start and end
+against the GEMM kernel and what follows the last one."""
+import argparse
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from overlap_tp import OverlapConfig, ag_gemm
+from overlap_tp.tune.timing import CapturedCalls
+
+
+def timeline(fn, sets, group, label):
+    captured = CapturedCalls(fn, sets, warmup=3)
+    for _ in range(3):
+        captured.graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier(group)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        captured.graph.replay()
+        torch.cuda.synchronize()
+    times = captured.samples(30, group)
+    if dist.get_rank() != 0:
+        return
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    prof.export_chrome_trace(path)
+    events = [e for e in json.load(open(path))["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    events.sort(key=lambda e: e["ts"])
+    t0 = events[0]["ts"] if events else 0
+    span = max(e["ts"] + e["dur"] for e in events) - t0 if events else 0
+    print(f"## {label}: replay median {sorted(times)[len(times) // 2] * 1e3:.1f} us; profiled span {span:.1f} us, "
+          f"{len(events)} events", flush=True)
+    for e in events:
+        print(f"  {e['ts'] - t0:7.1f} -> {e['ts'] + e['dur'] - t0:7.1f} us  stream {e['args'].get('stream', '?'):>3}  "
+              f"{e['name'][:70]}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", type=int, default=8192)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--n", type=int, default=1536)
+    args = p.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    group = dist.group.WORLD
+    t = dist.get_world_size(group)
+    from torch.distributed import _symmetric_memory as symm
+    symm.enable_symm_mem_for_group(group.group_name)
+    torch.manual_seed(1234 + dist.get_rank())
+    sets = [(torch.randn(args.m // t, args.k, device="cuda", dtype=torch.bfloat16),
+             torch.randn(args.n, args.k, device="cuda", dtype=torch.bfloat16) / args.k ** 0.5)]
+    ref = ag_gemm(*sets[0], group, config=OverlapConfig(method="off"))
+    configs = {"ours (signal, CE pulls, groups auto)": OverlapConfig(method="signal", transport="p2p", comm_sms=0),
+               "ours g2": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=2),
+               "ours SM pulls on 32 SMs": OverlapConfig(method="signal", transport="p2p", comm_sms=32),
+               "cuBLAS over the CE pulls (decompose p2p)": OverlapConfig(method="decompose", transport="p2p",
+                                                                          comm_sms=0)}
+    for label, config in configs.items():
+        out = ag_gemm(*sets[0], group, config=config)
+        assert torch.allclose(out.float(), ref.float(), atol=2e-2, rtol=2e-2), label
+        timeline(lambda a, w, c=config: ag_gemm(a, w, group, config=c), sets, group, label)
+
+    def async_tp(a, w):
+        return symm._fused_all_gather_matmul(a, [w.t()], 0, group.group_name)[1][0]
+    timeline(async_tp, sets, group, "async-TP (_fused_all_gather_matmul)")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
