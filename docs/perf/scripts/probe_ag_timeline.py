@@ -6,7 +6,9 @@ replay's first event, stream, name).
 
 Session 33: on l8b.qkv at t = 4 ours (signal, copy-engine pulls) takes ~0.31 ms under graphs, async-TP 0.22, the pulls
 alone ~0.19 and cuBLAS 0.134; finer chunks are slower (g8 0.37). The timeline shows when the pulls start and end
-against the GEMM kernel and what follows the last one."""
+against the GEMM kernel and what follows the last one. A staged call's critical path, as read from the code: the
+shard's stage copy (behind the peers' PULLED of the previous call), the READY exchange, the pulls (0.18-0.22 ms for
+48 MB beside a GEMM, docs/perf/s22/ce_copies.txt), then one tile-time of the last chunk's tiles."""
 import argparse
 import json
 import os
@@ -65,6 +67,9 @@ def main():
     configs = {"ours (signal, CE pulls, groups auto)": OverlapConfig(method="signal", transport="p2p", comm_sms=0),
                "ours g2": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=2),
                "ours SM pulls on 32 SMs": OverlapConfig(method="signal", transport="p2p", comm_sms=32),
+               # the last chunk's tiles run one tile-time after its rows arrive: ~46 us for 128x256 at K 4096
+               "ours narrow tile 128x128": OverlapConfig(method="signal", transport="p2p", comm_sms=0, block_n=128,
+                                                         num_stages=4, num_warps=4),
                "cuBLAS over the CE pulls (decompose p2p)": OverlapConfig(method="decompose", transport="p2p",
                                                                           comm_sms=0)}
     for label, config in configs.items():
