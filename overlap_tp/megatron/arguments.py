@@ -122,10 +122,11 @@ def add_overlap_args(parser):
         help="With --overlap-tp-gather-in-place: linear_fc1's backward leaves its weight-gradient GEMM to "
              "linear_proj's backward, which runs it while its dgrad AllGather pulls the peers' rows (fc1's gathered "
              "input is still in its own buffer): that AllGather no longer waits with nothing beside it (one 8B layer "
-             "at TP 4 under "
-             "CUDA graphs: -2.3%%, docs/perf/s32). It pays under --cuda-graph-impl local or full_iteration; eagerly, "
-             "with one hardware queue, the wgrad waits behind the pulls. The gradient is the same bits, returned "
-             "to autograd from linear_proj's backward (DDP's hooks see it as any other). Off by default.")
+             "at TP 4 under CUDA graphs: -2.3%%, docs/perf/s32; llama3-8b at TP 4 end to end: -0.9%% per "
+             "iteration, s33). It pays under --cuda-graph-impl local or full_iteration; eagerly, with one hardware "
+             "queue, the wgrad waits behind the pulls (a warning says so). The gradient is the same bits, returned "
+             "to autograd from linear_proj's backward (DDP's hooks see it as any other). Off by default; the llama3 "
+             "recipes turn it on at TP >= 4 under graphs.")
     group.add_argument(
         "--overlap-tp-peak-tflops", type=float, default=None, metavar="TFLOPS",
         help="Per-GPU peak for the MFU that overlap_tp logs. Default: $OVERLAP_TP_PEAK_TFLOPS, else "
@@ -264,6 +265,13 @@ def validate_overlap_args(args, *, warn=_warn):
                 "--overlap-tp-defer-wgrad needs --overlap-tp-gather-in-place: linear_fc1's deferred weight gradient "
                 "reads its gathered input from the layer's own buffer, which only gathering in place keeps until the "
                 "backward. Add it, or drop --overlap-tp-defer-wgrad.")
+        graphs = (getattr(args, "cuda_graph_impl", None) not in (None, "none") or getattr(args, "enable_cuda_graph", False)
+                  or getattr(args, "external_cuda_graph", False))
+        if getattr(args, "cuda_graph_impl", None) == "none" and not graphs:
+            note("--overlap-tp-defer-wgrad without CUDA graphs (--cuda-graph-impl none): linear_fc1's wgrad still runs "
+                 "inside linear_proj's backward, with the same gradient, but eagerly, with one hardware queue "
+                 "(CUDA_DEVICE_MAX_CONNECTIONS=1), its launch waits behind the AllGather's pulls, so it hides "
+                 "nothing; it was measured faster under --cuda-graph-impl local only (docs/perf/s33)")
 
     moe = getattr(args, "overlap_moe", "off")
     if moe not in METHODS:

@@ -250,6 +250,15 @@ def test_defer_wgrad_flag_and_what_it_needs():
         validate_overlap_args(megatron_like(overlap_tp_transport="p2p", overlap_tp_defer_wgrad=True), warn=None)
     validate_overlap_args(megatron_like(overlap_tp_transport="p2p", overlap_tp_gather_in_place=True,
                                         overlap_tp_defer_wgrad=True, overlap_grad_reduce=True), warn=None)
+    # eagerly it runs (the same gradient) but hides nothing: said once; under either graph mode nothing is said
+    deferred = dict(overlap_tp_transport="p2p", overlap_tp_gather_in_place=True, overlap_tp_defer_wgrad=True)
+    eager = validate_overlap_args(megatron_like(cuda_graph_impl="none", **deferred), warn=None)
+    assert [m for m in eager if "--overlap-tp-defer-wgrad without CUDA graphs" in m and "hides nothing" in m] == eager
+    assert len(eager) == 1
+    for impl in ("local", "full_iteration"):
+        assert validate_overlap_args(megatron_like(cuda_graph_impl=impl, **deferred), warn=None) == []
+    assert validate_overlap_args(megatron_like(cuda_graph_impl="none", overlap_tp_transport="p2p",
+                                               overlap_tp_gather_in_place=True), warn=None) == []
 
 
 def test_our_own_spec_is_accepted():

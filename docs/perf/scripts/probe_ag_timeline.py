@@ -70,6 +70,12 @@ def main():
                # the last chunk's tiles run one tile-time after its rows arrive: ~46 us for 128x256 at K 4096
                "ours narrow tile 128x128": OverlapConfig(method="signal", transport="p2p", comm_sms=0, block_n=128,
                                                          num_stages=4, num_warps=4),
+               # and a short last chunk: its tiles fit one wave of the narrow tile (3 slices x 3 peers x 12 < 132)
+               "ours narrow tile, chunks of 7 / 6 / 3 row-slices": OverlapConfig(
+                   method="signal", transport="p2p", comm_sms=0, block_n=128, num_stages=4, num_warps=4,
+                   groups=(7, 6, 3)),
+               # async-TP pulls on two streams in turn; ours split over two copy lanes
+               "ours on two copy lanes": OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2),
                "cuBLAS over the CE pulls (decompose p2p)": OverlapConfig(method="decompose", transport="p2p",
                                                                           comm_sms=0)}
     for label, config in configs.items():
