@@ -65,6 +65,8 @@ def main():
              torch.randn(args.n, args.k, device="cuda", dtype=torch.bfloat16) / args.k ** 0.5)]
     ref = ag_gemm(*sets[0], group, config=OverlapConfig(method="off"))
     configs = {"ours (signal, CE pulls, groups auto)": OverlapConfig(method="signal", transport="p2p", comm_sms=0),
+               # one chunk (three copies, no pipelining) and two: with the sweep's g3 / g4 / g8, the cost per chunk
+               "ours g1": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=1),
                "ours g2": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=2),
                "ours SM pulls on 32 SMs": OverlapConfig(method="signal", transport="p2p", comm_sms=32),
                # the last chunk's tiles run one tile-time after its rows arrive: ~46 us for 128x256 at K 4096
