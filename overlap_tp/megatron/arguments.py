@@ -13,6 +13,7 @@ rather than at its first use, mid-training.
     --overlap-tp {off,signal,decompose,auto}   OverlapConfig.method for the TP/SP linear layers (off)
     --overlap-tp-transport {auto,nccl,p2p}     OverlapConfig.transport per op kind (auto, see layer_configs)
     --overlap-tp-copy-lanes N                  OverlapConfig.copy_lanes (1)
+    --overlap-tp-chunk-by {rows,peer}          OverlapConfig.chunk_by (rows)
     --overlap-tp-comm-sms N                    OverlapConfig.comm_sms (default 16; the expert ops 4)
     --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans (default: see
                                                tune_cache_path)
@@ -29,7 +30,7 @@ import dataclasses
 import os
 import warnings
 
-from overlap_tp.ops.config import EXPERT_OP_DEFAULTS, METHODS, TRANSPORTS, OverlapConfig
+from overlap_tp.ops.config import CHUNK_BY, EXPERT_OP_DEFAULTS, METHODS, TRANSPORTS, OverlapConfig
 
 MOE_TRANSPORTS = ("nccl", "p2p")   # --overlap-moe-transport
 from overlap_tp.ops.watchdog import timeout_from_env
@@ -89,6 +90,13 @@ def add_overlap_args(parser):
         help="Streams the p2p AllGathers' copy-engine pulls are split over (ag_gemm and the backward's re-gather, "
              "--overlap-tp-transport p2p or auto): several copy engines can then move one chunk at once. "
              "Default: 1 (the comm stream alone).")
+    group.add_argument(
+        "--overlap-tp-chunk-by", choices=CHUNK_BY, default=None,
+        help="How the p2p AllGathers' copy-engine pulls are cut into chunks (OverlapConfig.chunk_by): rows (each "
+             "chunk the same rows of every peer, TP - 1 copies per chunk) or peer (each chunk one peer's rows, one "
+             "copy, as PyTorch's async-TP pulls whole shards). Needs --overlap-tp signal or decompose on the p2p "
+             "transport (--overlap-tp-transport p2p or auto), one copy lane and, for signal, no pull SMs. Default: "
+             "rows.")
     group.add_argument(
         "--overlap-tp-tune-cache", type=str, default=None, metavar="PATH",
         help="File where the per-shape tuner (--overlap-tp auto) keeps its measured plans, so "
@@ -242,6 +250,16 @@ def validate_overlap_args(args, *, warn=_warn):
         raise OverlapArgumentError(f"--overlap-tp-copy-lanes {lanes} splits the copy engines' pulls, and "
                                    f"--overlap-tp-comm-sms {comm_sms} with --overlap-tp-transport p2p runs them on SMs "
                                    "instead: give one of the two")
+
+    if getattr(args, "overlap_tp_chunk_by", None) == "peer":
+        if method not in ("signal", "decompose") or transport == "nccl" or (lanes or 1) > 1 or (
+                method == "signal" and transport == "p2p" and (comm_sms or 0) > 0):
+            raise OverlapArgumentError(
+                f"--overlap-tp-chunk-by peer with --overlap-tp {method} --overlap-tp-transport {transport}"
+                f"{f' --overlap-tp-copy-lanes {lanes}' if lanes else ''}"
+                f"{f' --overlap-tp-comm-sms {comm_sms}' if comm_sms else ''}: the AllGathers then pull one peer's rows "
+                "per chunk with one copy-engine copy, which --overlap-tp signal or decompose on the p2p transport "
+                "(p2p or auto), one copy lane and no pull SMs do. Change those, or drop --overlap-tp-chunk-by.")
 
     if getattr(args, "overlap_tp_gather_in_place", False):
         if method not in ("signal", "decompose", "auto") or transport == "nccl":
@@ -410,6 +428,8 @@ def overlap_config_kwargs(args):
         kwargs["comm_sms"] = args.overlap_tp_comm_sms
     if getattr(args, "overlap_tp_copy_lanes", None) is not None:
         kwargs["copy_lanes"] = args.overlap_tp_copy_lanes
+    if getattr(args, "overlap_tp_chunk_by", None) is not None:
+        kwargs["chunk_by"] = args.overlap_tp_chunk_by
     return kwargs
 
 

@@ -30,6 +30,8 @@ Methods (OverlapConfig.method):
                      leaves free (kernels/peer_copy.py: loads over NVLink). Measured no faster than the copy
                      engines (session 23: the kernel alone moves what they move, 180-300 GB/s per rank; the op and
                      the layer at t = 2 and 4 are as fast or slower, the GEMM losing the SMs): kept as an option.
+                     chunk_by 'peer' (copy engines, one lane) cuts the chunks by peer instead of by rows: one
+                     copy per chunk, each chunk's tiles waiting for that peer's rows only (OverlapConfig.chunk_by).
   auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer.
 """
@@ -67,6 +69,12 @@ class AgGemm(OpPlan):
                              f"decompose, CUDA); this plan runs method={self.method!r}, transport={config.transport!r} "
                              f"on {device}")
         self._own_buffer = gather
+        if config.chunk_by == "peer" and self.method in ("signal", "decompose") and (
+                config.transport != "p2p" or config.copy_lanes != 1 or (self.method == "signal" and config.comm_sms)):
+            raise ValueError(f"ag_gemm: chunk_by='peer' pulls one peer's rows per chunk with one copy-engine copy: "
+                             f"it needs transport='p2p', copy_lanes=1 and (method signal) comm_sms=0; this plan has "
+                             f"method={self.method!r}, transport={config.transport!r}, copy_lanes={config.copy_lanes}, "
+                             f"comm_sms={config.comm_sms}")
         if self.method == "signal":
             if config.transport == "p2p" and config.comm_sms > 0 and config.copy_lanes > 1:
                 raise ValueError(f"ag_gemm: copy_lanes={config.copy_lanes} splits the copy engines' pulls; with "
@@ -79,8 +87,9 @@ class AgGemm(OpPlan):
                                  "on ready flags that NCCL kernels raise, so NCCL must have SMs the GEMM does not "
                                  "hold (transport='p2p' spends no SM and runs with comm_sms=0)")
             plan = ag_plan(t * m, n, k, t, self.rank, config.block_m, config.block_n, config.groups,
-                           torch.finfo(dtype).bits // 8)
+                           torch.finfo(dtype).bits // 8, config.chunk_by)
             self.chunks = tuple((c.src_lo, c.src_hi) for c in plan.collectives)
+            self.chunk_peers = plan.chunk_peers   # chunk_by 'peer': each chunk's one peer (None: every peer)
             self.tiles = plan.tiles.to(device)
             self.flags = torch.zeros(max(1, len(self.chunks)), dtype=torch.int32, device=device)
             self.gemm = SignaledGemm(self.tiles, gemm_programs(device, config), config, bias_rows=(0, t * m),
@@ -125,6 +134,7 @@ class AgGemm(OpPlan):
                 self.coll = comm.collectives(self.group, device, config.comm_sms)
                 self._run = self._run_decomposed
             self.bounds = chunk_bounds(m, config.chunks)
+            self.by_peer = config.chunk_by == "peer"   # p2p: each peer's rows pulled and multiplied in turn
             self.engine = comm.comm_engine(device)
         else:
             self._run = self._off
@@ -308,8 +318,10 @@ class AgGemm(OpPlan):
         """One lane of copy-engine pulls: every chunk's copies (one per peer) and its flag's address, made once (the
         buffer's and the flags' addresses are the plan's), so a call walks a list; the last chunk's flag and the
         PULLED signal to the peers (gather.finish) go out in one driver call."""
-        self._pulls = tuple((tuple(self.gather.copies(lo, hi)), flag)
-                            for (lo, hi), flag in zip(self.chunks, self.ready.addresses))
+        peers = self.chunk_peers or (None,) * len(self.chunks)
+        self._pulls = tuple((tuple(self.gather.copies(lo, hi)) if peer is None else (self.gather.peer_copy(peer, lo, hi),),
+                             flag)
+                            for (lo, hi), peer, flag in zip(self.chunks, peers, self.ready.addresses))
         self._last_flag_pulled = memops.MemOps(
             [("write", self._pulls[-1][1], READY)] + self.gather.signals.signal_ops(self.gather.PULLED))
 
@@ -357,12 +369,19 @@ class AgGemm(OpPlan):
         gathered = gather.gathered()
         regions = gathered.chunk(t)
         gather.ready(raw, capturing)
-        for lo, hi in self.bounds:
-            gather.pull(raw, lo, hi, self.lanes, capturing)
-            engine.join(current, capturing)
-            for p in range(t):
-                if p != rank:
+        if self.by_peer:   # peer by peer (ring order), each region's rows in `chunks`
+            for p in gather.peers:
+                for lo, hi in self.bounds:
+                    gather.pull_peer(raw, p, lo, hi)
+                    engine.join(current, capturing)
                     _mm(regions[p][lo:hi], wt, out_regions[p][lo:hi], bias)
+        else:
+            for lo, hi in self.bounds:
+                gather.pull(raw, lo, hi, self.lanes, capturing)
+                engine.join(current, capturing)
+                for p in range(t):
+                    if p != rank:
+                        _mm(regions[p][lo:hi], wt, out_regions[p][lo:hi], bias)
         gather.finish(raw)
         engine.join(current, capturing)   # the comm stream's last work (PULLED) joins the caller's stream too
         if not capturing and self.watched is not None:

@@ -6,6 +6,7 @@ from typing import Callable, Optional, Tuple, Union
 METHODS = ("signal", "decompose", "off", "auto")
 SCHEDULES = ("row_slice", "tile_exact")
 TRANSPORTS = ("nccl", "p2p")
+CHUNK_BY = ("rows", "peer")
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,15 @@ class OverlapConfig:
                  different peer, so that several copy engines can move them at once. Measured on four H200s
                  (docs/perf/s22): no faster, the copy engines together move 210-270 GB/s per rank however they are
                  driven. 1: every pull on the comm stream. Not with the SM pulls (comm_sms > 0): a ValueError.
+    chunk_by:    how ag_gemm's copy-engine pulls (transport 'p2p', comm_sms 0, one copy lane) cut the peers' rows
+                 into chunks. 'rows': chunk c is the same run of row-slices of every peer's region (t - 1 copies and
+                 one ready flag per chunk; `groups` counts chunks). 'peer': chunk c is a run of row-slices of one
+                 peer's region, the peers in ring order (one copy and one flag per chunk; `groups` counts chunks per
+                 peer, 'auto' aiming at the same ~16 MB per chunk: one per peer at the 8B shapes at t = 4), as
+                 PyTorch's async-TP pulls whole shards. Why: on l8b.qkv at t = 4 async-TP's AllGather+GEMM took 0.216
+                 ms against 0.310 for 'rows', and more 'rows' chunks were slower (docs/perf/s33); 'peer' needs t - 1
+                 copies where 'rows' needs (t - 1) x chunks. Not yet measured. Method 'decompose' the same: `chunks`
+                 per peer, each pulled, then multiplied, peer by peer.
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
     tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
                  tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much
@@ -65,6 +75,7 @@ class OverlapConfig:
     comm_sms: int = 16
     chunks: int = 4
     copy_lanes: int = 1
+    chunk_by: str = "rows"
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
@@ -80,6 +91,7 @@ class OverlapConfig:
         choice("method", self.method, METHODS)
         choice("schedule", self.schedule, SCHEDULES)
         choice("transport", self.transport, TRANSPORTS)
+        choice("chunk_by", self.chunk_by, CHUNK_BY)
         groups = self.groups
         if isinstance(groups, list):
             groups = tuple(groups)

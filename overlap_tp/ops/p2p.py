@@ -329,10 +329,17 @@ class GatherBuffer:
         """The copy-engine copies that pull rows [lo, hi) of every peer's region into ours, as (dst, src, bytes): the
         peers in ring order, lane `lane` starting `lane` peers further on, so that a rank's lanes read different peers
         at once. Fixed for the buffer's life: a plan whose chunks are fixed makes its list once (AgGemm)."""
-        offset, nbytes = lo * self.row_bytes, (hi - lo) * self.row_bytes
         peers = self.peers
-        return [(self.base + p * self.region_bytes + offset, self.own[p] + offset, nbytes)
-                for p in (peers[(i + lane) % len(peers)] for i in range(len(peers)))]
+        return [self.peer_copy(p, lo, hi) for p in (peers[(i + lane) % len(peers)] for i in range(len(peers)))]
+
+    def peer_copy(self, peer: int, lo: int, hi: int):
+        """The copy-engine copy that pulls rows [lo, hi) of `peer`'s region into ours, as (dst, src, bytes)."""
+        offset = lo * self.row_bytes
+        return self.base + peer * self.region_bytes + offset, self.own[peer] + offset, (hi - lo) * self.row_bytes
+
+    def pull_peer(self, stream: int, peer: int, lo: int, hi: int):
+        """Rows [lo, hi) of `peer`'s region into ours, on `stream` (one copy-engine copy)."""
+        memops.copy(stream, *self.peer_copy(peer, lo, hi))
 
     def sm_puller(self, programs: int) -> PeerPull:
         """The pulls as a kernel of `programs` CTAs (kernels/peer_copy.py) instead of the copy engines: the same rows

@@ -65,6 +65,8 @@ class TilePlan:
     staging_shape: Tuple[int, int]   # the matrix the epilogue stores into
     out_shape: Tuple[int, int]       # the matrix the collective writes (per rank)
     tile_order: Optional[TileOrder]  # tile_exact only: where each output block sits after the collective
+    chunk_peers: Optional[Tuple[int, ...]] = None   # ag_plan with chunk_by 'peer': the one peer each chunk's rows
+                                                    # come from (None: every peer's)
 
     @property
     def num_tiles(self) -> int:
@@ -204,16 +206,20 @@ def ring_peers(rank: int, t: int) -> List[int]:
 
 
 def ag_plan(m: int, n: int, k: int, world: int, rank: int, block_m: int, block_n: int, groups="auto",
-            elem_bytes: int = 2) -> TilePlan:
+            elem_bytes: int = 2, chunk_by: str = "rows") -> TilePlan:
     """AllGather+GEMM on rank `rank`: C[M, N] = gathered A[M, K] @ W.T, rows in the standard order.
 
-    The local region's tiles come first and wait for nothing. The peers' rows arrive in chunks: chunk
-    c is the same run of row-slices [j0, j1) (local rows [lo, hi)) of every peer region; its tiles, in
-    peer order rank+1, rank+2, ..., wait on ready flag c. A tile's rows never cross a region, so no
-    tile reads rows of a chunk that has not arrived (a tile's load box may overhang into the next
-    region; those rows are masked out of the store and never used). `collectives[c]` holds the chunk's
-    local row range as (lo, hi, lo, hi); `group_tiles[c]` counts the tiles that wait on it.
+    The local region's tiles come first and wait for nothing. The peers' rows arrive in chunks. chunk_by 'rows':
+    chunk c is the same run of row-slices [j0, j1) (local rows [lo, hi)) of every peer region; its tiles, in
+    peer order rank+1, rank+2, ..., wait on ready flag c. chunk_by 'peer': the peers in that order, each region
+    in runs of row-slices, chunk c one run of one peer (`chunk_peers[c]`), `groups` runs per peer. A tile's
+    rows never cross a region, so no tile reads rows of a chunk that has not arrived (a tile's load box may
+    overhang into the next region; those rows are masked out of the store and never used). `collectives[c]`
+    holds the chunk's local row range (within its regions) as (lo, hi, lo, hi); `group_tiles[c]` counts the
+    tiles that wait on it.
     """
+    if chunk_by not in ("rows", "peer"):
+        raise ValueError(f"ag_plan: chunk_by {chunk_by!r}: expected 'rows' or 'peer'")
     if m % world:
         raise ValueError(f"M={m} is not divisible by the group size t={world}")
     m_local = m // world
@@ -226,20 +232,29 @@ def ag_plan(m: int, n: int, k: int, world: int, rank: int, block_m: int, block_n
                 for r, nt in raster(len(rows), n_tiles) for src, end in [rows[r]]]
 
     tiles = region_tiles([rank], 0, slices, NO_WAIT)
-    group_tiles, collectives = [], []
+    group_tiles, collectives, chunk_peers = [], [], []
     peers = ring_peers(rank, world)
     if peers:
-        sizes = split_units(slices, groups, (world - 1) * block_m * k * elem_bytes)
-        j0 = 0
-        for c, size in enumerate(sizes):
-            chunk = region_tiles(peers, j0, j0 + size, c)
-            tiles += chunk
-            group_tiles.append(len(chunk))
-            lo, hi = j0 * block_m, min((j0 + size) * block_m, m_local)
-            collectives.append(Collective(lo, hi, lo, hi))
-            j0 += size
+        # 'rows': each chunk spans every peer region; 'peer': each chunk one region
+        runs = [(peers, None)] if chunk_by == "rows" else [([p], p) for p in peers]
+        unit_bytes = len(runs[0][0]) * block_m * k * elem_bytes
+        if chunk_by == "peer" and groups == "auto":   # ~16 MB per chunk; one per peer is pipelined already where t > 2
+            groups = max(1 if len(peers) > 1 else 2,
+                         min(slices, MAX_AUTO_GROUPS, round(slices * unit_bytes / TARGET_GROUP_BYTES)))
+        sizes = split_units(slices, groups, unit_bytes)
+        for regions, peer in runs:
+            j0 = 0
+            for size in sizes:
+                chunk = region_tiles(regions, j0, j0 + size, len(group_tiles))
+                tiles += chunk
+                group_tiles.append(len(chunk))
+                lo, hi = j0 * block_m, min((j0 + size) * block_m, m_local)
+                collectives.append(Collective(lo, hi, lo, hi))
+                chunk_peers.append(peer)
+                j0 += size
     return TilePlan("ag", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
-                    tuple(group_tiles), tuple(collectives), (m, n), (m, n), None)
+                    tuple(group_tiles), tuple(collectives), (m, n), (m, n), None,
+                    None if chunk_by == "rows" else tuple(chunk_peers))
 
 
 def make_plan(schedule: str, m: int, n: int, world: int, block_m: int, block_n: int, groups="auto",

@@ -38,6 +38,10 @@ CONFIGS = {
     # the pulls by a kernel on the 16 SMs the GEMM's grid leaves free (kernels/peer_copy.py), same protocol
     "p2p/sm16": OverlapConfig(method="signal", transport="p2p", comm_sms=16),
     "p2p/g8/sm8": OverlapConfig(method="signal", transport="p2p", comm_sms=8, groups=8),
+    # one peer's rows per chunk, one copy each (chunk_by 'peer'), and cuBLAS over them peer by peer
+    "p2p/by-peer": OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer"),
+    "p2p/by-peer/g3": OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer", groups=3),
+    "cublas-p2p/by-peer": OverlapConfig(method="decompose", transport="p2p", chunks=1, chunk_by="peer"),
 }
 
 
@@ -46,7 +50,8 @@ def after_full_gather(gathered, w, config, rank, world):
     resolves for the shape: tile_for_shape)."""
     m, k = gathered.shape
     config = tile_for_shape(config, m, w.shape[0], gemm_programs(gathered.device, config))
-    tiles = ag_plan(m, w.shape[0], k, world, rank, config.block_m, config.block_n, config.groups).tiles.cuda()
+    tiles = ag_plan(m, w.shape[0], k, world, rank, config.block_m, config.block_n, config.groups,
+                    chunk_by=config.chunk_by).tiles.cuda()
     out = torch.empty(m, w.shape[0], dtype=gathered.dtype, device="cuda")
     signaled_gemm(gathered, w, out, tiles, None, gemm_programs(gathered.device, config), config)
     torch.cuda.synchronize()

@@ -44,6 +44,8 @@ CASES = [   # (op, config)
     ("ag", OverlapConfig(method="signal", groups=2, comm_sms=16)),
     ("ag", OverlapConfig(method="decompose", chunks=2)),
     ("ag", OverlapConfig(method="decompose", transport="p2p", chunks=2)),
+    ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer")),   # one peer per chunk
+    ("ag", OverlapConfig(method="decompose", transport="p2p", chunks=1, chunk_by="peer")),
     ("ag", OverlapConfig(method="off")),
 ]
 M, K, N = 4096, 2048, 4096   # l8b.proj.s4096-like; ag: M rows gathered from M/t per rank

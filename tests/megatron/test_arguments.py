@@ -53,6 +53,28 @@ def test_tp8_signal_gets_the_measured_warning():
     assert not any("TP 8" in g for g in validate_overlap_args(megatron_like(), warn=None))
 
 
+def test_chunk_by_reaches_the_allgathers_and_what_it_needs():
+    """--overlap-tp-chunk-by peer: every op kind's config carries it (only ag_gemm reads it); it needs signal or
+    decompose on the p2p transport with one copy lane and no pull SMs, else a clear error."""
+    parser = build_parser()
+    assert parser.parse_args([]).overlap_tp_chunk_by is None
+    configs = layer_configs(parser.parse_args(["--overlap-tp", "signal", "--overlap-tp-chunk-by", "peer"]))
+    assert (configs["ag_gemm"].transport, configs["ag_gemm"].chunk_by) == ("p2p", "peer")
+    assert layer_configs(parser.parse_args(["--overlap-tp", "signal"]))["ag_gemm"].chunk_by == "rows"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--overlap-tp-chunk-by", "ring"])
+    for ok in (dict(overlap_tp="signal"), dict(overlap_tp="decompose", overlap_tp_transport="p2p"),
+               dict(overlap_tp="decompose", overlap_tp_transport="p2p", overlap_tp_comm_sms=8)):
+        validate_overlap_args(megatron_like(**{"overlap_tp_transport": "auto", **ok}, overlap_tp_chunk_by="peer"),
+                              warn=None)
+    for bad in (dict(overlap_tp_transport="nccl"), dict(overlap_tp="auto"), dict(overlap_tp_copy_lanes=2),
+                dict(overlap_tp_transport="p2p", overlap_tp_comm_sms=16)):
+        with pytest.raises(OverlapArgumentError, match="--overlap-tp-chunk-by peer with"):
+            validate_overlap_args(megatron_like(**{"overlap_tp_transport": "auto", **bad}, overlap_tp_chunk_by="peer"),
+                                  warn=None)
+    validate_overlap_args(megatron_like(overlap_tp_chunk_by="rows"), warn=None)
+
+
 def test_copy_lanes_reach_the_p2p_allgather():
     """--overlap-tp-copy-lanes: ag_gemm's (and the backward's re-gather's) pulls split over that many streams."""
     configs = layer_configs(build_parser().parse_args(["--overlap-tp", "signal", "--overlap-tp-copy-lanes", "2"]))

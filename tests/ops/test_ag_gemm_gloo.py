@@ -62,6 +62,13 @@ def _check_bad_input(rank, world):
         (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", transport="p2p", copy_lanes=2)),
          "copy_lanes=2 splits the copy engines' pulls; with comm_sms=16 the pulls run on SMs"),
         (lambda: ag_gemm(a, w, config=OverlapConfig(method="decompose", transport="p2p")), "needs CUDA tensors"),
+        # one copy per chunk from one peer: the copy engines' pulls only
+        (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", chunk_by="peer", **SMALL_TILES)),
+         "chunk_by='peer' .* needs transport='p2p'"),
+        (lambda: ag_gemm(a, w, config=OverlapConfig(method="decompose", chunk_by="peer")),
+         "chunk_by='peer' .* needs transport='p2p'"),
+        (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", transport="p2p", chunk_by="peer",
+                                                    comm_sms=16)), "chunk_by='peer'"),
     ]
     assert_each_raises(cases)
     with pytest.warns(UserWarning, match="method='auto' runs 'off'"):

@@ -24,6 +24,7 @@ def test_list_groups_become_a_tuple():
     (dict(comm_sms=-1), "comm_sms"),
     (dict(chunks=0), "chunks"),
     (dict(copy_lanes=0), "copy_lanes"),
+    (dict(chunk_by="ring"), "chunk_by"),
     (dict(block_m=96), "power of two"),
     (dict(block_k=8), "power of two"),
     (dict(num_warps=6), "power of two"),

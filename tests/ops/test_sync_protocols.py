@@ -322,30 +322,37 @@ def _gather_buffers(t, signals, m=1):
     return gathers, bufs
 
 
-def _pull_lists(gathers, chunks):
+def _pull_lists(gathers, chunks, by_peer=False):
     """Per rank, an AgGemm's one-lane pull list over its GatherBuffer (AgGemm._list_pulls: the plan's own code), with
-    ready-flag words of its own: (the plans, the flag tensors)."""
-    flags = [torch.zeros(len(chunks), dtype=torch.int32) for _ in gathers]
+    ready-flag words of its own: (the plans, the flag tensors). by_peer: chunk_by 'peer', each of `chunks` once per
+    peer in the rank's ring order (ag_plan's chunk_peers)."""
+    t = len(gathers)
+    count = len(chunks) * (t - 1 if by_peer else 1)
+    flags = [torch.zeros(count, dtype=torch.int32) for _ in gathers]
     plans = []
-    for g, words in zip(gathers, flags):
+    for rank, (g, words) in enumerate(zip(gathers, flags)):
         plan = ag_gemm.AgGemm.__new__(ag_gemm.AgGemm)
-        plan.gather, plan.chunks = g, chunks
-        plan.ready = SimpleNamespace(addresses=[words.data_ptr() + 4 * c for c in range(len(chunks))])
+        plan.gather, plan.chunks, plan.chunk_peers = g, chunks, None
+        if by_peer:
+            plan.chunks = list(chunks) * (t - 1)
+            plan.chunk_peers = tuple(p for p in ring_peers(rank, t) for _ in chunks)
+        plan.ready = SimpleNamespace(addresses=[words.data_ptr() + 4 * c for c in range(count)])
         plan._list_pulls()
         plans.append(plan)
     return plans, flags
 
 
-def _run_gather(recorder, t, seed, stage_waits=True, in_place=False, plan_pulls=False):
+def _run_gather(recorder, t, seed, stage_waits=True, in_place=False, plan_pulls=False, by_peer=False):
     """30 calls per rank of GatherBuffer's steps (stage, ready, pull, finish: one stream per rank, the order the caller's
     stream and the forked comm stream give them), run in a random interleaving: a rank's staging copy must not land
     before every peer pulled its previous shard, and a rank's GEMM (check) must see every peer's shard of its call.
     in_place: the shard's producer claims our region and writes it there itself (a copy into the region after the
     claim, standing for the norm's kernel), and the stage that follows finds it in place (records nothing).
-    plan_pulls: ready, pull and finish as AgGemm's one-lane pull list issues them (its last flag and PULLED batched)."""
+    plan_pulls: ready, pull and finish as AgGemm's one-lane pull list issues them (its last flag and PULLED batched);
+    by_peer: that list cut by peer (chunk_by 'peer')."""
     signals = _peer_signals(t, (1, 0))
     gathers, bufs = _gather_buffers(t, signals)
-    plans, flags = _pull_lists(gathers, [(0, 1)]) if plan_pulls else ([None] * t, [])
+    plans, flags = _pull_lists(gathers, [(0, 1)], by_peer) if plan_pulls else ([None] * t, [])
     calls = 30
     programs = {}
     for rank, g in enumerate(gathers):
@@ -408,6 +415,9 @@ def test_ag_gemm_pull_list_keeps_the_protocol(recorder, monkeypatch, t, seed):
     monkeypatch.setattr(ag_gemm, "memops", recorder)
     _run_gather(recorder, t, seed, plan_pulls=True)
     _run_gather(recorder, t, seed, plan_pulls=True, in_place=True)
+    # chunk_by 'peer': one copy per chunk, each from one peer in ring order
+    _run_gather(recorder, t, seed, plan_pulls=True, by_peer=True)
+    _run_gather(recorder, t, seed, plan_pulls=True, in_place=True, by_peer=True)
 
 
 def test_ag_gemm_pull_list_raises_pulled_after_the_last_copies(recorder, monkeypatch):
@@ -788,12 +798,13 @@ class _RankEngine(comm.CommEngine):
         return self.main
 
 
-def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_chunk=True, lanes=1):
+def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_chunk=True, lanes=1, by_peer=False):
     """30 calls per rank of AgGemm._pulled_decomposed (the cuBLAS path over the copy engines), each rank's caller
     stream and comm stream recorded with their forks and joins, the GEMMs recorded as reads of their rows; run in a
     random interleaving that respects every wait and every join. Checks: a GEMM of peer rows reads this call's rows,
     every pulled; a rank restages its shard only after every peer pulled the previous one; the local rows' GEMM is
-    enqueued before any comm-stream wait on a peer (one hardware queue would otherwise hold its launch behind it)."""
+    enqueued before any comm-stream wait on a peer (one hardware queue would otherwise hold its launch behind it).
+    by_peer: chunk_by 'peer' (each peer's rows in `chunks`, pulled and multiplied peer by peer)."""
     from overlap_tp.ops import ag_gemm as ag
     m, calls = 4, 30
     signals = _peer_signals(t, (1, 0))
@@ -804,11 +815,13 @@ def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_c
         plan.t, plan.rank, plan.gather, plan.watched = t, rank, gathers[rank], None
         plan.lanes = None if lanes == 1 else _FakeLanes(rank, lanes)   # each chunk's pulls over `lanes` streams
         plan.engine = _RankEngine(rank)
+        plan.by_peer = by_peer
         plan.bounds = [(lo, min(m, lo + m // chunks)) for lo in range(0, m, m // chunks)]
         if not joins_per_chunk:   # the mutation: only the final join
             final = plan.engine.join
+            joins = chunks * (t - 1 if by_peer else 1) + 1   # one per chunk (per peer where by_peer), then the last
             plan.engine.join = lambda current, capturing, n=[0]: (n.__setitem__(0, n[0] + 1),
-                                                                  n[0] % (chunks + 1) == 0 and final(current, capturing))
+                                                                  n[0] % joins == 0 and final(current, capturing))
         main = plan.engine.main
         monkeypatch.setattr(ag, "_mm", lambda x, wt, out, bias, main=main: recorder.emit(
             main, ("mm", x.data_ptr(), x.shape[0])))
@@ -864,6 +877,17 @@ def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_c
                                                    (2, 5, 2, 2), (2, 6, 1, 3), (3, 7, 2, 2)])
 def test_pulled_decomposed_gemms_read_only_rows_pulled_in_the_same_call(recorder, monkeypatch, t, seed, chunks, lanes):
     _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks, lanes=lanes)
+
+
+@pytest.mark.parametrize("t, seed, chunks", [(2, 0, 1), (2, 1, 2), (3, 2, 1), (4, 3, 2), (4, 4, 1)])
+def test_pulled_decomposed_by_peer_reads_only_rows_pulled_in_the_same_call(recorder, monkeypatch, t, seed, chunks):
+    """chunk_by 'peer': each peer's rows pulled (one copy per chunk) and multiplied in turn, under the same checks."""
+    _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks, by_peer=True)
+
+
+def test_the_simulator_catches_a_by_peer_gemm_without_its_join(recorder, monkeypatch):
+    _some_seed_fails(recorder, "a GEMM read peer", lambda seed: _run_pulled_decomposed(
+        recorder, monkeypatch, 3, seed, chunks=1, joins_per_chunk=False, by_peer=True))
 
 
 def _some_seed_fails(recorder, match, run):

@@ -157,6 +157,56 @@ def test_p2p_plan_stores_to_the_owners_in_ring_order(t, n):
 
 
 @pytest.mark.parametrize("m,n,t,bm,bn,groups", CASES)
+def test_ag_plan_by_peers_waits_for_one_peers_rows_per_chunk(m, n, t, bm, bn, groups):
+    """chunk_by 'peer': the same tiles as chunk_by 'rows' (each output tile once, from its own rows, local ones first
+    with no wait), but chunk c carries rows of one peer only (chunk_peers[c]), the peers in ring order, `groups`
+    chunks per peer covering its region; a tile waits on the chunk of its own peer and rows."""
+    m_local = m // t
+    for rank in range(t):
+        plan = ag_plan(m, n, 64, t, rank, bm, bn, groups, chunk_by="peer")
+        rows = ag_plan(m, n, 64, t, rank, bm, bn, groups)
+        assert rows.chunk_peers is None
+        assert sorted(tuple(tile[:WAIT] + tile[WAIT + 1:]) for tile in plan.tiles.tolist()) == sorted(
+            tuple(tile[:WAIT] + tile[WAIT + 1:]) for tile in rows.tiles.tolist()), "the same tiles"
+        peers = [(rank + i) % t for i in range(1, t)]
+        if t == 1:
+            assert plan.chunk_peers == () and plan.group_tiles == ()
+            continue
+        per_peer = len(plan.chunk_peers) // (t - 1)
+        assert list(plan.chunk_peers) == [p for p in peers for _ in range(per_peer)], "ring order, whole regions"
+        if isinstance(groups, int):
+            assert per_peer == min(groups, -(-m_local // bm))
+        for p in peers:
+            spans = [plan.collectives[c] for c in range(len(plan.chunk_peers)) if plan.chunk_peers[c] == p]
+            assert spans[0].src_lo == 0 and spans[-1].src_hi == m_local
+            assert all(a.src_hi == b.src_lo for a, b in zip(spans, spans[1:]))
+        waits = plan.tiles[:, WAIT].tolist()
+        first_wait = next((i for i, f in enumerate(waits) if f != NO_WAIT), len(waits))
+        assert all(f == NO_WAIT for f in waits[:first_wait]) and waits[first_wait:] == sorted(waits[first_wait:])
+        for tile in plan.tiles.tolist():
+            region = tile[SRC_ROW] // m_local
+            if tile[WAIT] == NO_WAIT:
+                assert region == rank
+            else:
+                chunk = plan.collectives[tile[WAIT]]
+                assert plan.chunk_peers[tile[WAIT]] == region
+                assert chunk.src_lo <= tile[SRC_ROW] - region * m_local and tile[SRC_ROW_END] - region * m_local <= chunk.src_hi
+        assert [int((plan.tiles[:, WAIT] == c).sum()) for c in range(plan.num_groups)] == list(plan.group_tiles)
+
+
+def test_ag_plan_by_peers_sizes_auto_chunks_near_16_mb():
+    """groups 'auto' with chunk_by 'peer' aims at ~16 MB per chunk of one peer: one chunk per peer at the 8B qkv shape
+    at t = 4 (16 MB regions), two at the 70B's (32 MB), and at t = 2, where one chunk per peer would leave nothing
+    to pipeline, at least two."""
+    assert ag_plan(8192, 1536, 4096, 4, 0, 128, 256, chunk_by="peer").chunk_peers == (1, 2, 3)
+    assert ag_plan(8192, 2560, 8192, 4, 0, 128, 256, chunk_by="peer").chunk_peers == (1, 1, 2, 2, 3, 3)
+    assert ag_plan(8192, 3072, 4096, 2, 1, 128, 256, chunk_by="peer").chunk_peers == (0, 0)
+    assert ag_plan(4096, 768, 1024, 2, 0, 128, 256, chunk_by="peer").chunk_peers == (1, 1)
+    with pytest.raises(ValueError, match="chunk_by 'ring'"):
+        ag_plan(4096, 768, 1024, 2, 0, 128, 256, chunk_by="ring")
+
+
+@pytest.mark.parametrize("m,n,t,bm,bn,groups", CASES)
 def test_ag_plan_covers_every_output_tile_after_its_rows_arrive(m, n, t, bm, bn, groups):
     """For every rank: each output element is computed exactly once, from its own rows, at its standard
     position; local rows come first and wait for nothing; a peer row is read only by tiles that wait

@@ -76,6 +76,10 @@ def main():
                "ours narrow tile, chunks of 7 / 6 / 3 row-slices": OverlapConfig(
                    method="signal", transport="p2p", comm_sms=0, block_n=128, num_stages=4, num_warps=4,
                    groups=(7, 6, 3)),
+               # one peer's rows per chunk, one copy each, as async-TP pulls (chunk_by 'peer'); cuBLAS over them
+               "ours chunked by peer": OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer"),
+               "cuBLAS over peer pulls, one chunk per peer": OverlapConfig(method="decompose", transport="p2p",
+                                                                           comm_sms=0, chunks=1, chunk_by="peer"),
                # async-TP pulls on two streams in turn; ours split over two copy lanes
                "ours on two copy lanes": OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2),
                "cuBLAS over the CE pulls (decompose p2p)": OverlapConfig(method="decompose", transport="p2p",
