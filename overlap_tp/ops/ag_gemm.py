@@ -315,12 +315,11 @@ class AgGemm(OpPlan):
         return gather.gathered(), lambda stream: transfers(stream, capturing), current, capturing
 
     def _list_pulls(self):
-        """One lane of copy-engine pulls: every chunk's copies (one per peer) and its flag's address, made once (the
-        buffer's and the flags' addresses are the plan's), so a call walks a list; the last chunk's flag and the
-        PULLED signal to the peers (gather.finish) go out in one driver call."""
-        peers = self.chunk_peers or (None,) * len(self.chunks)
-        self._pulls = tuple((tuple(self.gather.copies(lo, hi)) if peer is None else (self.gather.peer_copy(peer, lo, hi),),
-                             flag)
+        """One lane of copy-engine pulls: every chunk's copies (one per peer; chunk_by 'peer': its one peer's) and its
+        flag's address, made once (the buffer's and the flags' addresses are the plan's), so a call walks a list; the
+        last chunk's flag and the PULLED signal to the peers (gather.finish) go out in one driver call."""
+        gather, peers = self.gather, self.chunk_peers or (None,) * len(self.chunks)
+        self._pulls = tuple((tuple(gather.copies(lo, hi)) if peer is None else (gather.peer_copy(peer, lo, hi),), flag)
                             for (lo, hi), peer, flag in zip(self.chunks, peers, self.ready.addresses))
         self._last_flag_pulled = memops.MemOps(
             [("write", self._pulls[-1][1], READY)] + self.gather.signals.signal_ops(self.gather.PULLED))
