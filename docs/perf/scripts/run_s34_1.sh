@@ -2,7 +2,9 @@
 # `COMMIT=<sha> bash docs/perf/scripts/run_s34_1.sh` (carry [".whl"]). Session 33's call 4: on l8b.qkv at t = 4 under
 # graphs ours 0.310 ms, async-TP 0.216, finer chunks slower (g8 0.372). One replay of each variant profiled: the
 # timeline of the pulls against the GEMM (docs/perf/s33/README.md, "Why our AllGather+GEMM trails async-TP at t = 4").
-# Session 33 had too little device time left to start it.
+# Session 33 had too little device time left to start it. The probe also runs OverlapConfig.chunk_by='peer' (built
+# after session 33's calls, never yet on a GPU; it checks each variant's output against method 'off' first); its
+# bit-for-bit GPU tests are the new cases in tests/gpu/test_ag_gemm_gpu.py and test_graphs_gpu.py.
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONFAULTHANDLER=1 DEADLINE_S=${DEADLINE_S:-190}
 workdir s34_1
