@@ -72,9 +72,8 @@ def ours_variants(op, sweep):
     collectives. `nccl` (GEMM+RS: the signaled GEMM + per-group NCCL reduce-scatters, 16 SMs to NCCL) and
     `cublas-p2p` (method decompose over the same p2p transports: cuBLAS GEMMs, no Triton GEMM) are always timed
     next to it, and for AllGather+GEMM its pulls on 16 and 32 SMs (comm_sms > 0) and both pulling one peer's rows per
-    chunk (`/by-peer`: chunk_by 'peer'); --sweep adds the schedule x
-    groups x comm_sms corners that won in earlier runs (docs/perf/) and, for AllGather+GEMM, chunk counts of the
-    pulls and in-place NCCL broadcasts."""
+    chunk (`/by-peer`: chunk_by 'peer'); --sweep adds the schedule x groups x comm_sms corners that won in earlier
+    runs (docs/perf/) and, for AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     cublas_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # 4 chunks, as the flags give
     if op == "ag":
@@ -82,7 +81,7 @@ def ours_variants(op, sweep):
                     # one peer's rows per chunk, one copy each, as async-TP pulls (chunk_by 'peer')
                     "p2p/by-peer": OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer"),
                     "cublas-p2p/by-peer": OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=1,
-                                                      chunk_by="peer")}
+                                                        chunk_by="peer")}
         for sms in (16, 32):   # the pulls by a kernel on the SMs the GEMM leaves (comm_sms), not the copy engines
             variants[f"p2p/sm{sms}"] = OverlapConfig(method="signal", transport="p2p", comm_sms=sms)
         if sweep:
