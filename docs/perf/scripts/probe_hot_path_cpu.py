@@ -187,7 +187,9 @@ def cases():
     return [("rs p2p", "rs", 1024, 512, 64, p2p), ("rs nccl", "rs", 1024, 512, 64, nccl),
             ("ag p2p", "ag", 1024, 384, 64, p2p), ("ag nccl", "ag", 1024, 384, 64, nccl),
             ("ar nccl", "ar", 1024, 512, 64, nccl), ("rs cublas-p2p", "rs", 1024, 512, 64, cublas_p2p),
-            ("ag cublas-p2p", "ag", 1024, 384, 64, cublas_p2p)]
+            ("ag cublas-p2p", "ag", 1024, 384, 64, cublas_p2p),
+            ("ag p2p by-peer", "ag", 1024, 384, 64, OverlapConfig(method="signal", transport="p2p", comm_sms=0,
+                                                                   chunk_by="peer"))]
 
 
 def per_call_us(fn, a, w, calls, reps):
