@@ -283,9 +283,9 @@ def validate_overlap_args(args, *, warn=_warn):
                 "--overlap-tp-defer-wgrad needs --overlap-tp-gather-in-place: linear_fc1's deferred weight gradient "
                 "reads its gathered input from the layer's own buffer, which only gathering in place keeps until the "
                 "backward. Add it, or drop --overlap-tp-defer-wgrad.")
-        graphs = (getattr(args, "cuda_graph_impl", None) not in (None, "none") or getattr(args, "enable_cuda_graph", False)
-                  or getattr(args, "external_cuda_graph", False))
-        if getattr(args, "cuda_graph_impl", None) == "none" and not graphs:
+        # Megatron's mode "none", and neither of its older graph flags
+        if getattr(args, "cuda_graph_impl", None) == "none" and not (
+                getattr(args, "enable_cuda_graph", False) or getattr(args, "external_cuda_graph", False)):
             note("--overlap-tp-defer-wgrad without CUDA graphs (--cuda-graph-impl none): linear_fc1's wgrad still runs "
                  "inside linear_proj's backward, with the same gradient, but eagerly, with one hardware queue "
                  "(CUDA_DEVICE_MAX_CONNECTIONS=1), its launch waits behind the AllGather's pulls, so it hides "
