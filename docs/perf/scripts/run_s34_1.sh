@@ -9,5 +9,5 @@ source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONFAULTHANDLER=1 DEADLINE_S=${DEADLINE_S:-190}
 workdir s34_1
 nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
-step ag_timeline 160 torchrun --nproc-per-node 4 $REPO/docs/perf/scripts/probe_ag_timeline.py --m 8192 --k 4096 --n 1536
+step ag_timeline 160 torchrun --nproc-per-node 4 $REPO/docs/perf/scripts/probe_op_timeline.py --op ag --shape 8192,4096,1536
 grep -E "^## " $W/ag_timeline.out
