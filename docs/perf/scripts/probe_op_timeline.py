@@ -59,6 +59,9 @@ def ag_variants():
             # and a short last chunk: its tiles fit one wave of the narrow tile (3 slices x 3 peers x 12 < 132)
             "narrow-763": OverlapConfig(method="signal", transport="p2p", comm_sms=0, block_n=128, num_stages=4,
                                         num_warps=4, groups=(7, 6, 3)),
+            # one chunk of the narrow tile: at the smoke's shapes (M 4096) the 128x256 tile makes one wave
+            "narrow-g1": OverlapConfig(method="signal", transport="p2p", comm_sms=0, block_n=128, num_stages=4,
+                                       num_warps=4, groups=1),
             # one peer's rows per chunk, one copy each, as async-TP pulls (chunk_by 'peer'); cuBLAS over them
             "by-peer": OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer"),
             "cublas-by-peer": OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=1,
