@@ -28,14 +28,15 @@ Methods (OverlapConfig.method):
                      and the shard is copied once, into our region, where the GEMM and the peers read it. With
                      comm_sms > 0 the same pulls run as a kernel of comm_sms CTAs on the SMs the GEMM's grid
                      leaves free (kernels/peer_copy.py: loads over NVLink). Measured no faster than the copy
-                     engines (session 23: the kernel alone moves what they move, 180-300 GB/s per rank; the op and
-                     the layer at t = 2 and 4 are as fast or slower, the GEMM losing the SMs): kept as an option.
+                     engines (session 23: the kernel alone moves what they move, 180-300 GB/s per rank), but it
+                     does the handshakes too: the READY exchange, each chunk's flag and PULLED are its own stores
+                     and spins, where the copy engines' path has stream memory operations (~6 us per cross-GPU hop
+                     inside a graph against ~1-2, session 34): one launch per call (GatherBuffer.signaled_pull).
                      chunk_by 'peer' (copy engines, one lane) cuts the chunks by peer instead of by rows: one
                      copy per chunk, each chunk's tiles waiting for that peer's rows only (OverlapConfig.chunk_by).
   auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer.
 """
-import contextlib
 from collections import OrderedDict
 from typing import Optional
 
@@ -106,14 +107,15 @@ class AgGemm(OpPlan):
                 self._transfers_done = {False: memops.Event(), True: memops.Event()}
             if config.transport == "p2p":
                 self._pull_into_gather_buffer()
-                # comm_sms > 0: the pulls on the SMs the GEMM's grid leaves free, else the copy engines
-                self.puller = self.gather.sm_puller(config.comm_sms) if config.comm_sms > 0 else None
                 self._run = self._pulled
-                if self.puller is None and self.lanes is None:
+                if config.comm_sms > 0:   # one kernel on the SMs the GEMM's grid leaves free, handshakes included
+                    self.puller = self.gather.signaled_pull(config.comm_sms, self.chunks, self.flags, self.describe())
+                    self._transfers = self._pull_signaled
+                elif self.lanes is None:   # the copy engines, one lane
                     self._list_pulls()
                     self._transfers = self._pull_listed
                 else:
-                    self._transfers = self._pull_chunks
+                    self._transfers = self._pull_lanes
             else:
                 self.coll = comm.collectives(self.group, device, config.comm_sms)
                 self._run = self._run_signaled
@@ -337,19 +339,19 @@ class AgGemm(OpPlan):
                 memops.write_value(stream, flag, READY)   # engine.raise_flag, the address looked up once
         self._last_flag_pulled.issue(stream)   # the last flag, then gather.finish (PULLED)
 
-    def _pull_chunks(self, stream, capturing):
-        """The transfers of _pulled over copy lanes or by the pull kernel."""
-        engine, gather, puller = self.engine, self.gather, self.puller
+    def _pull_lanes(self, stream, capturing):
+        """The transfers of _pulled with the copy engines' pulls split over copy lanes."""
+        engine, gather = self.engine, self.gather
         gather.ready(stream, capturing)
-        # the pull kernel launches on the current stream: the comm stream's, entered once for every chunk
-        with contextlib.nullcontext() if puller is None else torch.cuda.stream(engine.stream):
-            for c, (lo, hi) in enumerate(self.chunks):
-                if puller is None:
-                    gather.pull(stream, lo, hi, self.lanes, capturing)
-                else:
-                    puller(lo, hi)
-                engine.raise_flag(self.ready, c)
+        for c, (lo, hi) in enumerate(self.chunks):
+            gather.pull(stream, lo, hi, self.lanes, capturing)
+            engine.raise_flag(self.ready, c)
         gather.finish(stream)
+
+    def _pull_signaled(self, stream, capturing):
+        """The transfers of _pulled on SMs: the READY exchange, every chunk's pulls and flag, and PULLED, as one kernel
+        (GatherBuffer.signaled_pull)."""
+        self.puller(stream)
 
     def _pulled_decomposed(self, a_shard, w, bias, out):
         """cuBLAS over the p2p transport: the local rows' GEMM from the shard itself, enqueued first (with one hardware

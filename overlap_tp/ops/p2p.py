@@ -7,9 +7,9 @@ Triton kernel (method 'signal', one persistent launch over a tile plan) or cuBLA
 
 AllGather+GEMM (`GatherBuffer`): every rank copies its shard into its own region of a symmetric gathered buffer and
 tells its peers; each rank then pulls the peers' rows chunk by chunk from their buffers into its own with copy-engine
-copies (no SM spent on the transfer), or with a kernel on the SMs a signaled GEMM leaves free (`sm_puller`: loads
-over NVLink; measured in session 23 no faster than the copy engines: an option, not a default). Waits and
-signals are stream memory operations. The expert ops' exchanges, whose sizes change per routing, use the same two
+copies (no SM spent on the transfer), or with one kernel on the SMs a signaled GEMM leaves free (`signaled_pull`:
+loads over NVLink, the handshakes and the chunks' flags as the kernel's own stores and spins). Waits and signals are
+otherwise stream memory operations. The expert ops' exchanges, whose sizes change per routing, use the same two
 protocols over row buffers sized for the largest routing seen: the dispatch pulls (`RowPull`), the combine pushes
 (`RowPush`).
 
@@ -25,10 +25,10 @@ gathered buffer, which the plans of one shard shape share (GatherBuffer).
 """
 import torch
 
-from overlap_tp.kernels.peer_copy import PeerPull
+from overlap_tp.kernels.peer_copy import SignaledPull
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
 from overlap_tp.kernels.sum_slots import SumSlots
-from overlap_tp.ops import memops, symmetric
+from overlap_tp.ops import memops, symmetric, watchdog
 from overlap_tp.ops.sync import PeerSignals
 from overlap_tp.ops.tile_plan import p2p_plan, ring_peers
 
@@ -341,13 +341,26 @@ class GatherBuffer:
         """Rows [lo, hi) of `peer`'s region into ours, on `stream` (one copy-engine copy)."""
         memops.copy(stream, *self.peer_copy(peer, lo, hi))
 
-    def sm_puller(self, programs: int) -> PeerPull:
-        """The pulls as a kernel of `programs` CTAs (kernels/peer_copy.py) instead of the copy engines: the same rows
-        in the same ring order, loaded by SMs over NVLink; called between ready() and finish() on the stream that
-        pulls, as pull() is."""
-        size = self.buf.element_size()
-        return PeerPull(self.buf, [(self.own[p] - self.base) // size for p in self.peers],   # the peers' regions
-                        [p * self.region_bytes // size for p in self.peers], self.row_bytes // size, programs)
+    def signaled_pull(self, programs: int, chunks, flags: torch.Tensor, describe: str) -> SignaledPull:
+        """ready(), the pulls of `chunks` (local row ranges; flags[c] raised after chunk c) and finish() as one kernel
+        of `programs` CTAs (kernels/peer_copy.py): the same rows in the same ring order, loaded by SMs over NVLink,
+        the READY exchange, the flags and PULLED as the kernel's stores and spins (no stream memory operation: ~6 us
+        per cross-GPU hop inside a graph, docs/perf/s34/README.md). Launched on the stream that would pull, after
+        stage(). A READY that never comes ends in the watchdog's report naming `describe` (the plan)."""
+        size, signals, t = self.buf.element_size(), self.signals, self.world
+        words = signals.words.data_ptr()
+
+        def word(address):   # an address of a signal word (ours or a peer's mapped here) in words from ours
+            return (address - words) // 4
+        dog = watchdog.watchdog()
+        what = f"every peer's READY signal (group of {t}, the SM pulls)"
+        return SignaledPull(self.buf, [(self.own[p] - self.base) // size for p in self.peers],   # the peers' regions
+                            [p * self.region_bytes // size for p in self.peers], self.row_bytes // size, programs,
+                            chunks, signals.words,
+                            [word(signals.local[p] + 4 * t * self.READY) for p in self.peers],
+                            [word(signals.remote[p] + 4 * t * self.READY) for p in self.peers],
+                            [word(signals.remote[p] + 4 * t * self.PULLED) for p in self.peers], flags,
+                            dog.timeout_s, dog.open_mailbox(), watchdog.wait_code(describe, what, dog.timeout_s))
 
     def finish(self, stream: int):
         self.signals.signal(stream, self.PULLED)

@@ -37,6 +37,9 @@ AG_NCCL_COMM_SMS = (8, 16)
 DECOMPOSE_CHUNKS = (2, 4, 8)
 DECOMPOSE_COMM_SMS = (0, 16)
 DECOMPOSE_P2P_CHUNKS = (1, 2, 4)   # ag_gemm's pulls per peer region (gemm_rs over p2p: one GEMM per region)
+# ag_gemm's pulls by a kernel on the SMs the signaled GEMM leaves (handshakes inside it): the fixed cost per call is
+# what it saves, so it pays where the op is short (the smoke's shapes, session 34)
+AG_SM_PULL_SMS = (16, 32)
 MAX_GROUPS = 8
 FIRST_WAVES = 2
 LAST_WAVES = 4
@@ -236,6 +239,7 @@ def candidates(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig(), *,
         for chunks in DECOMPOSE_CHUNKS:
             out.append(OverlapConfig(method="decompose", chunks=chunks, comm_sms=cs, **fix))
     out += decompose_p2p(shape, fix)
+    out += sm_pulls(shape, fix)
     if shape.op == "ag":
         lay = layout(shape, "row_slice", base.block_m, base.block_n)
         for transport, sms_options in (("nccl", [c for c in AG_NCCL_COMM_SMS if c in comm_sms or not comm_sms]),
@@ -266,6 +270,12 @@ def decompose_p2p(shape: Shape, fix) -> List[OverlapConfig]:
     pulls in DECOMPOSE_P2P_CHUNKS chunks; gemm_ar has no p2p transport."""
     chunks = {"rs": (1,), "ag": DECOMPOSE_P2P_CHUNKS}.get(shape.op, ())
     return [OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=c, **fix) for c in chunks]
+
+
+def sm_pulls(shape: Shape, fix) -> List[OverlapConfig]:
+    """ag_gemm signaled with its pulls on SMs (measured end to end: no model); none for the other ops."""
+    sms = AG_SM_PULL_SMS if shape.op == "ag" else ()
+    return [OverlapConfig(method="signal", transport="p2p", comm_sms=cs, **fix) for cs in sms]
 
 
 def space_size(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig()) -> Dict[str, int]:

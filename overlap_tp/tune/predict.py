@@ -297,6 +297,8 @@ def predict(shape: Shape, config: OverlapConfig, meas: Measurements, progress: s
         raise ValueError(f"cannot predict method={config.method!r}")
     if shape.op == "rs" and config.transport == "p2p":
         return None   # no collective to model: measured end to end only
+    if shape.op == "ag" and config.transport == "p2p" and config.comm_sms:
+        return None   # the pulls on SMs, handshakes inside their kernel: measured end to end only (candidates.sm_pulls)
     schedule = "row_slice" if shape.op == "ag" else config.schedule
     lay = layout(shape, schedule, config.block_m, config.block_n)
     t_gemm = meas.t_gemm(schedule, config.comm_sms)

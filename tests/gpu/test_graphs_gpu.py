@@ -216,24 +216,26 @@ _PEER_NEVER_REPLAYS = textwrap.dedent("""
     import os, sys, time
     import torch
     import torch.distributed as dist
-    from overlap_tp import OverlapConfig, gemm_rs
+    from overlap_tp import OverlapConfig, ag_gemm, gemm_rs
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
-    config = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    sm_pulls = os.environ["PEER_TEST_OP"] == "ag-sm-pulls"   # else gemm_rs over p2p
+    config = OverlapConfig(method="signal", transport="p2p", comm_sms=16 if sm_pulls else 0)
+    op = ag_gemm if sm_pulls else gemm_rs
     torch.manual_seed(rank)
-    a = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(2048 if sm_pulls else 4096, 2048, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16) / 64
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):        # eager: builds the plan, compiles the kernels
         for _ in range(3):
-            gemm_rs(a, w, config=config)
+            op(a, w, config=config)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        gemm_rs(a, w, config=config)
+        op(a, w, config=config)
     torch.cuda.synchronize()
     dist.barrier()
     if rank == 1:                        # alive, but never replays: rank 0's wait for its signal never passes
@@ -247,17 +249,24 @@ _PEER_NEVER_REPLAYS = textwrap.dedent("""
 """)
 
 
-def test_a_peer_that_never_replays_ends_the_waiting_rank():
-    """gemm_rs over the p2p transport captured on two ranks; only rank 0 replays. Its wait for rank 1's signal
-    must end the process within OVERLAP_TP_WATCHDOG_S (5 s) plus the kernel's report, exit code 70, with a
-    message naming the op, the transport and the signal, instead of hanging forever."""
+@pytest.mark.parametrize("op, waited_for", [
+    ("rs-p2p", "gemm_rs(M=4096, N=4096, K=2048, t=2, signal/p2p) waited 5 s for rank 1's"),
+    # the READY spin inside the SM pull kernel (kernels/peer_copy.py), beside a GEMM spinning on its flags
+    ("ag-sm-pulls", "ag_gemm(M=2048, N=4096, K=2048, t=2, signal/p2p) waited 5 s for every peer's READY signal "
+                    "(group of 2, the SM pulls)"),
+])
+def test_a_peer_that_never_replays_ends_the_waiting_rank(op, waited_for):
+    """An op captured on two ranks; only rank 0 replays. Its wait for rank 1's signal must end the process within
+    OVERLAP_TP_WATCHDOG_S (5 s) plus the kernel's report, exit code 70, with a message naming the op, the transport
+    and the signal, instead of hanging forever: gemm_rs over the p2p transport (a deadline wait kernel), ag_gemm with
+    its pulls on SMs (the pull kernel's own READY spin)."""
     gpu_world()   # skips below 2 GPUs
-    returncode, out, err, ended = run_two_ranks(_PEER_NEVER_REPLAYS, dict(os.environ, OVERLAP_TP_WATCHDOG_S="5"))
+    returncode, out, err, ended = run_two_ranks(_PEER_NEVER_REPLAYS, dict(os.environ, OVERLAP_TP_WATCHDOG_S="5",
+                                                                          PEER_TEST_OP=op))
     assert "REPLAY AT" in out, err[-3000:]
     replayed = float(out.split("REPLAY AT ")[1].split()[0])
     assert returncode == 70, err[-3000:]
-    assert "overlap_tp watchdog: gemm_rs(M=4096, N=4096, K=2048, t=2, signal/p2p) waited 5 s for rank 1's" in err, \
-        err[-3000:]
+    assert f"overlap_tp watchdog: {waited_for}" in err, err[-3000:]
     assert "in a CUDA graph replay" in err
     assert "NOT REACHED" not in out
     assert ended - replayed < 20, ended - replayed

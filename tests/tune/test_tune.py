@@ -96,10 +96,22 @@ def test_candidates_counts_and_validity():
         if c.method == "signal" and c.transport == "nccl":
             plan = make_plan(c.schedule, small.m, small.n, 2, c.block_m, c.block_n, c.groups)
             assert plan.group_tiles == tuple(g * layout(small, c.schedule, 128, 256).unit_tiles for g in c.groups)
-    # ag: nccl needs comm_sms >= 1, p2p runs on 0; no decompose-free tile_exact
+    # ag: nccl needs comm_sms >= 1, p2p's copy-engine pulls run on 0 (the modelled partitions), its SM pulls on 16 or
+    # 32 (one candidate each, measured end to end, not predicted); no decompose-free tile_exact
     ag = candidates(Shape("ag", 8192, 3072, 4096, 2), 132)
     assert {c.comm_sms for c in ag if c.method == "signal" and c.transport == "nccl"} == {8, 16}
-    assert {c.comm_sms for c in ag if c.method == "signal" and c.transport == "p2p"} == {0}
+    assert {c.comm_sms for c in ag if c.method == "signal" and c.transport == "p2p"} == {0, 16, 32}
+    sm_pulls = [c for c in ag if c.method == "signal" and c.transport == "p2p" and c.comm_sms]
+    assert [label(c) for c in sm_pulls] == ["p2p/sm16", "p2p/sm32"] and all(c.groups == "auto" for c in sm_pulls)
+    # the model predicts the copy-engine partitions from the curves and leaves the SM pulls to their measurement
+    pts = [(b, 0.01 + b / 3e8) for b in (1 << 16, 1 << 20, 1 << 24, 1 << 27)]
+    meas = Measurements(sms=132, gemm={"row_slice": {0: 0.3, 16: 0.33, 32: 0.36}}, comm={"ag_p2p": {0: pts}})
+    shape = Shape("ag", 8192, 3072, 4096, 2)
+    copy_engines = [c for c in ag if c.method == "signal" and c.transport == "p2p" and not c.comm_sms]
+    assert copy_engines and all(predict(shape, c, meas) is not None for c in copy_engines)
+    assert [predict(shape, c, meas) for c in sm_pulls] == [None, None]
+    meas.direct["p2p/sm16"] = 0.25
+    assert predict(shape, sm_pulls[0], meas) == 0.25
     ag_cublas_p2p = [c for c in ag if c.method == "decompose" and c.transport == "p2p"]
     assert sorted(c.chunks for c in ag_cublas_p2p) == [1, 2, 4] and {c.comm_sms for c in ag_cublas_p2p} == {0}
     assert "decompose-p2p/c2" in {label(c) for c in ag_cublas_p2p}

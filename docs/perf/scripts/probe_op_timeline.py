@@ -52,7 +52,11 @@ def ag_variants():
             # one chunk (three copies, no pipelining) and two: with the sweep's g3 / g4 / g8, the cost per chunk
             "g1": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=1),
             "g2": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=2),
-            "sm32": OverlapConfig(method="signal", transport="p2p", comm_sms=32),   # SM pulls on 32 SMs
+            # SM pulls on 16 / 32 SMs: one kernel per call, the handshakes and flags its own stores and spins
+            "sm16": OverlapConfig(method="signal", transport="p2p", comm_sms=16),
+            "sm32": OverlapConfig(method="signal", transport="p2p", comm_sms=32),
+            "sm32-narrow": OverlapConfig(method="signal", transport="p2p", comm_sms=32, block_n=128, num_stages=4,
+                                         num_warps=4),
             # the last chunk's tiles run one tile-time after its rows arrive: ~46 us for 128x256 at K 4096
             "narrow": OverlapConfig(method="signal", transport="p2p", comm_sms=0, block_n=128, num_stages=4,
                                     num_warps=4),
