@@ -563,7 +563,8 @@ def test_norms_write_into_the_gathered_buffers_bitwise(method):
 
 
 def check_auto_gathers_in_place(rank, world):
-    """check_gather_in_place under 'auto' with the tuner's answers fixed: linear_qkv's AllGather on p2p (signal),
+    """check_gather_in_place under 'auto' with the tuner's answers fixed: linear_qkv's AllGather on p2p (signal, its
+    pulls on 16 SMs: one kernel with the handshakes inside, a candidate the tuner measures since session 34),
     linear_fc1's on NCCL, so both branches run whatever the machine would measure (session 31: the real tuner picked
     NCCL for every AllGather of the small pair, and nothing gathered in place). The decisions are asked for where the
     layers ask the tuner (OverlapColumnParallelLinear._in_place_config, then the ag_gemm call) and kept per shape, as
@@ -576,7 +577,7 @@ def check_auto_gathers_in_place(rank, world):
         asked.append((op, n))
         if op == "ag_gemm":
             transport = "p2p" if n == qkv_n else "nccl"
-            return OverlapConfig(method="signal", transport=transport, comm_sms=0 if transport == "p2p" else 8)
+            return OverlapConfig(method="signal", transport=transport, comm_sms=16 if transport == "p2p" else 8)
         return OverlapConfig(method="signal", transport="p2p", comm_sms=0)
 
     real = config_module._auto_resolver
