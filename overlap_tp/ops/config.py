@@ -41,7 +41,8 @@ class OverlapConfig:
                  over NVLink, then a barrier and one add per rank (schedule and groups do not apply). ag_gemm:
                  `nccl` broadcasts each chunk in place (signal needs comm_sms >= 1); `p2p` pulls the peers'
                  rows with copy-engine copies from their symmetric gathered buffers (no SM), or, for `signal`
-                 with comm_sms > 0, with a copy kernel on those SMs (kernels/peer_copy.py).
+                 with comm_sms > 0, with one kernel per call on those SMs that also does the call's handshakes
+                 (kernels/peer_copy.py: the fixed cost of small AllGathers, session 34).
     comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a
                  communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
                  ag_gemm's signal over p2p: the CTAs of its pull kernel (0: the copy engines pull).

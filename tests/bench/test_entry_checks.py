@@ -65,13 +65,13 @@ def test_moe_layer_bench_counts_triton_compiles_by_kernel_and_restores_the_hook(
     knobs.runtime.jit_post_compile_hook = earlier = lambda *a, **k: seen.append(k["fn"].name)
     try:
         fn = type("JitFunctionInfo", (), {"name": "signaled_gemm_kernel"})()
-        other = type("JitFunctionInfo", (), {"name": "peer_pull_kernel"})()
+        other = type("JitFunctionInfo", (), {"name": "signaled_pull_kernel"})()
         with triton_compiles() as compiled:
             for f in (fn, other, fn):   # as Triton calls the hook: keyword arguments, fn among them
                 knobs.runtime.jit_post_compile_hook(key=0, repr="", fn=f, compile={}, is_manual_warmup=False,
                                                     already_compiled=False)
-        assert compiled == {"signaled_gemm_kernel": 2, "peer_pull_kernel": 1}
-        assert seen == ["signaled_gemm_kernel", "peer_pull_kernel", "signaled_gemm_kernel"]   # chained
+        assert compiled == {"signaled_gemm_kernel": 2, "signaled_pull_kernel": 1}
+        assert seen == ["signaled_gemm_kernel", "signaled_pull_kernel", "signaled_gemm_kernel"]   # chained
         assert knobs.runtime.jit_post_compile_hook is earlier   # put back
     finally:
         knobs.runtime.jit_post_compile_hook = original

@@ -1,9 +1,10 @@
 # How fast an AllGather's rows move between t GPUs, by what engine: the copy engines (cuMemcpyAsync through the driver,
 # as ops/p2p.py GatherBuffer does: pulls from the peers' symmetric buffers, serial in ring order or one stream per peer;
 # and pushes into them), torch's `copy_` of a peer-mapped view (what PyTorch's async-TP issues: whether the driver runs
-# it on the copy engines or as an SM kernel is the question, eager and inside a CUDA graph), and the SM pull kernel of
-# ag_gemm's p2p transport with comm_sms > 0 (kernels/peer_copy.py: K programs load the peers' rows over NVLink and
-# store them locally, BLOCK elements per program and step; K SMs taken from a GEMM).
+# it on the copy engines or as an SM kernel is the question, eager and inside a CUDA graph). Sessions 22-23 also timed
+# the SM pull kernel alone here (K programs, BLOCK elements per step: 180-300 GB/s per rank); since session 34 that
+# kernel does the call's handshakes too (kernels/peer_copy.py SignaledPull) and is measured in its op
+# (probe_op_timeline.py, `bench ops`).
 # Each eager and captured in a CUDA graph (replayed), alone and beside a GEMM on another stream.
 # Session 22 (commit 62cc94e, then without the copy_ / SM / graph modes) measured the copy engines at 210-270 GB/s per
 # rank at t = 4 however driven (docs/perf/s22/ce_copies.txt) while async-TP's AllGather+GEMM at l8b.qkv (48 MB per
@@ -18,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _symmetric_memory as symm_mem
 
-from overlap_tp.kernels.peer_copy import peer_pull_kernel
 from overlap_tp.ops import memops
 
 
@@ -28,7 +28,6 @@ dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
 group, t = dist.group.WORLD, dist.get_world_size()
 peers = [(rank + i) % t for i in range(1, t)]   # ring order
 SHARD_MB = (16, 32)                              # per rank's shard (l8b.qkv at t = 4: 16 MB, at t = 2: 32 MB)
-SM_VARIANTS = ((16, 16384), (16, 65536), (32, 16384), (32, 65536), (132, 16384))   # (programs, BLOCK)
 REPS = 20
 elems = max(SHARD_MB) << 19                      # bf16 elements of the largest shard
 buf = symm_mem.empty(t * elems, dtype=torch.bfloat16, device="cuda")   # region p: rank p's shard
@@ -36,9 +35,6 @@ handle = symm_mem.rendezvous(buf, group)
 views = [handle.get_buffer(p, buf.shape, buf.dtype) for p in range(t)]   # every rank's buffer, mapped here
 bases = [v.data_ptr() for v in views]
 streams = [torch.cuda.Stream() for _ in range(max(1, t - 1))]
-src_offsets = torch.tensor([(bases[p] - bases[rank]) // 2 + p * elems for p in peers], dtype=torch.int64,
-                           device="cuda")   # peer p's region of its buffer, in elements from ours
-dst_offsets = torch.tensor([p * elems for p in peers], dtype=torch.int64, device="cuda")
 a = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
 
@@ -52,11 +48,6 @@ def issue(mode, n):
     """Every peer's shard into our buffer (pulls) or ours into every peer's (push), n elements each."""
     current = torch.cuda.current_stream()
     nbytes = 2 * n
-    if mode.startswith("SM pull"):   # "SM pull K/BLOCK"
-        programs, block = map(int, mode.split()[-1].split("/"))
-        peer_pull_kernel[(programs,)](buf, src_offsets, dst_offsets, 0, n, PEERS=len(peers), BLOCK=block, ALIGN=16,
-                                      num_warps=8)
-        return
     per_peer = mode.endswith("per-peer") or mode.endswith("2 streams")
     used = streams[:len(peers)] if mode.endswith("per-peer") else streams[:2] if mode.endswith("2 streams") \
         else streams[:1]
@@ -79,7 +70,7 @@ def modes():
     out = ["CE pull", "CE push", "copy_ pull"]
     if t > 2:
         out += ["CE pull per-peer", "copy_ pull 2 streams"]
-    return out + [f"SM pull {k}/{b}" for k, b in SM_VARIANTS]
+    return out
 
 
 def reset():
