@@ -443,6 +443,98 @@ def test_the_simulator_catches_a_stage_without_its_pulled_wait(recorder):
             _run_gather(recorder, 2, seed, stage_waits=False)
 
 
+def _signaled_pulls(gathers, monkeypatch):
+    """Per rank, the SM pulls' kernel (GatherBuffer.signaled_pull) as built for an AgGemm with one chunk: its tables
+    (the peers' regions, the READY / PULLED words it spins on and raises), which _kernel_call_ops turns into the
+    kernel's memory operations."""
+    monkeypatch.setattr(p2p, "watchdog", SimpleNamespace(
+        watchdog=lambda: SimpleNamespace(timeout_s=0.0, open_mailbox=lambda: torch.zeros(1, dtype=torch.int64)),
+        wait_code=lambda *a: 1))
+    return [g.signaled_pull(1, [(0, g.m)], torch.zeros(1, dtype=torch.int32), "ag_gemm(test)") for g in gathers]
+
+
+def _kernel_call_ops(pull, gather, rank, call, reset_before_pulled=True):
+    """One call of the SM pull kernel (kernels/peer_copy.py) as the memory operations its programs make, in the order
+    the kernel guarantees (its last program runs the tail after every program passed the waits and did its loads):
+    READY into every peer, the waits on every peer's READY, the pulls, the GEMM's reads (its tiles wait for the
+    chunk's flag, raised after the pulls), then our READY words reset and PULLED into every peer.
+    reset_before_pulled=False: the mutation with PULLED ahead of the reset."""
+    words, size = gather.signals.words.data_ptr(), gather.buf.element_size()
+
+    def address(offsets):
+        return [words + 4 * int(o) for o in offsets.tolist()]
+    ops = [("write", a, 1) for a in address(pull.ready_out)]
+    ops += [("wait", a, 1) for a in address(pull.ready_in)]
+    lo, hi = pull.chunks.tolist()
+    for src, dst in zip(pull.src_offsets.tolist(), pull.dst_offsets.tolist()):
+        ops.append(("copy", gather.base + dst * size + lo * gather.row_bytes, gather.base + src * size + lo *
+                    gather.row_bytes, (hi - lo) * gather.row_bytes))
+    ops.append(("check", rank, call))
+    reset = [("write", a, 0) for a in address(pull.ready_in)]
+    pulled = [("write", a, 1) for a in address(pull.pulled_out)]
+    return ops + (reset + pulled if reset_before_pulled else pulled + reset)
+
+
+def _run_gather_kernel(recorder, monkeypatch, t, seed, in_place=False, reset_before_pulled=True):
+    """_run_gather's checks with the pulls done by the SM pull kernel (its handshakes inside it) after each stage."""
+    signals = _peer_signals(t, (1, 0))
+    gathers, bufs = _gather_buffers(t, signals)
+    pulls = _signaled_pulls(gathers, monkeypatch)
+    calls = 30
+    programs = {}
+    for rank, g in enumerate(gathers):
+        for call in range(calls):
+            if in_place:
+                region = g.claim(rank, False)
+                recorder.emit(rank, ("copy", g.own[rank], 0, 16))   # the producer's kernel writes the region
+                g.stage(rank, region, False)
+                del region
+            else:
+                g.stage(rank, torch.full((1, 4), call, dtype=torch.int32), False)
+            for op in _kernel_call_ops(pulls[rank], g, rank, call, reset_before_pulled):
+                recorder.emit(rank, op)
+        programs[rank] = recorder.take()[rank]
+    published = [-1] * t
+    pulled = [[-1] * t for _ in range(t)]
+    region = {bufs[r].data_ptr() + p * 16: (r, p) for r in range(t) for p in range(t)}
+
+    def act(stream, op):
+        if op[0] == "copy":
+            r, p = region[op[1]]
+            if r == p:
+                for q in range(t):
+                    assert q == p or pulled[q][p] == published[p], \
+                        f"rank {p} overwrote its region before rank {q} pulled call {published[p]}"
+                published[p] += 1
+            else:
+                assert op[2] == gathers[p].own[p], "a pull reads the peer's own region"
+                pulled[r][p] = published[p]
+        elif op[0] == "check":
+            _, rank, call = op
+            assert published[rank] == call and all(pulled[rank][p] == call for p in range(t) if p != rank), \
+                (rank, call, pulled[rank])
+
+    run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed))
+    assert published == [calls - 1] * t
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (3, 2), (4, 3)])
+def test_sm_pull_kernel_keeps_the_gather_protocol(recorder, monkeypatch, t, seed):
+    """The SM pulls' kernel resets our READY words at its end, not right after its wait as the stream memory
+    operations do: still no rank overwrites a region a peer is pulling, every GEMM sees its call's rows, and no READY
+    is lost (a lost one deadlocks the next call), staged and written in place; its tables address every peer's
+    region and words once."""
+    _run_gather_kernel(recorder, monkeypatch, t, seed)
+    _run_gather_kernel(recorder, monkeypatch, t, seed, in_place=True)
+
+
+def test_the_simulator_catches_a_pull_kernel_raising_pulled_before_its_reset(recorder, monkeypatch):
+    """PULLED ahead of the READY reset lets a peer's READY of the next call land before the reset wipes it."""
+    with pytest.raises(AssertionError, match="deadlock"):
+        for seed in range(20):
+            _run_gather_kernel(recorder, monkeypatch, 2, seed, reset_before_pulled=False)
+
+
 @pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (3, 2), (4, 3)])
 def test_gather_buffer_written_in_place_by_its_producer_never_overwrites_a_region_being_pulled(recorder, t, seed):
     """claim() is the stage's PULLED wait moved ahead of the producer: the producer's write never lands on a region a
