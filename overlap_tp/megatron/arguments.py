@@ -83,7 +83,9 @@ def add_overlap_args(parser):
         "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
         help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "
              "0 gives the GEMM every SM. With --overlap-tp-transport p2p and --overlap-tp signal, N > 0 runs the "
-             "AllGathers' pulls as a kernel on those N SMs instead of the copy engines. Default: OverlapConfig's "
+             "AllGathers' pulls as one kernel per call on those N SMs instead of the copy engines, with the call's "
+             "handshakes inside it: faster where the AllGather is short (the smoke's shapes), slower where the GEMM "
+             "needs the SMs (the 8B shapes); --overlap-tp auto measures it. Default: OverlapConfig's "
              "default (16) for NCCL, 0 for the p2p transports, 4 for the MoE expert ops.")
     group.add_argument(
         "--overlap-tp-copy-lanes", type=int, default=None, metavar="N",
