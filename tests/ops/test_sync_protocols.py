@@ -379,6 +379,16 @@ def _run_gather(recorder, t, seed, stage_waits=True, in_place=False, plan_pulls=
             if not plan_pulls:
                 g.finish(rank)
         programs[rank] = recorder.take()[rank]
+    act, published = _gather_checks(gathers, bufs)
+    run(programs, Memory(*[s.words for s in signals], *flags), act, random.Random(seed))
+    assert published == [calls - 1] * t
+
+
+def _gather_checks(gathers, bufs):
+    """The checks of a simulated AllGather run, as act(stream, op) for run(), and the list of each rank's last staged
+    call: a rank's staging copy must not land before every peer pulled its previous shard, and a rank's GEMM ("check")
+    must see every peer's shard of its call."""
+    t = len(gathers)
     published = [-1] * t
     pulled = [[-1] * t for _ in range(t)]   # pulled[r][p]: the call of p's shard that r's buffer holds
     region = {bufs[r].data_ptr() + p * 16: (r, p) for r in range(t) for p in range(t)}
@@ -398,9 +408,7 @@ def _run_gather(recorder, t, seed, stage_waits=True, in_place=False, plan_pulls=
             _, rank, call = op
             assert published[rank] == call and all(pulled[rank][p] == call for p in range(t) if p != rank), \
                 (rank, call, pulled[rank])
-
-    run(programs, Memory(*[s.words for s in signals], *flags), act, random.Random(seed))
-    assert published == [calls - 1] * t
+    return act, published
 
 
 @pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (2, 2), (3, 3), (4, 4)])
@@ -494,26 +502,7 @@ def _run_gather_kernel(recorder, monkeypatch, t, seed, in_place=False, reset_bef
             for op in _kernel_call_ops(pulls[rank], g, rank, call, reset_before_pulled):
                 recorder.emit(rank, op)
         programs[rank] = recorder.take()[rank]
-    published = [-1] * t
-    pulled = [[-1] * t for _ in range(t)]
-    region = {bufs[r].data_ptr() + p * 16: (r, p) for r in range(t) for p in range(t)}
-
-    def act(stream, op):
-        if op[0] == "copy":
-            r, p = region[op[1]]
-            if r == p:
-                for q in range(t):
-                    assert q == p or pulled[q][p] == published[p], \
-                        f"rank {p} overwrote its region before rank {q} pulled call {published[p]}"
-                published[p] += 1
-            else:
-                assert op[2] == gathers[p].own[p], "a pull reads the peer's own region"
-                pulled[r][p] = published[p]
-        elif op[0] == "check":
-            _, rank, call = op
-            assert published[rank] == call and all(pulled[rank][p] == call for p in range(t) if p != rank), \
-                (rank, call, pulled[rank])
-
+    act, published = _gather_checks(gathers, bufs)
     run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed))
     assert published == [calls - 1] * t
 
