@@ -103,7 +103,7 @@ def building():
 
 
 def install():
-    from overlap_tp.kernels import launch, signaled_gemm, sum_slots
+    from overlap_tp.kernels import launch, peer_copy, signaled_gemm, sum_slots
     from overlap_tp.ops import comm, common, memops, nccl, watchdog
     from torch.distributed import _symmetric_memory as symm_mem
 
@@ -125,9 +125,11 @@ def install():
             self._tma_meta, self._launch, self._flags = [meta, meta], _ok, (False, False)
             self._fill, self._dtype_to_host, self._descriptors = (lambda *a: object()), {0: 0}, {}
 
-    signaled_gemm.DirectKernel = sum_slots.DirectKernel = Kernel
+    signaled_gemm.DirectKernel = sum_slots.DirectKernel = peer_copy.DirectKernel = Kernel
     signaled_gemm._jit_launch = lambda grid, args, options: _ok()
-    sum_slots.sum_slots_kernel = type("Jit", (), {"__getitem__": lambda self, grid: lambda *a, **k: _ok()})()
+    jit = type("Jit", (), {"__getitem__": lambda self, grid: lambda *a, **k: _ok()})()
+    sum_slots.sum_slots_kernel = peer_copy.signaled_pull_kernel = jit
+    watchdog.watchdog().open_mailbox(torch.zeros(1, dtype=torch.int64))   # the SM pulls' deadline (no pinned memory)
 
     def mm(*args, out=None, **kwargs):
         COUNT["driver"] += 1
@@ -189,7 +191,9 @@ def cases():
             ("ar nccl", "ar", 1024, 512, 64, nccl), ("rs cublas-p2p", "rs", 1024, 512, 64, cublas_p2p),
             ("ag cublas-p2p", "ag", 1024, 384, 64, cublas_p2p),
             ("ag p2p by-peer", "ag", 1024, 384, 64, OverlapConfig(method="signal", transport="p2p", comm_sms=0,
-                                                                   chunk_by="peer"))]
+                                                                   chunk_by="peer")),
+            # the pulls on 16 SMs: one kernel launch with the handshakes inside (session 34)
+            ("ag p2p sm16", "ag", 1024, 384, 64, OverlapConfig(method="signal", transport="p2p", comm_sms=16))]
 
 
 def per_call_us(fn, a, w, calls, reps):
