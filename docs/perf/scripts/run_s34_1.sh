@@ -6,8 +6,10 @@
 # after session 33's calls, never yet on a GPU; it checks each variant's output against method 'off' first); its
 # bit-for-bit GPU tests are the new cases in tests/gpu/test_ag_gemm_gpu.py and test_graphs_gpu.py.
 source docs/perf/scripts/setup_device.sh
-export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONFAULTHANDLER=1 DEADLINE_S=${DEADLINE_S:-190}
+export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONFAULTHANDLER=1 DEADLINE_S=${DEADLINE_S:-200}
 workdir s34_1
 nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
-step ag_timeline 160 torchrun --nproc-per-node 4 $REPO/docs/perf/scripts/probe_op_timeline.py --op ag --shape 8192,4096,1536
+# session 34: the variants that answer the question, the SM pulls (handshakes inside their kernel) among them
+step ag_timeline 170 torchrun --nproc-per-node 4 $REPO/docs/perf/scripts/probe_op_timeline.py --op ag --shape 8192,4096,1536 \
+  --variants ours,g1,g2,sm16,sm32,narrow,narrow-763,by-peer,cublas-by-peer,lanes2
 grep -E "^## " $W/ag_timeline.out
