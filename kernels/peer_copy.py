@@ -17,7 +17,7 @@ call (the READY exchange, a flag per chunk, PULLED); here they are stores and sp
     per chunk c:      its share of the chunk's rows; then counts itself on counters[c] (acq_rel, gpu scope);
                       the chunk's last program resets the counter and raises flags[c] (release): the GEMM's tiles of
                       chunk c wait on it (acquire + fence.proxy.async before their TMA loads, kernels/signaled_gemm.py)
-    the last program: resets our READY words and the counters, then PULLED -> every peer (release, system scope):
+    the last program: resets our READY words and its own counter, then PULLED -> every peer (release, system scope):
                       its loads of the peer's region are done, the peer may stage its next shard there
 
 The READY words are reset before PULLED goes out, as GatherBuffer's memory operations do (its order argument holds

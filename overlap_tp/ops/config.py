@@ -59,8 +59,8 @@ class OverlapConfig:
                  peer, 'auto' aiming at the same ~16 MB per chunk: one per peer at the 8B shapes at t = 4), as
                  PyTorch's async-TP pulls whole shards. Why: on l8b.qkv at t = 4 async-TP's AllGather+GEMM took 0.216
                  ms against 0.310 for 'rows', and more 'rows' chunks were slower (docs/perf/s33); 'peer' needs t - 1
-                 copies where 'rows' needs (t - 1) x chunks. Not yet measured. Method 'decompose' the same: `chunks`
-                 per peer, each pulled, then multiplied, peer by peer.
+                 copies where 'rows' needs (t - 1) x chunks. At t = 2 it ties 'rows' (session 34); t = 4 not yet
+                 measured. Method 'decompose' the same: `chunks` per peer, each pulled, then multiplied, peer by peer.
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
     tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
                  tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much
