@@ -12,15 +12,19 @@ source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=${DEADLINE_S:-590}
 workdir s35_x2_1
 nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
-cp $REPO/docs/perf/s34/smoke_tune.json $W/tune_auto.json
-python3 - $W/tune_auto.json $W/tune_qkv_p2p.json <<'PY'
+python3 - $REPO/docs/perf/s34/smoke_tune.json $W/tune_auto.json $W/tune_qkv_p2p.json "$(head -1 $W/cards.txt)" <<'PY'
 import json, sys
 cache = json.load(open(sys.argv[1]))
+# session 34's decisions were measured on H200s; on other cards the keys take the card's name (the decisions as they
+# are: the experiment is about qkv's decision, not about re-measuring the others)
+cache["entries"] = {sys.argv[4] + k[k.index("|"):]: dict(v, stamp=dict(v["stamp"], device=sys.argv[4]))
+                    for k, v in cache["entries"].items()}
+json.dump(cache, open(sys.argv[2], "w"), indent=1)
 entries = cache["entries"]
 qkv = next(k for k in entries if "|ag|" in k and "|4096x768x1024|" in k)
 fc1 = next(k for k in entries if "|ag|" in k and "|4096x2816x1024|" in k)   # its decision is p2p/sm16
 entries[qkv] = dict(entries[qkv], config=dict(entries[fc1]["config"]), label="p2p/sm16", how="edited (session 34)")
-json.dump(cache, open(sys.argv[2], "w"), indent=1)
+json.dump(cache, open(sys.argv[3], "w"), indent=1)
 print("qkv:", entries[qkv]["label"], entries[qkv]["config"]["comm_sms"], entries[qkv]["config"]["transport"])
 PY
 i=0
