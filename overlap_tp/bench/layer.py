@@ -100,7 +100,7 @@ def configurations(device_type):
     decompose_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # chunks: the flag's default
     p2p_lanes2 = OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2)
     p2p_sm16 = OverlapConfig(method="signal", transport="p2p", comm_sms=16)
-    p2p_peers = OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer")
+    p2p_rows = OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="rows")
     return {
         "megatron": ("megatron", None, False),
         "nocomm": ("megatron", None, True),
@@ -125,8 +125,9 @@ def configurations(device_type):
         # AllGather (OverlapColumnParallelLinear._in_place_config)
         "auto-inplace": ("ours", OverlapConfig(method="auto"), False),
         "signal-p2p-inplace-dw": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
-        # the same with the AllGathers' pulls one peer per chunk (chunk_by 'peer': one copy per chunk)
-        "signal-p2p-bypeer-inplace-dw": ("ours", {"ag_gemm": p2p_peers, "gemm_rs": p2p, "gemm_ar": signal}, False),
+        # the same with the AllGathers' pulls cut by rows at any t (signal-p2p pulls one peer per chunk where t > 2:
+        # chunk_by 'auto')
+        "signal-p2p-byrows-inplace-dw": ("ours", {"ag_gemm": p2p_rows, "gemm_rs": p2p, "gemm_ar": signal}, False),
     }
 
 

@@ -71,15 +71,17 @@ def ours_variants(op, sweep):
     AllGather+GEMM on the p2p transports with their GEMMs on every SM, GEMM+AllReduce on NCCL per-group
     collectives. `nccl` (GEMM+RS: the signaled GEMM + per-group NCCL reduce-scatters, 16 SMs to NCCL) and
     `cublas-p2p` (method decompose over the same p2p transports: cuBLAS GEMMs, no Triton GEMM) are always timed
-    next to it, and for AllGather+GEMM its pulls on 16 and 32 SMs (comm_sms > 0) and both pulling one peer's rows per
-    chunk (`/by-peer`: chunk_by 'peer'); --sweep adds the schedule x groups x comm_sms corners that won in earlier
+    next to it, and for AllGather+GEMM its pulls on 16 and 32 SMs (comm_sms > 0), both pulling one peer's rows per
+    chunk (`/by-peer`: chunk_by 'peer', what `ours` runs where t > 2) and ours with row chunks (`p2p/by-rows`); --sweep adds the schedule x groups x comm_sms corners that won in earlier
     runs (docs/perf/) and, for AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     cublas_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # 4 chunks, as the flags give
     if op == "ag":
         variants = {"ours": p2p, "cublas-p2p": cublas_p2p,
-                    # one peer's rows per chunk, one copy each, as async-TP pulls (chunk_by 'peer')
+                    # one peer's rows per chunk, one copy each, as async-TP pulls (chunk_by 'peer'; `ours` where
+                    # t > 2), and the same rows of every peer per chunk (chunk_by 'rows'; `ours` at t = 2)
                     "p2p/by-peer": OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer"),
+                    "p2p/by-rows": OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="rows"),
                     "cublas-p2p/by-peer": OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=1,
                                                         chunk_by="peer")}
         for sms in (16, 32):   # the pulls by a kernel on the SMs the GEMM leaves (comm_sms), not the copy engines

@@ -33,7 +33,8 @@ Methods (OverlapConfig.method):
                      and spins, where the copy engines' path has stream memory operations (~6 us per cross-GPU hop
                      inside a graph against ~1-2, session 34): one launch per call (GatherBuffer.signaled_pull).
                      chunk_by 'peer' (copy engines, one lane) cuts the chunks by peer instead of by rows: one
-                     copy per chunk, each chunk's tiles waiting for that peer's rows only (OverlapConfig.chunk_by).
+                     copy per chunk, each chunk's tiles waiting for that peer's rows only (OverlapConfig.chunk_by;
+                     its default 'auto' takes it where t > 2).
   auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer.
 """
@@ -46,7 +47,7 @@ import torch.distributed as dist
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
 from overlap_tp.ops import comm, memops
 from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, check_not_capturing, gemm_programs
-from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.config import OverlapConfig, chunk_by_for
 from overlap_tp.ops.p2p import GatherBuffer
 from overlap_tp.ops.reduction import after_work, joined
 from overlap_tp.ops.tile_plan import ag_plan
@@ -141,6 +142,10 @@ class AgGemm(OpPlan):
         else:
             self._run = self._off
         self.out_shape = (t * m, n)
+
+    def _resolve(self, config: OverlapConfig) -> OverlapConfig:
+        """OpPlan's resolution, then chunk_by 'auto' for this group's size (config.chunk_by_for)."""
+        return chunk_by_for(super()._resolve(config), self.t)
 
     def _pull_into_gather_buffer(self):
         """The p2p transport's state: the shape's gathered buffer (shared with the other AllGathers of the shape) and

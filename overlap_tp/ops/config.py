@@ -6,7 +6,7 @@ from typing import Callable, Optional, Tuple, Union
 METHODS = ("signal", "decompose", "off", "auto")
 SCHEDULES = ("row_slice", "tile_exact")
 TRANSPORTS = ("nccl", "p2p")
-CHUNK_BY = ("rows", "peer")
+CHUNK_BY = ("auto", "rows", "peer")
 
 
 @dataclass(frozen=True)
@@ -57,10 +57,16 @@ class OverlapConfig:
                  one ready flag per chunk; `groups` counts chunks). 'peer': chunk c is a run of row-slices of one
                  peer's region, the peers in ring order (one copy and one flag per chunk; `groups` counts chunks per
                  peer, 'auto' aiming at the same ~16 MB per chunk: one per peer at the 8B shapes at t = 4), as
-                 PyTorch's async-TP pulls whole shards. Why: on l8b.qkv at t = 4 async-TP's AllGather+GEMM took 0.216
-                 ms against 0.310 for 'rows', and more 'rows' chunks were slower (docs/perf/s33); 'peer' needs t - 1
-                 copies where 'rows' needs (t - 1) x chunks. At t = 2 it ties 'rows' (session 34); t = 4 not yet
-                 measured. Method 'decompose' the same: `chunks` per peer, each pulled, then multiplied, peer by peer.
+                 PyTorch's async-TP pulls whole shards: t - 1 copies where 'rows' needs (t - 1) x chunks. Method
+                 'decompose' the same: `chunks` per peer, each pulled, then multiplied, peer by peer.
+                 'auto' (the default; chunk_by_for): 'peer' for method 'signal' on those copy-engine pulls with
+                 `groups` 'auto' where the group has more than two ranks, else 'rows'. Measured under graphs at
+                 t = 4 (four H100s, session 35): 'peer' faster on all four AllGather shapes of `bench ops` (l8b.qkv
+                 0.298 -> 0.242 ms, l70b.qkv 0.602 -> 0.518; async-TP 0.226 / 0.494), one 8B layer 1.054 -> 1.044 of
+                 the no-communication counterfactual; the copies of one whole peer region run at ~350 GB/s where
+                 the rows' smaller ones ran at ~270 with ~2 us between them. At t = 2 (one peer) the two cut the
+                 same rows and tie (session 34), so 'auto' keeps 'rows' there; explicit `groups` (the tuner's
+                 partitions) mean row chunks, as the tuner's model of them does.
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
     tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
                  tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much
@@ -76,7 +82,7 @@ class OverlapConfig:
     comm_sms: int = 16
     chunks: int = 4
     copy_lanes: int = 1
-    chunk_by: str = "rows"
+    chunk_by: str = "auto"
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
@@ -146,6 +152,17 @@ def tile_for_shape(config: "OverlapConfig", m: int, n: int, programs: int) -> "O
         return replace(config, **NARROW_TILE)
     return config
 
+
+
+def chunk_by_for(config: "OverlapConfig", t: int) -> "OverlapConfig":
+    """The config with chunk_by 'auto' resolved for a group of t ranks (see OverlapConfig.chunk_by): 'peer' where
+    the signaled AllGather+GEMM pulls with the copy engines (transport 'p2p', comm_sms 0, one copy lane) in the
+    default groups and t > 2, else 'rows'. Any explicit chunk_by is kept."""
+    if config.chunk_by != "auto":
+        return config
+    by_peer = (t > 2 and config.method == "signal" and config.transport == "p2p" and config.comm_sms == 0
+               and config.copy_lanes == 1 and config.groups == "auto")
+    return replace(config, chunk_by="peer" if by_peer else "rows")
 
 # The expert ops' (a2a_gemm, gemm_a2a) defaults where they differ from OverlapConfig's: at EP = 2 over
 # NVLink the all-to-all is 3-10% of the grouped GEMM, so 16 SMs taken from the GEMM cost more than the

@@ -8,7 +8,8 @@ Per op:
   ag (ag_gemm)
       off; decompose as above, and over p2p with chunks in {1, 2, 4} (CUDA only); signal with transport
       nccl (comm_sms in {8, 16}: a GEMM that spins on a chunk's flag on every SM would starve NCCL) or p2p
-      (copy engine, comm_sms 0) x chunk partitions.
+      (copy engine, comm_sms 0) x chunk partitions; signal/p2p with its pulls on {16, 32} SMs (sm_pulls) and, where
+      t > 2, with one peer's rows per chunk (peer_pulls): both measured end to end, not modelled.
 
 Partitions (FlashOverlap Alg. 1, adapted). Group sizes are in schedule units, as OverlapConfig.groups
 and overlap_tp.ops.tile_plan.split_units take them: row_slice = row-slices of block_m rows (of every rank's
@@ -217,6 +218,8 @@ def label(config: OverlapConfig) -> str:
         return f"decompose/c{config.chunks}/sm{config.comm_sms}"
     groups = config.groups
     g = "-".join(map(str, groups)) if isinstance(groups, tuple) else str(groups)
+    if config.chunk_by == "peer":
+        return "p2p/by-peer" + ("" if groups == "auto" else f"/g{g}")
     if config.transport == "p2p" and not isinstance(groups, tuple):
         return f"p2p/sm{config.comm_sms}"
     return f"{config.schedule}/{config.transport}/sm{config.comm_sms}/g{g}"
@@ -239,7 +242,7 @@ def candidates(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig(), *,
         for chunks in DECOMPOSE_CHUNKS:
             out.append(OverlapConfig(method="decompose", chunks=chunks, comm_sms=cs, **fix))
     out += decompose_p2p(shape, fix)
-    out += sm_pulls(shape, fix)
+    out += sm_pulls(shape, fix) + peer_pulls(shape, fix)
     if shape.op == "ag":
         lay = layout(shape, "row_slice", base.block_m, base.block_n)
         for transport, sms_options in (("nccl", [c for c in AG_NCCL_COMM_SMS if c in comm_sms or not comm_sms]),
@@ -276,6 +279,14 @@ def sm_pulls(shape: Shape, fix) -> List[OverlapConfig]:
     """ag_gemm signaled with its pulls on SMs (measured end to end: no model); none for the other ops."""
     sms = AG_SM_PULL_SMS if shape.op == "ag" else ()
     return [OverlapConfig(method="signal", transport="p2p", comm_sms=cs, **fix) for cs in sms]
+
+
+def peer_pulls(shape: Shape, fix) -> List[OverlapConfig]:
+    """ag_gemm signaled, its copy-engine pulls one peer's rows per chunk (chunk_by 'peer'), where t > 2 (at t = 2 the
+    one peer's chunks are the row chunks): measured end to end (no model); none for the other ops."""
+    if shape.op != "ag" or shape.t <= 2:
+        return []
+    return [OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer", **fix)]
 
 
 def space_size(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig()) -> Dict[str, int]:

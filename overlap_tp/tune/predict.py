@@ -299,6 +299,8 @@ def predict(shape: Shape, config: OverlapConfig, meas: Measurements, progress: s
         return None   # no collective to model: measured end to end only
     if shape.op == "ag" and config.transport == "p2p" and config.comm_sms:
         return None   # the pulls on SMs, handshakes inside their kernel: measured end to end only (candidates.sm_pulls)
+    if shape.op == "ag" and config.chunk_by == "peer":
+        return None   # one peer's rows per chunk: measured end to end only (candidates.peer_pulls)
     schedule = "row_slice" if shape.op == "ag" else config.schedule
     lay = layout(shape, schedule, config.block_m, config.block_n)
     t_gemm = meas.t_gemm(schedule, config.comm_sms)

@@ -17,7 +17,7 @@ from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, ag_gemm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.common import gemm_programs
-from overlap_tp.ops.config import tile_for_shape
+from overlap_tp.ops.config import chunk_by_for, tile_for_shape
 from overlap_tp.ops.tile_plan import ag_plan
 
 pytestmark = pytest.mark.gpu
@@ -40,6 +40,8 @@ CONFIGS = {
     "p2p/g8/sm8": OverlapConfig(method="signal", transport="p2p", comm_sms=8, groups=8),
     # one peer's rows per chunk, one copy each (chunk_by 'peer'), and cuBLAS over them peer by peer
     "p2p/by-peer": OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer"),
+    # "p2p" is by peer where t > 2 (chunk_by 'auto'); the row chunks explicitly
+    "p2p/by-rows": OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="rows"),
     "p2p/by-peer/g3": OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer", groups=3),
     "cublas-p2p/by-peer": OverlapConfig(method="decompose", transport="p2p", chunks=1, chunk_by="peer"),
 }
@@ -49,7 +51,7 @@ def after_full_gather(gathered, w, config, rank, world):
     """The same kernel over the same tiles, with no waits, once every row is in place (the tile the op's plan
     resolves for the shape: tile_for_shape)."""
     m, k = gathered.shape
-    config = tile_for_shape(config, m, w.shape[0], gemm_programs(gathered.device, config))
+    config = chunk_by_for(tile_for_shape(config, m, w.shape[0], gemm_programs(gathered.device, config)), world)
     tiles = ag_plan(m, w.shape[0], k, world, rank, config.block_m, config.block_n, config.groups,
                     chunk_by=config.chunk_by).tiles.cuda()
     out = torch.empty(m, w.shape[0], dtype=gathered.dtype, device="cuda")

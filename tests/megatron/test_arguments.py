@@ -60,7 +60,10 @@ def test_chunk_by_reaches_the_allgathers_and_what_it_needs():
     assert parser.parse_args([]).overlap_tp_chunk_by is None
     configs = layer_configs(parser.parse_args(["--overlap-tp", "signal", "--overlap-tp-chunk-by", "peer"]))
     assert (configs["ag_gemm"].transport, configs["ag_gemm"].chunk_by) == ("p2p", "peer")
-    assert layer_configs(parser.parse_args(["--overlap-tp", "signal"]))["ag_gemm"].chunk_by == "rows"
+    # the default leaves it to the plan (chunk_by_for: by peer where TP > 2)
+    assert layer_configs(parser.parse_args(["--overlap-tp", "signal"]))["ag_gemm"].chunk_by == "auto"
+    assert layer_configs(parser.parse_args(["--overlap-tp", "signal", "--overlap-tp-chunk-by", "rows"]))[
+        "ag_gemm"].chunk_by == "rows"
     with pytest.raises(SystemExit):
         parser.parse_args(["--overlap-tp-chunk-by", "ring"])
     for ok in (dict(overlap_tp="signal"), dict(overlap_tp="decompose", overlap_tp_transport="p2p"),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from overlap_tp import OverlapConfig, ag_gemm
+from overlap_tp.ops.ag_gemm import AgGemm
 from distributed import run_distributed
 from problems import SMALL_TILES, assert_each_raises, dense_problem, rel_error
 
@@ -40,6 +41,9 @@ def _check(rank, world):
     first = ag_gemm(shard, w, config=CONFIGS[2])
     for _ in range(3):
         assert torch.equal(ag_gemm(shard, w, config=CONFIGS[2]), first)
+    # a plan resolves chunk_by 'auto' for its group (chunk_by_for: NCCL broadcasts cut by rows at any t)
+    plan = AgGemm(None, 64 // world, 64, 32, torch.bfloat16, shard.device, CONFIGS[2])
+    assert CONFIGS[2].chunk_by == "auto" and plan.config.chunk_by == "rows"
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from overlap_tp import OverlapConfig
@@ -68,3 +70,23 @@ def test_the_rule_counts_the_gemms_own_sms():
     # smoke fc2 dgrad beside 16 NCCL SMs: 192 default tiles on 116 programs = 2 waves, 352 narrow ones = 4
     assert tile_for_shape(SIGNAL, 4096, 1408, programs=116).block_n == 256
     assert tile_for_shape(SIGNAL, 4096, 1408, programs=132).block_n == 128
+
+
+def test_chunk_by_auto_pulls_by_peer_only_where_t_exceeds_two_on_the_copy_engines():
+    """chunk_by 'auto' (the default): 'peer' for the signaled AllGather's copy-engine pulls in the default groups at
+    t > 2 (measured faster on every 8B / 70B AllGather shape at t = 4, session 35), 'rows' everywhere else; an
+    explicit choice is kept as it is."""
+    from overlap_tp.ops.config import chunk_by_for
+    p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    assert OverlapConfig().chunk_by == "auto"
+    assert chunk_by_for(p2p, 4).chunk_by == "peer" and chunk_by_for(p2p, 8).chunk_by == "peer"
+    assert chunk_by_for(p2p, 3).chunk_by == "peer"
+    assert chunk_by_for(p2p, 2).chunk_by == "rows" and chunk_by_for(p2p, 1).chunk_by == "rows"
+    assert chunk_by_for(p2p, 4) == replace(p2p, chunk_by="peer")   # nothing else changes
+    for other in (replace(p2p, comm_sms=16), replace(p2p, copy_lanes=2), replace(p2p, groups=4),
+                  replace(p2p, groups=(2, 3)), replace(p2p, transport="nccl", comm_sms=16),
+                  replace(p2p, method="decompose"), replace(p2p, method="off")):
+        assert chunk_by_for(other, 4).chunk_by == "rows", other
+    for explicit in ("rows", "peer"):
+        assert chunk_by_for(replace(p2p, chunk_by=explicit), 2).chunk_by == explicit
+        assert chunk_by_for(replace(p2p, chunk_by=explicit), 4).chunk_by == explicit

@@ -112,6 +112,16 @@ def test_candidates_counts_and_validity():
     assert [predict(shape, c, meas) for c in sm_pulls] == [None, None]
     meas.direct["p2p/sm16"] = 0.25
     assert predict(shape, sm_pulls[0], meas) == 0.25
+    # at t > 2 also the pulls one peer per chunk (chunk_by 'peer'), measured end to end; none at t = 2
+    assert not [c for c in ag if c.chunk_by == "peer"]
+    ag4 = candidates(Shape("ag", 8192, 1536, 4096, 4), 132)
+    by_peer = [c for c in ag4 if c.chunk_by == "peer"]
+    assert [label(c) for c in by_peer] == ["p2p/by-peer"] and by_peer[0].groups == "auto"
+    assert (by_peer[0].method, by_peer[0].transport, by_peer[0].comm_sms) == ("signal", "p2p", 0)
+    assert predict(Shape("ag", 8192, 1536, 4096, 4), by_peer[0], meas) is None
+    # the modelled partitions keep row chunks (explicit groups: chunk_by 'auto' resolves to 'rows' for them)
+    assert all(isinstance(c.groups, tuple) for c in ag4 if c.transport == "p2p" and c.method == "signal"
+               and not c.comm_sms and c.chunk_by != "peer")
     ag_cublas_p2p = [c for c in ag if c.method == "decompose" and c.transport == "p2p"]
     assert sorted(c.chunks for c in ag_cublas_p2p) == [1, 2, 4] and {c.comm_sms for c in ag_cublas_p2p} == {0}
     assert "decompose-p2p/c2" in {label(c) for c in ag_cublas_p2p}

@@ -1,7 +1,8 @@
 # Session 35's second four-GPU call (~5 min): `COMMIT=<sha> bash docs/perf/scripts/run_s35_x4_2.sh` (carry [".whl"]).
 # The rest of run_s34_2.sh: one 8B layer at t = 4 under graphs, signal-p2p-inplace-dw (session 32: 0.897 of
 # Megatron's) against the same with chunk_by 'peer', 4 rounds; then 200 graph replays of every op at t = 4.
-# Predicted, if the copies set the per-chunk cost: the layer -0.05 to -0.1 ms with by-peer.
+# Predicted, if the copies set the per-chunk cost: the layer -0.05 to -0.1 ms with by-peer. (Ran at 6605e2c; since,
+# chunk_by 'auto' makes signal-p2p-inplace-dw pull by peer at t > 2, and the rows are signal-p2p-byrows-inplace-dw.)
 source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONFAULTHANDLER=1 DEADLINE_S=${DEADLINE_S:-590}
 workdir s35_x4_2
