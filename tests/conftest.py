@@ -16,6 +16,7 @@ import os
 import pytest
 import torch
 
+import distributed
 import leftovers
 
 if not torch.cuda.is_available():
@@ -42,10 +43,10 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     if "before" not in _SESSION:
         return
-    # multiprocessing's resource tracker is pytest's own helper (started by the first mp.spawn; it ends
-    # with pytest), not something a test left behind
+    # multiprocessing's resource tracker and fork server are pytest's own helpers (started by the first
+    # run_distributed; they end with pytest), not something a test left behind
     tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
-    left = leftovers.leftovers(_SESSION["before"], exclude={tracker})
+    left = leftovers.leftovers(_SESSION["before"], exclude={tracker, distributed.fork_server_pid()})
     if not left:
         return
     lines = [leftovers.describe(p) for p in left]
