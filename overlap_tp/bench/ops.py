@@ -72,8 +72,9 @@ def ours_variants(op, sweep):
     collectives. `nccl` (GEMM+RS: the signaled GEMM + per-group NCCL reduce-scatters, 16 SMs to NCCL) and
     `cublas-p2p` (method decompose over the same p2p transports: cuBLAS GEMMs, no Triton GEMM) are always timed
     next to it, and for AllGather+GEMM its pulls on 16 and 32 SMs (comm_sms > 0), both pulling one peer's rows per
-    chunk (`/by-peer`: chunk_by 'peer', what `ours` runs where t > 2) and ours with row chunks (`p2p/by-rows`); --sweep adds the schedule x groups x comm_sms corners that won in earlier
-    runs (docs/perf/) and, for AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
+    chunk (`/by-peer`: chunk_by 'peer', what `ours` runs where t > 2) and ours with row chunks (`p2p/by-rows`);
+    --sweep adds the schedule x groups x comm_sms corners that won in earlier runs (docs/perf/) and, for
+    AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     cublas_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # 4 chunks, as the flags give
     if op == "ag":

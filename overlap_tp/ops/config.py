@@ -62,9 +62,10 @@ class OverlapConfig:
                  'auto' (the default; chunk_by_for): 'peer' for method 'signal' on those copy-engine pulls with
                  `groups` 'auto' where the group has more than two ranks, else 'rows'. Measured under graphs at
                  t = 4 (four H100s, session 35): 'peer' faster on all four AllGather shapes of `bench ops` (l8b.qkv
-                 0.298 -> 0.242 ms, l70b.qkv 0.602 -> 0.518; async-TP 0.226 / 0.494), one 8B layer 1.054 -> 1.044 of
-                 the no-communication counterfactual; the copies of one whole peer region run at ~350 GB/s where
-                 the rows' smaller ones ran at ~270 with ~2 us between them. At t = 2 (one peer) the two cut the
+                 0.298 -> 0.242 ms, l70b.qkv 0.602 -> 0.518; async-TP 0.226 / 0.494), one 8B layer 1.061 -> 1.037
+                 of the no-communication counterfactual, the 70B layer 1.024 -> 1.005, llama3-8b at TP 4 -0.6% per
+                 iteration (docs/perf/s35): one whole peer region is copied at ~350 GB/s, a third of it at ~280 with
+                 2-5 us after each copy. At t = 2 (one peer) the two cut the
                  same rows and tie (session 34), so 'auto' keeps 'rows' there; explicit `groups` (the tuner's
                  partitions) mean row chunks, as the tuner's model of them does.
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
