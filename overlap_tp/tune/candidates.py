@@ -241,8 +241,7 @@ def candidates(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig(), *,
     for cs in DECOMPOSE_COMM_SMS:
         for chunks in DECOMPOSE_CHUNKS:
             out.append(OverlapConfig(method="decompose", chunks=chunks, comm_sms=cs, **fix))
-    out += decompose_p2p(shape, fix)
-    out += sm_pulls(shape, fix) + peer_pulls(shape, fix)
+    out += measured_only(shape, fix)
     if shape.op == "ag":
         lay = layout(shape, "row_slice", base.block_m, base.block_n)
         for transport, sms_options in (("nccl", [c for c in AG_NCCL_COMM_SMS if c in comm_sms or not comm_sms]),
@@ -266,6 +265,12 @@ def candidates(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig(), *,
     if shape.op == "rs":
         out.append(OverlapConfig(method="signal", transport="p2p", comm_sms=0, **fix))
     return out
+
+
+def measured_only(shape: Shape, fix) -> List[OverlapConfig]:
+    """The candidates with no model, which measure.end_to_end times (predict returns None for them): cuBLAS over
+    p2p, the AllGather's pulls on SMs and, at t > 2, its pulls one peer per chunk."""
+    return decompose_p2p(shape, fix) + sm_pulls(shape, fix) + peer_pulls(shape, fix)
 
 
 def decompose_p2p(shape: Shape, fix) -> List[OverlapConfig]:

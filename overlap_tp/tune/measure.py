@@ -24,8 +24,8 @@ from overlap_tp.ops.common import transient_plans, warn_once
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
-from overlap_tp.tune.candidates import (COMM_SMS, DECOMPOSE_CHUNKS, DECOMPOSE_COMM_SMS, Shape, decompose_p2p, label,
-                                       layout, peer_pulls, sm_pulls)
+from overlap_tp.tune.candidates import (COMM_SMS, DECOMPOSE_CHUNKS, DECOMPOSE_COMM_SMS, Shape, label, layout,
+                                       measured_only)
 from overlap_tp.tune.predict import Measurements
 from overlap_tp.tune.timing import CapturedCalls, regime, slowest_median, timed
 
@@ -229,6 +229,6 @@ def _curves(shape, group, device, base, reps, comm_sms, points, direct):
                     for cs in DECOMPOSE_COMM_SMS for c in DECOMPOSE_CHUNKS]
         if shape.op == "rs":
             configs.append(OverlapConfig(method="signal", transport="p2p", comm_sms=0, **fix))
-        configs += decompose_p2p(shape, fix) + sm_pulls(shape, fix) + peer_pulls(shape, fix)
+        configs += measured_only(shape, fix)
         meas.direct.update(end_to_end(shape, configs, group, device, reps=reps, sets=sets))
     return meas
