@@ -42,6 +42,10 @@ process on the same inputs and the same weights:
                 (not in the default list) signal-p2p-inplace with set_defer_wgrad(True) (`--overlap-tp-defer-wgrad`):
                 linear_fc1's wgrad GEMM runs inside linear_proj's backward, between its dgrad AllGather's start and
                 its GEMM (layers.WgradHandoff)
+  signal-p2p-byrows-inplace-dw, signal-p2p-rsepilogue-inplace-dw
+                (not in the default list) signal-p2p-inplace-dw with, in turn: the AllGathers' pulls cut by rows at
+                any t (chunk_by 'rows'); the ReduceScatters' partials stored by the GEMM's epilogue at any t
+                (rs_transfer 'epilogue'; signal-p2p pushes them with the copy engines where t > 2)
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
 timed (output, input grad and every parameter grad, max relative error <= --check-tol); every layer that
@@ -101,6 +105,7 @@ def configurations(device_type):
     p2p_lanes2 = OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2)
     p2p_sm16 = OverlapConfig(method="signal", transport="p2p", comm_sms=16)
     p2p_rows = OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="rows")
+    p2p_epilogue = OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue")
     return {
         "megatron": ("megatron", None, False),
         "nocomm": ("megatron", None, True),
@@ -128,6 +133,10 @@ def configurations(device_type):
         # the same with the AllGathers' pulls cut by rows at any t (signal-p2p pulls one peer per chunk where t > 2:
         # chunk_by 'auto')
         "signal-p2p-byrows-inplace-dw": ("ours", {"ag_gemm": p2p_rows, "gemm_rs": p2p, "gemm_ar": signal}, False),
+        # the same with the ReduceScatters' partials stored by the GEMM's epilogue at any t (signal-p2p pushes them
+        # with the copy engines where t > 2: rs_transfer 'auto')
+        "signal-p2p-rsepilogue-inplace-dw": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p_epilogue, "gemm_ar": signal},
+                                             False),
     }
 
 

@@ -72,7 +72,8 @@ def ours_variants(op, sweep):
     collectives. `nccl` (GEMM+RS: the signaled GEMM + per-group NCCL reduce-scatters, 16 SMs to NCCL) and
     `cublas-p2p` (method decompose over the same p2p transports: cuBLAS GEMMs, no Triton GEMM) are always timed
     next to it, and for AllGather+GEMM its pulls on 16 and 32 SMs (comm_sms > 0), both pulling one peer's rows per
-    chunk (`/by-peer`: chunk_by 'peer', what `ours` runs where t > 2) and ours with row chunks (`p2p/by-rows`);
+    chunk (`/by-peer`: chunk_by 'peer', what `ours` runs where t > 2) and ours with row chunks (`p2p/by-rows`), and
+    for GEMM+RS its two p2p transfers (`p2p/epilogue`, `p2p/copy`: OverlapConfig.rs_transfer);
     --sweep adds the schedule x groups x comm_sms corners that won in earlier runs (docs/perf/) and, for
     AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
@@ -94,8 +95,12 @@ def ours_variants(op, sweep):
                 variants[f"nccl/g{groups}/sm{comm_sms}"] = OverlapConfig(method="signal", groups=groups,
                                                                          comm_sms=comm_sms)
         return variants
-    variants = {"ours": p2p, "nccl": OverlapConfig(method="signal"), "cublas-p2p": cublas_p2p} if op == "rs" else \
-        {"ours": OverlapConfig(method="signal")}
+    variants = {"ours": p2p, "nccl": OverlapConfig(method="signal"), "cublas-p2p": cublas_p2p,
+                # the peers' partials stored by the GEMM's epilogue over NVLink (`ours` at t = 2) and stored locally,
+                # then pushed by the copy engines region by region (`ours` where t > 2: rs_transfer 'auto')
+                "p2p/epilogue": OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue"),
+                "p2p/copy": OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy")} \
+        if op == "rs" else {"ours": OverlapConfig(method="signal")}
     if sweep:
         for schedule, groups, comm_sms in (("row_slice", 2, 0), ("row_slice", 4, 0), ("row_slice", 2, 16),
                                            ("tile_exact", 8, 0)):

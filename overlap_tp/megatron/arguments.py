@@ -14,6 +14,7 @@ rather than at its first use, mid-training.
     --overlap-tp-transport {auto,nccl,p2p}     OverlapConfig.transport per op kind (auto, see layer_configs)
     --overlap-tp-copy-lanes N                  OverlapConfig.copy_lanes (1)
     --overlap-tp-chunk-by {auto,rows,peer}     OverlapConfig.chunk_by (auto)
+    --overlap-tp-rs-transfer {auto,epilogue,copy}  OverlapConfig.rs_transfer (auto)
     --overlap-tp-comm-sms N                    OverlapConfig.comm_sms (default 16; the expert ops 4)
     --overlap-tp-tune-cache PATH               where the per-shape tuner keeps its plans (default: see
                                                tune_cache_path)
@@ -30,7 +31,7 @@ import dataclasses
 import os
 import warnings
 
-from overlap_tp.ops.config import CHUNK_BY, EXPERT_OP_DEFAULTS, METHODS, TRANSPORTS, OverlapConfig
+from overlap_tp.ops.config import CHUNK_BY, EXPERT_OP_DEFAULTS, METHODS, RS_TRANSFERS, TRANSPORTS, OverlapConfig
 
 MOE_TRANSPORTS = ("nccl", "p2p")   # --overlap-moe-transport
 from overlap_tp.ops.watchdog import timeout_from_env
@@ -100,6 +101,13 @@ def add_overlap_args(parser):
              "p2p transport (--overlap-tp-transport p2p or auto), one copy lane and, for signal, no pull SMs. "
              "Default: auto, peer where TP > 2 and the signaled AllGathers pull that way (faster on every 8B and 70B "
              "AllGather shape at TP 4, session 35), else rows.")
+    group.add_argument(
+        "--overlap-tp-rs-transfer", choices=RS_TRANSFERS, default=None,
+        help="How the signaled GEMM+ReduceScatters on the p2p transport move the peers' partial sums "
+             "(OverlapConfig.rs_transfer): epilogue (the GEMM's epilogue stores them into the owners' buffers over "
+             "NVLink) or copy (the GEMM stores them locally and the copy engines push each owner's rows as soon as "
+             "they are stored; the SMs stay with the GEMM and the work after it). Needs --overlap-tp signal or auto "
+             "on the p2p transport (p2p or auto). Default: auto, copy where TP > 2, else epilogue.")
     group.add_argument(
         "--overlap-tp-tune-cache", type=str, default=None, metavar="PATH",
         help="File where the per-shape tuner (--overlap-tp auto) keeps its measured plans, so "
@@ -263,6 +271,13 @@ def validate_overlap_args(args, *, warn=_warn):
                 f"{f' --overlap-tp-comm-sms {comm_sms}' if comm_sms else ''}: the AllGathers then pull one peer's rows "
                 "per chunk with one copy-engine copy, which --overlap-tp signal or decompose on the p2p transport "
                 "(p2p or auto), one copy lane and no pull SMs do. Change those, or drop --overlap-tp-chunk-by.")
+
+    if getattr(args, "overlap_tp_rs_transfer", None) == "copy" and (method not in ("signal", "auto")
+                                                                   or transport == "nccl"):
+        raise OverlapArgumentError(
+            f"--overlap-tp-rs-transfer copy with --overlap-tp {method} --overlap-tp-transport {transport}: the copy "
+            "engines push the signaled GEMM's partials on the p2p transport, which --overlap-tp signal (or auto) "
+            "with --overlap-tp-transport p2p or auto runs. Change those, or drop --overlap-tp-rs-transfer.")
 
     if getattr(args, "overlap_tp_gather_in_place", False):
         if method not in ("signal", "decompose", "auto") or transport == "nccl":
@@ -433,6 +448,8 @@ def overlap_config_kwargs(args):
         kwargs["copy_lanes"] = args.overlap_tp_copy_lanes
     if getattr(args, "overlap_tp_chunk_by", None) is not None:
         kwargs["chunk_by"] = args.overlap_tp_chunk_by
+    if getattr(args, "overlap_tp_rs_transfer", None) is not None:
+        kwargs["rs_transfer"] = args.overlap_tp_rs_transfer
     return kwargs
 
 

@@ -7,6 +7,7 @@ METHODS = ("signal", "decompose", "off", "auto")
 SCHEDULES = ("row_slice", "tile_exact")
 TRANSPORTS = ("nccl", "p2p")
 CHUNK_BY = ("auto", "rows", "peer")
+RS_TRANSFERS = ("auto", "epilogue", "copy")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,16 @@ class OverlapConfig:
                  2-5 us after each copy. At t = 2 (one peer) the two cut the
                  same rows and tie (session 34), so 'auto' keeps 'rows' there; explicit `groups` (the tuner's
                  partitions) mean row chunks, as the tuner's model of them does.
+    rs_transfer: how gemm_rs's signaled GEMM on the p2p transport moves the peers' partial sums into their owners'
+                 receive buffers. 'epilogue': the GEMM's epilogue stores each peer's tiles over NVLink as it computes
+                 them (the SMs move the bytes, so the GEMM lasts as long as the transfer). 'copy': the GEMM stores
+                 them locally, one peer's region after another in ring order and its own region last, and the copy
+                 engines push each region as soon as its tiles are stored (ops/p2p.py, P2PReduceScatter): the GEMM
+                 runs at its own speed and whatever follows it on the stream (the backward's wgrad GEMM before the
+                 norm sums the slots) runs beside the pushes. `groups` counts pushes per peer ('auto': ~16 MB each,
+                 one per peer where t > 2). One SM is left to the comm stream's waits (a captured graph waits with
+                 one-thread kernels). 'auto' (the default; rs_transfer_for): 'copy' where the group has more than two
+                 ranks, else 'epilogue'.
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
     tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
                  tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much
@@ -84,6 +95,7 @@ class OverlapConfig:
     chunks: int = 4
     copy_lanes: int = 1
     chunk_by: str = "auto"
+    rs_transfer: str = "auto"
     block_m: int = 128
     block_n: int = 256
     block_k: int = 64
@@ -100,6 +112,7 @@ class OverlapConfig:
         choice("schedule", self.schedule, SCHEDULES)
         choice("transport", self.transport, TRANSPORTS)
         choice("chunk_by", self.chunk_by, CHUNK_BY)
+        choice("rs_transfer", self.rs_transfer, RS_TRANSFERS)
         groups = self.groups
         if isinstance(groups, list):
             groups = tuple(groups)
@@ -164,6 +177,15 @@ def chunk_by_for(config: "OverlapConfig", t: int) -> "OverlapConfig":
     by_peer = (t > 2 and config.method == "signal" and config.transport == "p2p" and config.comm_sms == 0
                and config.copy_lanes == 1 and config.groups == "auto")
     return replace(config, chunk_by="peer" if by_peer else "rows")
+
+
+def rs_transfer_for(config: "OverlapConfig", t: int) -> "OverlapConfig":
+    """The config with rs_transfer 'auto' resolved for a gemm_rs of t ranks (see OverlapConfig.rs_transfer): 'copy'
+    for method 'signal' on transport 'p2p' where t > 2, else 'epilogue'. Any explicit rs_transfer is kept."""
+    if config.rs_transfer != "auto":
+        return config
+    copy = t > 2 and config.method == "signal" and config.transport == "p2p"
+    return replace(config, rs_transfer="copy" if copy else "epilogue")
 
 # The expert ops' (a2a_gemm, gemm_a2a) defaults where they differ from OverlapConfig's: at EP = 2 over
 # NVLink the all-to-all is 3-10% of the grouped GEMM, so 16 SMs taken from the GEMM cost more than the

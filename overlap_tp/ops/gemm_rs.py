@@ -5,7 +5,8 @@
     out = gemm_rs(a, w, group, bias=..., config=...)        # the same through a cached plan
 
 Methods (OverlapConfig.method): `signal` (persistent Triton GEMM + per-group collectives on the comm stream,
-ops/reduction.py; or, with transport 'p2p', epilogue stores into the owners' symmetric buffers,
+ops/reduction.py; or, with transport 'p2p', epilogue stores into the owners' symmetric buffers, or with
+rs_transfer 'copy' (the default where t > 2) local stores that the copy engines push to the owners group by group,
 ops/p2p.py), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream; or, with transport 'p2p',
 one cuBLAS GEMM per owner's region writing straight into that owner's symmetric buffer, ops/p2p.py RegionGemms),
 the collectives through a raw NCCL communicator (ops/nccl.py); `off` (cuBLAS then torch.distributed's
@@ -28,7 +29,7 @@ import torch
 from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
 from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, gemm_programs
-from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.config import OverlapConfig, rs_transfer_for
 from overlap_tp.ops.p2p import P2PReduceScatter
 from overlap_tp.ops.reduction import SignaledReduction, after_work, decomposed, joined, plus_bias
 from overlap_tp.ops.tile_plan import make_plan
@@ -46,6 +47,9 @@ class GemmRS(OpPlan):
         config, device, t = self.config, self.device, self.t
         self.m_local = m // t
         self.p2p = None   # the p2p transport's state (a call tests for it, not for the method and transport)
+        if self.method == "decompose" and config.rs_transfer == "copy":
+            raise ValueError("gemm_rs: rs_transfer='copy' pushes the signaled GEMM's groups of tiles (method 'signal' "
+                             "on transport 'p2p'); method 'decompose' stores from cuBLAS's epilogue")
         if self.method in ("signal", "decompose") and config.transport == "p2p":
             if device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
                 raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors (symmetric memory)")
@@ -67,6 +71,10 @@ class GemmRS(OpPlan):
             self.bounds = chunk_bounds(self.m_local, config.chunks)
         else:
             self.coll = comm.TorchCollectives(self.group)
+
+    def _resolve(self, config: OverlapConfig) -> OverlapConfig:
+        """OpPlan's resolution, then rs_transfer 'auto' for this group's size (config.rs_transfer_for)."""
+        return rs_transfer_for(super()._resolve(config), self.t)
 
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  async_op: bool = False):

@@ -3,7 +3,9 @@
 GEMM+ReduceScatter (`P2PReduceScatter`): the GEMM's epilogue stores each region's rows straight into the
 owning rank's receive buffer, then every rank sums the t partial slots it received. The GEMM is the signaled
 Triton kernel (method 'signal', one persistent launch over a tile plan) or cuBLAS, one call per region
-(method 'decompose': `RegionGemms`).
+(method 'decompose': `RegionGemms`). With OverlapConfig.rs_transfer 'copy' the signaled GEMM stores the peers'
+regions locally instead, one after another, and the copy engines push each to its owner behind the GEMM's group
+counters (no SM moves the bytes).
 
 AllGather+GEMM (`GatherBuffer`): every rank copies its shard into its own region of a symmetric gathered buffer and
 tells its peers; each rank then pulls the peers' rows chunk by chunk from their buffers into its own with copy-engine
@@ -28,9 +30,9 @@ import torch
 from overlap_tp.kernels.peer_copy import SignaledPull
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
 from overlap_tp.kernels.sum_slots import SumSlots
-from overlap_tp.ops import memops, symmetric, watchdog
+from overlap_tp.ops import comm, memops, symmetric, watchdog
 from overlap_tp.ops.sync import PeerSignals
-from overlap_tp.ops.tile_plan import p2p_plan, ring_peers
+from overlap_tp.ops.tile_plan import p2p_copy_plan, p2p_plan, ring_peers
 
 # Offsets between buffers are used as 16-element-aligned by the kernel (16-byte stores).
 OFFSET_ALIGNMENT = 16
@@ -49,7 +51,20 @@ class P2PReduceScatter:
     Order argument for the resets: a peer raises our SUMMED word for call i+1 only after its sum of call i+1,
     which waits for our ARRIVED of call i+1, which we raise after our reset of SUMMED in call i+1; a peer
     raises our ARRIVED word for call i+1 only after it waited for our SUMMED of call i, raised after our
-    reset of ARRIVED in call i. SUMMED starts raised: there is no previous call to wait for."""
+    reset of ARRIVED in call i. SUMMED starts raised: there is no previous call to wait for.
+
+    rs_transfer 'copy' (p2p_copy_plan): the same words and the same order, with the transfer moved to the comm
+    stream (push half):
+        caller's stream:  fork; GEMM: the peers' regions into a local staging matrix, ring order, raising counter g
+                          per stored tile of push group g; the own region into our own slot, last
+        comm stream:      wait SUMMED from every peer, reset; per push group g: wait until counter g is complete,
+                          reset it; push its rows into the owner's slot `rank` (a copy-engine copy); after the last
+                          push signal ARRIVED to every peer
+        reduce half:      join the comm stream (its pushes read the staging matrix, which the next call's GEMM
+                          overwrites), then as above
+    Order argument: the pushes take the epilogue stores' place between the same wait and signal, so the one above
+    holds; the staging matrix is rewritten by call i+1's GEMM only after call i's join, which follows its pushes;
+    our own slot is written by our GEMM only, after our previous sum on the same stream."""
 
     SUMMED, ARRIVED = 0, 1
 
@@ -66,8 +81,12 @@ class P2PReduceScatter:
             raise RuntimeError(f"overlap_tp: symmetric buffers are not {OFFSET_ALIGNMENT}-element aligned: "
                                f"{byte_offsets}")
         self.handle = handle
+        self.copy = config.method == "signal" and config.rs_transfer == "copy"
+        self.join = None   # rs_transfer 'copy': the call's join of the comm stream, run by its reduce half
         if config.method == "decompose":
             self.store = RegionGemms(handle, self.buf, rank, t, within // self.buf.element_size())
+        elif self.copy:
+            self._build_pushes(group, rank, t, m, n, dtype, device, config, programs, handle, within)
         else:
             tiles = p2p_plan(m, n, t, rank, config.block_m, config.block_n).tiles.to(device)
             offsets = torch.tensor([off // self.buf.element_size() for off in byte_offsets], dtype=torch.int64,
@@ -85,6 +104,39 @@ class P2PReduceScatter:
         self.device_index = device.index
         self.outstanding = None   # "eager" / "capture": a call whose second half (its DeferredSum) has not run
         watched.words = (("peer signals [SUMMED, ARRIVED] x rank", self.signals.words),)
+        if self.copy:
+            watched.words += (("push group counters", self.waits.counters),)
+
+    def _build_pushes(self, group, rank, t, m, n, dtype, device, config, programs, handle, within):
+        """rs_transfer 'copy': the staging matrix, the GEMM over p2p_copy_plan raising its push groups' counters, and
+        each group's copy (dst in the owner's slot `rank`, src in the staging matrix, bytes), made once."""
+        plan = p2p_copy_plan(m, n, t, rank, config.block_m, config.block_n, config.groups,
+                             torch.finfo(dtype).bits // 8)
+        self.staging = torch.empty(plan.staging_shape, dtype=dtype, device=device)
+        size, row_bytes = self.buf.element_size(), n * self.buf.element_size()
+        own_offset = self.buf.data_ptr() - self.staging.data_ptr()   # bytes from the staging matrix to our slots
+        if own_offset % (OFFSET_ALIGNMENT * size):
+            raise RuntimeError(f"overlap_tp: the receive buffer is not {OFFSET_ALIGNMENT}-element aligned with the "
+                               f"staging matrix: {own_offset} bytes apart")
+        offsets = torch.tensor([0, own_offset // size], dtype=torch.int64, device=device)
+        counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
+        pushes = plan.num_groups - 1   # the last group is our own region: stored in place, pushed nowhere
+        self.waits = comm.CounterWaits(counters, plan.group_tiles[:pushes],
+                                       unwaited=((pushes, plan.group_tiles[pushes]),))
+        staging_ptr, slot = self.staging.data_ptr(), rank * self.m_local
+        self.pushes = tuple((handle.buffer_ptrs[owner] + within + (slot + c.dst_lo) * row_bytes,
+                             staging_ptr + c.src_lo * row_bytes, (c.dst_hi - c.dst_lo) * row_bytes)
+                            for c, owner in zip(plan.collectives[:pushes], plan.chunk_peers[:pushes]))
+        self.engine = comm.comm_engine(device)
+        self.engine.prepare_graph_waits()
+        # a captured graph's waits on the comm stream are one-thread kernels: one SM is left free for them, since
+        # the persistent GEMM's CTAs need not leave room beside them (PeerSignals' graph_deadline)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        default_offsets(device)
+        gemm = SignaledGemm(plan.tiles.to(device), min(programs, sms - 1), config, counters=counters,
+                            dst_offsets=offsets, bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
+        staging = self.staging
+        self.store = lambda a, w, bias: gemm(a, w, staging, bias)
 
     def __call__(self, a, w, bias):
         """Issue the call's first half on the caller's stream and return the second half, a DeferredSum, to be
@@ -93,7 +145,10 @@ class P2PReduceScatter:
         that reads the sum (the fused add + RMSNorm). Until it ran, the plan refuses another call: that call's
         wait for SUMMED would queue ahead of the sum it waits for, on every rank (a deadlock on the GPU)."""
         capturing, stream = self._begin()
-        self.store_half(stream, lambda: self.store(a, w, bias), capturing)
+        if self.copy:
+            self.join = self.push_half(lambda: self.store(a, w, bias), capturing)
+        else:
+            self.store_half(stream, lambda: self.store(a, w, bias), capturing)
         self.outstanding = "capture" if capturing else "eager"
         return DeferredSum(self)
 
@@ -103,8 +158,8 @@ class P2PReduceScatter:
         capturing = torch.cuda.is_current_stream_capturing()
         if self.outstanding == "capture" and not capturing:
             # issued into a capture that ended without its second half: the capture failed, and nothing of it
-            # ran on the GPU, so the words are as the last completed call left them
-            self.outstanding = None
+            # ran on the GPU, so the words are as the last completed call left them (and its join is dropped)
+            self.outstanding = self.join = None
         if self.outstanding is not None:
             raise RuntimeError("overlap_tp gemm_rs (p2p): the plan was called again before the previous call's "
                                "result was waited for (Pending.wait()); wait for it first")
@@ -116,8 +171,12 @@ class P2PReduceScatter:
         it in one batched driver call (store_and_reduce) instead of two."""
         capturing, stream = self._begin()
         out = torch.empty(self.m_local, self.n, dtype=self.buf.dtype, device=self.buf.device)
-        self.store_and_reduce(stream, lambda: self.store(a, w, bias), lambda: self.sum(self.flat_slots, out),
-                              capturing)
+        if self.copy:
+            self.push_half(lambda: self.store(a, w, bias), capturing)()   # the pushes, joined
+            self.reduce_half(stream, lambda: self.sum(self.flat_slots, out), capturing)
+        else:
+            self.store_and_reduce(stream, lambda: self.store(a, w, bias), lambda: self.sum(self.flat_slots, out),
+                                  capturing)
         if not capturing:
             self.watched.record(stream)
         return out
@@ -126,10 +185,27 @@ class P2PReduceScatter:
         """The call's second half on the current stream, around read_slots(slots [t, M/t, N])."""
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         capturing = torch.cuda.is_current_stream_capturing()
+        if self.join is not None:
+            self.join()
+            self.join = None
         self.reduce_half(stream, lambda: read_slots(self.slots), capturing)
         self.outstanding = None
         if not capturing:
             self.watched.record(stream)
+
+    def push_half(self, store, capturing: bool):
+        """rs_transfer 'copy''s first half: fork, store (the GEMM) on the caller's stream, and on the comm stream the
+        SUMMED wait, each push group's counter wait and push, and the ARRIVED signal after the last. Returns the
+        join."""
+        pushes, last = self.pushes, len(self.pushes) - 1
+
+        def push(g, stream):
+            if g == 0:
+                self.signals.wait(stream, self.SUMMED, capturing)
+            memops.copy(stream, *pushes[g])
+            if g == last:
+                self.signals.signal(stream, self.ARRIVED)
+        return self.engine.gemm_then_collectives(store, self.waits, push, self.watched)
 
     def store_half(self, stream, store, capturing: bool):
         """wait SUMMED from every peer, reset; store (the GEMM into the owners' buffers); signal ARRIVED."""

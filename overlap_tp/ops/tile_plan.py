@@ -66,7 +66,7 @@ class TilePlan:
     out_shape: Tuple[int, int]       # the matrix the collective writes (per rank)
     tile_order: Optional[TileOrder]  # tile_exact only: where each output block sits after the collective
     chunk_peers: Optional[Tuple[int, ...]] = None   # ag_plan with chunk_by 'peer': the one peer each chunk's rows
-                                                    # come from (None: every peer's)
+                                                    # come from (None: every peer's); p2p_copy_plan: each group's owner
 
     @property
     def num_tiles(self) -> int:
@@ -197,6 +197,60 @@ def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) 
     tiles[:, DST_BUF] = tiles[:, DST_ROW] // m_local
     tiles[:, DST_ROW] = rank * m_local + tiles[:, DST_ROW] % m_local
     return dataclasses.replace(plan, schedule="p2p", tiles=tiles, collectives=())
+
+
+def p2p_copy_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int, groups="auto",
+                  elem_bytes: int = 2) -> TilePlan:
+    """Copy-engine peer-to-peer reduce-scatter (OverlapConfig.rs_transfer 'copy'): rank `rank` stores its partials of
+    the peers' regions locally, one region after another, and the copy engines push each run of rows to its owner as
+    soon as its tiles are stored; its own region's partial goes straight into its own receive buffer, last.
+
+    Execution order: the peers' regions in ring order (ring_peers: rank+1 first), each in `groups` runs of
+    row-slices (one group each; 'auto': ~16 MB per run, at least one per peer where t > 2 and two at t = 2, where the
+    own region alone is left to hide the last push), then the own region (the last group, which no push waits on).
+    Within a run, tiles row-major, or rastered where N is wide (p2p_plan's rule).
+    Destinations: the peer at ring position i stores into staging rows [i*M/t, (i+1)*M/t) (DST_BUF 0, the staging
+    matrix [(t-1)*M/t, N] the kernel is given); the own region into rows [rank*M/t, (rank+1)*M/t) of buffer 1 (the
+    receive buffer's slot `rank`, addressed by its offset from the staging matrix). `collectives[g]` of a push
+    group holds its region rows (local rows [lo, hi), source staging rows [src_lo, src_hi)) and `chunk_peers[g]` its
+    owner; the own group's entry is (lo, hi) of the whole region with owner `rank`."""
+    if m % world:
+        raise ValueError(f"M={m} is not divisible by the group size t={world}")
+    m_local = m // world
+    slices, n_tiles = _cdiv(m_local, block_m), _cdiv(n, block_n)
+    raster_group_m = 1 if n_tiles <= P2P_ROW_MAJOR_MAX_N_TILES else RASTER_GROUP_M
+    peers = ring_peers(rank, world)
+    unit_bytes = block_m * n * elem_bytes
+    if groups == "auto":
+        groups = max(1 if len(peers) > 1 else 2,
+                     min(slices, MAX_AUTO_GROUPS, round(slices * unit_bytes / TARGET_GROUP_BYTES)))
+    sizes = split_units(slices, groups, unit_bytes)
+    tiles, group_tiles, collectives, chunk_peers = [], [], [], []
+
+    def run_tiles(region, j0, j1, dst_first_row, dst_buf, group):
+        rows = [(region * m_local + j * block_m, min(region * m_local + (j + 1) * block_m, (region + 1) * m_local),
+                 dst_first_row + j * block_m) for j in range(j0, j1)]
+        return [(src, end, nt * block_n, dst, nt * block_n, group, dst_buf, NO_WAIT, 0)
+                for r, nt in raster(len(rows), n_tiles, raster_group_m) for src, end, dst in [rows[r]]]
+
+    for position, peer in enumerate(peers):
+        j0 = 0
+        for size in sizes:
+            run = run_tiles(peer, j0, j0 + size, position * m_local, 0, len(group_tiles))
+            tiles += run
+            group_tiles.append(len(run))
+            lo, hi = j0 * block_m, min((j0 + size) * block_m, m_local)
+            collectives.append(Collective(position * m_local + lo, position * m_local + hi, lo, hi))
+            chunk_peers.append(peer)
+            j0 += size
+    own = run_tiles(rank, 0, slices, rank * m_local, 1, len(group_tiles))
+    tiles += own
+    group_tiles.append(len(own))
+    collectives.append(Collective(rank * m_local, (rank + 1) * m_local, 0, m_local))
+    chunk_peers.append(rank)
+    return TilePlan("p2p_copy", m, n, world, block_m, block_n, torch.tensor(tiles, dtype=torch.int32),
+                    tuple(group_tiles), tuple(collectives), (max(1, world - 1) * m_local, n), (m_local, n), None,
+                    tuple(chunk_peers))
 
 
 def ring_peers(rank: int, t: int) -> List[int]:

@@ -220,6 +220,8 @@ def label(config: OverlapConfig) -> str:
     g = "-".join(map(str, groups)) if isinstance(groups, tuple) else str(groups)
     if config.chunk_by == "peer":
         return "p2p/by-peer" + ("" if groups == "auto" else f"/g{g}")
+    if config.rs_transfer == "epilogue":
+        return "p2p/epilogue"
     if config.transport == "p2p" and not isinstance(groups, tuple):
         return f"p2p/sm{config.comm_sms}"
     return f"{config.schedule}/{config.transport}/sm{config.comm_sms}/g{g}"
@@ -269,8 +271,9 @@ def candidates(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig(), *,
 
 def measured_only(shape: Shape, fix) -> List[OverlapConfig]:
     """The candidates with no model, which measure.end_to_end times (predict returns None for them): cuBLAS over
-    p2p, the AllGather's pulls on SMs and, at t > 2, its pulls one peer per chunk."""
-    return decompose_p2p(shape, fix) + sm_pulls(shape, fix) + peer_pulls(shape, fix)
+    p2p, the AllGather's pulls on SMs and, at t > 2, its pulls one peer per chunk and the ReduceScatter's partials
+    stored by the GEMM's epilogue."""
+    return decompose_p2p(shape, fix) + sm_pulls(shape, fix) + peer_pulls(shape, fix) + rs_epilogue(shape, fix)
 
 
 def decompose_p2p(shape: Shape, fix) -> List[OverlapConfig]:
@@ -292,6 +295,15 @@ def peer_pulls(shape: Shape, fix) -> List[OverlapConfig]:
     if shape.op != "ag" or shape.t <= 2:
         return []
     return [OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer", **fix)]
+
+
+def rs_epilogue(shape: Shape, fix) -> List[OverlapConfig]:
+    """gemm_rs signaled over p2p with the peers' partials stored by the GEMM's epilogue, where t > 2: there the p2p
+    candidate (rs_transfer 'auto') pushes them with the copy engines instead; at t = 2 it is the epilogue. Measured
+    end to end (no model); none for the other ops."""
+    if shape.op != "rs" or shape.t <= 2:
+        return []
+    return [OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue", **fix)]
 
 
 def space_size(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig()) -> Dict[str, int]:

@@ -97,14 +97,21 @@ def _check_shapes(rank, world, shapes, op):
                 # the same kernel's partials summed by epilogue stores + barrier. At t = 2 the fp32 sum
                 # rounded once is NCCL's bf16 a + b bit for bit; at t > 2 NCCL rounds after every add,
                 # so there the p2p sum is held to the accuracy rule instead.
-                p2p = OverlapConfig(method="signal", transport="p2p")
-                for _ in range(3):   # both receive buffers, reused
-                    poison_allocator()
-                    summed = run(a, w, group, config=p2p)
-                    if world == 2:
-                        assert torch.equal(summed, got), (s, k, n, "p2p")
-                    else:
-                        assert rel_error(summed, ref) <= baseline_error * 1.05 + 1e-4, (s, k, n, "p2p")
+                # rs_transfer 'copy' (the copy engines push locally stored partials) sums the same partials with
+                # the same kernel: bit for bit the epilogue's stores at every t
+                by_epilogue = None
+                for transfer in ("epilogue", "copy"):
+                    p2p = OverlapConfig(method="signal", transport="p2p", rs_transfer=transfer)
+                    for _ in range(3):   # both receive buffers, reused
+                        poison_allocator()
+                        summed = run(a, w, group, config=p2p)
+                        if world == 2:
+                            assert torch.equal(summed, got), (s, k, n, "p2p", transfer)
+                        else:
+                            assert rel_error(summed, ref) <= baseline_error * 1.05 + 1e-4, (s, k, n, "p2p", transfer)
+                        if by_epilogue is None:
+                            by_epilogue = summed
+                        assert torch.equal(summed, by_epilogue), (s, k, n, "p2p", transfer, "differs from epilogue")
         decomposed = run(a, w, group, config=OverlapConfig(method="decompose", chunks=4))
         assert rel_error(decomposed, ref) <= baseline_error * 1.05 + 1e-4
         if op == "rs":   # cuBLAS per owner's region, stored into its receive slot (RegionGemms): both buffers' turns
@@ -140,21 +147,24 @@ def _check_bias_and_back_to_back(rank, world):
         outputs = [gemm_rs(a, w, group, config=config) for _ in range(200)]   # no sync in between
         torch.cuda.synchronize()
         assert all(torch.equal(o, outputs[0]) for o in outputs), "results changed across back-to-back calls"
-        p2p = [gemm_rs(a, w, group, bias=bias, config=OverlapConfig(method="signal", transport="p2p"))
-               for _ in range(200)]
-        torch.cuda.synchronize()
-        assert all(torch.equal(o, p2p[0]) for o in p2p), "p2p results changed across back-to-back calls"
-        assert rel_error(p2p[0], ref.float()) < 1e-2
+        for transfer in ("copy", "epilogue"):   # the epilogue's list is the one kept for the async check below
+            p2p = [gemm_rs(a, w, group, bias=bias,
+                           config=OverlapConfig(method="signal", transport="p2p", rs_transfer=transfer))
+                   for _ in range(200)]
+            torch.cuda.synchronize()
+            assert all(torch.equal(o, p2p[0]) for o in p2p), f"p2p ({transfer}) results changed across calls"
+            assert rel_error(p2p[0], ref.float()) < 1e-2
         # async_op: the sum waits for the peers in Pending.wait(), behind the work queued in between (rank 1
         # held back on the GPU, so rank 0's wait is real); a second call before the wait is refused
-        p2p_config = OverlapConfig(method="signal", transport="p2p")
-        pending = gemm_rs(a, w, group, bias=bias, config=p2p_config, async_op=True)
-        if rank == 1:
-            torch.cuda._sleep(50_000_000)
-        between = a[:, :256] @ w[:256, :256]
-        with pytest.raises(RuntimeError, match="before the previous call's result was waited for"):
-            gemm_rs(a, w, group, bias=bias, config=p2p_config)
-        assert torch.equal(pending.wait(), p2p[0]) and torch.isfinite(between).all()
+        for transfer in ("epilogue", "copy"):
+            p2p_config = OverlapConfig(method="signal", transport="p2p", rs_transfer=transfer)
+            pending = gemm_rs(a, w, group, bias=bias, config=p2p_config, async_op=True)
+            if rank == 1:
+                torch.cuda._sleep(50_000_000)
+            between = a[:, :256] @ w[:256, :256]
+            with pytest.raises(RuntimeError, match="before the previous call's result was waited for"):
+                gemm_rs(a, w, group, bias=bias, config=p2p_config)
+            assert torch.equal(pending.wait(), p2p[0]) and torch.isfinite(between).all(), transfer
         ar = [gemm_ar(a, w, group, config=config) for _ in range(50)]
         torch.cuda.synchronize()
         assert all(torch.equal(o, ar[0]) for o in ar)
@@ -195,7 +205,8 @@ def _check_async_op(rank, world):
     other = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     configs = [OverlapConfig(method="off"), OverlapConfig(method="decompose", chunks=4),
                OverlapConfig(method="signal", schedule="row_slice"), OverlapConfig(method="signal", schedule="tile_exact"),
-               OverlapConfig(method="signal", transport="p2p", comm_sms=0),
+               OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue"),
+               OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy"),
                OverlapConfig(method="decompose", transport="p2p")]
     for config in configs:
         for run in (gemm_rs, gemm_ar):

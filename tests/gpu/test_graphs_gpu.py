@@ -30,7 +30,9 @@ CASES = [   # (op, config)
     ("rs", OverlapConfig(method="signal")),
     ("rs", OverlapConfig(method="signal", schedule="tile_exact", groups=4)),
     ("rs", OverlapConfig(method="signal", groups=3, comm_sms=0)),
-    ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0)),
+    ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue")),
+    ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy")),   # copy-engine pushes
+    ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy", groups=3)),
     ("rs", OverlapConfig(method="decompose", chunks=4)),
     ("rs", OverlapConfig(method="decompose", transport="p2p")),
     ("rs", OverlapConfig(method="off")),

@@ -78,6 +78,31 @@ def test_chunk_by_reaches_the_allgathers_and_what_it_needs():
     validate_overlap_args(megatron_like(overlap_tp_chunk_by="rows"), warn=None)
 
 
+def test_rs_transfer_reaches_the_reduce_scatters_and_what_it_needs():
+    """--overlap-tp-rs-transfer copy: gemm_rs's config carries it (the default leaves 'auto' to the plan:
+    rs_transfer_for, the copy engines where TP > 2); it needs signal or auto on the p2p transport, else a clear
+    error."""
+    parser = build_parser()
+    assert parser.parse_args([]).overlap_tp_rs_transfer is None
+    configs = layer_configs(parser.parse_args(["--overlap-tp", "signal", "--overlap-tp-rs-transfer", "copy"]))
+    assert (configs["gemm_rs"].transport, configs["gemm_rs"].rs_transfer) == ("p2p", "copy")
+    assert layer_configs(parser.parse_args(["--overlap-tp", "signal"]))["gemm_rs"].rs_transfer == "auto"
+    assert layer_configs(parser.parse_args(["--overlap-tp", "signal", "--overlap-tp-rs-transfer", "epilogue"]))[
+        "gemm_rs"].rs_transfer == "epilogue"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--overlap-tp-rs-transfer", "nvlink"])
+    for ok in (dict(overlap_tp="signal"), dict(overlap_tp="signal", overlap_tp_transport="p2p"),
+               dict(overlap_tp="auto")):
+        validate_overlap_args(megatron_like(**{"overlap_tp_transport": "auto", **ok}, overlap_tp_rs_transfer="copy"),
+                              warn=None)
+    for bad in (dict(overlap_tp="signal", overlap_tp_transport="nccl"), dict(overlap_tp="decompose"),
+                dict(overlap_tp="off")):
+        with pytest.raises(OverlapArgumentError, match="--overlap-tp-rs-transfer copy with"):
+            validate_overlap_args(megatron_like(**{"overlap_tp_transport": "auto", **bad},
+                                                overlap_tp_rs_transfer="copy"), warn=None)
+    validate_overlap_args(megatron_like(overlap_tp_rs_transfer="epilogue"), warn=None)
+
+
 def test_copy_lanes_reach_the_p2p_allgather():
     """--overlap-tp-copy-lanes: ag_gemm's (and the backward's re-gather's) pulls split over that many streams."""
     configs = layer_configs(build_parser().parse_args(["--overlap-tp", "signal", "--overlap-tp-copy-lanes", "2"]))

@@ -27,6 +27,7 @@ def test_list_groups_become_a_tuple():
     (dict(chunks=0), "chunks"),
     (dict(copy_lanes=0), "copy_lanes"),
     (dict(chunk_by="ring"), "chunk_by"),
+    (dict(rs_transfer="nvlink"), "rs_transfer"),
     (dict(block_m=96), "power of two"),
     (dict(block_k=8), "power of two"),
     (dict(num_warps=6), "power of two"),
@@ -90,3 +91,21 @@ def test_chunk_by_auto_pulls_by_peer_only_where_t_exceeds_two_on_the_copy_engine
     for explicit in ("rows", "peer"):
         assert chunk_by_for(replace(p2p, chunk_by=explicit), 2).chunk_by == explicit
         assert chunk_by_for(replace(p2p, chunk_by=explicit), 4).chunk_by == explicit
+
+
+def test_rs_transfer_auto_pushes_with_the_copy_engines_only_where_t_exceeds_two():
+    """rs_transfer 'auto' (the default): 'copy' for the signaled GEMM+ReduceScatter on the p2p transport at t > 2,
+    'epilogue' everywhere else (and for every other method and transport, where it does not apply); an explicit
+    choice is kept as it is."""
+    from overlap_tp.ops.config import rs_transfer_for
+    p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    assert OverlapConfig().rs_transfer == "auto"
+    assert rs_transfer_for(p2p, 4).rs_transfer == "copy" and rs_transfer_for(p2p, 3).rs_transfer == "copy"
+    assert rs_transfer_for(p2p, 2).rs_transfer == "epilogue" and rs_transfer_for(p2p, 1).rs_transfer == "epilogue"
+    assert rs_transfer_for(p2p, 8) == replace(p2p, rs_transfer="copy")   # nothing else changes
+    for other in (replace(p2p, transport="nccl", comm_sms=16), replace(p2p, method="decompose"),
+                  replace(p2p, method="off")):
+        assert rs_transfer_for(other, 4).rs_transfer == "epilogue", other
+    for explicit in ("epilogue", "copy"):
+        assert rs_transfer_for(replace(p2p, rs_transfer=explicit), 2).rs_transfer == explicit
+        assert rs_transfer_for(replace(p2p, rs_transfer=explicit), 4).rs_transfer == explicit

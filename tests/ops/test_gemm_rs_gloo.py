@@ -53,6 +53,10 @@ def _check_ops(rank, world):
     assert rel_error(first, (a.double() @ w.double().t())[rows]) < 1e-2
     for _ in range(3):
         assert torch.equal(gemm_rs(a[:, shard].contiguous(), w[:, shard].contiguous(), config=CONFIGS[2]), first)
+    # a plan resolves rs_transfer 'auto' for its group (rs_transfer_for: NCCL's collectives are the epilogue's case)
+    from overlap_tp.ops.gemm_rs import GemmRS
+    plan = GemmRS(dist.group.WORLD, 64, 64, 32 // world, torch.bfloat16, "cpu", CONFIGS[2])
+    assert CONFIGS[2].rs_transfer == "auto" and plan.config.rs_transfer == "epilogue"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -80,6 +84,8 @@ def _check_bad_input(rank, world):
         (lambda: gemm_rs(a, w, config=OverlapConfig(method="signal", groups=(1, 1, 1), **SMALL_TILES)), "sum to"),
         (lambda: gemm_rs(a, w, config=OverlapConfig(method="signal", transport="p2p")), "needs CUDA tensors"),
         (lambda: gemm_rs(a, w, config=OverlapConfig(method="decompose", transport="p2p")), "needs CUDA tensors"),
+        (lambda: gemm_rs(a, w, config=OverlapConfig(method="decompose", transport="p2p", rs_transfer="copy")),
+         "rs_transfer='copy' pushes the signaled GEMM"),
         (lambda: gemm_ar(a, w, config=OverlapConfig(method="signal", transport="p2p")), "gemm_rs and ag_gemm only"),
         (lambda: gemm_ar(a, w, config=OverlapConfig(method="decompose", transport="p2p")), "gemm_rs and ag_gemm only"),
     ]

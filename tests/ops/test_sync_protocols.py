@@ -305,6 +305,112 @@ def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
     assert summed == [calls - 1] * t
 
 
+class RankEngine(FakeEngine):
+    """FakeEngine with rank r's own streams: its caller's stream `r` and comm stream `comm r`."""
+
+    def __init__(self, recorder, rank):
+        super().__init__(recorder)
+        self.stream = self.raw = f"comm {rank}"
+        self.rank = rank
+
+    def current(self):
+        return self.rank
+
+
+def _run_push_reduce_scatter(recorder, t, seed, groups_per_peer=2, summed_wait=True, calls=25):
+    """rs_transfer 'copy' (P2PReduceScatter.push_half, then its reduce half: the plan's own code on every rank's caller
+    and comm streams, with forks and joins), calls in two halves or whole at random, every rank the same; the GEMM's
+    tiles complete in a random order. Checks: a tile never overwrites staging rows its previous call has not pushed
+    yet, nor our own slot before our previous sum; a push copies only tiles of its own call, complete, into an owner
+    that summed the previous call; a sum sees every source's rows of its call."""
+    signals = _peer_signals(t, (1, 0))
+    pushes = groups_per_peer * (t - 1)
+    own = pushes   # the own region's group
+    ranks, counters = [], []
+    for rank in range(t):
+        op = P2PReduceScatter.__new__(P2PReduceScatter)
+        op.signals, op.copy, op.join, op.watched = signals[rank], True, None, NoWatch()
+        op.engine = RankEngine(recorder, rank)
+        words = torch.zeros(pushes + 1, dtype=torch.int32)
+        counters.append(words)
+        op.waits = comm.CounterWaits(words, [2] * pushes, unwaited=((own, 2),))   # two tiles per group
+        peers = ring_peers(rank, t)
+        # push g: (dst, src, bytes) as addresses that name (owner, source rank, part)
+        op.pushes = tuple((1000 * peers[g // groups_per_peer] + 10 * rank + g % groups_per_peer, 0, 0)
+                          for g in range(pushes))
+        if not summed_wait:   # the mutation: pushes without the SUMMED wait
+            real = signals[rank]
+            op.signals = SimpleNamespace(
+                wait=lambda stream, slot, capturing, real=real: None if slot == P2PReduceScatter.SUMMED else
+                real.wait(stream, slot, capturing), signal=real.signal)
+        ranks.append(op)
+    rng = random.Random(seed + 100)
+    whole = [rng.random() < 0.5 for _ in range(calls)]
+    programs = {}
+    for rank, op in enumerate(ranks):
+        for call in range(calls):
+            tiles = [("tile", rank, g, call) for g in range(pushes + 1) for _ in range(2)]
+            rng.shuffle(tiles)
+
+            def store(r=rank, tiles=tiles):
+                for tile in tiles:
+                    recorder.emit(r, tile)
+            reduce = lambda r=rank, c=call: recorder.emit(r, ("sum", r, c))
+            join = op.push_half(store, False)
+            if not whole[call]:
+                recorder.emit(rank, ("other work", rank, call))   # the wgrad, queued between the halves
+            join()
+            op.reduce_half(rank, reduce, False)
+        for stream, program in recorder.take().items():
+            programs[stream] = program
+    tiles_done = {}                                         # (rank, group, call): tiles stored
+    pushed = [[-1] * pushes for _ in range(t)]              # pushed[rank][g]: the last call pushed
+    slots = [[[-1] * groups_per_peer for _ in range(t)] for _ in range(t)]   # slots[owner][source][part]: call
+    summed = [-1] * t
+
+    def act(stream, op):
+        kind = op[0]
+        if kind == "tile":
+            _, rank, g, call = op
+            if g == own:
+                assert summed[rank] == call - 1, f"rank {rank} call {call} stored into its own slot before its sum"
+                tiles_done[rank, g, call] = tiles_done.get((rank, g, call), 0) + 1
+                if tiles_done[rank, g, call] == 2:
+                    slots[rank][rank] = [call] * groups_per_peer
+            else:
+                assert pushed[rank][g] == call - 1, \
+                    f"rank {rank} call {call} overwrote staging group {g} before pushing call {call - 1}"
+                tiles_done[rank, g, call] = tiles_done.get((rank, g, call), 0) + 1
+            counters[rank][g] += 1
+        elif kind == "copy":
+            owner, source, part = op[1] // 1000, op[1] % 1000 // 10, op[1] % 10
+            g = next(g for g, push in enumerate(ranks[source].pushes) if push[0] == op[1])
+            call = pushed[source][g] + 1
+            assert tiles_done.get((source, g, call)) == 2, f"rank {source} pushed group {g} of call {call} early"
+            assert summed[owner] == call - 1, f"rank {source} pushed into rank {owner} before its sum of {call - 1}"
+            pushed[source][g] = call
+            slots[owner][source][part] = call
+        elif kind == "sum":
+            _, rank, call = op
+            assert slots[rank] == [[call] * groups_per_peer] * t, f"rank {rank} summed call {call} from {slots[rank]}"
+            summed[rank] = call
+
+    run(programs, Memory(*[s.words for s in signals], *counters), act, random.Random(seed), max_steps=400000,
+        joins=True)
+    assert summed == [calls - 1] * t
+
+
+@pytest.mark.parametrize("t, seed, parts", [(2, 0, 2), (2, 1, 1), (3, 2, 2), (4, 3, 1), (4, 4, 2)])
+def test_p2p_reduce_scatter_by_copies_never_overwrites_or_reads_early(recorder, t, seed, parts):
+    _run_push_reduce_scatter(recorder, t, seed, parts)
+
+
+def test_the_simulator_catches_pushes_without_their_summed_wait(recorder):
+    with pytest.raises(AssertionError, match="before its sum"):
+        for seed in range(5):
+            _run_push_reduce_scatter(recorder, 2, seed, 1, summed_wait=False)
+
+
 def _gather_buffers(t, signals, m=1):
     """GatherBuffers of t ranks over CPU buffers [t regions of m rows, 4] int32, wired as the rendezvous would: rank
     p's own region in its own buffer is what the others pull p's rows from."""

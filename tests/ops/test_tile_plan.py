@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, GROUP, NO_WAIT, SRC_ROW, SRC_ROW_END, WAIT, ag_plan,
-                             make_plan, p2p_plan, raster, split_units)
+                             make_plan, p2p_copy_plan, p2p_plan, raster, ring_peers, split_units)
 
 
 def simulate(plan):
@@ -154,6 +154,63 @@ def test_p2p_plan_stores_to_the_owners_in_ring_order(t, n):
         seq = owners[0][slice_of == j].tolist()
         firsts = [seq.index((1 + i) % t) for i in range(t)]   # ring order: 1, 2, ..., t-1, then 0
         assert firsts == sorted(firsts) and seq[0] == 1 % t and seq[-1] == 0
+
+
+@pytest.mark.parametrize("m,n,t,bm,bn,groups", [(96, 80, 2, 16, 32, "auto"), (4 * 33, 17, 4, 16, 16, 2),
+                                                (8 * 40, 100, 8, 16, 32, "auto"), (2 * 16 * 19, 16 * 40 + 8, 2, 16, 16, 3),
+                                                (4 * 16 * 7, 48, 4, 16, 16, (3, 4)), (3 * 50, 64, 3, 16, 32, 1)])
+def test_p2p_copy_plan_delivers_every_partial_through_its_push(m, n, t, bm, bn, groups):
+    """rs_transfer 'copy': every rank stores its partial of the peers' regions into the staging matrix and its own
+    region into its own slot; each push group g then copies staging rows [src_lo, src_hi) into rows dst_lo.. of slot
+    `rank` of its owner's buffer. Brute force: after every rank's tiles and pushes, buffer k slot r holds rank r's
+    rows of region k, every element stored once; the groups run peer by peer in ring order, our own region last and
+    pushed nowhere; each push's rows are exactly its group's stores."""
+    m_local = m // t
+    received = torch.full((t, t * m_local, n), -1, dtype=torch.int64)
+    for rank in range(t):
+        plan = p2p_copy_plan(m, n, t, rank, bm, bn, groups)
+        pushes = plan.num_groups - 1
+        source = torch.arange(m * n, dtype=torch.int64).view(m, n) + rank * m * n   # rank's own partial
+        staging = torch.full(plan.staging_shape, -1, dtype=torch.int64)
+        stored_rows = [set() for _ in range(plan.num_groups)]
+        tile_groups = plan.tiles[:, GROUP].tolist()
+        assert tile_groups == sorted(tile_groups), "groups contiguous in execution order"
+        assert [tile_groups.count(g) for g in range(plan.num_groups)] == list(plan.group_tiles)
+        for tile in plan.tiles.tolist():
+            rows, cols = tile[SRC_ROW_END] - tile[SRC_ROW], min(bn, n - tile[COL])
+            region, g = tile[SRC_ROW] // m_local, tile[GROUP]
+            assert (tile[SRC_ROW_END] - 1) // m_local == region, "a tile's rows never cross a region"
+            assert plan.chunk_peers[g] == region and tile[WAIT] == NO_WAIT
+            if region == rank:   # the own region: straight into slot `rank` of our own buffer (DST_BUF 1)
+                assert tile[DST_BUF] == 1 and g == pushes
+                dst = received[rank, tile[DST_ROW]:tile[DST_ROW] + rows, tile[DST_COL]:tile[DST_COL] + cols]
+            else:
+                assert tile[DST_BUF] == 0 and g < pushes
+                dst = staging[tile[DST_ROW]:tile[DST_ROW] + rows, tile[DST_COL]:tile[DST_COL] + cols]
+                stored_rows[g].update(range(tile[DST_ROW], tile[DST_ROW] + rows))
+            assert (dst == -1).all(), "written twice"
+            dst.copy_(source[tile[SRC_ROW]:tile[SRC_ROW_END], tile[COL]:tile[COL] + cols])
+        assert [plan.chunk_peers[g] for g in range(plan.num_groups)] == sorted(
+            plan.chunk_peers, key=lambda p: (p - rank - 1) % t), "ring order, our own region last"
+        assert plan.chunk_peers[-1] == rank and set(plan.chunk_peers[:pushes]) == set(ring_peers(rank, t))
+        for g in range(pushes):
+            c, owner = plan.collectives[g], plan.chunk_peers[g]
+            assert stored_rows[g] == set(range(c.src_lo, c.src_hi)), f"push {g} copies exactly its group's rows"
+            target = received[owner, rank * m_local + c.dst_lo:rank * m_local + c.dst_hi]
+            assert (target == -1).all()
+            target.copy_(staging[c.src_lo:c.src_hi])
+    for k in range(t):
+        for r in range(t):
+            expected = torch.arange(m * n, dtype=torch.int64).view(m, n)[k * m_local:(k + 1) * m_local] + r * m * n
+            assert torch.equal(received[k, r * m_local:(r + 1) * m_local], expected)
+
+
+def test_p2p_copy_plan_pushes_one_region_per_peer_at_the_8b_shapes_where_t_exceeds_2():
+    """'auto' pushes: ~16 MB each, at least one per peer where t > 2 (the 8B proj at t = 4: 16 MB regions, one push
+    each) and two at t = 2 (the own region alone would hide the only push's tail)."""
+    assert p2p_copy_plan(8192, 4096, 4, 1, 128, 256).num_groups == 3 + 1
+    assert p2p_copy_plan(8192, 4096, 2, 0, 128, 256).num_groups == 2 + 1
+    assert p2p_copy_plan(8192, 8192, 4, 0, 128, 256).num_groups == 3 * 2 + 1   # 70B proj: 32 MB regions
 
 
 @pytest.mark.parametrize("m,n,t,bm,bn,groups", CASES)

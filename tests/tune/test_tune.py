@@ -125,6 +125,13 @@ def test_candidates_counts_and_validity():
     ag_cublas_p2p = [c for c in ag if c.method == "decompose" and c.transport == "p2p"]
     assert sorted(c.chunks for c in ag_cublas_p2p) == [1, 2, 4] and {c.comm_sms for c in ag_cublas_p2p} == {0}
     assert "decompose-p2p/c2" in {label(c) for c in ag_cublas_p2p}
+    # gemm_rs at t > 2: the p2p candidate (rs_transfer 'auto': the copy engines' pushes there) and the epilogue's
+    # stores beside it, both measured end to end; at t = 2 the one p2p candidate (the epilogue there)
+    rs4 = [c for c in candidates(Shape("rs", 8192, 4096, 1024, 4), 132) if c.method == "signal" and c.transport == "p2p"]
+    assert sorted(label(c) for c in rs4) == ["p2p/epilogue", "p2p/sm0"]
+    assert all(predict(Shape("rs", 8192, 4096, 1024, 4), c, meas) is None for c in rs4)
+    rs2 = [c for c in candidates(Shape("rs", 8192, 4096, 2048, 2), 132) if c.method == "signal" and c.transport == "p2p"]
+    assert [c.rs_transfer for c in rs2] == ["auto"]
     # gemm_ar has no p2p transport
     assert not [c for c in candidates(Shape("ar", 8192, 4096, 2048, 2), 132) if c.transport == "p2p"]
     assert all(c.schedule == "row_slice" for c in ag)
