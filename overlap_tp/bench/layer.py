@@ -46,6 +46,9 @@ process on the same inputs and the same weights:
                 (not in the default list) signal-p2p-inplace-dw with, in turn: the AllGathers' pulls cut by rows at
                 any t (chunk_by 'rows'); the ReduceScatters' partials stored by the GEMM's epilogue at any t
                 (rs_transfer 'epilogue'; signal-p2p pushes them with the copy engines where t > 2)
+  signal-p2p-rscopy-inplace
+                (not in the default list) signal-p2p-inplace with the partials pushed by the copy engines at any t
+                (rs_transfer 'copy'; the epilogue's stores at t = 2 by default)
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
 timed (output, input grad and every parameter grad, max relative error <= --check-tol); every layer that
@@ -106,6 +109,7 @@ def configurations(device_type):
     p2p_sm16 = OverlapConfig(method="signal", transport="p2p", comm_sms=16)
     p2p_rows = OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="rows")
     p2p_epilogue = OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue")
+    p2p_copy = OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy")
     return {
         "megatron": ("megatron", None, False),
         "nocomm": ("megatron", None, True),
@@ -137,6 +141,8 @@ def configurations(device_type):
         # with the copy engines where t > 2: rs_transfer 'auto')
         "signal-p2p-rsepilogue-inplace-dw": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p_epilogue, "gemm_ar": signal},
                                              False),
+        # signal-p2p-inplace with the partials pushed by the copy engines at any t (rs_transfer 'copy')
+        "signal-p2p-rscopy-inplace": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p_copy, "gemm_ar": signal}, False),
     }
 
 
