@@ -40,11 +40,12 @@ def device_properties(device: torch.device):
     return torch.cuda.get_device_properties(device)
 
 
-def gemm_programs(device: torch.device, config: OverlapConfig) -> int:
-    """Persistent-GEMM grid: every SM but those left to the collective (at least one program)."""
+def gemm_programs(device: torch.device, config: OverlapConfig, spare_sms: int = 0) -> int:
+    """Persistent-GEMM grid: every SM but those left to the collective, and at least `spare_sms` (at least one
+    program)."""
     if device.type != "cuda":
         return 4
-    return max(1, device_properties(device).multi_processor_count - config.comm_sms)
+    return max(1, device_properties(device).multi_processor_count - max(config.comm_sms, spare_sms))
 
 
 def chunk_bounds(rows: int, chunks: int):

@@ -78,7 +78,12 @@ class OverlapConfig:
                  norm sums the slots) runs beside the pushes. `groups` counts pushes per peer ('auto': ~16 MB each,
                  one per peer where t > 2). One SM is left to the comm stream's waits (a captured graph waits with
                  one-thread kernels). 'auto' (the default; rs_transfer_for): 'copy' where the group has more than two
-                 ranks, else 'epilogue'.
+                 ranks, else 'epilogue'. Measured under graphs on four H200s (docs/perf/s36): 'copy' faster at t = 4
+                 on l8b.fc2 (0.395 -> 0.372 ms), l70b.proj (0.485 -> 0.463) and l70b.fc2 (1.455 -> 1.359), slower on
+                 l8b.proj (0.224 -> 0.246: its 48 MB outlast its 0.1 ms GEMM, and the copies move them slower than
+                 the stores); one 8B / 70B layer 1.045 / 1.009 -> 1.034 / 0.984 of the no-communication
+                 counterfactual; the 70B proxy at TP 4 -1.0 / -1.3% per iteration, llama3-8b -0.2%. At t = 2 a tie
+                 or a loss (the 70B layer 0.984 -> 0.998), so 'auto' keeps the epilogue there.
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
     tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
                  tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much

@@ -53,8 +53,12 @@ class GemmRS(OpPlan):
         if self.method in ("signal", "decompose") and config.transport == "p2p":
             if device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
                 raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors (symmetric memory)")
-            self.p2p = P2PReduceScatter(self.group, self.rank, t, m, n, dtype, device, config,
-                                        gemm_programs(device, config), self.watched)
+            # rs_transfer 'copy': one SM left to the comm stream's waits, which a captured graph runs as one-thread
+            # kernels
+            programs = gemm_programs(device, config, spare_sms=int(self.method == "signal"
+                                                                   and config.rs_transfer == "copy"))
+            self.p2p = P2PReduceScatter(self.group, self.rank, t, m, n, dtype, device, config, programs,
+                                        self.watched)
         elif self.method == "signal":
             if config.schedule == "tile_exact" and (self.m_local % config.block_m or n % config.block_n):
                 raise ValueError(f"gemm_rs: method='signal' cannot run: schedule 'tile_exact' needs M/t={self.m_local} "

@@ -109,7 +109,9 @@ class P2PReduceScatter:
 
     def _build_pushes(self, group, rank, t, m, n, dtype, device, config, programs, handle, within):
         """rs_transfer 'copy': the staging matrix, the GEMM over p2p_copy_plan raising its push groups' counters, and
-        each group's copy (dst in the owner's slot `rank`, src in the staging matrix, bytes), made once."""
+        each group's copy (dst in the owner's slot `rank`, src in the staging matrix, bytes), made once. `programs`
+        must leave an SM free for the comm stream's waits (GemmRS: a captured graph waits with one-thread kernels,
+        which the persistent GEMM's CTAs need not leave room for beside them; PeerSignals' graph_deadline)."""
         plan = p2p_copy_plan(m, n, t, rank, config.block_m, config.block_n, config.groups,
                              torch.finfo(dtype).bits // 8)
         self.staging = torch.empty(plan.staging_shape, dtype=dtype, device=device)
@@ -129,12 +131,9 @@ class P2PReduceScatter:
                             for c, owner in zip(plan.collectives[:pushes], plan.chunk_peers[:pushes]))
         self.engine = comm.comm_engine(device)
         self.engine.prepare_graph_waits()
-        # a captured graph's waits on the comm stream are one-thread kernels: one SM is left free for them, since
-        # the persistent GEMM's CTAs need not leave room beside them (PeerSignals' graph_deadline)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
         default_offsets(device)
-        gemm = SignaledGemm(plan.tiles.to(device), min(programs, sms - 1), config, counters=counters,
-                            dst_offsets=offsets, bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
+        gemm = SignaledGemm(plan.tiles.to(device), programs, config, counters=counters, dst_offsets=offsets,
+                            bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
         staging = self.staging
         self.store = lambda a, w, bias: gemm(a, w, staging, bias)
 

@@ -193,7 +193,10 @@ def cases():
             ("ag p2p by-peer", "ag", 1024, 384, 64, OverlapConfig(method="signal", transport="p2p", comm_sms=0,
                                                                    chunk_by="peer")),
             # the pulls on 16 SMs: one kernel launch with the handshakes inside (session 34)
-            ("ag p2p sm16", "ag", 1024, 384, 64, OverlapConfig(method="signal", transport="p2p", comm_sms=16))]
+            ("ag p2p sm16", "ag", 1024, 384, 64, OverlapConfig(method="signal", transport="p2p", comm_sms=16)),
+            # the ReduceScatter's partials pushed by the copy engines (rs_transfer 'copy', the default at t > 2)
+            ("rs p2p copy", "rs", 1024, 512, 64, OverlapConfig(method="signal", transport="p2p", comm_sms=0,
+                                                                rs_transfer="copy"))]
 
 
 def per_call_us(fn, a, w, calls, reps):
