@@ -76,7 +76,12 @@ def ag_variants():
 
 
 def rs_variants():
-    return {"ours": OverlapConfig(method="signal", transport="p2p", comm_sms=0),   # epilogue stores
+    p2p = dict(method="signal", transport="p2p", comm_sms=0)
+    return {"ours": OverlapConfig(**p2p),   # rs_transfer 'auto': the copy engines' pushes where t > 2, else epilogue
+            "epilogue": OverlapConfig(**p2p, rs_transfer="epilogue"),   # the GEMM's epilogue stores over NVLink
+            # the GEMM stores locally, the copy engines push each owner's region (session 36); two pushes per peer
+            "copy": OverlapConfig(**p2p, rs_transfer="copy"),
+            "copy-g2": OverlapConfig(**p2p, rs_transfer="copy", groups=2),
             "cublas-p2p": OverlapConfig(method="decompose", transport="p2p", comm_sms=0),   # cuBLAS per owner
             "nccl": OverlapConfig(method="signal")}   # per-group NCCL reduce-scatters on 16 SMs
 
