@@ -30,6 +30,10 @@ def _worker(rank, world_size, init_file, backend, fn, args, environ):
         # and terminates the others.
         print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
+    # Every rank passed fn before any tears its group down: a rank that left while a peer was still connecting closed
+    # the connection under it (CI, session 36: "Gloo connectFullMesh failed ... Connection closed by peer" in a test
+    # whose fn communicates nothing).
+    dist.barrier()
     dist.destroy_process_group()
     # Passed: leave without the interpreter's teardown, where a native thread still joinable at exit
     # occasionally aborted a passing gloo worker ("terminate called without an active exception", CI).

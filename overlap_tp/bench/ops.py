@@ -73,7 +73,8 @@ def ours_variants(op, sweep):
     `cublas-p2p` (method decompose over the same p2p transports: cuBLAS GEMMs, no Triton GEMM) are always timed
     next to it, and for AllGather+GEMM its pulls on 16 and 32 SMs (comm_sms > 0), both pulling one peer's rows per
     chunk (`/by-peer`: chunk_by 'peer', what `ours` runs where t > 2) and ours with row chunks (`p2p/by-rows`), and
-    for GEMM+RS its two p2p transfers (`p2p/epilogue`, `p2p/copy`: OverlapConfig.rs_transfer);
+    for GEMM+RS its two p2p transfers (`p2p/epilogue`, `p2p/copy`: OverlapConfig.rs_transfer) and cuBLAS's regions
+    pushed by the copy engines (`cublas-p2p/copy`);
     --sweep adds the schedule x groups x comm_sms corners that won in earlier runs (docs/perf/) and, for
     AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
@@ -99,7 +100,10 @@ def ours_variants(op, sweep):
                 # the peers' partials stored by the GEMM's epilogue over NVLink (`ours` at t = 2) and stored locally,
                 # then pushed by the copy engines region by region (`ours` where t > 2: rs_transfer 'auto')
                 "p2p/epilogue": OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue"),
-                "p2p/copy": OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy")} \
+                "p2p/copy": OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy"),
+                # cuBLAS per region into the staging matrix, each pushed by the copy engines after its GEMM
+                "cublas-p2p/copy": OverlapConfig(method="decompose", transport="p2p", comm_sms=0,
+                                                 rs_transfer="copy")} \
         if op == "rs" else {"ours": OverlapConfig(method="signal")}
     if sweep:
         for schedule, groups, comm_sms in (("row_slice", 2, 0), ("row_slice", 4, 0), ("row_slice", 2, 16),

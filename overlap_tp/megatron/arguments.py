@@ -106,8 +106,9 @@ def add_overlap_args(parser):
         help="How the signaled GEMM+ReduceScatters on the p2p transport move the peers' partial sums "
              "(OverlapConfig.rs_transfer): epilogue (the GEMM's epilogue stores them into the owners' buffers over "
              "NVLink) or copy (the GEMM stores them locally and the copy engines push each owner's rows as soon as "
-             "they are stored; the SMs stay with the GEMM and the work after it). Needs --overlap-tp signal or auto "
-             "on the p2p transport (p2p or auto). Default: auto, copy where TP > 2, else epilogue.")
+             "they are stored; the SMs stay with the GEMM and the work after it). Needs --overlap-tp signal, "
+             "decompose or auto on the p2p transport (p2p or auto). Default: auto, copy for signal where TP > 2, "
+             "else epilogue.")
     group.add_argument(
         "--overlap-tp-tune-cache", type=str, default=None, metavar="PATH",
         help="File where the per-shape tuner (--overlap-tp auto) keeps its measured plans, so "
@@ -272,11 +273,11 @@ def validate_overlap_args(args, *, warn=_warn):
                 "per chunk with one copy-engine copy, which --overlap-tp signal or decompose on the p2p transport "
                 "(p2p or auto), one copy lane and no pull SMs do. Change those, or drop --overlap-tp-chunk-by.")
 
-    if getattr(args, "overlap_tp_rs_transfer", None) == "copy" and (method not in ("signal", "auto")
+    if getattr(args, "overlap_tp_rs_transfer", None) == "copy" and (method not in ("signal", "decompose", "auto")
                                                                    or transport == "nccl"):
         raise OverlapArgumentError(
             f"--overlap-tp-rs-transfer copy with --overlap-tp {method} --overlap-tp-transport {transport}: the copy "
-            "engines push the signaled GEMM's partials on the p2p transport, which --overlap-tp signal (or auto) "
+            "engines push the GEMM's partials on the p2p transport, which --overlap-tp signal, decompose (or auto) "
             "with --overlap-tp-transport p2p or auto runs. Change those, or drop --overlap-tp-rs-transfer.")
 
     if getattr(args, "overlap_tp_gather_in_place", False):

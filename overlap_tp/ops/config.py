@@ -69,16 +69,19 @@ class OverlapConfig:
                  2-5 us after each copy. At t = 2 (one peer) the two cut the
                  same rows and tie (session 34), so 'auto' keeps 'rows' there; explicit `groups` (the tuner's
                  partitions) mean row chunks, as the tuner's model of them does.
-    rs_transfer: how gemm_rs's signaled GEMM on the p2p transport moves the peers' partial sums into their owners'
-                 receive buffers. 'epilogue': the GEMM's epilogue stores each peer's tiles over NVLink as it computes
-                 them (the SMs move the bytes, so the GEMM lasts as long as the transfer). 'copy': the GEMM stores
-                 them locally, one peer's region after another in ring order and its own region last, and the copy
+    rs_transfer: how gemm_rs on the p2p transport moves the peers' partial sums into their owners' receive
+                 buffers. 'epilogue': the GEMM's epilogue stores each peer's tiles over NVLink as it computes them
+                 (the SMs move the bytes, so the GEMM lasts as long as the transfer). 'copy': the GEMM stores them
+                 locally, one peer's region after another in ring order and its own region last, and the copy
                  engines push each region as soon as its tiles are stored (ops/p2p.py, P2PReduceScatter): the GEMM
                  runs at its own speed and whatever follows it on the stream (the backward's wgrad GEMM before the
                  norm sums the slots) runs beside the pushes. `groups` counts pushes per peer ('auto': ~16 MB each,
-                 one per peer where t > 2). One SM is left to the comm stream's waits (a captured graph waits with
-                 one-thread kernels). 'auto' (the default; rs_transfer_for): 'copy' where the group has more than two
-                 ranks, else 'epilogue'. Measured under graphs on four H200s (docs/perf/s36): 'copy' faster at t = 4
+                 one per peer where t > 2). Method 'signal': one persistent GEMM raising a counter per push, one SM
+                 left to the comm stream's waits (a captured graph waits with one-thread kernels); method
+                 'decompose': one cuBLAS GEMM per push (the cuBLAS kernels' speed, each push behind a stream
+                 dependency, no wait kernel). 'auto' (the default; rs_transfer_for): 'copy' for method 'signal' where
+                 the group has more than two ranks, else 'epilogue' (method 'decompose' with 'copy' is not measured
+                 yet: explicit only). Measured under graphs on four H200s (docs/perf/s36): 'copy' faster at t = 4
                  on l8b.fc2 (0.395 -> 0.372 ms), l70b.proj (0.485 -> 0.463) and l70b.fc2 (1.455 -> 1.359), slower on
                  l8b.proj (0.224 -> 0.246: its 48 MB outlast its 0.1 ms GEMM, and the copies move them slower than
                  the stores); one 8B / 70B layer 1.045 / 1.009 -> 1.034 / 0.984 of the no-communication

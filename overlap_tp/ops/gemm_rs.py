@@ -8,7 +8,8 @@ Methods (OverlapConfig.method): `signal` (persistent Triton GEMM + per-group col
 ops/reduction.py; or, with transport 'p2p', epilogue stores into the owners' symmetric buffers, or with
 rs_transfer 'copy' (the default where t > 2) local stores that the copy engines push to the owners group by group,
 ops/p2p.py), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream; or, with transport 'p2p',
-one cuBLAS GEMM per owner's region writing straight into that owner's symmetric buffer, ops/p2p.py RegionGemms),
+one cuBLAS GEMM per owner's region writing straight into that owner's symmetric buffer, ops/p2p.py RegionGemms, or
+with rs_transfer 'copy' into a local staging matrix, each pushed by the copy engines after its GEMM),
 the collectives through a raw NCCL communicator (ops/nccl.py); `off` (cuBLAS then torch.distributed's
 reduce-scatter: Megatron's path and, on CPU tensors under gloo, the reference); `auto` (the tuner's choice, resolved
 when the plan is built).
@@ -47,9 +48,6 @@ class GemmRS(OpPlan):
         config, device, t = self.config, self.device, self.t
         self.m_local = m // t
         self.p2p = None   # the p2p transport's state (a call tests for it, not for the method and transport)
-        if self.method == "decompose" and config.rs_transfer == "copy":
-            raise ValueError("gemm_rs: rs_transfer='copy' pushes the signaled GEMM's groups of tiles (method 'signal' "
-                             "on transport 'p2p'); method 'decompose' stores from cuBLAS's epilogue")
         if self.method in ("signal", "decompose") and config.transport == "p2p":
             if device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
                 raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors (symmetric memory)")

@@ -70,7 +70,8 @@ class P2PReduceScatter:
 
     def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched):
         """config.method 'signal': the signaled GEMM stores the tiles (programs: its grid); 'decompose': cuBLAS
-        (RegionGemms)."""
+        (RegionGemms). config.rs_transfer (resolved: 'epilogue' or 'copy') says whether the GEMMs store into the
+        owners' buffers or the copy engines push what they stored locally (_build_pushes, push_half)."""
         from torch.distributed import _symmetric_memory as symm_mem
         self.t, self.m_local, self.n, self.watched = t, m // t, n, watched
         self.buf = symmetric.empty(t * self.m_local, n, dtype=dtype, device=device, kind="reduce-scatter slots")
@@ -81,10 +82,11 @@ class P2PReduceScatter:
             raise RuntimeError(f"overlap_tp: symmetric buffers are not {OFFSET_ALIGNMENT}-element aligned: "
                                f"{byte_offsets}")
         self.handle = handle
-        self.copy = config.method == "signal" and config.rs_transfer == "copy"
+        self.copy = config.rs_transfer == "copy"
         self.join = None   # rs_transfer 'copy': the call's join of the comm stream, run by its reduce half
-        if config.method == "decompose":
-            self.store = RegionGemms(handle, self.buf, rank, t, within // self.buf.element_size())
+        self.regions = None   # method 'decompose' with rs_transfer 'copy': the region GEMMs (RegionGemms)
+        if config.method == "decompose" and not self.copy:
+            self.store = RegionGemms.into_owners(handle, self.buf, rank, t, within // self.buf.element_size())
         elif self.copy:
             self._build_pushes(group, rank, t, m, n, dtype, device, config, programs, handle, within)
         else:
@@ -104,18 +106,33 @@ class P2PReduceScatter:
         self.device_index = device.index
         self.outstanding = None   # "eager" / "capture": a call whose second half (its DeferredSum) has not run
         watched.words = (("peer signals [SUMMED, ARRIVED] x rank", self.signals.words),)
-        if self.copy:
+        if self.copy and self.regions is None:
             watched.words += (("push group counters", self.waits.counters),)
 
     def _build_pushes(self, group, rank, t, m, n, dtype, device, config, programs, handle, within):
-        """rs_transfer 'copy': the staging matrix, the GEMM over p2p_copy_plan raising its push groups' counters, and
-        each group's copy (dst in the owner's slot `rank`, src in the staging matrix, bytes), made once. `programs`
-        must leave an SM free for the comm stream's waits (GemmRS: a captured graph waits with one-thread kernels,
-        which the persistent GEMM's CTAs need not leave room for beside them; PeerSignals' graph_deadline)."""
+        """rs_transfer 'copy': the staging matrix, the GEMM over p2p_copy_plan raising its push groups' counters (or,
+        for method 'decompose', one cuBLAS GEMM per run of rows: RegionGemms), and each group's copy (dst in the
+        owner's slot `rank`, src in the staging matrix, bytes), made once. `programs` must leave an SM free for the
+        comm stream's waits (GemmRS: a captured graph waits with one-thread kernels, which the persistent GEMM's CTAs
+        need not leave room for beside them; PeerSignals' graph_deadline)."""
         plan = p2p_copy_plan(m, n, t, rank, config.block_m, config.block_n, config.groups,
                              torch.finfo(dtype).bits // 8)
         self.staging = torch.empty(plan.staging_shape, dtype=dtype, device=device)
         size, row_bytes = self.buf.element_size(), n * self.buf.element_size()
+        staging_ptr, slot = self.staging.data_ptr(), rank * self.m_local
+        self.pushes = tuple((handle.buffer_ptrs[owner] + within + (slot + c.dst_lo) * row_bytes,
+                             staging_ptr + c.src_lo * row_bytes, (c.dst_hi - c.dst_lo) * row_bytes)
+                            for c, owner in zip(plan.collectives[:-1], plan.chunk_peers[:-1]))
+        self.engine = comm.comm_engine(device)
+        self.engine.prepare_graph_waits()
+        if config.method == "decompose":
+            # group g's rows of `a` (the peer's region's run: its source rows) into staging rows [src_lo, src_hi);
+            # the last group, our own region, into our own slot
+            runs = [(owner * self.m_local + c.dst_lo, c.dst_hi - c.dst_lo, self.staging[c.src_lo:c.src_hi])
+                    for c, owner in zip(plan.collectives[:-1], plan.chunk_peers[:-1])]
+            runs.append((slot, self.m_local, self.buf.view(t, self.m_local, n)[rank]))
+            self.regions = RegionGemms(runs)
+            return
         own_offset = self.buf.data_ptr() - self.staging.data_ptr()   # bytes from the staging matrix to our slots
         if own_offset % (OFFSET_ALIGNMENT * size):
             raise RuntimeError(f"overlap_tp: the receive buffer is not {OFFSET_ALIGNMENT}-element aligned with the "
@@ -125,12 +142,6 @@ class P2PReduceScatter:
         pushes = plan.num_groups - 1   # the last group is our own region: stored in place, pushed nowhere
         self.waits = comm.CounterWaits(counters, plan.group_tiles[:pushes],
                                        unwaited=((pushes, plan.group_tiles[pushes]),))
-        staging_ptr, slot = self.staging.data_ptr(), rank * self.m_local
-        self.pushes = tuple((handle.buffer_ptrs[owner] + within + (slot + c.dst_lo) * row_bytes,
-                             staging_ptr + c.src_lo * row_bytes, (c.dst_hi - c.dst_lo) * row_bytes)
-                            for c, owner in zip(plan.collectives[:pushes], plan.chunk_peers[:pushes]))
-        self.engine = comm.comm_engine(device)
-        self.engine.prepare_graph_waits()
         default_offsets(device)
         gemm = SignaledGemm(plan.tiles.to(device), programs, config, counters=counters, dst_offsets=offsets,
                             bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
@@ -145,7 +156,7 @@ class P2PReduceScatter:
         wait for SUMMED would queue ahead of the sum it waits for, on every rank (a deadlock on the GPU)."""
         capturing, stream = self._begin()
         if self.copy:
-            self.join = self.push_half(lambda: self.store(a, w, bias), capturing)
+            self.join = self.push_half(a, w, bias, capturing)
         else:
             self.store_half(stream, lambda: self.store(a, w, bias), capturing)
         self.outstanding = "capture" if capturing else "eager"
@@ -171,7 +182,7 @@ class P2PReduceScatter:
         capturing, stream = self._begin()
         out = torch.empty(self.m_local, self.n, dtype=self.buf.dtype, device=self.buf.device)
         if self.copy:
-            self.push_half(lambda: self.store(a, w, bias), capturing)()   # the pushes, joined
+            self.push_half(a, w, bias, capturing)()   # the pushes, joined
             self.reduce_half(stream, lambda: self.sum(self.flat_slots, out), capturing)
         else:
             self.store_and_reduce(stream, lambda: self.store(a, w, bias), lambda: self.sum(self.flat_slots, out),
@@ -192,10 +203,13 @@ class P2PReduceScatter:
         if not capturing:
             self.watched.record(stream)
 
-    def push_half(self, store, capturing: bool):
-        """rs_transfer 'copy''s first half: fork, store (the GEMM) on the caller's stream, and on the comm stream the
-        SUMMED wait, each push group's counter wait and push, and the ARRIVED signal after the last. Returns the
-        join."""
+    def push_half(self, a, w, bias, capturing: bool):
+        """rs_transfer 'copy''s first half: fork; the GEMM on the caller's stream, and on the comm stream the SUMMED
+        wait, each push group's push behind its rows' GEMM, and the ARRIVED signal after the last. Returns the join.
+        Method 'signal': one persistent GEMM raising a counter per group, each push behind its counter's wait
+        (CommEngine.gemm_then_collectives). Method 'decompose': one cuBLAS GEMM per group (RegionGemms), each push
+        behind a fork of the comm stream after its GEMM (as reduction.decomposed issues its chunks' collectives), our
+        own region's GEMM last, beside the last push."""
         pushes, last = self.pushes, len(self.pushes) - 1
 
         def push(g, stream):
@@ -204,7 +218,21 @@ class P2PReduceScatter:
             memops.copy(stream, *pushes[g])
             if g == last:
                 self.signals.signal(stream, self.ARRIVED)
-        return self.engine.gemm_then_collectives(store, self.waits, push, self.watched)
+        if self.regions is None:
+            return self.engine.gemm_then_collectives(lambda: self.store(a, w, bias), self.waits, push, self.watched)
+        engine, regions, wt = self.engine, self.regions, w.t()
+        current = engine.current()
+        for g in range(len(pushes)):
+            regions.run(a, wt, bias, g)
+            engine.fork(current, capturing)   # the comm stream waits for this run's GEMM (and what came before)
+            push(g, engine.raw)
+        regions.run(a, wt, bias, len(pushes))   # our own region, into our own slot
+        if not capturing and self.watched is not None:
+            self.watched.record(engine.raw)
+
+        def join():
+            engine.join(engine.current(), engine.capturing())
+        return join
 
     def store_half(self, stream, store, capturing: bool):
         """wait SUMMED from every peer, reset; store (the GEMM into the owners' buffers); signal ARRIVED."""
@@ -229,29 +257,40 @@ class P2PReduceScatter:
 
 
 class RegionGemms:
-    """The decompose method's stores into the owners' receive buffers: rows [k*M/t, (k+1)*M/t) of a @ w.T by one
-    cuBLAS GEMM per region k, written straight into slot `rank` of rank k's buffer (peer-mapped: cuBLAS's own
-    epilogue stores go over NVLink, as the signaled kernel's do), so the GEMMs run at cuBLAS's speed and no SM or
-    copy engine moves anything afterwards. The next rank's region first and our own last: at t > 2 the ranks write
-    into different owners at any time. The bias (added once, after the sum, in Megatron) goes into our own region
-    only, in cuBLAS's epilogue (addmm)."""
+    """The decompose method's GEMMs: one cuBLAS GEMM per run of rows of a @ w.T, each into its own output, in order.
+    Into the owners' receive buffers (`into_owners`): rows [k*M/t, (k+1)*M/t) straight into slot `rank` of rank k's
+    buffer (peer-mapped: cuBLAS's own epilogue stores go over NVLink, as the signaled kernel's do), so the GEMMs run
+    at cuBLAS's speed and no SM or copy engine moves anything afterwards. The next rank's region first and our own
+    last: at t > 2 the ranks write into different owners at any time. With rs_transfer 'copy' the peers' runs go into
+    the local staging matrix instead, and the copy engines push each after its GEMM (P2PReduceScatter.push_half).
+    The bias (added once, after the sum, in Megatron) goes into our own region only, in cuBLAS's epilogue (addmm):
+    the last run."""
 
-    def __init__(self, handle, buf, rank, t, within_elems):
+    def __init__(self, runs):
+        """runs: (first source row, rows, output [rows, N]) in order, our own region's last."""
+        self.runs = runs
+
+    @classmethod
+    def into_owners(cls, handle, buf, rank, t, within_elems):
         m_local, n = buf.shape[0] // t, buf.shape[1]
-        self.rank, self.m_local = rank, m_local
-        self.order = ring_peers(rank, t) + [rank]
         # slot `rank` of every owner's buffer, as a tensor (a peer's through its mapping), made once
-        self.slots = [buf.view(t, m_local, n)[rank] if k == rank else
-                      handle.get_buffer(k, (t, m_local, n), buf.dtype, within_elems)[rank] for k in range(t)]
+        slots = [buf.view(t, m_local, n)[rank] if k == rank else
+                 handle.get_buffer(k, (t, m_local, n), buf.dtype, within_elems)[rank] for k in range(t)]
+        return cls([(k * m_local, m_local, slots[k]) for k in ring_peers(rank, t) + [rank]])
+
+    def run(self, a, wt, bias, index: int):
+        """Run `index`'s GEMM (wt: w.t()); the bias into the last run only."""
+        first, rows, out = self.runs[index]
+        rows = a.narrow(0, first, rows)
+        if index == len(self.runs) - 1 and bias is not None:
+            torch.addmm(bias, rows, wt, out=out)
+        else:
+            torch.mm(rows, wt, out=out)
 
     def __call__(self, a, w, bias):
         wt = w.t()
-        for k in self.order:
-            rows = a.narrow(0, k * self.m_local, self.m_local)
-            if k == self.rank and bias is not None:
-                torch.addmm(bias, rows, wt, out=self.slots[k])
-            else:
-                torch.mm(rows, wt, out=self.slots[k])
+        for index in range(len(self.runs)):
+            self.run(a, wt, bias, index)
 
 
 class DeferredSum:

@@ -114,11 +114,14 @@ def _check_shapes(rank, world, shapes, op):
                         assert torch.equal(summed, by_epilogue), (s, k, n, "p2p", transfer, "differs from epilogue")
         decomposed = run(a, w, group, config=OverlapConfig(method="decompose", chunks=4))
         assert rel_error(decomposed, ref) <= baseline_error * 1.05 + 1e-4
-        if op == "rs":   # cuBLAS per owner's region, stored into its receive slot (RegionGemms): both buffers' turns
-            for _ in range(3):
-                poison_allocator()
-                regions = run(a, w, group, config=OverlapConfig(method="decompose", transport="p2p"))
-                assert rel_error(regions, ref) <= baseline_error * 1.05 + 1e-4, (s, k, n, "decompose-p2p")
+        if op == "rs":   # cuBLAS per owner's region, stored into its receive slot (RegionGemms): both buffers' turns;
+            # and into the local staging matrix, each region pushed by the copy engines (rs_transfer 'copy')
+            for transfer in ("epilogue", "copy"):
+                for _ in range(3):
+                    poison_allocator()
+                    regions = run(a, w, group, config=OverlapConfig(method="decompose", transport="p2p",
+                                                                    rs_transfer=transfer))
+                    assert rel_error(regions, ref) <= baseline_error * 1.05 + 1e-4, (s, k, n, "decompose-p2p", transfer)
 
 
 @pytest.mark.parametrize("shapes", [BENCH_SHAPES[:4], BENCH_SHAPES[4:8], BENCH_SHAPES[8:], ODD_SHAPES],
@@ -207,7 +210,8 @@ def _check_async_op(rank, world):
                OverlapConfig(method="signal", schedule="row_slice"), OverlapConfig(method="signal", schedule="tile_exact"),
                OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue"),
                OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy"),
-               OverlapConfig(method="decompose", transport="p2p")]
+               OverlapConfig(method="decompose", transport="p2p"),
+               OverlapConfig(method="decompose", transport="p2p", rs_transfer="copy")]
     for config in configs:
         for run in (gemm_rs, gemm_ar):
             if run is gemm_ar and config.transport == "p2p":

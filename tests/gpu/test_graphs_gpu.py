@@ -35,6 +35,7 @@ CASES = [   # (op, config)
     ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy", groups=3)),
     ("rs", OverlapConfig(method="decompose", chunks=4)),
     ("rs", OverlapConfig(method="decompose", transport="p2p")),
+    ("rs", OverlapConfig(method="decompose", transport="p2p", rs_transfer="copy")),   # cuBLAS regions, then pushes
     ("rs", OverlapConfig(method="off")),
     ("ar", OverlapConfig(method="signal", groups=2)),
     ("ar", OverlapConfig(method="decompose", chunks=2)),

@@ -80,8 +80,8 @@ def test_chunk_by_reaches_the_allgathers_and_what_it_needs():
 
 def test_rs_transfer_reaches_the_reduce_scatters_and_what_it_needs():
     """--overlap-tp-rs-transfer copy: gemm_rs's config carries it (the default leaves 'auto' to the plan:
-    rs_transfer_for, the copy engines where TP > 2); it needs signal or auto on the p2p transport, else a clear
-    error."""
+    rs_transfer_for, the copy engines where TP > 2); it needs signal, decompose or auto on the p2p transport, else a
+    clear error."""
     parser = build_parser()
     assert parser.parse_args([]).overlap_tp_rs_transfer is None
     configs = layer_configs(parser.parse_args(["--overlap-tp", "signal", "--overlap-tp-rs-transfer", "copy"]))
@@ -92,11 +92,11 @@ def test_rs_transfer_reaches_the_reduce_scatters_and_what_it_needs():
     with pytest.raises(SystemExit):
         parser.parse_args(["--overlap-tp-rs-transfer", "nvlink"])
     for ok in (dict(overlap_tp="signal"), dict(overlap_tp="signal", overlap_tp_transport="p2p"),
-               dict(overlap_tp="auto")):
+               dict(overlap_tp="auto"), dict(overlap_tp="decompose")):
         validate_overlap_args(megatron_like(**{"overlap_tp_transport": "auto", **ok}, overlap_tp_rs_transfer="copy"),
                               warn=None)
-    for bad in (dict(overlap_tp="signal", overlap_tp_transport="nccl"), dict(overlap_tp="decompose"),
-                dict(overlap_tp="off")):
+    for bad in (dict(overlap_tp="signal", overlap_tp_transport="nccl"), dict(overlap_tp="decompose",
+                overlap_tp_transport="nccl"), dict(overlap_tp="off")):
         with pytest.raises(OverlapArgumentError, match="--overlap-tp-rs-transfer copy with"):
             validate_overlap_args(megatron_like(**{"overlap_tp_transport": "auto", **bad},
                                                 overlap_tp_rs_transfer="copy"), warn=None)

@@ -38,8 +38,9 @@ def test_each_region_lands_in_its_owners_slot_of_this_rank(t, m_local, n, k, wit
     operands = [(torch.randn(t * m_local, k), torch.randn(n, k)) for _ in range(t)]
     bias = torch.randn(n)
     for rank in range(t):
-        stores = RegionGemms(handle, bufs[rank], rank, t, within)
-        assert stores.order == [(rank + i) % t for i in range(1, t + 1)]   # the next rank's region first, ours last
+        stores = RegionGemms.into_owners(handle, bufs[rank], rank, t, within)
+        # the next rank's region first, ours last
+        assert [first // m_local for first, _, _ in stores.runs] == [(rank + i) % t for i in range(1, t + 1)]
         a, w = operands[rank]
         stores(a, w, bias)
     for owner in range(t):
@@ -61,7 +62,7 @@ def test_without_bias_every_slot_is_the_plain_product():
     bufs = [a.view(t * m_local, n) for a in allocations]
     operands = [(torch.randn(t * m_local, k), torch.randn(n, k)) for _ in range(t)]
     for rank in range(t):
-        RegionGemms(handle, bufs[rank], rank, t, 0)(*operands[rank], None)
+        RegionGemms.into_owners(handle, bufs[rank], rank, t, 0)(*operands[rank], None)
     for owner in range(t):
         for source in range(t):
             a, w = operands[source]

@@ -317,19 +317,26 @@ class RankEngine(FakeEngine):
         return self.rank
 
 
-def _run_push_reduce_scatter(recorder, t, seed, groups_per_peer=2, summed_wait=True, calls=25):
+class _FakeWeight:
+    def t(self):
+        return self
+
+
+def _run_push_reduce_scatter(recorder, t, seed, groups_per_peer=2, summed_wait=True, calls=25, regions=False):
     """rs_transfer 'copy' (P2PReduceScatter.push_half, then its reduce half: the plan's own code on every rank's caller
-    and comm streams, with forks and joins), calls in two halves or whole at random, every rank the same; the GEMM's
-    tiles complete in a random order. Checks: a tile never overwrites staging rows its previous call has not pushed
-    yet, nor our own slot before our previous sum; a push copies only tiles of its own call, complete, into an owner
-    that summed the previous call; a sum sees every source's rows of its call."""
+    and comm streams, with forks and joins), calls in two halves or whole at random, every rank the same. Method
+    'signal': the GEMM's tiles complete in a random order behind its counters; `regions` (method 'decompose'): one
+    GEMM per group (two "tiles" each, in order), each push behind a fork after its GEMM. Checks: a tile never
+    overwrites staging rows its previous call has not pushed yet, nor our own slot before our previous sum; a push
+    copies only tiles of its own call, complete, into an owner that summed the previous call; a sum sees every
+    source's rows of its call."""
     signals = _peer_signals(t, (1, 0))
     pushes = groups_per_peer * (t - 1)
     own = pushes   # the own region's group
     ranks, counters = [], []
     for rank in range(t):
         op = P2PReduceScatter.__new__(P2PReduceScatter)
-        op.signals, op.copy, op.join, op.watched = signals[rank], True, None, NoWatch()
+        op.signals, op.copy, op.join, op.watched, op.regions = signals[rank], True, None, NoWatch(), None
         op.engine = RankEngine(recorder, rank)
         words = torch.zeros(pushes + 1, dtype=torch.int32)
         counters.append(words)
@@ -348,15 +355,19 @@ def _run_push_reduce_scatter(recorder, t, seed, groups_per_peer=2, summed_wait=T
     whole = [rng.random() < 0.5 for _ in range(calls)]
     programs = {}
     for rank, op in enumerate(ranks):
+        if regions:   # RegionGemms.run(a, wt, bias, g): group g's GEMM, `a` standing for the call
+            op.regions = SimpleNamespace(run=lambda call, wt, bias, g, r=rank: [recorder.emit(r, ("tile", r, g, call))
+                                                                                 for _ in range(2)])
         for call in range(calls):
             tiles = [("tile", rank, g, call) for g in range(pushes + 1) for _ in range(2)]
             rng.shuffle(tiles)
 
-            def store(r=rank, tiles=tiles):
+            def store(a, w, bias, r=rank, tiles=tiles):   # the signaled GEMM: tiles in any order
                 for tile in tiles:
                     recorder.emit(r, tile)
+            op.store = store
             reduce = lambda r=rank, c=call: recorder.emit(r, ("sum", r, c))
-            join = op.push_half(store, False)
+            join = op.push_half(call, _FakeWeight(), None, False)
             if not whole[call]:
                 recorder.emit(rank, ("other work", rank, call))   # the wgrad, queued between the halves
             join()
@@ -401,14 +412,23 @@ def _run_push_reduce_scatter(recorder, t, seed, groups_per_peer=2, summed_wait=T
 
 
 @pytest.mark.parametrize("t, seed, parts", [(2, 0, 2), (2, 1, 1), (3, 2, 2), (4, 3, 1), (4, 4, 2)])
-def test_p2p_reduce_scatter_by_copies_never_overwrites_or_reads_early(recorder, t, seed, parts):
-    _run_push_reduce_scatter(recorder, t, seed, parts)
+@pytest.mark.parametrize("method", ["signal", "decompose"])
+def test_p2p_reduce_scatter_by_copies_never_overwrites_or_reads_early(recorder, t, seed, parts, method):
+    _run_push_reduce_scatter(recorder, t, seed, parts, regions=method == "decompose")
 
 
 def test_the_simulator_catches_pushes_without_their_summed_wait(recorder):
     with pytest.raises(AssertionError, match="before its sum"):
         for seed in range(5):
             _run_push_reduce_scatter(recorder, 2, seed, 1, summed_wait=False)
+
+
+def test_the_simulator_catches_region_pushes_without_their_fork(recorder, monkeypatch):
+    """Mutation: the decompose path's push issued without the comm stream's fork after its GEMM."""
+    monkeypatch.setattr(FakeEngine, "fork", lambda self, current, capturing: None)
+    with pytest.raises(AssertionError, match="pushed group .* early"):
+        for seed in range(5):
+            _run_push_reduce_scatter(recorder, 2, seed, 1, regions=True)
 
 
 def _gather_buffers(t, signals, m=1):

@@ -83,6 +83,8 @@ def rs_variants():
             "copy": OverlapConfig(**p2p, rs_transfer="copy"),
             "copy-g2": OverlapConfig(**p2p, rs_transfer="copy", groups=2),
             "cublas-p2p": OverlapConfig(method="decompose", transport="p2p", comm_sms=0),   # cuBLAS per owner
+            # cuBLAS per region into the local staging matrix, each region pushed after its GEMM
+            "cublas-copy": OverlapConfig(method="decompose", transport="p2p", comm_sms=0, rs_transfer="copy"),
             "nccl": OverlapConfig(method="signal")}   # per-group NCCL reduce-scatters on 16 SMs
 
 
