@@ -109,3 +109,18 @@ def test_rs_transfer_auto_pushes_with_the_copy_engines_only_where_t_exceeds_two(
     for explicit in ("epilogue", "copy"):
         assert rs_transfer_for(replace(p2p, rs_transfer=explicit), 2).rs_transfer == explicit
         assert rs_transfer_for(replace(p2p, rs_transfer=explicit), 4).rs_transfer == explicit
+
+
+def test_gemm_programs_leave_the_collectives_sms_and_at_least_the_spare_ones(monkeypatch):
+    """The persistent GEMM's grid: every SM but max(comm_sms, spare_sms) (rs_transfer 'copy' leaves one SM to the comm
+    stream's graph waits even at comm_sms 0), never fewer than one program; 4 on a CPU (the interpreter)."""
+    import torch
+    from types import SimpleNamespace
+    from overlap_tp.ops import common
+    monkeypatch.setattr(common, "device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    gpu = torch.device("cuda", 0)
+    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=0)) == 132
+    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=0), spare_sms=1) == 131
+    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=16), spare_sms=1) == 116
+    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=200)) == 1
+    assert common.gemm_programs(torch.device("cpu"), OverlapConfig(), spare_sms=1) == 4
