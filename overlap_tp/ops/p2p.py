@@ -120,16 +120,17 @@ class P2PReduceScatter:
         self.staging = torch.empty(plan.staging_shape, dtype=dtype, device=device)
         size, row_bytes = self.buf.element_size(), n * self.buf.element_size()
         staging_ptr, slot = self.staging.data_ptr(), rank * self.m_local
+        groups = list(zip(plan.collectives[:-1], plan.chunk_peers[:-1]))   # the push groups: the last is our own
         self.pushes = tuple((handle.buffer_ptrs[owner] + within + (slot + c.dst_lo) * row_bytes,
                              staging_ptr + c.src_lo * row_bytes, (c.dst_hi - c.dst_lo) * row_bytes)
-                            for c, owner in zip(plan.collectives[:-1], plan.chunk_peers[:-1]))
+                            for c, owner in groups)
         self.engine = comm.comm_engine(device)
         self.engine.prepare_graph_waits()
         if config.method == "decompose":
             # group g's rows of `a` (the peer's region's run: its source rows) into staging rows [src_lo, src_hi);
             # the last group, our own region, into our own slot
             runs = [(owner * self.m_local + c.dst_lo, c.dst_hi - c.dst_lo, self.staging[c.src_lo:c.src_hi])
-                    for c, owner in zip(plan.collectives[:-1], plan.chunk_peers[:-1])]
+                    for c, owner in groups]
             runs.append((slot, self.m_local, self.buf.view(t, self.m_local, n)[rank]))
             self.regions = RegionGemms(runs)
             return
@@ -139,7 +140,7 @@ class P2PReduceScatter:
                                f"staging matrix: {own_offset} bytes apart")
         offsets = torch.tensor([0, own_offset // size], dtype=torch.int64, device=device)
         counters = torch.zeros(plan.num_groups, dtype=torch.int32, device=device)
-        pushes = plan.num_groups - 1   # the last group is our own region: stored in place, pushed nowhere
+        pushes = len(groups)   # our own region's group follows: stored in place, pushed nowhere
         self.waits = comm.CounterWaits(counters, plan.group_tiles[:pushes],
                                        unwaited=((pushes, plan.group_tiles[pushes]),))
         default_offsets(device)

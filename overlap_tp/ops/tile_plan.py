@@ -96,6 +96,16 @@ def split_units(total: int, groups, unit_bytes: int) -> List[int]:
     return sizes
 
 
+def per_peer_groups(groups, slices: int, unit_bytes: int, peers: int):
+    """`groups` of one peer's region (`slices` units of `unit_bytes`) cut into transfers one peer at a time
+    (ag_plan's chunks by peer, p2p_copy_plan's pushes): 'auto' aims at TARGET_GROUP_BYTES per transfer, at least
+    one per peer where there are several peers (their regions follow each other, which pipelines already) and two
+    where there is one; anything else is kept."""
+    if groups != "auto":
+        return groups
+    return max(1 if peers > 1 else 2, min(slices, MAX_AUTO_GROUPS, round(slices * unit_bytes / TARGET_GROUP_BYTES)))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -221,10 +231,7 @@ def p2p_copy_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: 
     raster_group_m = 1 if n_tiles <= P2P_ROW_MAJOR_MAX_N_TILES else RASTER_GROUP_M
     peers = ring_peers(rank, world)
     unit_bytes = block_m * n * elem_bytes
-    if groups == "auto":
-        groups = max(1 if len(peers) > 1 else 2,
-                     min(slices, MAX_AUTO_GROUPS, round(slices * unit_bytes / TARGET_GROUP_BYTES)))
-    sizes = split_units(slices, groups, unit_bytes)
+    sizes = split_units(slices, per_peer_groups(groups, slices, unit_bytes, len(peers)), unit_bytes)
     tiles, group_tiles, collectives, chunk_peers = [], [], [], []
 
     def run_tiles(region, j0, j1, dst_first_row, dst_buf, group):
@@ -292,9 +299,8 @@ def ag_plan(m: int, n: int, k: int, world: int, rank: int, block_m: int, block_n
         # 'rows': each chunk spans every peer region; 'peer': each chunk one region
         runs = [(peers, None)] if chunk_by == "rows" else [([p], p) for p in peers]
         unit_bytes = len(runs[0][0]) * block_m * k * elem_bytes
-        if chunk_by == "peer" and groups == "auto":   # ~16 MB per chunk; one per peer is pipelined already where t > 2
-            groups = max(1 if len(peers) > 1 else 2,
-                         min(slices, MAX_AUTO_GROUPS, round(slices * unit_bytes / TARGET_GROUP_BYTES)))
+        if chunk_by == "peer":
+            groups = per_peer_groups(groups, slices, unit_bytes, len(peers))
         sizes = split_units(slices, groups, unit_bytes)
         for regions, peer in runs:
             j0 = 0
