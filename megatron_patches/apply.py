@@ -21,7 +21,8 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
   TransformerLayer around the same linears and norms; with `--overlap-tp-gather-in-place` its
   norms write into linear_qkv's and linear_fc1's own gathered buffers (`overlap_tp.megatron.layers.
   set_gather_in_place`), and with `--overlap-tp-defer-wgrad` too linear_fc1's wgrad runs inside linear_proj's
-  backward (`set_defer_wgrad`).
+  backward (`set_defer_wgrad`); with `--overlap-tp-token-split` each micro-batch runs as two interleaved halves
+  (`overlap_tp.megatron.transformer_layer.set_token_split`).
 - `OVERLAP_TP_TUNE_CACHE` in the environment: `--overlap-tp-tune-cache`, else the variable as the user
   set it, else `overlap_tp_tune.json` in Megatron's `--save` folder
   (`overlap_tp.megatron.arguments.tune_cache_path`); with none of them it stays unset and the tuner
@@ -55,7 +56,8 @@ def is_overlap_spec(spec):
     return spec == [__name__, "overlap_layer_spec"] or (
         len(spec) == 2 and spec[0] == SPEC_MODULE and spec[1] in SPEC_ATTRIBUTES)
 
-_STATE = {"configs": None, "moe_config": None, "fused_norms": True, "gather_in_place": False, "defer_wgrad": False}
+_STATE = {"configs": None, "moe_config": None, "fused_norms": True, "gather_in_place": False, "defer_wgrad": False,
+          "token_split": False}
 
 
 @dataclasses.dataclass
@@ -105,8 +107,8 @@ def reset():
     """Forget the process-wide state (tests)."""
     _STATE["configs"] = _STATE["moe_config"] = None
     _STATE["fused_norms"] = True
-    _STATE["gather_in_place"] = _STATE["defer_wgrad"] = False
-    _set_gather_in_place(False, False)
+    _STATE["gather_in_place"] = _STATE["defer_wgrad"] = _STATE["token_split"] = False
+    _set_gather_in_place(False, False, False)
     tune_timing.set_regime("eager")
 
 
@@ -151,7 +153,12 @@ def apply(args, *, log=None):
         report.changed.append("linear_fc1's wgrad runs inside linear_proj's backward, beside its AllGather" if defer
                               else "every linear's wgrad runs in its own backward")
         _STATE["defer_wgrad"] = defer
-    _set_gather_in_place(in_place, defer)
+    split = bool(getattr(args, "overlap_tp_token_split", False))
+    if _STATE["token_split"] != split:
+        report.changed.append("each micro-batch runs as two interleaved halves of its sequences (token split)" if split
+                              else "each micro-batch runs whole (no token split)")
+        _STATE["token_split"] = split
+    _set_gather_in_place(in_place, defer, split)
 
     spec = getattr(args, "spec", None)
     if not is_overlap_spec(spec):
@@ -187,13 +194,14 @@ def _set_layer_defaults(configs, moe_config):
         moe_layer.set_default_moe_overlap_config(moe_config)
 
 
-def _set_gather_in_place(on, defer_wgrad):
+def _set_gather_in_place(on, defer_wgrad, token_split):
     try:
-        from overlap_tp.megatron import layers
+        from overlap_tp.megatron import layers, transformer_layer
     except ImportError:  # no megatron-core: no layer to build
         return
     layers.set_gather_in_place(on)
     layers.set_defer_wgrad(defer_wgrad)
+    transformer_layer.set_token_split(token_split)
 
 
 def overlap_layer_spec(config, vp_stage=None):

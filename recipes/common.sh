@@ -9,6 +9,8 @@
 #   DEFER_WGRAD=1|0                     --overlap-tp-defer-wgrad with gathering in place: fc1's wgrad runs beside
 #                                       proj's backward AllGather (default 0; llama3-8b and llama3-70b-proxy: 1 at
 #                                       TP >= 4 under graphs, measured faster there, docs/perf/s33/README.md)
+#   TOKEN_SPLIT=1|0                     --overlap-tp-token-split: each micro-batch as two interleaved halves of its
+#                                       sequences (default 0; needs an even micro-batch: MBS=2 in the llama3 recipes)
 #   TUNE_CACHE=PATH                     with OVERLAP=auto: --overlap-tp-tune-cache (default $OUT_DIR/overlap_tp_tune.json:
 #                                       a second run into the same OUT_DIR tunes nothing)
 #   TP=2  NPROC=2  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static rendezvous)
@@ -53,6 +55,8 @@ run_recipe() {
     overlap_args+=(--overlap-tp-gather-in-place)   # the norms write into qkv's / fc1's own gathered buffers
     [[ ${DEFER_WGRAD:-0} == 1 ]] && overlap_args+=(--overlap-tp-defer-wgrad)   # fc1's wgrad beside proj's AllGather
   fi
+  # two interleaved halves of each micro-batch (needs an even --micro-batch-size: MBS=2)
+  [[ ${TOKEN_SPLIT:-0} == 1 && $OVERLAP != off ]] && overlap_args+=(--overlap-tp-token-split)
   local env_args=()
   if [[ ${DRY_RUN:-0} != 1 ]] && ! _imports transformer_engine && ! _imports fused_weight_gradient_mlp_cuda; then
     # Megatron's fused wgrad accumulation needs Apex or TE, its RoPE fusion TE.

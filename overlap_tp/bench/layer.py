@@ -53,6 +53,10 @@ process on the same inputs and the same weights:
                 (not in the default list) signal-p2p-inplace-dw with the ReduceScatters' GEMMs by cuBLAS, one per
                 region into a local staging matrix, each region pushed by the copy engines after its GEMM (method
                 'decompose', rs_transfer 'copy')
+  <any of ours>-split
+                (not in the default list; --micro-batch even) that configuration with the layer built under
+                set_token_split(True) (`--overlap-tp-token-split`): the micro-batch's sequences in two halves, run
+                interleaved so that one half's transfers run beside the other half's compute
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
 timed (output, input grad and every parameter grad, max relative error <= --check-tol); every layer that
@@ -157,6 +161,7 @@ def configurations(device_type):
 
 IN_PLACE_SUFFIX = "-inplace"   # a configuration whose layer is built with set_gather_in_place(True)
 DEFER_WGRAD_SUFFIX = "-inplace-dw"   # ... and with set_defer_wgrad(True)
+SPLIT_SUFFIX = "-split"   # after any of ours: the layer built with set_token_split(True) (needs --micro-batch 2, 4, ..)
 
 
 def parse_args(argv):
@@ -203,9 +208,14 @@ def parse_args(argv):
     if args.configs is None:
         args.configs = CPU_CONFIGS if args.device == "cpu" else DEFAULT_CONFIGS
     configs = args.configs.split(",")
-    unknown = set(configs) - set(configurations(args.device))
+    ours = {name for name, (kind, _, _) in configurations(args.device).items() if kind == "ours"}
+    unknown = {name for name in configs if name.removesuffix(SPLIT_SUFFIX) not in configurations(args.device)
+               or (name.endswith(SPLIT_SUFFIX) and name.removesuffix(SPLIT_SUFFIX) not in ours)}
     if unknown:
         p.error(f"unknown configs {sorted(unknown)}")
+    if any(name.endswith(SPLIT_SUFFIX) for name in configs) and args.micro_batch % 2:
+        p.error(f"the {SPLIT_SUFFIX} configurations split the micro-batch in two halves: --micro-batch {args.micro_batch} "
+                f"must be even")
     if configs[0] != "megatron":
         p.error("--configs must start with megatron (the reference every other configuration is checked against)")
     if args.rounds < 1 or args.reps < args.rounds:
@@ -235,10 +245,11 @@ def layer_config(model, tp, device_type, fusions=None):
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1, use_cpu_initialization=device_type == "cpu")
 
 
-def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgrad=False):
+def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgrad=False, token_split=False):
     """One TransformerLayer from our spec ('ours') or the Megatron reference spec ('megatron'); in_place: ours, its
     norms writing into the column-parallel linears' own gathered buffers (set_gather_in_place); defer_wgrad: fc1's
-    wgrad inside proj's backward (set_defer_wgrad)."""
+    wgrad inside proj's backward (set_defer_wgrad); token_split: the micro-batch as two interleaved halves
+    (set_token_split)."""
     from megatron.core.transformer.spec_utils import build_module
     if spec_kind == "ours":
         from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
@@ -251,7 +262,8 @@ def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgra
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(seed)
     from overlap_tp.megatron.layers import deferring_wgrad, gathering_in_place
-    with gathering_in_place(in_place), deferring_wgrad(defer_wgrad):
+    from overlap_tp.megatron.transformer_layer import splitting_tokens
+    with gathering_in_place(in_place), deferring_wgrad(defer_wgrad), splitting_tokens(token_split):
         return build_module(spec, config=config, layer_number=1).to(device)
 
 
@@ -455,15 +467,18 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
     """Build configuration `name`'s layer with `weights` (None: keep its own: megatron's, the first), check it
     on sets[0] (megatron: capture the reference). Returns (row, layer or None, captured result or None)."""
     from overlap_tp.bench.reference_spec import count_collectives
-    spec_kind, overlap, nocomm = table[name]
+    base = name.removesuffix(SPLIT_SUFFIX)
+    spec_kind, overlap, nocomm = table[base]
     row, layer, result = {"config": name}, None, None
     before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     symmetric_before = symmetric.total()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
-        layer = build_layer(spec_kind, config, device, in_place=name.endswith((IN_PLACE_SUFFIX, DEFER_WGRAD_SUFFIX)),
-                            defer_wgrad=name.endswith(DEFER_WGRAD_SUFFIX))
+        layer = build_layer(spec_kind, config, device, in_place=base.endswith((IN_PLACE_SUFFIX, DEFER_WGRAD_SUFFIX)),
+                            defer_wgrad=base.endswith(DEFER_WGRAD_SUFFIX), token_split=base != name)
+        if base != name and not layer.token_split:
+            raise RuntimeError("the layer does not split (a warning said why)")
         if weights is not None:
             params = dict(layer.named_parameters())
             if sorted(params) != sorted(weights):
@@ -521,7 +536,7 @@ def bench_model(model, args, group, device, rows, command):
         if name == "megatron" and result is not None:
             reference = result
             weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
-        elif result is not None and not table[name][2]:
+        elif result is not None and not table[name.removesuffix(SPLIT_SUFFIX)][2]:
             row["check_err"], row["check_worst"] = _max_error(result, reference)
             if not row["check_err"] <= args.check_tol:
                 row["error"] = f"check failed: {row['check_worst']} {row['check_err']:.3g} > {args.check_tol}"
@@ -563,13 +578,13 @@ def bench_model(model, args, group, device, rows, command):
         return result
 
     def capture(name):
-        with _communication(table[name][2]):
+        with _communication(table[name.removesuffix(SPLIT_SUFFIX)][2]):
             return CapturedCalls(ready[name], sets, warmup=args.warmup)
 
     def timed_round(name):
         if args.graphs:
             return captured[name].samples(per_round, group)
-        with _communication(table[name][2]):
+        with _communication(table[name.removesuffix(SPLIT_SUFFIX)][2]):
             return timed_samples(ready[name], sets, per_round, group, warmup=args.warmup, device=device)
 
     if args.graphs:
@@ -621,7 +636,7 @@ def bench_model(model, args, group, device, rows, command):
     for name in ready:
         row = model_rows[name]
         try:
-            with _communication(table[name][2]):
+            with _communication(table[name.removesuffix(SPLIT_SUFFIX)][2]):
                 if device.type == "cuda":
                     row["host_ms"], row["gpu_ms"] = queued_ms(ready[name], sets, group)
                 if args.profile and not args.graphs:

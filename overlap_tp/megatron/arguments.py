@@ -22,6 +22,7 @@ rather than at its first use, mid-training.
     --no-overlap-tp-fused-norms                Megatron's TransformerLayer between overlap_tp's linears (A/B)
     --overlap-tp-gather-in-place               norms write into qkv's / fc1's own gathered buffers (off)
     --overlap-tp-defer-wgrad                   fc1's wgrad runs beside proj's backward AllGather (off)
+    --overlap-tp-token-split                   each micro-batch as two interleaved halves of sequences (off)
     --overlap-tp-peak-tflops TFLOPS            per-GPU peak for the logged MFU (989, H100/H200 bf16)
     --overlap-moe {off,signal,decompose,auto}  OverlapConfig.method for the MoE expert ops (off)
     --overlap-moe-transport {nccl,p2p}         OverlapConfig.transport for the MoE expert ops (nccl)
@@ -147,6 +148,15 @@ def add_overlap_args(parser):
              "queue, the wgrad waits behind the pulls (a warning says so). The gradient is the same bits, returned "
              "to autograd from linear_proj's backward (DDP's hooks see it as any other). Off by default; the llama3 "
              "recipes turn it on at TP >= 4 under graphs.")
+    group.add_argument(
+        "--overlap-tp-token-split", action="store_true",
+        help="Run each micro-batch of b sequences (b even, --micro-batch-size >= 2) as two halves of b/2 sequences, "
+             "interleaved layer by layer so that one half's ReduceScatter and AllGather transfers run beside the "
+             "other half's attention and MLP (issue 22's token split; TokenWeave, Domino). Each half runs its own "
+             "plans and buffers (twice the p2p receive and gathered buffers). The result is the unsplit layer's up "
+             "to the GEMMs' summation order. Needs overlap_tp's fused layer with sequence parallelism; a layer that "
+             "recomputes or offloads activations, or a micro-batch of odd size, runs whole (a warning says why). "
+             "Off by default.")
     group.add_argument(
         "--overlap-tp-peak-tflops", type=float, default=None, metavar="TFLOPS",
         help="Per-GPU peak for the MFU that overlap_tp logs. Default: $OVERLAP_TP_PEAK_TFLOPS, else "
@@ -309,6 +319,25 @@ def validate_overlap_args(args, *, warn=_warn):
                  "inside linear_proj's backward, with the same gradient, but eagerly, with one hardware queue "
                  "(CUDA_DEVICE_MAX_CONNECTIONS=1), its launch waits behind the AllGather's pulls, so it hides "
                  "nothing; it was measured faster under --cuda-graph-impl local only (docs/perf/s33)")
+
+    if getattr(args, "overlap_tp_token_split", False):
+        if method == "off":
+            raise OverlapArgumentError(
+                "--overlap-tp-token-split with --overlap-tp off: the split puts one half's overlapped transfers beside "
+                "the other half's compute; with the overlap off there is none. Turn --overlap-tp on, or drop the flag.")
+        if not getattr(args, "overlap_tp_fused_norms", True):
+            raise OverlapArgumentError(
+                "--overlap-tp-token-split with --no-overlap-tp-fused-norms: the split is run by overlap_tp's layer "
+                "(OverlapTransformerLayer), which that flag replaces with Megatron's. Drop one.")
+        if not getattr(args, "sequence_parallel", False):
+            raise OverlapArgumentError(
+                "--overlap-tp-token-split without --sequence-parallel: the split hides the sequence-parallel "
+                "AllGathers and ReduceScatters. Add --sequence-parallel, or drop the flag.")
+        mbs = getattr(args, "micro_batch_size", None)
+        if mbs is not None and mbs % 2:
+            raise OverlapArgumentError(
+                f"--overlap-tp-token-split with --micro-batch-size {mbs}: the split runs two halves of the micro-batch's "
+                "sequences, so it needs an even micro-batch size (e.g. --micro-batch-size 2 with the same global batch).")
 
     moe = getattr(args, "overlap_moe", "off")
     if moe not in METHODS:

@@ -53,8 +53,8 @@ except ImportError:
 
 __all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "get_default_overlap_config",
            "defer_wgrad_default", "deferring_wgrad", "gather_in_place_default", "gathering_in_place",
-           "set_default_overlap_config", "set_defer_wgrad", "set_gather_in_place", "set_op_observer",
-           "set_overlap_config", "WgradHandoff"]
+           "plan_instance", "set_default_overlap_config", "set_defer_wgrad", "set_gather_in_place",
+           "set_op_observer", "set_overlap_config", "WgradHandoff"]
 
 OP_KINDS = ("ag_gemm", "gemm_rs", "gemm_ar")
 LayerOverlapConfig = Union[None, OverlapConfig, Mapping[str, OverlapConfig]]
@@ -142,6 +142,23 @@ def defer_wgrad_default() -> bool:
 def deferring_wgrad(on: bool = True):
     """set_defer_wgrad(on) for the layers built inside the block; the previous setting is back after it."""
     return _switched(_defer_wgrad, on)
+
+
+_plan_instance = [0]
+
+
+@contextlib.contextmanager
+def plan_instance(instance: int):
+    """The layers' overlapped ops called inside the block run the plans of `instance` (ops.common.cached_plan), and so
+    does the backward of what the block's forwards recorded; a layer gathering in place writes into a gathered buffer
+    of that instance. The token split (OverlapTransformerLayer) runs its second half in plan_instance(1), so that both
+    halves' calls of one shape can be in flight at once, each with its own buffers and synchronisation state."""
+    previous = _plan_instance[0]
+    _plan_instance[0] = instance
+    try:
+        yield
+    finally:
+        _plan_instance[0] = previous
 
 
 class WgradHandoff:
@@ -302,7 +319,7 @@ class _LinearArgs:
     """What a layer's autograd Function needs besides tensors."""
 
     __slots__ = ("group", "sequence_parallel", "allreduce_dgrad", "gradient_accumulation_fusion", "layer_config",
-                 "defer_sum", "deferred_sum", "dgrad_link", "own_gather", "wgrad_handoff")
+                 "defer_sum", "deferred_sum", "dgrad_link", "own_gather", "wgrad_handoff", "instance")
 
     def __init__(self, group, sequence_parallel, allreduce_dgrad, gradient_accumulation_fusion, layer_config,
                  defer_sum=False, dgrad_link=None, own_gather=None, wgrad_handoff=None):
@@ -316,6 +333,7 @@ class _LinearArgs:
         self.dgrad_link = dgrad_link    # column, SP: the input norm's DeferredGrad (the dgrad's p2p sum left to it)
         self.own_gather = own_gather    # column, SP: the layer's OwnGather, whose claimed region is this input
         self.wgrad_handoff = wgrad_handoff   # column: where its wgrad may be left; row: where one may wait for it
+        self.instance = _plan_instance[0]    # the ops' plans, forward and backward (plan_instance)
 
     def config(self, op):
         return _resolve_config(self.layer_config, op)
@@ -358,8 +376,8 @@ class _ColumnParallelFn(torch.autograd.Function):
         if args.sequence_parallel:
             # The gathered input is not kept: backward re-gathers it (Megatron's choice; keeping it
             # costs t times this layer's input activation memory).
-            out = _observed("ag_gemm", lambda: ag_gemm(x, weight, args.group, bias=bias, config=args.config("ag_gemm")),
-                            x, weight, args.group)
+            out = _observed("ag_gemm", lambda: ag_gemm(x, weight, args.group, bias=bias, config=args.config("ag_gemm"),
+                                                       instance=args.instance), x, weight, args.group)
         else:
             out = torch.matmul(x, weight.t())
             if bias is not None:
@@ -381,7 +399,8 @@ class _ColumnParallelFn(torch.autograd.Function):
             # The dgrad's reduction (SP: reduce-scatter, else all-reduce) is left running behind the
             # wgrad GEMM, as Megatron does, and joined after it.
             if args.sequence_parallel:
-                reducing_dx = gemm_rs(dy, weight.t(), args.group, config=args.config("gemm_rs"), async_op=True)
+                reducing_dx = gemm_rs(dy, weight.t(), args.group, config=args.config("gemm_rs"), async_op=True,
+                                      instance=args.instance)
             elif args.allreduce_dgrad:
                 reducing_dx = gemm_ar(dy, weight.t(), args.group, config=args.config("gemm_ar"), async_op=True)
             else:
@@ -418,7 +437,8 @@ class _RowParallelFn(torch.autograd.Function):
         that autograd takes that gradient from here); unused by the forward."""
         _save_common(ctx, weight, bias, args)
         if args.sequence_parallel and args.defer_sum:   # not observed: its sum lands in the consumer's kernel
-            pending = gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs"), async_op=True)
+            pending = gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs"), async_op=True,
+                              instance=args.instance)
             if pending.deferred_sum is None:   # not the p2p transport: nothing to defer
                 out = pending.wait()
             else:
@@ -428,8 +448,8 @@ class _RowParallelFn(torch.autograd.Function):
                 out = torch.empty(y.shape[0] // get_pg_size(args.group), weight.shape[0], dtype=y.dtype,
                                   device=y.device)
         elif args.sequence_parallel:
-            out = _observed("gemm_rs", lambda: gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs")),
-                            y, weight, args.group)
+            out = _observed("gemm_rs", lambda: gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs"),
+                                                       instance=args.instance), y, weight, args.group)
         else:
             out = _observed("gemm_ar", lambda: gemm_ar(y, weight, args.group, bias=bias, config=args.config("gemm_ar")),
                             y, weight, args.group)
@@ -454,7 +474,8 @@ class _RowParallelFn(torch.autograd.Function):
                 dy, dz_full, handed_grad = _ag_gemm_around(dz, weight.t(), args, wgrad)
             elif need_dy:   # the gathered dZ comes back with the dgrad and is reused for the wgrad
                 dy, dz_full = _observed("ag_gemm", lambda: ag_gemm(dz, weight.t(), args.group, config=args.config("ag_gemm"),
-                                                                   return_gathered=True), dz, weight.t(), args.group)
+                                                                   return_gathered=True, instance=args.instance),
+                                        dz, weight.t(), args.group)
             elif need_dw:
                 dz_full = gather_rows(dz, args.group, args.config("ag_gemm")).wait()
         elif need_dy:
@@ -470,7 +491,7 @@ def _ag_gemm_around(dz: torch.Tensor, wt: torch.Tensor, args: _LinearArgs, betwe
     """ag_gemm(dz, wt, return_gathered=True) with between() run after its transfers were issued and before its GEMM
     (AgGemm.start/finish: the signaled method; any other method runs between() first, then the call): (out, gathered,
     what between() returned). Not observed by the telemetry hook: the call is two calls here."""
-    plan = ag_gemm_plan(dz, wt, args.group, args.config("ag_gemm"))
+    plan = ag_gemm_plan(dz, wt, args.group, args.config("ag_gemm"), args.instance)
     if plan.method != "signal":
         result = between()
         return (*plan(dz, wt, return_gathered=True), result)
@@ -607,7 +628,6 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
     sum_dgrad_in_norm = False
     gather_in_place = False
     wgrad_handoff = None    # a WgradHandoff to leave the wgrad to (OverlapTransformerLayer: linear_fc1 in place)
-    _own_gather = None
     _auto_in_place = None   # ((auto config, m, dtype, device), the tuner's config for it): asked once per shape
 
     def __init__(self, input_size, output_size, *, config, init_method: Callable, bias=True, gather_output=False,
@@ -656,6 +676,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
             raise ValueError(f"{layer}: gather_output=True with sequence_parallel is not supported "
                              f"(the output would be sequence-gathered and hidden-gathered)")
         self.allreduce_dgrad = world_size > 1 and not self.sequence_parallel and not disable_grad_reduce
+        self._own_gathers = {}   # {plan instance: OwnGather}: the gathered buffers (gather_in_place; plan_instance)
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -675,8 +696,8 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         x2d = _flatten_input(input_, self.input_size, type(self).__name__)
         link = (accept_deferred_grad(input_) if self.sum_dgrad_in_norm and self.sequence_parallel
                 and torch.is_grad_enabled() else None)
-        own = self._own_gather
-        own = own if own is not None and self.sequence_parallel and own.holds(x2d) else None
+        own = next((own for own in self._own_gathers.values() if own.holds(x2d)), None)
+        own = own if self.sequence_parallel else None
         args = _LinearArgs(self.tp_group, self.sequence_parallel, self.allreduce_dgrad,
                            self.gradient_accumulation_fusion, self.overlap_config, dgrad_link=link, own_gather=own,
                            wgrad_handoff=self.wgrad_handoff if own is not None else None)
@@ -702,10 +723,11 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         m = math.prod(shape) // self.input_size
         if self._in_place_config(m, dtype, device) is None:
             return None
-        own = self._own_gather
+        instance = _plan_instance[0]
+        own = self._own_gathers.get(instance)
         if own is None or not own.fits(m, self.input_size, dtype, device):
-            self._own_gather = own = None   # a new shape: the old buffer goes (symmetric memory, freed with it)
-            own = self._own_gather = OwnGather(self.tp_group, m, self.input_size, dtype, device)
+            self._own_gathers[instance] = own = None   # a new shape: the old buffer goes (symmetric memory, freed)
+            own = self._own_gathers[instance] = OwnGather(self.tp_group, m, self.input_size, dtype, device, instance)
         return own.claim().view(shape)
 
     def _in_place_config(self, m: int, dtype, device: torch.device) -> Optional[OverlapConfig]:

@@ -92,7 +92,7 @@ class OverlapRMSNorm(torch.nn.Module):
         self.sequence_parallel = _option(config, "sequence_parallel")
         self.weight = torch.nn.Parameter(torch.empty(hidden_size, dtype=_option(config, "params_dtype")))
         setattr(self.weight, "sequence_parallel", self.sequence_parallel)
-        self._handover = None   # (x, this norm of x) computed ahead by a fused bias-dropout-add (hand_over)
+        self._handovers = []    # [(x, this norm of x)] computed ahead by fused bias-dropout-adds (hand_over)
         self.output_for = None  # where the normalized rows go (the consumer linear's gathered buffer), see above
         self.reset_parameters()
 
@@ -104,9 +104,11 @@ class OverlapRMSNorm(torch.nn.Module):
     def forward(self, x):
         """Plain RMSNorm of x [s, b, h] (or any [..., h]), what input_layernorm does; or, when x is the tensor
         a fused bias-dropout-add handed over with its norm already computed (hand_over), that norm."""
-        handover, self._handover = self._handover, None
-        if handover is not None and handover[0] is x:
-            return handover[1]
+        handovers, self._handovers = self._handovers, []
+        for i, (handed, normalized) in enumerate(handovers):
+            if handed is x:
+                self._handovers = handovers[:i] + handovers[i + 1:]
+                return normalized
         return rmsnorm(x, self.weight, eps=self.eps, zero_centered_gamma=self.zero_centered_gamma,
                        y_out=self.output_buffer(x.shape, x.dtype, x.device))
 
@@ -117,8 +119,9 @@ class OverlapRMSNorm(torch.nn.Module):
     def hand_over(self, x, normalized):
         """The next forward of this norm on x itself returns `normalized` (computed with this norm's weight, in
         autograd, by the kernel that produced x: OverlapTransformerLayer's fused attention or MLP bda). Keyed by
-        identity, and used at most once: any other input, or a second call, runs the norm."""
-        self._handover = (x, normalized)
+        identity, and used at most once: any other input runs the norm and drops what was handed over. Two may wait
+        at once (the token split's halves, each taken by its own x), never more: the older goes."""
+        self._handovers = self._handovers[-1:] + [(x, normalized)]
 
     def add_and_norm(self, x, residual, bias=None, *, x_order=None, grad_order=None):
         """Bias-dropout-add of a row-parallel linear's output `x` (+ `bias`) into `residual`, then this

@@ -51,7 +51,26 @@ micro-batches' gathered inputs alive at once) or CPU offloading; the layer says 
 With gathering in place and `set_defer_wgrad(True)` (`--overlap-tp-defer-wgrad`), linear_fc1's backward leaves its
 weight-gradient GEMM to linear_proj's backward, which runs it between its dgrad AllGather's start and its GEMM, so
 that proj's pulls run beside it (layers.WgradHandoff).
+
+The token split (`set_token_split(True)`, `--overlap-tp-token-split`; issue 22's second route, TokenWeave / Domino,
+docs/fused_block.md): a micro-batch of b >= 2 sequences (b even) runs as two halves of b/2 sequences, A and B, in an
+order that puts one half's transfers beside the other half's compute:
+
+    input norm A, input norm B          (the norms write into linear_qkv's gathered buffers of plan instance 0 / 1)
+    attention A, attention B            (B's qkv GEMM and attention run while A's proj partials are pushed)
+    bda + pre-MLP norm A, then B        (each sums its own proj partials)
+    MLP A, MLP B                        (B's MLP runs while A's fc2 partials are pushed)
+    MLP bda A, then B                   (linked: the next layer's input norms)
+
+Each half's ops run their own plans (layers.plan_instance), so both halves' calls of one shape can be in flight.
+Autograd runs the backward in the reverse order of the forward's records, so the backward interleaves the same way:
+MLP B, MLP A (fc1 B's dgrad partials pushed beside MLP A's backward), the bdas, attention B, attention A. Splitting
+the batch keeps every half exact (attention never mixes sequences), so the split layer computes what the unsplit
+one does, up to the GEMMs' summation order on half the rows. The output is the halves concatenated; a split layer
+that follows takes the halves themselves (no copy, and the MLP boundary's handover keyed on each half), except under
+Megatron's per-layer CUDA graphs, where each layer's graph gets and returns whole tensors.
 """
+import contextlib
 import warnings
 import weakref
 from typing import Optional
@@ -60,13 +79,43 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
+import torch
+
 from overlap_tp.megatron.layers import (OverlapColumnParallelLinear, OverlapRowParallelLinear, WgradHandoff,
-                                        defer_wgrad_default, gather_in_place_default)
+                                        defer_wgrad_default, gather_in_place_default, plan_instance)
 from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
 
-__all__ = ["OverlapTransformerLayer"]
+__all__ = ["OverlapTransformerLayer", "set_token_split", "splitting_tokens", "token_split_default"]
 
 _warned = set()
+_token_split = [False]
+
+
+def set_token_split(on: bool):
+    """Whether OverlapTransformerLayers built from now on split each micro-batch into two halves of sequences, run
+    interleaved (the module docstring; `--overlap-tp-token-split`)."""
+    _token_split[0] = bool(on)
+
+
+def token_split_default() -> bool:
+    return _token_split[0]
+
+
+@contextlib.contextmanager
+def splitting_tokens(on: bool = True):
+    """set_token_split(on) for the layers built inside the block; the previous setting is back after it."""
+    previous = _token_split[0]
+    _token_split[0] = bool(on)
+    try:
+        yield
+    finally:
+        _token_split[0] = previous
+
+
+def _warn_once(message: str):
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message)
 # the last OverlapTransformerLayer built, as a weak reference: the next one built links to it (the MLP boundary)
 _last_built = [None]
 
@@ -84,6 +133,13 @@ def _summed_by_consumer(linear: OverlapRowParallelLinear, name: str, consumer: s
         raise RuntimeError(f"OverlapTransformerLayer: {name}'s output reached something other than {consumer} while "
                            f"its p2p sum was left to that kernel")
     return out
+
+
+def _check_summed(deferred, name: str, consumer: str):
+    """A p2p sum left to `consumer` ran there; an output that reached anything else unsummed is an error."""
+    if deferred is not None and not deferred.done:
+        raise RuntimeError(f"OverlapTransformerLayer: {name}'s output reached something other than {consumer} while "
+                           f"its p2p sum was left to that kernel")
 
 
 def captured_per_layer(config) -> bool:
@@ -140,6 +196,33 @@ class OverlapTransformerLayer(TransformerLayer):
                 linear.sum_dgrad_in_norm = True
         if gather_in_place_default():
             self._gather_inputs_in_place()
+        self.token_split = False
+        if token_split_default():
+            reason = self._unsplittable_reason()
+            if reason is None:
+                self.token_split = True
+            else:
+                _warn_once(f"OverlapTransformerLayer: --overlap-tp-token-split is off because {reason}; the layer "
+                           f"runs each micro-batch whole")
+
+    def _unsplittable_reason(self) -> Optional[str]:
+        """Why this layer cannot run the token split (None: it can). The split forward runs the plain layer: the
+        fused attention bda, a dense MLP, sequence parallelism, nothing recomputed or offloaded."""
+        config = self.config
+        if not self.fused_attn_norm:
+            return "the attention bda and pre-MLP norm are not fused here"
+        if type(self.mlp) is not MLP:
+            return f"the MLP is {type(self.mlp).__name__}, not a dense MLP"
+        if not getattr(config, "sequence_parallel", False):
+            return "sequence parallelism is off (no transfer to hide)"
+        if getattr(config, "recompute_granularity", None) is not None or getattr(self, "recompute_mlp", False) \
+                or getattr(self, "recompute_input_layernorm", False):
+            return "activations are recomputed"
+        if getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
+            return "activations are offloaded to the CPU"
+        if getattr(config, "mlp_chunks_for_training", 1) > 1:
+            return "config.mlp_chunks_for_training chunks the MLP already"
+        return None
 
     def _gather_inputs_in_place(self):
         """linear_qkv and a dense MLP's linear_fc1 gather their inputs in their own buffers, written by their norms
@@ -212,6 +295,103 @@ class OverlapTransformerLayer(TransformerLayer):
             return super()._forward_attention(*args, **kwargs)
         return _summed_by_consumer(self.self_attention.linear_proj, "linear_proj", "the fused bias-dropout-add + norm",
                                    lambda: super(OverlapTransformerLayer, self)._forward_attention(*args, **kwargs))
+
+    def forward(self, hidden_states, attention_mask=None, context=None, context_mask=None, rotary_pos_emb=None,
+                **kwargs):
+        """Megatron's forward, or with the token split (self.token_split) the two halves interleaved (the module
+        docstring) where this call allows it: b even, training or evaluation without inference state or packed
+        sequences; otherwise Megatron's forward, with a warning naming why (once)."""
+        reason = self._split_call_reason(hidden_states, context, kwargs) if self.token_split else "off"
+        if reason is not None:
+            if reason != "off":
+                _warn_once(f"OverlapTransformerLayer: the token split does not run here because {reason}; the layer "
+                           f"runs the micro-batch whole")
+            return super().forward(hidden_states, attention_mask=attention_mask, context=context,
+                                   context_mask=context_mask, rotary_pos_emb=rotary_pos_emb, **kwargs)
+        return self._split_forward(hidden_states, attention_mask, rotary_pos_emb), None
+
+    def _split_call_reason(self, hidden_states, context, kwargs) -> Optional[str]:
+        if hidden_states.dim() != 3 or hidden_states.shape[1] % 2:
+            return f"the micro-batch has {hidden_states.shape[1]} sequences (the split needs an even number)"
+        if context is not None:
+            return "a cross-attention context was given"
+        if kwargs.get("inference_context") is not None or kwargs.get("inference_params") is not None:
+            return "it runs inference"
+        for name in ("packed_seq_params", "attention_bias", "rotary_pos_cos", "rotary_pos_sin",
+                     "rotary_pos_cos_sin", "sequence_len_offset"):
+            if kwargs.get(name) is not None:
+                return f"{name} was given"
+        return None
+
+    def _halves(self, hidden_states):
+        """The two halves of the micro-batch: the previous split layer's own outputs where it handed them on (not
+        under per-layer graphs), else contiguous copies of hidden_states[:, :b/2] and [:, b/2:]."""
+        halves = getattr(hidden_states, "overlap_tp_halves", None)
+        b = hidden_states.shape[1]
+        if (halves is not None and len(halves) == 2
+                and all(h.shape == (hidden_states.shape[0], b // 2, hidden_states.shape[2]) for h in halves)):
+            return halves
+        return tuple(h.contiguous() for h in hidden_states.chunk(2, dim=1))
+
+    def _split_forward(self, hidden_states, attention_mask, rotary_pos_emb):
+        halves = self._halves(hidden_states)
+        b = hidden_states.shape[1]
+        masks = ((None, None) if attention_mask is None else attention_mask.chunk(2, dim=0)
+                 if attention_mask.shape[0] == b else (attention_mask, attention_mask))
+        proj = self.self_attention.linear_proj
+        fc2 = self.mlp.linear_fc2
+        # fc2's p2p sum waits for the MLP bda either way: the fused kernel sums it (linked), else it is summed into
+        # fc2's output just before Megatron's bda, after the other half's MLP was issued
+        defer_fc2 = isinstance(fc2, OverlapRowParallelLinear) and fc2.sequence_parallel
+        fused_fc2 = self.linked_next_norm() is not None and self.fused_fc2_sum
+        fp32_residual = self.config.fp32_residual_connection
+        normed = []
+        for i, h in enumerate(halves):
+            with plan_instance(i):
+                normed.append(self.input_layernorm(h))
+        attention = []   # (output with bias, what linear_proj left to the bda)
+        for i in range(2):
+            with plan_instance(i):
+                proj.defer_sum_next = self.fused_proj_sum
+                try:
+                    out = self.self_attention(normed[i], attention_mask=masks[i], rotary_pos_emb=rotary_pos_emb)
+                finally:
+                    proj.defer_sum_next = False
+                attention.append((out, proj.deferred_sum))
+                proj.deferred_sum = None
+        mids = []
+        for i, h in enumerate(halves):
+            with plan_instance(i), self.bias_dropout_add_exec_handler():
+                residual = h.float() if fp32_residual else h
+                mids.append(self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+                    attention[i][0], residual, self.hidden_dropout))
+            _check_summed(attention[i][1], "linear_proj", "the fused bias-dropout-add + norm")
+        mlp = []
+        for i in range(2):
+            with plan_instance(i):
+                fc2.defer_sum_next = defer_fc2
+                try:
+                    out = self.mlp(self.pre_mlp_layernorm(mids[i]))
+                finally:
+                    fc2.defer_sum_next = False
+                mlp.append((out, fc2.deferred_sum))
+                fc2.deferred_sum = None
+        outs = []
+        for i in range(2):
+            x, deferred = mlp[i][0][0], mlp[i][1]
+            if deferred is not None and not fused_fc2:
+                del x.overlap_tp_deferred_sum
+                with torch.no_grad():   # the values of fc2's output in autograd, written by the kernel, not recorded
+                    deferred.into(x.view(-1, x.shape[-1]))
+            with plan_instance(i), self.bias_dropout_add_exec_handler():
+                residual = mids[i].float() if fp32_residual else mids[i]
+                outs.append(self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
+                    mlp[i][0], residual, self.hidden_dropout))
+            _check_summed(mlp[i][1], "linear_fc2", "the fused bias-dropout-add + next norm")
+        output = torch.cat(outs, dim=1)
+        if not captured_per_layer(self.config):
+            output.overlap_tp_halves = tuple(outs)   # for the next split layer (_halves)
+        return output
 
     def _link_to_previous_built(self):
         """Links the layer built just before this one to this layer's input norm when both are consecutive layers

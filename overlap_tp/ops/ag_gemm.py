@@ -62,9 +62,9 @@ class AgGemm(OpPlan):
     op = "ag_gemm"
 
     def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
-                 config: Optional[OverlapConfig] = None, gather: Optional[GatherBuffer] = None):
+                 config: Optional[OverlapConfig] = None, gather: Optional[GatherBuffer] = None, instance: int = 0):
         """gather: the GatherBuffer to pull into (OwnGather's, a consumer's own); None = the shape's shared one."""
-        super().__init__(group, m, n, k, dtype, device, config)
+        super().__init__(group, m, n, k, dtype, device, config, instance)
         config, device, t = self.config, self.device, self.t
         if gather is not None and not OwnGather.supports(config, device):
             raise ValueError(f"ag_gemm: a gather buffer of its own is for the p2p transport (method signal or "
@@ -94,7 +94,11 @@ class AgGemm(OpPlan):
             self.chunk_peers = plan.chunk_peers   # chunk_by 'peer': each chunk's one peer (None: every peer)
             self.tiles = plan.tiles.to(device)
             self.flags = torch.zeros(max(1, len(self.chunks)), dtype=torch.int32, device=device)
-            self.gemm = SignaledGemm(self.tiles, gemm_programs(device, config), config, bias_rows=(0, t * m),
+            # instance > 0 may spin on its flags while another plan's pushes still wait on the comm stream (the token
+            # split's half B beside half A's ReduceScatter): one SM left to those waits, which a captured graph runs
+            # as one-thread kernels (as GemmRS's copy pushes leave one)
+            self.gemm = SignaledGemm(self.tiles, gemm_programs(device, config, spare_sms=int(self.instance > 0)),
+                                     config, bias_rows=(0, t * m),
                                      flags=self.flags, wait_target=READY)
             self.ready = comm.ReadyFlags(self.flags)
             if self.watched is not None:
@@ -415,17 +419,19 @@ def _mm(x, wt, out, bias):
 
 
 def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
-            config: Optional[OverlapConfig] = None, return_gathered: bool = False):
+            config: Optional[OverlapConfig] = None, return_gathered: bool = False, instance: int = 0):
     """all_gather(a_shard) @ w.T + bias; with return_gathered=True returns (out, gathered). Runs the cached
-    AgGemm plan of this shape."""
+    AgGemm plan of this shape (of `instance`: cached_plan)."""
     check_operands(a_shard, w, bias)
-    return ag_gemm_plan(a_shard, w, group, config)(a_shard, w, bias, return_gathered=return_gathered)
+    return ag_gemm_plan(a_shard, w, group, config, instance)(a_shard, w, bias, return_gathered=return_gathered)
 
 
-def ag_gemm_plan(a_shard: torch.Tensor, w: torch.Tensor, group=None, config: Optional[OverlapConfig] = None) -> AgGemm:
-    """The cached AgGemm plan that ag_gemm(a_shard, w, group, config=config) runs (for its start()/finish())."""
+def ag_gemm_plan(a_shard: torch.Tensor, w: torch.Tensor, group=None, config: Optional[OverlapConfig] = None,
+                 instance: int = 0) -> AgGemm:
+    """The cached AgGemm plan that ag_gemm(a_shard, w, group, config=config, instance=instance) runs (for its
+    start()/finish())."""
     return cached_plan(AgGemm, comm.resolve_group(group), a_shard.shape[0], w.shape[0], w.shape[1], a_shard.dtype,
-                       a_shard.device, config)
+                       a_shard.device, config, instance)
 
 
 class OwnGather:
@@ -442,8 +448,10 @@ class OwnGather:
 
     The p2p transport with method signal or decompose only (supports()); any other config runs the shared path."""
 
-    def __init__(self, group, m: int, k: int, dtype, device: torch.device):
+    def __init__(self, group, m: int, k: int, dtype, device: torch.device, instance: int = 0):
+        """instance: the plans' (AgGemm's instance: the token split's half B leaves an SM to half A's waits)."""
         check_not_capturing(device, "a layer's own gathered buffer")
+        self.instance = instance
         self.group = comm.resolve_group(group)
         self.m, self.k, self.dtype, self.device = m, k, dtype, device
         t, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
@@ -478,7 +486,7 @@ class OwnGather:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = AgGemm(self.group, self.m, w.shape[0], self.k, self.dtype, self.device, config,
-                                             gather=self.buffer)
+                                             gather=self.buffer, instance=self.instance)
         return plan(a_shard, w, bias, return_gathered=True)
 
 

@@ -89,7 +89,9 @@ class OpPlan:
     rows_split = False
 
     def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
-                 config: Optional[OverlapConfig] = None):
+                 config: Optional[OverlapConfig] = None, instance: int = 0):
+        """instance: which plan of this shape (cached_plan); a plan of instance > 0 may run while another plan's
+        transfers are still queued on the comm stream (the token split's second half)."""
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if device.type == "meta":
             raise ValueError(f"overlap_tp {self.op}: meta tensors have no data to compute on; build the op for a "
@@ -101,7 +103,10 @@ class OpPlan:
         for name, value in (("M", m), ("N", n), ("K", k)):
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"overlap_tp {self.op}: {name}={value!r}: expected an int >= 0")
+        if not isinstance(instance, int) or instance < 0:
+            raise ValueError(f"overlap_tp {self.op}: instance={instance!r}: expected an int >= 0")
         check_not_capturing(device, self.op)
+        self.instance = instance
         self.group = comm.resolve_group(group)
         self.t, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.m, self.n, self.k, self.dtype, self.device = m, n, k, dtype, device
@@ -185,13 +190,15 @@ MAX_CACHED_PLANS = 256
 _plans = OrderedDict()
 
 
-def cached_plan(cls, group, m, n, k, dtype, device, config):
+def cached_plan(cls, group, m, n, k, dtype, device, config, instance: int = 0):
     """The plan of `cls` for these arguments, built at the first call (least recently used ones dropped past
-    MAX_CACHED_PLANS, so shapes that change every step do not hold buffers forever)."""
-    key = (cls, group, m, n, k, dtype, device, config)
+    MAX_CACHED_PLANS, so shapes that change every step do not hold buffers forever). `instance` > 0: another plan of
+    the same arguments, with buffers and synchronisation state of its own, for two calls of one shape in flight at
+    once (the token split's halves: half A's p2p ReduceScatter is summed after half B's was issued)."""
+    key = (cls, group, m, n, k, dtype, device, config, instance)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = cls(group, m, n, k, dtype, device, config)
+        plan = _plans[key] = cls(group, m, n, k, dtype, device, config, instance=instance)
         if len(_plans) > MAX_CACHED_PLANS:
             _plans.popitem(last=False)
     else:

@@ -27,8 +27,8 @@ class GemmAR(OpPlan):
     op = "gemm_ar"
 
     def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
-                 config: Optional[OverlapConfig] = None):
-        super().__init__(group, m, n, k, dtype, device, config)
+                 config: Optional[OverlapConfig] = None, instance: int = 0):
+        super().__init__(group, m, n, k, dtype, device, config, instance)
         config, device = self.config, self.device
         if self.method in ("signal", "decompose") and config.transport != "nccl":
             raise ValueError(f"gemm_ar: transport={config.transport!r} is implemented for gemm_rs and ag_gemm only; "

@@ -43,8 +43,8 @@ class GemmRS(OpPlan):
     rows_split = True
 
     def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
-                 config: Optional[OverlapConfig] = None):
-        super().__init__(group, m, n, k, dtype, device, config)
+                 config: Optional[OverlapConfig] = None, instance: int = 0):
+        super().__init__(group, m, n, k, dtype, device, config, instance)
         config, device, t = self.config, self.device, self.t
         self.m_local = m // t
         self.p2p = None   # the p2p transport's state (a call tests for it, not for the method and transport)
@@ -125,10 +125,11 @@ class GemmRS(OpPlan):
 
 
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
-            config: Optional[OverlapConfig] = None, async_op: bool = False):
+            config: Optional[OverlapConfig] = None, async_op: bool = False, instance: int = 0):
     """reduce_scatter(a @ w.T + bias) along dim 0: rank k gets rows [k*M/t, (k+1)*M/t), bias added once.
-    async_op=True: a Pending whose wait() returns that. Runs the cached GemmRS plan of this shape."""
+    async_op=True: a Pending whose wait() returns that. Runs the cached GemmRS plan of this shape (of `instance`:
+    cached_plan)."""
     check_operands(a, w, bias)
     plan = cached_plan(GemmRS, comm.resolve_group(group), a.shape[0], w.shape[0], w.shape[1], a.dtype, a.device,
-                       config)
+                       config, instance)
     return plan(a, w, bias, async_op=async_op)

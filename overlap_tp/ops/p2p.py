@@ -324,6 +324,13 @@ class DeferredSum:
     def consume(self, kernel):
         self._take().finish(kernel)
 
+    def into(self, out: torch.Tensor) -> torch.Tensor:
+        """As calling it, into `out` ([M/t, N], contiguous): for a caller that handed `out` on before the sum ran (the
+        token split sums an unlinked layer's fc2 at its bda, after the other half's MLP)."""
+        op = self._take()
+        op.finish(lambda slots: op.sum(op.flat_slots, out))
+        return out
+
 
 class GatherBuffer:
     """AllGather by copy-engine pulls into one symmetric gathered buffer [t * m, k] for one (group, shard shape,

@@ -253,3 +253,26 @@ def test_graphs_needs_cuda(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--graphs", "--tiny"])
     assert "--graphs needs --device cuda" in capsys.readouterr().err
+
+
+def _run_split_bench(rank, world, out_dir):
+    _quiet()
+    from overlap_tp.bench import layer
+    args = layer.parse_args(["--tiny", "--out", out_dir, "--reps", "2", "--warmup", "1", "--micro-batch", "2",
+                             "--configs", "megatron,off,off-split,signal-split", "--name", "split"])
+    rows = layer.run(args, command="test_layer_bench split")
+    by = {r["config"]: r for r in rows}
+    for name in ("off-split", "signal-split"):   # built split, checked against megatron's whole micro-batch, timed
+        assert "error" not in by[name] and by[name]["check_err"] <= args.check_tol and by[name]["ms"] > 0, by[name]
+
+
+def test_layer_bench_token_split(tmp_path, capsys):
+    """The -split configurations: the layer built with the token split, on a micro-batch of 2 (CPU, tiny); an odd
+    micro-batch, or a split of a layer that is not ours, is refused."""
+    run_distributed(2, _run_split_bench, str(tmp_path))
+    from overlap_tp.bench import layer
+    for argv, message in ((["--tiny", "--configs", "megatron,off-split"], "must be even"),
+                          (["--tiny", "--micro-batch", "2", "--configs", "megatron,nocomm-split"], "unknown configs")):
+        with pytest.raises(SystemExit):
+            layer.parse_args(argv)
+        assert message in capsys.readouterr().err

@@ -531,7 +531,7 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
             handoffs = [layer.mlp.linear_fc1.wgrad_handoff for layer in pairs[0]]
             assert all((h is not None) == defer_wgrad and (h is None or h.pending is None) for h in handoffs), handoffs
             owned = [linear for layer in pairs[0] for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1)
-                     if linear._own_gather is not None]
+                     if linear._own_gathers.get(0) is not None]
             assert len(regathers) == 4 - len(owned), f"step {step}: the in-place pair re-gathered {regathers}"
             want = _fwd_bwd(pairs[1], x, g)
             assert len(regathers) == 4 - len(owned) + 4, regathers
@@ -544,7 +544,7 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
     for layer in pairs[0]:
         for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
             own = linear._in_place_config(seq // world, torch.bfloat16, torch.device("cuda")) is not None
-            assert own == (linear._own_gather is not None) and (own or method == "auto"), \
+            assert own == (linear._own_gathers.get(0) is not None) and (own or method == "auto"), \
                 "a linear owns its gathered buffer exactly where its AllGather's config can gather in place"
     # the own buffers ([seq, hidden] bf16 each) in the count the training log prints (ops/symmetric.py)
     from overlap_tp.ops import symmetric
@@ -554,7 +554,7 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
     ps.destroy_model_parallel()
     return [name for layer in pairs[0]   # the linears that gathered in place, by name
             for name, linear in (("linear_qkv", layer.self_attention.linear_qkv), ("linear_fc1", layer.mlp.linear_fc1))
-            if linear._own_gather is not None]
+            if linear._own_gathers.get(0) is not None]
 
 
 @pytest.mark.parametrize("method", P2P_METHODS)
@@ -625,3 +625,58 @@ def test_gather_in_place_at_the_70b_layer_shape(method):
     """Two 70B layers at s 8192 (2 steps): session 31's 70B proxy at TP 4 parted from off's loss after iteration 1
     (docs/perf/s31/README.md); the 8B shapes did not."""
     run_distributed(_gpu_world(), check_gather_in_place, method, "l70b", 8192, 2, 0, backend="nccl")
+
+
+def check_token_split(rank, world, method="signal", size="small", seq=4096, steps=20, late_every=0):
+    """set_token_split(True) on two linked layers gathering in place with the deferred wgrad (the llama3 recipes'
+    settings at TP >= 4), SP on the p2p transports, a micro-batch of 2 sequences run as two interleaved halves, each on
+    its own plans and buffers: against the same pair run whole, within bf16 rounding (each half's GEMMs see half the
+    rows, the weight gradients sum two halves), over `steps` steps with fresh inputs; the first step run twice on the
+    same input gives the same bits; late_every > 0: rank 1 holds its stream ~0.1 s before every late_every-th step
+    (the halves' waits are real; no hang)."""
+    _quiet()
+    _deterministic()
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron import layers as layers_module
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layers import set_overlap_config
+    from overlap_tp.megatron.transformer_layer import splitting_tokens
+    ps = _setup(world, "cuda")
+    config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method, size=size)
+    pairs = []
+    for split in (True, False):
+        _seed(79, "cuda")
+        with layers_module.gathering_in_place(), layers_module.deferring_wgrad(), splitting_tokens(split):
+            pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
+        for layer in pair:
+            set_overlap_config(layer, p2p_configs)
+            assert layer.token_split == split
+        pairs.append(pair)
+    gen = torch.Generator(device="cuda").manual_seed(11 + rank)
+    hidden = config.hidden_size
+    for step in range(steps):
+        x, g = (torch.randn(seq // world, 2, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+                for _ in range(2))
+        if late_every and step % late_every == 0 and rank == 1:
+            torch.cuda._sleep(200_000_000)
+        got = _fwd_bwd(pairs[0], x, g)
+        if step == 0:
+            for i, (a, b) in enumerate(zip(got, _fwd_bwd(pairs[0], x, g))):
+                assert torch.equal(a, b), f"rank {rank}: tensor {i} differs between two runs of one input"
+        want = _fwd_bwd(pairs[1], x, g)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.isfinite(a).all() and rel_error(a, b.float()) < 2e-2, \
+                f"step {step} rank {rank}: tensor {i} split vs whole {rel_error(a, b.float()):.3g}"
+        del got, want
+    torch.cuda.synchronize()
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("method", P2P_METHODS)
+def test_token_split_matches_the_whole_micro_batch(method):
+    run_distributed(_gpu_world(), check_token_split, method, backend="nccl")
+
+
+def test_token_split_at_the_8b_layer_shape_with_a_late_peer():
+    """The split at the 8B layer's shapes (s 8192, micro-batch 2), 40 steps, rank 1 late before every 10th."""
+    run_distributed(_gpu_world(), check_token_split, "signal", "l8b", 8192, 40, 10, backend="nccl")

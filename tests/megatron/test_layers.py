@@ -422,6 +422,11 @@ class _FakeDeferredSum:
         self.done = True
         return self.out
 
+    def into(self, out):
+        out.copy_(self())
+        self.consumed.append(self.slots.shape)
+        return out
+
 
 def _deferring(real_gemm_rs, consumed):
     """gemm_rs as the p2p transport runs it where a consumer sums the output (async_op: a Pending carrying a
@@ -558,9 +563,10 @@ class _FakeOwnGather:
     runs it (so the result is bit for bit the shared path's); the reference check of GatherBuffer.claim included."""
     built, gemms = [], []
 
-    def __init__(self, group, m, k, dtype, device):
+    def __init__(self, group, m, k, dtype, device, instance=0):
         import torch.distributed as dist
         self.group, self.m, self.k, self.dtype, self.device = group, m, k, dtype, device
+        self.instance = instance
         self.t, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.buf = torch.empty(self.t * m, k, dtype=dtype, device=device)
         self.unreferenced = torch._C._storage_Use_Count(self.buf.untyped_storage()._cdata)
@@ -667,6 +673,95 @@ def _check_gather_in_place(rank, world):
 
 def test_norms_write_into_the_gathered_buffers_and_the_backward_reads_them_in_place():
     run_distributed(2, _check_gather_in_place)
+
+
+def _check_token_split(rank, world):
+    """set_token_split(True) (the p2p sums faked on gloo as in _check_deferred_proj_sum, gathering in place as in
+    _check_gather_in_place): two linked layers run the micro-batch of 2 as two halves of one sequence, interleaved (the
+    forward's ReduceScatters proj A, proj B, fc2 A, fc2 B, each half on its own plans: instance 0 / 1), the second layer
+    taking the first's halves and their handed-over norms as they are. Outputs, input grad and every parameter grad
+    within bf16 rounding of the unsplit layers (the weight gradients are summed over two halves), bit for bit from one
+    step to the next. An odd micro-batch runs whole, and says so; a layer whose activations are recomputed does not
+    split, and says so."""
+    _quiet()
+    ps, spec, x, g = _sp_layer_case(world, 9)
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron import layers, norm as norm_module, transformer_layer
+    real_gemm_rs, real_own, real_rmsnorm, consumed, calls, norms = (layers.gemm_rs, layers.OwnGather,
+                                                                    norm_module.rmsnorm, [], [], [])
+    deferring = _deferring(real_gemm_rs, consumed)
+
+    def recorded_gemm_rs(a, w, *args, instance=0, **kwargs):
+        calls.append((tuple(w.shape), instance))
+        return deferring(a, w, *args, instance=instance, **kwargs)
+
+    def counted_rmsnorm(x, weight, **kwargs):
+        norms.append(weight)
+        return real_rmsnorm(x, weight, **kwargs)
+
+    def run(split, steps=2, xs=x, gs=g):
+        torch.manual_seed(99)
+        layers.gemm_rs, layers.OwnGather, norm_module.rmsnorm = recorded_gemm_rs, _FakeOwnGather, counted_rmsnorm
+        _FakeOwnGather.built.clear()
+        try:
+            config = _layer_config(world, True)
+            with layers.gathering_in_place(), transformer_layer.splitting_tokens(split):
+                built = [build_module(spec, config=config, layer_number=n) for n in (1, 2)]
+            assert [layer.token_split for layer in built] == [split] * 2
+            params = [p for layer in built for p in layer.parameters()]
+            results = []
+            for _ in range(steps):
+                consumed.clear()
+                calls.clear()
+                norms.clear()
+                for p in params:
+                    p.grad = None
+                xi = xs.clone().requires_grad_(True)
+                out, _ = built[1](hidden_states=built[0](hidden_states=xi, attention_mask=None)[0],
+                                  attention_mask=None)
+                out.backward(gs)
+                results.append([out, xi.grad] + [p.grad for p in params])
+                # the second layer's input norm is the first's fused mlp bda, handed over (per half when split)
+                assert not [w for w in norms if w is built[1].input_layernorm.weight]
+            # one gathered buffer per (linear, half), kept across steps
+            halves = split and xs.shape[1] % 2 == 0
+            assert sorted(own.instance for own in _FakeOwnGather.built) == ([0] * 4 + [1] * 4 if halves else [0] * 4)
+        finally:
+            layers.gemm_rs, layers.OwnGather, norm_module.rmsnorm = real_gemm_rs, real_own, real_rmsnorm
+        for step in results[1:]:
+            for a, b in zip(step, results[0]):
+                assert torch.equal(a, b)
+        return results[-1], built
+
+    want, _ = run(False)
+    got, built = run(True)
+    for i, (a, b) in enumerate(zip(got, want)):
+        _close(a.float(), b.float(), f"split vs whole, tensor {i}", 2e-2)
+    proj, fc2 = (tuple(built[0].self_attention.linear_proj.weight.shape), tuple(built[0].mlp.linear_fc2.weight.shape))
+    assert calls[:8] == [(proj, 0), (proj, 1), (fc2, 0), (fc2, 1)] * 2, calls[:8]
+    # the backward: fc1's and qkv's dgrads of both halves, B's before A's (autograd's reverse of the forward)
+    assert [instance for _, instance in calls[8:]] == [1, 0] * 4, calls[8:]
+    # as in _check_mlp_boundary's 7 (the forward's proj x 2 and first fc2, the backward's fc1 and qkv x 2), per half,
+    # and the second layer's fc2 (unlinked: summed into its output before Megatron's bda, after the other half's MLP)
+    assert consumed == [torch.Size([2, SEQ // world * BATCH // 2, H])] * 16, consumed
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(True, steps=1, xs=x[:, :1].contiguous(), gs=g[:, :1].contiguous())
+    assert any("the micro-batch has 1 sequences" in str(w.message) for w in caught)
+    with warnings.catch_warnings(record=True) as caught, transformer_layer.splitting_tokens():
+        warnings.simplefilter("always")
+        layer = build_module(spec, config=_layer_config(world, True).__class__(
+            **{**_layer_config(world, True).__dict__, "recompute_granularity": "full", "recompute_method": "uniform",
+               "recompute_num_layers": 1}), layer_number=1)
+    assert not layer.token_split
+    assert any("token-split is off because activations are recomputed" in str(w.message) for w in caught)
+    assert not transformer_layer.token_split_default()
+    ps.destroy_model_parallel()
+
+
+def test_token_split_interleaves_two_halves_on_their_own_plans():
+    run_distributed(2, _check_token_split)
 
 
 def _check_defer_wgrad(rank, world):
