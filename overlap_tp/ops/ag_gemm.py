@@ -94,16 +94,12 @@ class AgGemm(OpPlan):
             self.chunk_peers = plan.chunk_peers   # chunk_by 'peer': each chunk's one peer (None: every peer)
             self.tiles = plan.tiles.to(device)
             self.flags = torch.zeros(max(1, len(self.chunks)), dtype=torch.int32, device=device)
-            # instance > 0 may spin on its flags while another plan's pushes still wait on the comm stream (the token
-            # split's half B beside half A's ReduceScatter): one SM left to those waits, which a captured graph runs
-            # as one-thread kernels (as GemmRS's copy pushes leave one)
-            self.gemm = SignaledGemm(self.tiles, gemm_programs(device, config, spare_sms=int(self.instance > 0)),
-                                     config, bias_rows=(0, t * m),
+            self.gemm = SignaledGemm(self.tiles, gemm_programs(device, config), config, bias_rows=(0, t * m),
                                      flags=self.flags, wait_target=READY)
             self.ready = comm.ReadyFlags(self.flags)
             if self.watched is not None:
                 self.watched.words = (("ready flags", self.flags),)
-            self.engine = comm.comm_engine(device)
+            self.engine = comm.comm_engine(device, self.instance)
             self._started = None   # the call start() issued and finish() has not launched (StartedAgGemm)
             if device.type == "cuda":
                 default_offsets(device)
@@ -142,7 +138,7 @@ class AgGemm(OpPlan):
                 self._run = self._run_decomposed
             self.bounds = chunk_bounds(m, config.chunks)
             self.by_peer = config.chunk_by == "peer"   # p2p: each peer's rows pulled and multiplied in turn
-            self.engine = comm.comm_engine(device)
+            self.engine = comm.comm_engine(device, self.instance)
         else:
             self._run = self._off
         self.out_shape = (t * m, n)
@@ -156,7 +152,7 @@ class AgGemm(OpPlan):
         the streams its pulls are split over (config.copy_lanes; None: the comm stream alone)."""
         self.gather = (self._own_buffer if self._own_buffer is not None else
                        row_gather(self.group, self.m, self.k, self.dtype, self.device).buffer)
-        self.lanes = comm.comm_engine(self.device).copy_lanes(self.config.copy_lanes)
+        self.lanes = comm.comm_engine(self.device, self.instance).copy_lanes(self.config.copy_lanes)
         if self.watched is not None:   # a stuck call names the stage's and the pulls' signals too
             self.watched.words += (("peer signals [PULLED, READY] x rank", self.gather.signals.words),)
 
@@ -449,7 +445,7 @@ class OwnGather:
     The p2p transport with method signal or decompose only (supports()); any other config runs the shared path."""
 
     def __init__(self, group, m: int, k: int, dtype, device: torch.device, instance: int = 0):
-        """instance: the plans' (AgGemm's instance: the token split's half B leaves an SM to half A's waits)."""
+        """instance: its plans' (OpPlan.instance: their own comm stream)."""
         check_not_capturing(device, "a layer's own gathered buffer")
         self.instance = instance
         self.group = comm.resolve_group(group)
@@ -458,7 +454,7 @@ class OwnGather:
         self.buffer = GatherBuffer(self.group, rank, t, m, k, dtype, device, f"all_gather(M={m}, K={k}, t={t}, "
                                    f"p2p, in place)", memory_kind="gathered in place")
         self.region_ptr = self.buffer.own[rank]
-        self.engine = comm.comm_engine(device)
+        self.engine = comm.comm_engine(device, instance)
         self._plans = {}
 
     @staticmethod

@@ -90,8 +90,9 @@ class OpPlan:
 
     def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
                  config: Optional[OverlapConfig] = None, instance: int = 0):
-        """instance: which plan of this shape (cached_plan); a plan of instance > 0 may run while another plan's
-        transfers are still queued on the comm stream (the token split's second half)."""
+        """instance: which plan of this shape (cached_plan); each instance's transfers run on a comm stream of its own
+        (comm.comm_engine), so that two plans' calls in flight at once (the token split's halves) do not queue behind
+        each other."""
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if device.type == "meta":
             raise ValueError(f"overlap_tp {self.op}: meta tensors have no data to compute on; build the op for a "

@@ -56,7 +56,7 @@ class GemmRS(OpPlan):
             programs = gemm_programs(device, config, spare_sms=int(self.method == "signal"
                                                                    and config.rs_transfer == "copy"))
             self.p2p = P2PReduceScatter(self.group, self.rank, t, m, n, dtype, device, config, programs,
-                                        self.watched)
+                                        self.watched, self.instance)
         elif self.method == "signal":
             if config.schedule == "tile_exact" and (self.m_local % config.block_m or n % config.block_n):
                 raise ValueError(f"gemm_rs: method='signal' cannot run: schedule 'tile_exact' needs M/t={self.m_local} "

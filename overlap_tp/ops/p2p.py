@@ -68,10 +68,12 @@ class P2PReduceScatter:
 
     SUMMED, ARRIVED = 0, 1
 
-    def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched):
+    def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched, instance=0):
         """config.method 'signal': the signaled GEMM stores the tiles (programs: its grid); 'decompose': cuBLAS
         (RegionGemms). config.rs_transfer (resolved: 'epilogue' or 'copy') says whether the GEMMs store into the
-        owners' buffers or the copy engines push what they stored locally (_build_pushes, push_half)."""
+        owners' buffers or the copy engines push what they stored locally (_build_pushes, push_half). instance: the
+        plan's (OpPlan.instance), whose comm stream the pushes run on."""
+        self.instance = instance
         from torch.distributed import _symmetric_memory as symm_mem
         self.t, self.m_local, self.n, self.watched = t, m // t, n, watched
         self.buf = symmetric.empty(t * self.m_local, n, dtype=dtype, device=device, kind="reduce-scatter slots")
@@ -124,7 +126,7 @@ class P2PReduceScatter:
         self.pushes = tuple((handle.buffer_ptrs[owner] + within + (slot + c.dst_lo) * row_bytes,
                              staging_ptr + c.src_lo * row_bytes, (c.dst_hi - c.dst_lo) * row_bytes)
                             for c, owner in groups)
-        self.engine = comm.comm_engine(device)
+        self.engine = comm.comm_engine(device, self.instance)
         self.engine.prepare_graph_waits()
         if config.method == "decompose":
             # group g's rows of `a` (the peer's region's run: its source rows) into staging rows [src_lo, src_hi);
