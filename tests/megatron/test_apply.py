@@ -204,6 +204,23 @@ def test_gather_in_place_reaches_the_layers_and_is_reported():
     assert layers.gather_in_place_default() is False and layers.defer_wgrad_default() is False
 
 
+def test_token_split_reaches_the_layers_and_is_reported():
+    pytest.importorskip("megatron.core", reason="overlap_tp.megatron.transformer_layer needs megatron-core")
+    from overlap_tp.megatron import transformer_layer
+    try:
+        report = patch.apply(fake_args(overlap_tp_token_split=True), log=quiet)
+        assert transformer_layer.token_split_default() is True
+        assert any("two interleaved halves" in line for line in report.changed)
+        report = patch.apply(fake_args(overlap_tp_token_split=True), log=quiet)
+        assert not any("halves" in line for line in report.changed)     # idempotent
+        report = patch.apply(fake_args(), log=quiet)
+        assert transformer_layer.token_split_default() is False
+        assert any("runs whole" in line for line in report.changed)
+    finally:
+        patch.reset()
+    assert transformer_layer.token_split_default() is False
+
+
 def test_overlap_moe_alone_switches_the_spec_and_the_moe_config():
     pytest.importorskip("megatron.core", reason="overlap_tp.megatron.moe_layer needs megatron-core")
     from overlap_tp.megatron import moe_layer

@@ -415,3 +415,18 @@ def test_tune_cache_path_precedence(monkeypatch, tmp_path):
     assert tune_cache_path(args) == "/f.json"
     monkeypatch.delenv(TUNE_CACHE_ENV)
     assert tune_cache_path(megatron_like()) is None
+
+
+def test_token_split_flag_and_what_it_needs():
+    parser = build_parser()
+    assert parser.parse_args([]).overlap_tp_token_split is False
+    assert parser.parse_args(["--overlap-tp-token-split"]).overlap_tp_token_split is True
+    assert validate_overlap_args(megatron_like(overlap_tp_token_split=True, micro_batch_size=2), warn=None) == []
+    for overrides, match in (({"overlap_tp": "off", "overlap_tp_layers": True}, "with --overlap-tp off"),
+                             ({"overlap_tp_fused_norms": False}, "--no-overlap-tp-fused-norms"),
+                             ({"sequence_parallel": False}, "without --sequence-parallel"),
+                             ({"micro_batch_size": 1}, "--micro-batch-size 1: .* even micro-batch size"),
+                             ({"micro_batch_size": 3}, "--micro-batch-size 3")):
+        with pytest.raises(OverlapArgumentError, match=match):
+            validate_overlap_args(megatron_like(overlap_tp_token_split=True, **{"micro_batch_size": 2, **overrides}),
+                                  warn=None)

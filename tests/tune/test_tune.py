@@ -130,6 +130,13 @@ def test_candidates_counts_and_validity():
     rs4 = [c for c in candidates(Shape("rs", 8192, 4096, 1024, 4), 132) if c.method == "signal" and c.transport == "p2p"]
     assert sorted(label(c) for c in rs4) == ["p2p/epilogue", "p2p/sm0"]
     assert all(predict(Shape("rs", 8192, 4096, 1024, 4), c, meas) is None for c in rs4)
+    # ... and cuBLAS's regions pushed by the copy engines beside the regions stored into the owners
+    cublas4 = [c for c in candidates(Shape("rs", 8192, 4096, 1024, 4), 132) if c.method == "decompose"
+               and c.transport == "p2p"]
+    assert sorted(label(c) for c in cublas4) == ["decompose-p2p/c1", "decompose-p2p/c1/copy"]
+    assert predict(Shape("rs", 8192, 4096, 1024, 4), cublas4[-1], meas) is None
+    assert [c.rs_transfer for c in candidates(Shape("rs", 8192, 4096, 2048, 2), 132)
+            if c.method == "decompose" and c.transport == "p2p"] == ["auto"]
     rs2 = [c for c in candidates(Shape("rs", 8192, 4096, 2048, 2), 132) if c.method == "signal" and c.transport == "p2p"]
     assert [c.rs_transfer for c in rs2] == ["auto"]
     # gemm_ar has no p2p transport
