@@ -379,7 +379,7 @@ class OverlapTransformerLayer(TransformerLayer):
         outs = []
         for i in range(2):
             x, deferred = mlp[i][0][0], mlp[i][1]
-            if deferred is not None and not fused_fc2:
+            if deferred is not None and not fused_fc2 and getattr(x, "overlap_tp_deferred_sum", None) is deferred:
                 del x.overlap_tp_deferred_sum
                 with torch.no_grad():   # the values of fc2's output in autograd, written by the kernel, not recorded
                     deferred.into(x.view(-1, x.shape[-1]))
