@@ -89,6 +89,34 @@ def test_the_plan_cache_is_bounded():
     run_distributed(2, _check_cache_bound, 4)
 
 
+def _check_plan_instances(rank, world):
+    """instance=1 is a second plan of the same arguments, cached as the first is; the same result; an instance is an
+    int >= 0; each instance's comm engine is its own."""
+    from overlap_tp.ops import comm
+    from overlap_tp.ops.ag_gemm import ag_gemm_plan
+    from overlap_tp.ops.gemm_rs import GemmRS
+    common.clear_plans()
+    a, w, _ = dense_problem(64, 48, 16, seed=5, bias=False)
+    group = comm.resolve_group(None)
+
+    def plan(instance):
+        return common.cached_plan(GemmRS, group, 64, 48, 16, a.dtype, a.device, SIGNAL, instance)
+    first, second = plan(0), plan(1)
+    assert first is not second and plan(0) is first and plan(1) is second and second.instance == 1
+    assert torch.equal(gemm_rs(a, w, config=SIGNAL, instance=1), gemm_rs(a, w, config=SIGNAL))
+    assert ag_gemm_plan(a[:32].contiguous(), w, config=SIGNAL, instance=1) is not ag_gemm_plan(a[:32].contiguous(), w,
+                                                                                               config=SIGNAL)
+    with pytest.raises(ValueError, match="instance=-1"):
+        plan(-1)
+    device = torch.device("cpu")
+    assert comm.comm_engine(device, 1) is not comm.comm_engine(device) and comm.comm_engine(device, 1) is \
+        comm.comm_engine(device, 1)
+
+
+def test_a_second_plan_instance_is_its_own_plan():
+    run_distributed(2, _check_plan_instances)
+
+
 def _check_absent_peer(rank, world):
     """One rank never calls the op: the other's plan build ends within OVERLAP_TP_WATCHDOG_S with an error
     naming the missing rank, instead of hanging."""
