@@ -164,6 +164,11 @@ def _check_reference_and_counterfactual(rank, world):
     for (module, name), value in originals.items():
         assert getattr(module, name) is value, f"{module.__name__}.{name} not restored"
     assert torch.cuda.current_device is current_device
+    # a -split configuration's layer: ours built with the token split (its numerics: tests/megatron/test_layers.py)
+    from overlap_tp.bench import layer as bench_layer
+    config = bench_layer.layer_config("tiny", world, "cpu")
+    assert bench_layer.build_layer("ours", config, torch.device("cpu"), token_split=True).token_split
+    assert not bench_layer.build_layer("ours", config, torch.device("cpu")).token_split
     ps.destroy_model_parallel()
 
 
@@ -255,21 +260,9 @@ def test_graphs_needs_cuda(capsys):
     assert "--graphs needs --device cuda" in capsys.readouterr().err
 
 
-def _run_split_bench(rank, world, out_dir):
-    _quiet()
-    from overlap_tp.bench import layer
-    args = layer.parse_args(["--tiny", "--out", out_dir, "--reps", "2", "--warmup", "1", "--micro-batch", "2",
-                             "--configs", "megatron,off-split", "--name", "split"])
-    rows = layer.run(args, command="test_layer_bench split")
-    by = {r["config"]: r for r in rows}
-    row = by["off-split"]   # built split, checked against megatron's whole micro-batch, timed
-    assert "error" not in row and row["check_err"] <= args.check_tol and row["ms"] > 0, row
-
-
-def test_layer_bench_token_split(tmp_path, capsys):
-    """The -split configurations: the layer built with the token split, on a micro-batch of 2 (CPU, tiny); an odd
+def test_layer_bench_split_configurations_need_an_even_micro_batch_and_our_layer(capsys):
+    """The -split configurations (their layer is built in test_reference_layer_and_counterfactual): an odd
     micro-batch, or a split of a layer that is not ours, is refused."""
-    run_distributed(2, _run_split_bench, str(tmp_path))
     from overlap_tp.bench import layer
     for argv, message in ((["--tiny", "--configs", "megatron,off-split"], "must be even"),
                           (["--tiny", "--micro-batch", "2", "--configs", "megatron,nocomm-split"], "unknown configs")):
