@@ -696,8 +696,8 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         x2d = _flatten_input(input_, self.input_size, type(self).__name__)
         link = (accept_deferred_grad(input_) if self.sum_dgrad_in_norm and self.sequence_parallel
                 and torch.is_grad_enabled() else None)
-        own = next((own for own in self._own_gathers.values() if own.holds(x2d)), None)
-        own = own if self.sequence_parallel else None
+        own = (next((own for own in self._own_gathers.values() if own.holds(x2d)), None) if self.sequence_parallel
+               else None)
         args = _LinearArgs(self.tp_group, self.sequence_parallel, self.allreduce_dgrad,
                            self.gradient_accumulation_fusion, self.overlap_config, dgrad_link=link, own_gather=own,
                            wgrad_handoff=self.wgrad_handoff if own is not None else None)

@@ -120,18 +120,23 @@ def _warn_once(message: str):
 _last_built = [None]
 
 
-def _summed_by_consumer(linear: OverlapRowParallelLinear, name: str, consumer: str, block):
-    """block() with `linear`'s next p2p reduce-scatter sum left to `consumer` (OverlapRowParallelLinear.
-    defer_sum_next); an output that reached anything else unsummed is a RuntimeError, never a silent read."""
-    linear.defer_sum_next = True
+def _sum_deferred(linear: OverlapRowParallelLinear, block, defer: bool = True):
+    """block() with `linear`'s next p2p reduce-scatter sum left to its output's consumer where `defer`
+    (OverlapRowParallelLinear.defer_sum_next): (block's output, the DeferredSum left, or None)."""
+    linear.defer_sum_next = defer
     try:
         out = block()
     finally:
         linear.defer_sum_next = False
     deferred, linear.deferred_sum = linear.deferred_sum, None
-    if deferred is not None and not deferred.done:
-        raise RuntimeError(f"OverlapTransformerLayer: {name}'s output reached something other than {consumer} while "
-                           f"its p2p sum was left to that kernel")
+    return out, deferred
+
+
+def _summed_by_consumer(linear: OverlapRowParallelLinear, name: str, consumer: str, block):
+    """block() with `linear`'s next p2p reduce-scatter sum left to `consumer`, which block() runs; an output that
+    reached anything else unsummed is a RuntimeError, never a silent read."""
+    out, deferred = _sum_deferred(linear, block)
+    _check_summed(deferred, name, consumer)
     return out
 
 
@@ -352,13 +357,8 @@ class OverlapTransformerLayer(TransformerLayer):
         attention = []   # (output with bias, what linear_proj left to the bda)
         for i in range(2):
             with plan_instance(i):
-                proj.defer_sum_next = self.fused_proj_sum
-                try:
-                    out = self.self_attention(normed[i], attention_mask=masks[i], rotary_pos_emb=rotary_pos_emb)
-                finally:
-                    proj.defer_sum_next = False
-                attention.append((out, proj.deferred_sum))
-                proj.deferred_sum = None
+                attention.append(_sum_deferred(proj, lambda: self.self_attention(
+                    normed[i], attention_mask=masks[i], rotary_pos_emb=rotary_pos_emb), self.fused_proj_sum))
         mids = []
         for i, h in enumerate(halves):
             with plan_instance(i), self.bias_dropout_add_exec_handler():
@@ -366,16 +366,10 @@ class OverlapTransformerLayer(TransformerLayer):
                 mids.append(self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
                     attention[i][0], residual, self.hidden_dropout))
             _check_summed(attention[i][1], "linear_proj", "the fused bias-dropout-add + norm")
-        mlp = []
+        mlp = []   # (output with bias, what linear_fc2 left to the MLP bda)
         for i in range(2):
             with plan_instance(i):
-                fc2.defer_sum_next = defer_fc2
-                try:
-                    out = self.mlp(self.pre_mlp_layernorm(mids[i]))
-                finally:
-                    fc2.defer_sum_next = False
-                mlp.append((out, fc2.deferred_sum))
-                fc2.deferred_sum = None
+                mlp.append(_sum_deferred(fc2, lambda: self.mlp(self.pre_mlp_layernorm(mids[i])), defer_fc2))
         outs = []
         for i in range(2):
             x, deferred = mlp[i][0][0], mlp[i][1]

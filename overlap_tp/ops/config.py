@@ -80,8 +80,9 @@ class OverlapConfig:
                  left to the comm stream's waits (a captured graph waits with one-thread kernels); method
                  'decompose': one cuBLAS GEMM per push (the cuBLAS kernels' speed, each push behind a stream
                  dependency, no wait kernel). 'auto' (the default; rs_transfer_for): 'copy' for method 'signal' where
-                 the group has more than two ranks, else 'epilogue' (method 'decompose' with 'copy' is not measured
-                 yet: explicit only). Measured under graphs on four H200s (docs/perf/s36): 'copy' faster at t = 4
+                 the group has more than two ranks, else 'epilogue' (method 'decompose' with 'copy' is explicit, and a
+                 tuner candidate where t > 2: the fastest op on three of four shapes in session 37, a tie in the
+                 layer). Measured under graphs on four H200s (docs/perf/s36): 'copy' faster at t = 4
                  on l8b.fc2 (0.395 -> 0.372 ms), l70b.proj (0.485 -> 0.463) and l70b.fc2 (1.455 -> 1.359), slower on
                  l8b.proj (0.224 -> 0.246: its 48 MB outlast its 0.1 ms GEMM, and the copies move them slower than
                  the stores); one 8B / 70B layer 1.045 / 1.009 -> 1.034 / 0.984 of the no-communication

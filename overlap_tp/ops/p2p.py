@@ -73,9 +73,8 @@ class P2PReduceScatter:
         (RegionGemms). config.rs_transfer (resolved: 'epilogue' or 'copy') says whether the GEMMs store into the
         owners' buffers or the copy engines push what they stored locally (_build_pushes, push_half). instance: the
         plan's (OpPlan.instance), whose comm stream the pushes run on."""
-        self.instance = instance
         from torch.distributed import _symmetric_memory as symm_mem
-        self.t, self.m_local, self.n, self.watched = t, m // t, n, watched
+        self.t, self.m_local, self.n, self.watched, self.instance = t, m // t, n, watched, instance
         self.buf = symmetric.empty(t * self.m_local, n, dtype=dtype, device=device, kind="reduce-scatter slots")
         handle = symm_mem.rendezvous(self.buf, group)
         within = self.buf.data_ptr() - handle.buffer_ptrs[rank]        # the same on every rank
@@ -311,17 +310,18 @@ class DeferredSum:
         """Whether it ran (summed or consumed)."""
         return self._op is None
 
-    def _take(self) -> P2PReduceScatter:
+    def _op_to_run(self) -> P2PReduceScatter:
         if self._op is None:
             raise RuntimeError("overlap_tp gemm_rs (p2p): the deferred sum was already run")
-        op, self._op = self._op, None
+        return self._op
+
+    def _take(self) -> P2PReduceScatter:
+        op, self._op = self._op_to_run(), None
         return op
 
     def __call__(self) -> torch.Tensor:
-        op = self._take()
-        out = torch.empty(op.m_local, op.n, dtype=op.buf.dtype, device=op.buf.device)
-        op.finish(lambda slots: op.sum(op.flat_slots, out))
-        return out
+        op = self._op_to_run()
+        return self.into(torch.empty(op.m_local, op.n, dtype=op.buf.dtype, device=op.buf.device))
 
     def consume(self, kernel):
         self._take().finish(kernel)
