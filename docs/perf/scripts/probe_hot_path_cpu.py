@@ -111,6 +111,17 @@ def install():
     nccl._lib = FakeLib()
     torch.cuda.is_current_stream_capturing = lambda: False
     torch._C._cuda_getCurrentRawStream = lambda index: 7
+
+    class Stream:   # the comm engine's stream (a CPU build's torch.cuda.Stream has no priority_range)
+        cuda_stream = 9
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+        @staticmethod
+        def priority_range():
+            return 0, -1
+    torch.cuda.Stream = Stream
     torch.cuda.synchronize = lambda *a, **k: None
     watchdog.prepare_graph_waits = lambda device: None
     watchdog.watch_graph_replays = lambda: None
