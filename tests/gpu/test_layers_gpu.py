@@ -323,11 +323,26 @@ def _deterministic():
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def _fresh_steps(seed, seq, hidden, steps):
-    """`steps` pairs (input, output grad) of fresh bf16 random [seq, 1, hidden] tensors."""
+def _fresh_steps(seed, seq, hidden, steps, batch=1):
+    """`steps` pairs (input, output grad) of fresh bf16 random [seq, batch, hidden] tensors."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     for _ in range(steps):
-        yield tuple(torch.randn(seq, 1, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+        yield tuple(torch.randn(seq, batch, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    for _ in range(2))
+
+
+def _linked_pair(config, p2p_configs, seed):
+    """Two OverlapTransformerLayers in a row (layer numbers 1, 2; the first's MLP boundary linked to the second's
+    input norm), built on the GPU from `seed` under the layer settings in force (gathering_in_place, ...), with
+    the p2p op configs."""
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layers import set_overlap_config
+    _seed(seed, "cuda")
+    pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
+    for layer in pair:
+        set_overlap_config(layer, p2p_configs)
+    return pair
 
 
 def _fwd_bwd(stack, x, g):
@@ -406,17 +421,11 @@ def check_mlp_boundary(rank, world, method="signal", size="small", seq=4096, ste
     late_every > 0: before every late_every-th step rank 1 holds its stream ~0.1 s, so rank 0's waits are real."""
     _quiet()
     _deterministic()
-    from megatron.core.transformer.spec_utils import build_module
-    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    from overlap_tp.megatron.layers import set_overlap_config
     ps = _setup(world, "cuda")
     config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method, size=size)
     pairs = []
     for variant in variants:
-        _seed(78, "cuda")
-        pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
-        for layer in pair:
-            set_overlap_config(layer, p2p_configs)
+        pair = _linked_pair(config, p2p_configs, 78)
         assert pair[0].fused_mlp_boundary, "the MLP boundary should be on by default here"
         pair[0].fused_fc2_sum = variant == "fused"
         pair[0].fused_mlp_boundary = variant != "unlinked"
@@ -502,20 +511,13 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
     which must run it (the handoffs empty after every step) with the same bits."""
     _quiet()
     _deterministic()
-    from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers as layers_module
-    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    from overlap_tp.megatron.layers import set_overlap_config
     ps = _setup(world, "cuda")
     config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method, size=size)
     pairs = []
     for in_place in (True, False):
-        _seed(79, "cuda")
         with layers_module.gathering_in_place(in_place), layers_module.deferring_wgrad(defer_wgrad and in_place):
-            pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
-        for layer in pair:
-            set_overlap_config(layer, p2p_configs)
-        pairs.append(pair)
+            pairs.append(_linked_pair(config, p2p_configs, 79))
     real_gather_rows, regathers = layers_module.gather_rows, []
 
     def counted_gather_rows(*args, **kwargs):
@@ -636,27 +638,17 @@ def check_token_split(rank, world, method="signal", size="small", seq=4096, step
     (the halves' waits are real; no hang)."""
     _quiet()
     _deterministic()
-    from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers as layers_module
-    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    from overlap_tp.megatron.layers import set_overlap_config
     from overlap_tp.megatron.transformer_layer import splitting_tokens
     ps = _setup(world, "cuda")
     config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method, size=size)
     pairs = []
     for split in (True, False):
-        _seed(79, "cuda")
         with layers_module.gathering_in_place(), layers_module.deferring_wgrad(), splitting_tokens(split):
-            pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
-        for layer in pair:
-            set_overlap_config(layer, p2p_configs)
-            assert layer.token_split == split
+            pair = _linked_pair(config, p2p_configs, 79)
+        assert all(layer.token_split == split for layer in pair)
         pairs.append(pair)
-    gen = torch.Generator(device="cuda").manual_seed(11 + rank)
-    hidden = config.hidden_size
-    for step in range(steps):
-        x, g = (torch.randn(seq // world, 2, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-                for _ in range(2))
+    for step, (x, g) in enumerate(_fresh_steps(11 + rank, seq // world, config.hidden_size, steps, batch=2)):
         if late_every and step % late_every == 0 and rank == 1:
             torch.cuda._sleep(200_000_000)
         got = _fwd_bwd(pairs[0], x, g)
