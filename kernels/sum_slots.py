@@ -1,4 +1,5 @@
-"""The sum of a reduce-scatter's received partials: out = slots[0] + slots[1] + ... + slots[t-1].
+"""The sum of a reduce-scatter's received partials: out = slots[0] + slots[1] + ... + slots[t-1], and, for the
+peer-to-peer protocol, the signal that the slots may be written again.
 
 The peer-to-peer GEMM+ReduceScatter (overlap_tp/ops/p2p.py) leaves t partials of this rank's rows in a
 [t, M/t, N] receive buffer (slot s: rank s's partial). One pass reads them and writes the sum:
@@ -8,7 +9,15 @@ The peer-to-peer GEMM+ReduceScatter (overlap_tp/ops/p2p.py) leaves t partials of
 At t = 2 that is the correctly rounded a + b, the bits NCCL's bf16 reduce-scatter gives. The pass moves
 (t + 1) * M/t * N elements, so it should run at HBM speed: torch's `slots.sum(0)` reached ~1.4 TB/s on an
 H200 for [2, 4096, 4096] bf16 (67 us, docs/perf/s11/README.md); this kernel streams 16-byte vectors.
+
+Built with `summed` (SlotsSummed), the kernel ends the protocol's reduce half itself: its last program (the last to
+count itself in a done counter, so every program's loads of the slots are complete) resets the counter, raises the
+SUMMED word in every peer's memory (release, system scope: as the stream write-value it replaces, which was one more
+driver call per gemm_rs call) and, eagerly, writes the call's number into the plan's progress word in pinned host
+memory (what the watchdog polls instead of an event record: one driver call less again).
 """
+from typing import NamedTuple, Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -21,14 +30,35 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def sum_slots_kernel(slots_ptr, out_ptr, numel, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = sum over s of slots[s * numel + i] for the BLOCK elements of this program."""
+def store_system(ptr, value, INTERPRETED: tl.constexpr):
+    """*ptr = value (int32) with a system-scope store: ptr may be pinned host memory, which the host reads."""
+    if INTERPRETED:
+        tl.store(ptr, value)
+    else:
+        tl.inline_asm_elementwise("st.relaxed.sys.global.b32 [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r", [ptr, value],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit(do_not_specialize=["progress"])
+def sum_slots_kernel(slots_ptr, out_ptr, numel, done_ptr, words_ptr, summed_out_ptr, progress_ptr, progress,
+                     SLOTS: tl.constexpr, BLOCK: tl.constexpr, PEERS: tl.constexpr, INTERPRETED: tl.constexpr):
+    """out[i] = sum over s of slots[s * numel + i] for the BLOCK elements of this program. PEERS > 0: then the last
+    program raises words_ptr[summed_out[j]] for every peer j and, where progress != 0, writes it into *progress_ptr
+    (done: int32, zero between calls)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for s in tl.static_range(SLOTS):
         acc += tl.load(slots_ptr + s * numel + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    if PEERS > 0:
+        tl.debug_barrier()   # every thread's loads consumed (their stores issued) before the count (release)
+        if tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+            tl.store(done_ptr, 0)   # the next launch follows in stream order
+            for j in tl.static_range(PEERS):
+                tl.atomic_xchg(words_ptr + tl.load(summed_out_ptr + j), 1, sem="release", scope="sys")
+            if progress != 0:
+                store_system(progress_ptr, progress, INTERPRETED)
 
 
 def reference_sum_slots(slots: torch.Tensor) -> torch.Tensor:
@@ -39,16 +69,34 @@ def reference_sum_slots(slots: torch.Tensor) -> torch.Tensor:
     return acc.to(slots.dtype)
 
 
+class SlotsSummed(NamedTuple):
+    """What a signalling sum raises at its end: words (int32, ours: the kernel addresses every word from them),
+    summed_out[j] (peer j's SUMMED word for us, mapped here, in words from `words`), progress (a pinned int32 word
+    of host memory the eager calls' numbers go into)."""
+    words: torch.Tensor
+    summed_out: Sequence[int]
+    progress: torch.Tensor
+
+
 class SumSlots:
     """sum_slots for one buffer shape, launched without Triton's launch path after the first call (as
-    SignaledGemm: the compiled kernel of each alignment variant is kept as a DirectKernel)."""
+    SignaledGemm: the compiled kernel of each alignment variant is kept as a DirectKernel). With `summed`, every
+    call also raises the peers' SUMMED words (module doc)."""
 
-    def __init__(self, slots: int, numel: int):
+    def __init__(self, slots: int, numel: int, summed: SlotsSummed = None):
         self.slots, self.numel = slots, numel
         self.grid = max(1, triton.cdiv(numel, BLOCK))
         self._compiled = {}
+        self.peers = 0 if summed is None else len(summed.summed_out)
+        if summed is not None:
+            device = summed.words.device
+            self._done = torch.zeros(1, dtype=torch.int32, device=device)
+            self._summed_out = torch.tensor(list(summed.summed_out), dtype=torch.int64, device=device)
+            self._tables = (self._done, summed.words, self._summed_out, summed.progress)
+            self._pointers = tuple(table.data_ptr() for table in self._tables)
 
-    def __call__(self, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def __call__(self, slots: torch.Tensor, out: torch.Tensor, progress: int = 0) -> torch.Tensor:
+        """out = the sum; with `summed`, then the SUMMED signals and `progress` (0: none) into the progress word."""
         if slots.shape[0] != self.slots or out.numel() != self.numel or slots.numel() != self.slots * self.numel:
             raise ValueError(f"sum_slots: built for [{self.slots}, {self.numel}] elements, got slots "
                              f"{tuple(slots.shape)} and out {tuple(out.shape)}")
@@ -58,11 +106,18 @@ class SumSlots:
         variant = (slots.dtype, slots_ptr % 16 == 0, out_ptr % 16 == 0)
         kernel = None if INTERPRET else self._compiled.get(variant)
         if kernel is None:
-            compiled = sum_slots_kernel[(self.grid,)](slots, out, self.numel, SLOTS=self.slots, BLOCK=BLOCK,
-                                                      num_warps=NUM_WARPS)
+            compiled = self._jit(slots, out, progress)
             if not INTERPRET:
                 self._compiled[variant] = DirectKernel(compiled)
             return out
+        # without `summed` the kernel reads none of the signalling pointers: the slots stand in for them
+        pointers = self._pointers if self.peers else (slots_ptr,) * 4
         kernel(self.grid, torch._C._cuda_getCurrentRawStream(out.device.index), slots_ptr, out_ptr, self.numel,
-               self.slots, BLOCK)
+               *pointers, progress, self.slots, BLOCK, self.peers, INTERPRET)
         return out
+
+    def _jit(self, slots, out, progress):
+        tables = self._tables if self.peers else (slots,) * 4
+        return sum_slots_kernel[(self.grid,)](slots, out, self.numel, *tables, progress, SLOTS=self.slots,
+                                              BLOCK=BLOCK, PEERS=self.peers, INTERPRETED=INTERPRET,
+                                              num_warps=NUM_WARPS)

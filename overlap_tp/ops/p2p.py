@@ -29,7 +29,7 @@ import torch
 
 from overlap_tp.kernels.peer_copy import SignaledPull
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
-from overlap_tp.kernels.sum_slots import SumSlots
+from overlap_tp.kernels.sum_slots import SlotsSummed, SumSlots
 from overlap_tp.ops import comm, memops, symmetric, watchdog
 from overlap_tp.ops.sync import PeerSignals
 from overlap_tp.ops.tile_plan import p2p_copy_plan, p2p_plan, ring_peers
@@ -101,7 +101,11 @@ class P2PReduceScatter:
             self.store = lambda a, w, bias: gemm(a, w, buf, bias)
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=watched.describe,
                                    names=("SUMMED", "ARRIVED"))
-        self.sum = SumSlots(t, self.m_local * n)
+        # the sum raises SUMMED itself and reports an eager call's end to the watchdog (kernels/sum_slots.py)
+        words = self.signals.words.data_ptr()
+        self.sum = SumSlots(t, self.m_local * n, SlotsSummed(
+            self.signals.words, [(self.signals.remote[p] + 4 * t * self.SUMMED - words) // 4 for p in self.signals.peers],
+            watched.progress_word()))
         self.slots = self.buf.view(t, self.m_local, n)          # the views a call reads, made once
         self.flat_slots = self.buf.view(t, self.m_local * n)
         self.device_index = device.index
@@ -183,27 +187,35 @@ class P2PReduceScatter:
         it in one batched driver call (store_and_reduce) instead of two."""
         capturing, stream = self._begin()
         out = torch.empty(self.m_local, self.n, dtype=self.buf.dtype, device=self.buf.device)
+        reduce = self._summing(out, capturing)
         if self.copy:
             self.push_half(a, w, bias, capturing)()   # the pushes, joined
-            self.reduce_half(stream, lambda: self.sum(self.flat_slots, out), capturing)
+            self.reduce_half(stream, reduce, capturing, raises_summed=True)
         else:
-            self.store_and_reduce(stream, lambda: self.store(a, w, bias), lambda: self.sum(self.flat_slots, out),
-                                  capturing)
-        if not capturing:
-            self.watched.record(stream)
+            self.store_and_reduce(stream, lambda: self.store(a, w, bias), reduce, capturing)
         return out
 
-    def finish(self, read_slots):
-        """The call's second half on the current stream, around read_slots(slots [t, M/t, N])."""
+    def _summing(self, out, capturing: bool):
+        """The reduce step that sums the slots into `out` and raises SUMMED (SumSlots with SlotsSummed), eagerly also
+        writing the call's number into the watchdog's progress word: what ends a call whose result is the sum."""
+        progress = 0 if capturing else self.watched.next_call()
+        return lambda: self.sum(self.flat_slots, out, progress)
+
+    def finish(self, read_slots=None, out=None):
+        """The call's second half on the current stream, around read_slots(slots [t, M/t, N]), or (read_slots None)
+        the signalling sum into `out`."""
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         capturing = torch.cuda.is_current_stream_capturing()
         if self.join is not None:
             self.join()
             self.join = None
-        self.reduce_half(stream, lambda: read_slots(self.slots), capturing)
+        if read_slots is None:
+            self.reduce_half(stream, self._summing(out, capturing), capturing, raises_summed=True)
+        else:
+            self.reduce_half(stream, lambda: read_slots(self.slots), capturing)
+            if not capturing:
+                self.watched.record(stream)
         self.outstanding = None
-        if not capturing:
-            self.watched.record(stream)
 
     def push_half(self, a, w, bias, capturing: bool):
         """rs_transfer 'copy''s first half: fork; the GEMM on the caller's stream, and on the comm stream the SUMMED
@@ -243,19 +255,21 @@ class P2PReduceScatter:
         self.signals.signal(stream, self.ARRIVED)
 
     def store_and_reduce(self, stream, store, reduce, capturing: bool):
-        """store_half, then reduce_half, on one stream: the same order of operations, with store_half's closing
-        signal and reduce_half's opening wait issued together (PeerSignals.signal_then_wait)."""
+        """store_half, then reduce_half with a reduce that raises SUMMED itself (the signalling sum), on one stream:
+        the same order of operations, with store_half's closing signal and reduce_half's opening wait issued together
+        (PeerSignals.signal_then_wait)."""
         self.signals.wait(stream, self.SUMMED, capturing)
         store()
         self.signals.signal_then_wait(stream, self.ARRIVED, capturing)
         reduce()
-        self.signals.signal(stream, self.SUMMED)
 
-    def reduce_half(self, stream, reduce, capturing: bool):
-        """wait ARRIVED from every peer, reset; reduce (the sum of our slots); signal SUMMED."""
+    def reduce_half(self, stream, reduce, capturing: bool, raises_summed: bool = False):
+        """wait ARRIVED from every peer, reset; reduce (the sum of our slots); signal SUMMED (the signalling sum,
+        raises_summed, signals at its own end)."""
         self.signals.wait(stream, self.ARRIVED, capturing)
         reduce()
-        self.signals.signal(stream, self.SUMMED)
+        if not raises_summed:
+            self.signals.signal(stream, self.SUMMED)
 
 
 class RegionGemms:
@@ -329,8 +343,7 @@ class DeferredSum:
     def into(self, out: torch.Tensor) -> torch.Tensor:
         """As calling it, into `out` ([M/t, N], contiguous): for a caller that handed `out` on before the sum ran (the
         token split sums an unlinked layer's fc2 at its bda, after the other half's MLP)."""
-        op = self._take()
-        op.finish(lambda slots: op.sum(op.flat_slots, out))
+        self._take().finish(out=out)
         return out
 
 

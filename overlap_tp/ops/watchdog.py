@@ -1,7 +1,10 @@
 """The watchdog: a stuck overlapped op becomes a clear error instead of a silent hang.
 
-Eager calls. Every op plan owns one event. An eager call records it where the op's work ends; a daemon thread
-polls the events of the plans with work in flight and fails when one has stayed incomplete for OVERLAP_TP_WATCHDOG_S seconds (default
+Eager calls. Every op plan owns one event. An eager call records it where the op's work ends, or, where the op's
+last kernel can say so itself (the p2p GEMM+ReduceScatter's signalling sum, kernels/sum_slots.py), numbers the call
+(Watched.next_call) and the kernel writes that number into the plan's progress word, an int32 of pinned host memory:
+no driver call on the host's path. A daemon thread polls the plans with work in flight (the event queried, the
+progress word read) and fails when one has stayed incomplete for OVERLAP_TP_WATCHDOG_S seconds (default
 300, 0 disables): it prints the op, its group, its plan and the words it waits on (read on a fresh stream),
 and ends the process, as NCCL's own watchdog does (a hung GPU stream cannot be unwound from Python, and a
 silent hang wastes a whole allocation). "Stayed incomplete" is judged across polls of the same plan, so a
@@ -45,12 +48,16 @@ EXIT_CODE = 70
 
 
 class Watched:
-    """What the watchdog knows of one plan: its event, how to describe it, and the device words it waits on."""
+    """What the watchdog knows of one plan: its event, its progress word (if a kernel of it writes one), how to
+    describe it, and the device words it waits on."""
 
     def __init__(self, describe, words=(), event=None):
         self.describe = describe
         self.words = words
         self.event = memops.Event() if event is None else event
+        self.progress = None       # progress_word(): the pinned int32 the op's last kernel writes a call's number into
+        self._progress_seen = None
+        self.issued = 0            # the number of the latest call numbered by next_call (never 0)
         self.in_flight = False     # in the watchdog's list: recorded, and the GPU had not reached it at the last poll
         self.stuck_since = None
         if event is None:
@@ -59,6 +66,29 @@ class Watched:
     def record(self, stream: int):
         """The op's work on `stream` ends here (eager calls only)."""
         watchdog().record(self, stream)
+
+    def progress_word(self, word: torch.Tensor = None) -> torch.Tensor:
+        """The plan's progress word (made at the first ask, eagerly: when the plan is built), for a kernel that ends
+        the op's eager calls to write next_call()'s numbers into. `word` stands in for it where there is no GPU."""
+        if self.progress is None:
+            self.progress = torch.zeros(1, dtype=torch.int32, pin_memory=True) if word is None else word
+            self._progress_seen = self.progress.numpy()
+        return self.progress
+
+    def next_call(self) -> int:
+        """An eager call's number (1 .. 2**31 - 1, cyclic) for the op's last kernel to write into the progress word,
+        watched from now until it is there; 0 (the kernel writes nothing) while the watchdog is off."""
+        dog = watchdog()
+        if dog.timeout_s <= 0:
+            return 0
+        self.issued = self.issued % 0x7FFFFFFF + 1
+        dog.watch(self)
+        return self.issued
+
+    def reached(self, event_complete) -> bool:
+        """Whether the GPU reached the latest call: its progress word holds the latest number (if it ever had one),
+        and event_complete(self.event) (its latest record complete)."""
+        return (self._progress_seen is None or int(self._progress_seen[0]) == self.issued) and event_complete(self.event)
 
 
 class Watchdog:
@@ -85,14 +115,22 @@ class Watchdog:
             return
         with self.lock:
             item.event.record(stream)
-            self.reached.clear()
-            if not item.in_flight:
-                item.in_flight = True
-                self.watched.append(item)
-                self._start()
+            self._list(item)
+
+    def watch(self, item: Watched):
+        """As record, for a call that its own kernel reports (Watched.next_call): listed, nothing recorded."""
+        with self.lock:
+            self._list(item)
+
+    def _list(self, item: Watched):
+        self.reached.clear()
+        if not item.in_flight:
+            item.in_flight = True
+            self.watched.append(item)
+            self._start()
 
     def poll(self, reached, now: float):
-        """One pass over the listed items: reached(item) says whether the GPU completed its event. Completed
+        """One pass over the listed items: reached(item) says whether the GPU reached its latest call. Completed
         items leave the list (held in `reached` until the next record); one incomplete for longer than the
         timeout ends the process."""
         with self.lock:
@@ -138,7 +176,8 @@ class Watchdog:
                 mode = ctypes.c_int(CU_STREAM_CAPTURE_MODE_RELAXED)
                 lib.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))
             if lib is not None:
-                self.poll(lambda item: lib.cuEventQuery(item.event.handle) != CUDA_ERROR_NOT_READY, time.monotonic())
+                self.poll(lambda item: item.reached(lambda event: lib.cuEventQuery(event.handle) != CUDA_ERROR_NOT_READY),
+                          time.monotonic())
 
     def _fail(self, item: Watched):
         try:

@@ -4,7 +4,7 @@ last place here, bit for bit on the GPU (tests/gpu/test_gemm_rs_gpu.py)."""
 import pytest
 import torch
 
-from overlap_tp.kernels.sum_slots import BLOCK, SumSlots, reference_sum_slots
+from overlap_tp.kernels.sum_slots import BLOCK, SlotsSummed, SumSlots, reference_sum_slots
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -26,3 +26,24 @@ def test_sum_slots_rejects_a_buffer_of_another_shape():
         op(torch.zeros(2, 10, dtype=torch.bfloat16), torch.zeros(10, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="same dtype"):
         op(torch.zeros(2, 12, dtype=torch.bfloat16), torch.zeros(12, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("peers, progress", [(1, 7), (3, 0)])
+def test_a_signalling_sum_raises_every_peers_word_and_reports_its_call_once_every_program_is_done(peers, progress):
+    """With SlotsSummed the last of the programs (4 here) raises each peer's SUMMED word (words standing in for the
+    peers' memory, at scattered offsets), resets its done counter for the next call, and writes a non-zero call
+    number into the progress word (0: nothing); the sum is the plain kernel's."""
+    slots, numel = peers + 1, 3 * BLOCK + 5
+    gen = torch.Generator().manual_seed(peers)
+    x = torch.randn(slots, numel, generator=gen).to(torch.bfloat16)
+    words = torch.zeros(16, dtype=torch.int32)
+    summed_out = [5, 11, 2][:peers]
+    progress_word = torch.full((1,), -1, dtype=torch.int32)
+    op = SumSlots(slots, numel, SlotsSummed(words, summed_out, progress_word))
+    for call in range(2):
+        words.zero_()
+        out = op(x, torch.empty(numel, dtype=torch.bfloat16), progress)
+        assert words.nonzero().flatten().tolist() == sorted(summed_out) and words.max() == 1
+        assert op._done.item() == 0
+        assert progress_word.item() == (progress if progress else -1)
+        torch.testing.assert_close(out, reference_sum_slots(x), rtol=2 ** -7, atol=2 ** -7)

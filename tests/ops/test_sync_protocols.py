@@ -264,10 +264,15 @@ def _peer_signals(t, initial):
     return signals
 
 
-@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (2, 2), (3, 3)])
-def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
-    """Calls in two halves (store_half, then reduce_half: async_op, the deferred sums) and whole (store_and_reduce:
-    gemm_rs summed at once, the ARRIVED signal and wait batched), mixed at random per call, every rank the same."""
+def _signalling_sum(recorder, signals, rank, call, early=False):
+    """The signalling sum (kernels/sum_slots.py with SlotsSummed) as its memory operations: the slots read, then (its
+    last program) SUMMED into every peer. early: the mutation that raises SUMMED before the reads."""
+    raised = [tuple(op) for op in signals.signal_ops(P2PReduceScatter.SUMMED)]
+    for op in raised + [("sum", rank, call)] if early else [("sum", rank, call)] + raised:
+        recorder.emit(rank, op)
+
+
+def _run_p2p_reduce_scatter(recorder, t, seed, early=False):
     signals = _peer_signals(t, (1, 0))
     ranks = []
     for rank in range(t):
@@ -275,17 +280,21 @@ def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
         op.signals = signals[rank]
         ranks.append(op)
     calls = 30
-    whole = [random.Random(seed + 100).random() < 0.5 for _ in range(calls)]
+    rng = random.Random(seed + 100)
+    kinds = [rng.choice(["whole", "halves", "consumed"]) for _ in range(calls)]
     programs = {}
     for rank, op in enumerate(ranks):
         for call in range(calls):   # recorded once per call: the same ops a graph replays every time
             store = lambda r=rank, c=call: recorder.emit(r, ("store", r, c))
-            reduce = lambda r=rank, c=call: recorder.emit(r, ("sum", r, c))
-            if whole[call]:
-                op.store_and_reduce(rank, store, reduce, False)
+            summing = lambda r=rank, c=call: _signalling_sum(recorder, signals[r], r, c, early)
+            if kinds[call] == "whole":
+                op.store_and_reduce(rank, store, summing, False)
             else:
                 op.store_half(rank, store, False)
-                op.reduce_half(rank, reduce, False)
+                if kinds[call] == "halves":
+                    op.reduce_half(rank, summing, False, raises_summed=True)
+                else:   # a kernel reading the slots (the fused add + RMSNorm), SUMMED by a stream write-value after it
+                    op.reduce_half(rank, lambda r=rank, c=call: recorder.emit(r, ("sum", r, c)), False)
         programs[rank] = recorder.take()[rank]
     slots = [[-1] * t for _ in range(t)]   # slots[owner][source]: the call whose partial is there
     summed = [-1] * t
@@ -303,6 +312,20 @@ def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
 
     run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed))
     assert summed == [calls - 1] * t
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (2, 2), (3, 3)])
+def test_p2p_reduce_scatter_never_overwrites_or_reads_early(recorder, t, seed):
+    """Calls in two halves (store_half, then reduce_half: async_op, the deferred sums: summed, or consumed by another
+    kernel) and whole (store_and_reduce: gemm_rs summed at once, the ARRIVED signal and wait batched), mixed at random
+    per call, every rank the same; the sums raise SUMMED at their own end."""
+    _run_p2p_reduce_scatter(recorder, t, seed)
+
+
+def test_the_simulator_catches_a_sum_raising_summed_before_its_reads(recorder):
+    with pytest.raises(AssertionError, match="overwrote"):
+        for seed in range(10):
+            _run_p2p_reduce_scatter(recorder, 2, seed, early=True)
 
 
 class RankEngine(FakeEngine):
@@ -366,12 +389,15 @@ def _run_push_reduce_scatter(recorder, t, seed, groups_per_peer=2, summed_wait=T
                 for tile in tiles:
                     recorder.emit(r, tile)
             op.store = store
-            reduce = lambda r=rank, c=call: recorder.emit(r, ("sum", r, c))
             join = op.push_half(call, _FakeWeight(), None, False)
             if not whole[call]:
                 recorder.emit(rank, ("other work", rank, call))   # the wgrad, queued between the halves
             join()
-            op.reduce_half(rank, reduce, False)
+            if whole[call]:   # summed(): the signalling sum
+                op.reduce_half(rank, lambda r=rank, c=call: _signalling_sum(recorder, signals[r], r, c), False,
+                               raises_summed=True)
+            else:             # consumed by a kernel, SUMMED by a stream write-value
+                op.reduce_half(rank, lambda r=rank, c=call: recorder.emit(r, ("sum", r, c)), False)
         for stream, program in recorder.take().items():
             programs[stream] = program
     tiles_done = {}                                         # (rank, group, call): tiles stored

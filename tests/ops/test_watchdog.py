@@ -132,6 +132,40 @@ def test_only_plans_with_work_in_flight_are_listed_and_a_stuck_one_ends_the_proc
     assert failures == [plans[0]]
 
 
+def test_a_call_its_kernel_reports_is_watched_until_its_number_is_in_the_progress_word(monkeypatch):
+    """Watched.next_call (the p2p GEMM+ReduceScatter's signalling sum writes the number): listed without an event
+    record, reached once the progress word holds the latest number (an older one is not enough), reported when it
+    stays behind past the timeout; numbers are never 0 (0 tells the kernel to write nothing) and the watchdog off
+    hands out 0."""
+    import torch
+    dog = watchdog.Watchdog(5.0)
+    monkeypatch.setattr(dog, "_start", lambda: None)
+    monkeypatch.setattr(watchdog, "_instance", dog)
+    plan = watchdog.Watched("plan", event=FakeEvent())
+    word = plan.progress_word(torch.zeros(1, dtype=torch.int32))
+    numbers = [plan.next_call() for _ in range(3)]
+    assert numbers == [1, 2, 3] and dog.watched == [plan] and plan.event.records == 0
+
+    def reached(item):
+        return item.reached(lambda event: True)
+
+    word[0] = 2                                           # the GPU finished the second call, not the third
+    dog.poll(reached, now=0.0)
+    assert dog.watched == [plan]
+    word[0] = 3
+    dog.poll(reached, now=1.0)
+    assert dog.watched == [] and not plan.in_flight
+    plan.issued = 0x7FFFFFFF - 1
+    assert [plan.next_call(), plan.next_call()] == [0x7FFFFFFF, 1]
+    failures = []
+    monkeypatch.setattr(dog, "_fail", failures.append)
+    dog.poll(reached, now=2.0)
+    dog.poll(reached, now=7.5)
+    assert failures == [plan]
+    monkeypatch.setattr(watchdog, "_instance", watchdog.Watchdog(0.0))
+    assert plan.next_call() == 0
+
+
 def test_the_poll_never_drops_the_last_reference_to_a_plan(monkeypatch):
     """A completed item leaves the list but stays referenced until the next record(), which lets it go on the
     recording thread: the polling thread never frees a plan's memory (symmetric memory freed there while the

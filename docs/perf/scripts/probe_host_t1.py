@@ -9,6 +9,7 @@
 # session 16 call 7), each with its median, quartiles and the median of its per-round ratio to a bare cuBLAS call.
 # --rounds R: rounds of the interleaved bursts (30). --label TEXT: printed first on every line (A/B of two code
 # versions run one after the other: run_s17_one.sh, in git at aa14ff3).
+# --only "rs p2p,rs cublas-p2p": those cases only (session 39).
 # --ab: the plan also with its Triton kernels launched through CompiledKernel.run instead of DirectKernels
 # (kernels/launch.py), in the same rounds.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
@@ -48,6 +49,9 @@ CASES = [("rs", 8192, 4096, 2048, P2P), ("rs", 8192, 4096, 2048, NCCL), ("ag", 8
 NAMES = {id(P2P): "p2p", id(NCCL): "nccl", id(CUBLAS_P2P): "cublas-p2p"}
 if ONE_GPU:
     CASES = [case for case in CASES if case[4].transport == "p2p"]
+if "--only" in sys.argv:   # --only "rs p2p,rs cublas-p2p": those cases (op and config name), in this order
+    ONLY = sys.argv[sys.argv.index("--only") + 1].split(",")
+    CASES = [case for name in ONLY for case in CASES if f"{case[0]} {NAMES.get(id(case[4]))}" == name]
 PLAN = {"rs": GemmRS, "ag": AgGemm, "ar": GemmAR}
 API = {"rs": gemm_rs, "ag": ag_gemm, "ar": gemm_ar}
 
