@@ -104,8 +104,9 @@ class AgGemm(OpPlan):
             if device.type == "cuda":
                 default_offsets(device)
                 # start(): recorded behind this plan's transfers, so that finish() waits for them alone (one event per
-                # capture state: an event waited on inside a capture must have been recorded inside it)
-                self._transfers_done = {False: memops.Event(), True: memops.Event()}
+                # capture state: an event waited on inside a capture must have been recorded inside it); eagerly the
+                # plan's watched event, which the watchdog then watches (no record of its own)
+                self._transfers_done = {False: self.watched.event, True: memops.Event()}
             if config.transport == "p2p":
                 self._pull_into_gather_buffer()
                 self._run = self._pulled
@@ -389,9 +390,11 @@ class AgGemm(OpPlan):
                     if p != rank:
                         _mm(regions[p][lo:hi], wt, out_regions[p][lo:hi], bias)
         gather.finish(raw)
-        engine.join(current, capturing)   # the comm stream's last work (PULLED) joins the caller's stream too
-        if not capturing and self.watched is not None:
-            self.watched.record(current)
+        # the comm stream's last work (PULLED) joins the caller's stream too; eagerly through the watched event
+        if capturing or self.watched is None:
+            engine.join(current, capturing)
+        else:
+            self.watched.join(raw, current)
         return gathered
 
 

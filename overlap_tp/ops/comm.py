@@ -283,14 +283,16 @@ class CommEngine:
             for g, wait_and_reset in enumerate(waits.eager):
                 wait_and_reset.issue(raw)
                 collective(g, raw)
-            if watched is not None:
-                watched.record(raw)
         # enqueued after the comm stream's waits (one hardware queue: a write behind the GEMM holds what follows it
         # until the GEMM ends, so it goes where nothing else waits behind it)
         waits.resetting.issue(current)
 
         def join():
-            self.join(self.current(), self.capturing())
+            current, capturing = self.current(), self.capturing()
+            if capturing or watched is None:
+                self.join(current, capturing)
+            else:   # eagerly the watchdog watches the join's event: the comm stream's work up to the join
+                watched.join(raw, current)
         return join
 
     def transfers_then_gemm(self, transfers, gemm, flags, watched, gemm_first: bool, current: Optional[int] = None,
@@ -325,9 +327,10 @@ class CommEngine:
             transfers(self.raw)
             gemm()
         self.lower_flags(flags, current)   # after the GEMM that waited on them
-        self.join(current, capturing)
-        if not capturing and watched is not None:
-            watched.record(current)
+        if capturing or watched is None:
+            self.join(current, capturing)
+        else:   # eagerly the watchdog watches the join's event (the GEMM's tiles wait on nothing but the transfers)
+            watched.join(self.raw, current)
 
     def transfers_ahead(self, transfers, current: int, capturing: bool, done: Optional["memops.Event"]):
         """Phase one of transfers_then_gemm split in two (a plan's start()): fork, the transfers on the comm stream,
@@ -351,7 +354,7 @@ class CommEngine:
             return
         done.wait(current)
         if not capturing and watched is not None:
-            watched.record(current)
+            watched.watch()   # eagerly `done` is the plan's watched event (AgGemm._transfers_done)
 
     def prepare_graph_waits(self):
         """Compile the capture-time wait kernel now, eagerly (a compile inside a capture could load a module

@@ -67,6 +67,19 @@ class Watched:
         """The op's work on `stream` ends here (eager calls only)."""
         watchdog().record(self, stream)
 
+    def join(self, producer: int, waiter: int):
+        """`waiter` waits for everything enqueued on `producer` so far through this plan's event, which the watchdog
+        then watches (eager calls only): a call whose work ends with a join (the comm stream's transfers into the
+        caller's stream) records one event for both instead of two."""
+        memops.stream_waits_for(waiter, producer, self.event)
+        self.watch()
+
+    def watch(self):
+        """Watch the plan's event as last recorded (by its caller, as the end of this call's work)."""
+        dog = watchdog()
+        if dog.timeout_s > 0:
+            dog.watch(self)
+
     def progress_word(self, word: torch.Tensor = None) -> torch.Tensor:
         """The plan's progress word (made at the first ask, eagerly: when the plan is built), for a kernel that ends
         the op's eager calls to write next_call()'s numbers into. `word` stands in for it where there is no GPU."""
@@ -118,7 +131,9 @@ class Watchdog:
             self._list(item)
 
     def watch(self, item: Watched):
-        """As record, for a call that its own kernel reports (Watched.next_call): listed, nothing recorded."""
+        """As record, for a call that its own kernel reports (Watched.next_call) or whose event its caller recorded
+        (Watched.join): listed, nothing recorded here. (Recorded outside the lock: a poll that found the previous
+        record complete and unlisted the item did so under the lock, before this listing, which lists it again.)"""
         with self.lock:
             self._list(item)
 

@@ -24,7 +24,7 @@ import torch
 
 from types import SimpleNamespace
 
-from overlap_tp.ops import ag_gemm, comm, p2p, sync
+from overlap_tp.ops import ag_gemm, comm, p2p, sync, watchdog
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.p2p import P2PReduceScatter, RowPush
 from overlap_tp.ops.reduction import SignaledReduction
@@ -146,11 +146,9 @@ class FakeCollectives:
         self.recorder.emit(stream, ("collective", self.plan_id, dst.data_ptr()))
 
 
-class NoWatch:
-    describe = "a recorded plan"
-
-    def record(self, stream):
-        pass
+def NoWatch():
+    """A plan's Watched with the watchdog off (the recorder fixture's): its joins recorded, nothing watched."""
+    return watchdog.Watched("a recorded plan", event=object())
 
 
 def _reduction(recorder, plan_id, groups):
@@ -206,6 +204,8 @@ def recorder(monkeypatch):
     monkeypatch.setattr(comm, "memops", fake)
     monkeypatch.setattr(sync, "memops", fake)
     monkeypatch.setattr(p2p, "memops", fake)
+    monkeypatch.setattr(watchdog, "memops", fake)   # Watched.join: an eager call's join through the plan's event
+    monkeypatch.setattr(watchdog, "_instance", watchdog.Watchdog(0.0))
     return fake
 
 

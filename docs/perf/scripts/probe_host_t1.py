@@ -9,7 +9,7 @@
 # session 16 call 7), each with its median, quartiles and the median of its per-round ratio to a bare cuBLAS call.
 # --rounds R: rounds of the interleaved bursts (30). --label TEXT: printed first on every line (A/B of two code
 # versions run one after the other: run_s17_one.sh, in git at aa14ff3).
-# --only "rs p2p,rs cublas-p2p": those cases only (session 39).
+# --only "rs p2p,rs cublas-p2p": those cases only (session 39). --removed: see REMOVED.
 # --ab: the plan also with its Triton kernels launched through CompiledKernel.run instead of DirectKernels
 # (kernels/launch.py), in the same rounds.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
@@ -99,7 +99,27 @@ def interleaved(variants, sets, rounds=ROUNDS):
         q = statistics.quantiles(values, n=4)
         ratio = statistics.median(v / m for v, m in zip(values, times["matmul"]))
         out[name] = (statistics.median(values), q[0], q[2], ratio)
+    if "plan_removed" in times:   # the per-round difference: what the driver calls removed in session 39 cost
+        out["removed_cost"] = statistics.median(r - p for r, p in zip(times["plan_removed"], times["plan"]))
     return out
+
+
+# --removed: per case, the driver calls session 39 took off its eager path, issued after each call of the plan in an
+# extra variant (plan_removed), so the per-round difference to `plan` is their cost on this host: "memop" the SUMMED
+# signal's batched write (now the sum kernel's stores), "event" the watchdog's event record (now the sum kernel's
+# progress word, or the join's own event)
+REMOVED = {"rs p2p": ("memop", "event"), "rs cublas-p2p": ("memop", "event"), "rs nccl": ("event",),
+           "ag p2p": ("event",), "ar nccl": ("event",), "ag cublas-p2p": ("event",)}
+_removed = {}
+
+
+def removed_calls(kinds):
+    if not _removed:
+        scratch = torch.zeros(1, dtype=torch.int32, device=dev)
+        batch, event = memops.MemOps([("write", scratch.data_ptr(), 1)]), memops.Event()
+        _removed.update(scratch=scratch, memop=lambda: batch.issue(torch._C._cuda_getCurrentRawStream(dev.index)),
+                        event=lambda: event.record(torch._C._cuda_getCurrentRawStream(dev.index)))
+    return [_removed[kind] for kind in kinds]
 
 
 def memop_us(n=200):
@@ -180,10 +200,18 @@ for op, m, n, k, ours in CASES:
                 "matmul": lambda a, w: a @ w.t()}
     if not ONE_GPU:
         variants["off"] = lambda a, w: API[op](a, w, group, config=OFF)
+    removed = REMOVED.get(f"{op} {NAMES[id(ours)]}", ())
+    if "--removed" in sys.argv and removed:   # the plan, then the driver calls session 39 removed from its path
+        extra = removed_calls(removed)
+        variants["plan_removed"] = (lambda a, w: (plan(a, w), [issue() for issue in extra]), direct(True))
     if "--ab" in sys.argv:
         variants["plan_run"] = (lambda a, w: plan(a, w), direct(False))
         variants["matmul"] = (variants["matmul"], direct(True))
-    for name, (median, q1, q3, ratio) in interleaved(variants, sets).items():
+    for name, result in interleaved(variants, sets).items():
+        if name == "removed_cost":
+            row["removed_us"] = f"{result:.1f} ({'+'.join(removed)})"
+            continue
+        median, q1, q3, ratio = result
         row[f"burst_{name}_us"] = f"{median:.1f} [{q1:.1f}-{q3:.1f}] ({ratio:.2f}x matmul)"
     if rank == 0:
         print(LABEL + " ".join(f"{key}={value:.1f}" if isinstance(value, float) else f"{key}={value}"
