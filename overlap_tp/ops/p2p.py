@@ -197,9 +197,11 @@ class P2PReduceScatter:
 
     def _summing(self, out, capturing: bool):
         """The reduce step that sums the slots into `out` and raises SUMMED (SumSlots with SlotsSummed), eagerly also
-        writing the call's number into the watchdog's progress word: what ends a call whose result is the sum."""
-        progress = 0 if capturing else self.watched.next_call()
-        return lambda: self.sum(self.flat_slots, out, progress)
+        writing the call's number into the watchdog's progress word: what ends a call whose result is the sum. The call
+        is numbered (and watched) as the sum is launched: a call whose earlier launches raised is not watched."""
+        if capturing:
+            return lambda: self.sum(self.flat_slots, out, 0)
+        return lambda: self.sum(self.flat_slots, out, self.watched.next_call())
 
     def finish(self, read_slots=None, out=None):
         """The call's second half on the current stream, around read_slots(slots [t, M/t, N]), or (read_slots None)

@@ -10,11 +10,6 @@ source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=${DEADLINE_S:-590}
 workdir s39_x2_1
 nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
-tests() {   # tests NAME SECONDS PYTEST-ARGS...
-  local name=$1 limit=$2; shift 2
-  step $name $limit python3 -m pytest -m gpu -v -rA --tb=short -p no:cacheprovider "$@"
-  grep -E "^(PASSED|FAILED|ERROR)" $W/$name.out | cut -c1-160 | tail -12
-}
 tests gemm_rs 110 $REPO/tests/gpu/test_gemm_rs_gpu.py -k "test_gemm_rs or 200_back_to_back or watchdog or async_op"
 tests direct 60 $REPO/tests/gpu/test_direct_launch_gpu.py -k sum_slots
 rm -rf /tmp/old && python3 -m pip install -q --no-deps --no-build-isolation --target /tmp/old $REPO/.ab/old 2>&1 | tail -1

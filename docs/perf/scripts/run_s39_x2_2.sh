@@ -11,11 +11,6 @@ source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=${DEADLINE_S:-590}
 workdir s39_x2_2
 nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
-tests() {   # tests NAME SECONDS PYTEST-ARGS...
-  local name=$1 limit=$2; shift 2
-  step $name $limit python3 -m pytest -m gpu -v -rA --tb=short -p no:cacheprovider "$@"
-  grep -E "^(PASSED|FAILED|ERROR)" $W/$name.out | cut -c1-160 | tail -12
-}
 tests ag_gemm 150 $REPO/tests/gpu/test_ag_gemm_gpu.py -k "s8192 or odd or back_to_back or late_peer"
 tests gemm_rs 110 $REPO/tests/gpu/test_gemm_rs_gpu.py -k "not auto_runs and not raw_nccl and not s16384"
 tests graphs 80 $REPO/tests/gpu/test_graphs_gpu.py -k "every_op_replays"

@@ -9,11 +9,6 @@ source docs/perf/scripts/setup_device.sh
 export CUDA_DEVICE_MAX_CONNECTIONS=1 WANDB_PROJECT= PYTHONFAULTHANDLER=1 DEADLINE_S=${DEADLINE_S:-590}
 workdir s39_x2_3
 nvidia-smi --query-gpu=name --format=csv,noheader > $W/cards.txt
-tests() {   # tests NAME SECONDS PYTEST-ARGS...
-  local name=$1 limit=$2; shift 2
-  step $name $limit python3 -m pytest -m gpu -v -rA --tb=short -p no:cacheprovider "$@"
-  grep -E "^(PASSED|FAILED|ERROR)" $W/$name.out | cut -c1-160 | tail -14
-}
 tests layers 210 $REPO/tests/gpu/test_layers_gpu.py -k "p2p_sum_in_the_norm or mlp_boundary_next or norms_write or token_split"
 tests fused 100 $REPO/tests/gpu/test_layers_gpu.py -k "fused_blocks_at and l8b"
 for tree in new old; do

@@ -60,3 +60,8 @@ train() {   # train NAME SECONDS ENV... -- RECIPE ARGS: a recipe in the backgrou
   done
   wait $pid; echo "$name exit $? after $((SECONDS - t0)) s (training ended at +$(( ${done_at:-$SECONDS} - t0 )) s)"
 }
+tests() {   # tests NAME SECONDS PYTEST-ARGS...: GPU tests as a step, their PASSED / FAILED / ERROR lines printed (session 39)
+  local name=$1 limit=$2; shift 2
+  step $name $limit python3 -m pytest -m gpu -v -rA --tb=short -p no:cacheprovider "$@"
+  grep -E "^(PASSED|FAILED|ERROR)" $W/$name.out | cut -c1-160 | tail -14
+}
