@@ -203,21 +203,30 @@ class P2PReduceScatter:
             return lambda: self.sum(self.flat_slots, out, 0)
         return lambda: self.sum(self.flat_slots, out, self.watched.next_call())
 
-    def finish(self, read_slots=None, out=None):
-        """The call's second half on the current stream, around read_slots(slots [t, M/t, N]), or (read_slots None)
-        the signalling sum into `out`."""
+    def finish(self, read_slots):
+        """The call's second half on the current stream, around read_slots(slots [t, M/t, N]) (a kernel that reads the
+        sum itself), SUMMED raised by a stream write-value after it."""
+        stream, capturing = self._second_half()
+        self.reduce_half(stream, lambda: read_slots(self.slots), capturing)
+        self.outstanding = None
+        if not capturing:
+            self.watched.record(stream)
+
+    def finish_sum(self, out):
+        """The call's second half on the current stream: the signalling sum into `out`."""
+        stream, capturing = self._second_half()
+        self.reduce_half(stream, self._summing(out, capturing), capturing, raises_summed=True)
+        self.outstanding = None
+
+    def _second_half(self):
+        """(the current raw stream, capturing) for the call's second half, with the comm stream joined first where the
+        pushes ran there (rs_transfer 'copy')."""
         stream = torch._C._cuda_getCurrentRawStream(self.device_index)
         capturing = torch.cuda.is_current_stream_capturing()
         if self.join is not None:
             self.join()
             self.join = None
-        if read_slots is None:
-            self.reduce_half(stream, self._summing(out, capturing), capturing, raises_summed=True)
-        else:
-            self.reduce_half(stream, lambda: read_slots(self.slots), capturing)
-            if not capturing:
-                self.watched.record(stream)
-        self.outstanding = None
+        return stream, capturing
 
     def push_half(self, a, w, bias, capturing: bool):
         """rs_transfer 'copy''s first half: fork; the GEMM on the caller's stream, and on the comm stream the SUMMED
@@ -345,7 +354,7 @@ class DeferredSum:
     def into(self, out: torch.Tensor) -> torch.Tensor:
         """As calling it, into `out` ([M/t, N], contiguous): for a caller that handed `out` on before the sum ran (the
         token split sums an unlinked layer's fc2 at its bda, after the other half's MLP)."""
-        self._take().finish(out=out)
+        self._take().finish_sum(out)
         return out
 
 
