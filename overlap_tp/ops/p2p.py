@@ -47,7 +47,9 @@ class P2PReduceScatter:
         store half:  wait SUMMED from every peer (it has summed our previous partials out of its buffer),
                      reset; GEMM: region k's rows into rank k's buffer, slot `rank`; signal ARRIVED to every
                      peer (our stores are complete: the write is fenced behind the kernels)
-        reduce half: wait ARRIVED from every peer, reset; sum the t slots; signal SUMMED to every peer
+        reduce half: wait ARRIVED from every peer, reset; sum the t slots; signal SUMMED to every peer (the sum's
+                     own last CTA, after every CTA's loads: kernels/sum_slots.py; after a kernel that reads the
+                     slots itself, a stream write-value)
     Order argument for the resets: a peer raises our SUMMED word for call i+1 only after its sum of call i+1,
     which waits for our ARRIVED of call i+1, which we raise after our reset of SUMMED in call i+1; a peer
     raises our ARRIVED word for call i+1 only after it waited for our SUMMED of call i, raised after our

@@ -2,9 +2,9 @@
 # --nproc-per-node 2, rank 0 prints), while
 # the GPU is held busy so the host never waits for it (tune.timing.queued_ms), and a cProfile of the calls; from
 # session 19 also the cuBLAS-over-p2p plans (method decompose, transport p2p).
-# At t = 1 a plan runs every piece of its t = 2 call except the per-peer driver calls (the p2p GEMM+RS: 6
-# stream memory operations per call at t = 2; the AllGather+GEMM's pulls: 3 + 1 copy per peer), whose cost
-# is measured here too (`memop us`), so the t = 2 host time is estimated as the t = 1 time + 6 memops.
+# At t = 1 a plan runs every piece of its t = 2 call except the per-peer driver calls (the p2p GEMM+RS: 2
+# batched stream memory operations per call at t = 2 since session 39; the AllGather+GEMM's pulls: 3 + 1 copy per
+# peer), whose cost is measured here too (`memop us`), so the t = 2 host time is estimated as the t = 1 time + those.
 # The burst figures interleave the variants round by round (the hosts' speed drifts up to 2x within a minute:
 # session 16 call 7), each with its median, quartiles and the median of its per-round ratio to a bare cuBLAS call.
 # --rounds R: rounds of the interleaved bursts (30). --label TEXT: printed first on every line (A/B of two code
