@@ -390,11 +390,7 @@ class AgGemm(OpPlan):
                     if p != rank:
                         _mm(regions[p][lo:hi], wt, out_regions[p][lo:hi], bias)
         gather.finish(raw)
-        # the comm stream's last work (PULLED) joins the caller's stream too; eagerly through the watched event
-        if capturing or self.watched is None:
-            engine.join(current, capturing)
-        else:
-            self.watched.join(raw, current)
+        engine.join_watched(current, capturing, self.watched)   # the comm stream's last work (PULLED) joins too
         return gathered
 
 

@@ -237,6 +237,14 @@ class CommEngine:
         """The caller's stream waits for everything enqueued on the comm stream so far."""
         memops.stream_waits_for(current, self.raw, self._events[capturing][1])
 
+    def join_watched(self, current: int, capturing: bool, watched):
+        """join(), eagerly through the plan's watched event, which the watchdog then watches (Watched.join: one event
+        record for the join and the watchdog); under capture (or unwatched) the engine's own join."""
+        if capturing or watched is None:
+            self.join(current, capturing)
+        else:
+            watched.join(self.raw, current)
+
     def wait_counter(self, waits: "CounterWaits", index: int, capturing: bool, describe: str = ""):
         """On the comm stream: wait until group `index`'s counter reaches its target (the GEMM stored that group's
         tiles), then reset it to 0. Eager calls wait with a stream wait-value (no SM): the GEMM was launched
@@ -287,12 +295,8 @@ class CommEngine:
         # until the GEMM ends, so it goes where nothing else waits behind it)
         waits.resetting.issue(current)
 
-        def join():
-            current, capturing = self.current(), self.capturing()
-            if capturing or watched is None:
-                self.join(current, capturing)
-            else:   # eagerly the watchdog watches the join's event: the comm stream's work up to the join
-                watched.join(raw, current)
+        def join():   # eagerly the watchdog watches the join's event: the comm stream's work up to the join
+            self.join_watched(self.current(), self.capturing(), watched)
         return join
 
     def transfers_then_gemm(self, transfers, gemm, flags, watched, gemm_first: bool, current: Optional[int] = None,
@@ -327,10 +331,8 @@ class CommEngine:
             transfers(self.raw)
             gemm()
         self.lower_flags(flags, current)   # after the GEMM that waited on them
-        if capturing or watched is None:
-            self.join(current, capturing)
-        else:   # eagerly the watchdog watches the join's event (the GEMM's tiles wait on nothing but the transfers)
-            watched.join(self.raw, current)
+        # eagerly the watchdog watches the join's event (the GEMM's tiles wait on nothing but the transfers)
+        self.join_watched(current, capturing, watched)
 
     def transfers_ahead(self, transfers, current: int, capturing: bool, done: Optional["memops.Event"]):
         """Phase one of transfers_then_gemm split in two (a plan's start()): fork, the transfers on the comm stream,

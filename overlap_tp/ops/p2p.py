@@ -104,10 +104,9 @@ class P2PReduceScatter:
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=watched.describe,
                                    names=("SUMMED", "ARRIVED"))
         # the sum raises SUMMED itself and reports an eager call's end to the watchdog (kernels/sum_slots.py)
-        words = self.signals.words.data_ptr()
+        signals = self.signals
         self.sum = SumSlots(t, self.m_local * n, SlotsSummed(
-            self.signals.words, [(self.signals.remote[p] + 4 * t * self.SUMMED - words) // 4 for p in self.signals.peers],
-            watched.progress_word()))
+            signals.words, signals.word_offsets(self.SUMMED, signals.peers, remote=True), watched.progress_word()))
         self.slots = self.buf.view(t, self.m_local, n)          # the views a call reads, made once
         self.flat_slots = self.buf.view(t, self.m_local * n)
         self.device_index = device.index
@@ -497,19 +496,15 @@ class GatherBuffer:
         the READY exchange, the flags and PULLED as the kernel's stores and spins (no stream memory operation: ~6 us
         per cross-GPU hop inside a graph, docs/perf/s34/README.md). Launched on the stream that would pull, after
         stage(). A READY that never comes ends in the watchdog's report naming `describe` (the plan)."""
-        size, signals, t = self.buf.element_size(), self.signals, self.world
-        words = signals.words.data_ptr()
-
-        def word(address):   # an address of a signal word (ours or a peer's mapped here) in words from ours
-            return (address - words) // 4
+        size, signals, t, peers = self.buf.element_size(), self.signals, self.world, self.peers
         dog = watchdog.watchdog()
         what = f"every peer's READY signal (group of {t}, the SM pulls)"
-        return SignaledPull(self.buf, [(self.own[p] - self.base) // size for p in self.peers],   # the peers' regions
-                            [p * self.region_bytes // size for p in self.peers], self.row_bytes // size, programs,
+        return SignaledPull(self.buf, [(self.own[p] - self.base) // size for p in peers],   # the peers' regions
+                            [p * self.region_bytes // size for p in peers], self.row_bytes // size, programs,
                             chunks, signals.words,
-                            [word(signals.local[p] + 4 * t * self.READY) for p in self.peers],
-                            [word(signals.remote[p] + 4 * t * self.READY) for p in self.peers],
-                            [word(signals.remote[p] + 4 * t * self.PULLED) for p in self.peers], flags,
+                            signals.word_offsets(self.READY, peers, remote=False),
+                            signals.word_offsets(self.READY, peers, remote=True),
+                            signals.word_offsets(self.PULLED, peers, remote=True), flags,
                             dog.timeout_s, dog.open_mailbox(), watchdog.wait_code(describe, what, dog.timeout_s))
 
     def finish(self, stream: int):

@@ -74,6 +74,13 @@ class PeerSignals:
             self.waits.append(memops.MemOps(wait))
             self.exchanges.append(memops.MemOps(signal + wait))   # signal_then_wait
 
+    def word_offsets(self, slot: int, peers, remote: bool):
+        """For a kernel that addresses every signal word from `words` (kernels/peer_copy.py, kernels/sum_slots.py): per
+        peer p of `peers`, in int32 words from ours, word (slot, rank) in p's memory (remote: what we raise there) or
+        word (slot, p) in ours (what p raises here)."""
+        base, row = self.words.data_ptr(), 4 * self.t * slot
+        return [((self.remote[p] if remote else self.local[p]) + row - base) // 4 for p in peers]
+
     def signal_ops(self, slot: int):
         """signal(slot)'s memory operations, for a caller that batches them with its own (memops.MemOps)."""
         return [("write", self.remote[p] + 4 * self.t * slot, 1) for p in self.peers]
