@@ -58,7 +58,8 @@ DirectKernel.__call__ = lambda self, grid, stream, *args: (launches.setdefault(s
                                                                               (self, grid, stream, args)),
                                                            call(self, grid, stream, *args))
 parts.store(a, w, None)
-parts.sum(parts.flat_slots, out, 0)
+for _ in range(2):   # the sum's first launch on this plan goes through the JIT
+    parts.sum(parts.flat_slots, out, 0)
 DirectKernel.__call__ = call
 word = torch.ones(1, dtype=torch.int32, device=dev)
 batch = memops.MemOps([("write", word.data_ptr(), 1), ("wait", word.data_ptr(), 1)])
