@@ -2,13 +2,14 @@
 # output allocation in its several spellings, ctypes calls with and without prototypes, a batched stream memory
 # operation, a Triton launch through the C launcher; one process, one GPU, each block timed in bursts of 64 behind a
 # sleep, interleaved round by round, median per call.
-#   python3 docs/perf/scripts/probe_host_blocks.py [--rounds R]
+#   python3 docs/perf/scripts/probe_host_blocks.py [--rounds R] [--burst B]
 import ctypes, statistics, sys, time
 import torch
 from overlap_tp.ops import memops
 from overlap_tp.tune.timing import sleep_cycles_per_ms
 
 ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 20
+BURST = int(sys.argv[sys.argv.index("--burst") + 1]) if "--burst" in sys.argv else 64
 dev = torch.device("cuda", 0)
 torch.cuda.set_device(dev)
 a = torch.randn(8192, 2048, device=dev, dtype=torch.bfloat16)
@@ -69,10 +70,10 @@ for _ in range(ROUNDS):
         torch.cuda.synchronize()
         torch.cuda._sleep(int(20 * cycles))
         t0 = time.perf_counter()
-        for _ in range(64):
+        for _ in range(BURST):
             fn()
-        times[name].append((time.perf_counter() - t0) / 64 * 1e6)
+        times[name].append((time.perf_counter() - t0) / BURST * 1e6)
 torch.cuda.synchronize()
-print(f"{'block':<38} {'us/call':>8} {'min':>7}")
+print(f"burst {BURST}\n{'block':<38} {'us/call':>8} {'min':>7}")
 for name, values in times.items():
     print(f"{name:<38} {statistics.median(values):8.2f} {min(values):7.2f}")

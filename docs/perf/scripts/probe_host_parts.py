@@ -5,7 +5,8 @@
 # its per-round ratio to a bare torch.mm.
 # The parts run on a second plan of the same shape (instance 1) whose signal words nobody waits on, after the first
 # plan's call was checked against the sequential result; their sum is compared with the whole call.
-#   torchrun --nproc-per-node 2 docs/perf/scripts/probe_host_parts.py [--rounds R]
+# --burst B: B calls per burst (8): the first calls after the host slept in a synchronize run slower (session 40).
+#   torchrun --nproc-per-node 2 docs/perf/scripts/probe_host_parts.py [--rounds R] [--burst B]
 import gc, os, platform, statistics, sys, time, timeit
 import torch, torch.distributed as dist
 import triton, triton.language as tl
@@ -20,6 +21,7 @@ torch.cuda.set_device(dev)
 dist.init_process_group("nccl", device_id=dev)
 group, t, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
 ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 30
+BURST = int(sys.argv[sys.argv.index("--burst") + 1]) if "--burst" in sys.argv else 8
 P2P, OFF = OverlapConfig(method="signal", transport="p2p", comm_sms=0), OverlapConfig(method="off")
 M, N, K = 8192, 4096, 2048   # l8b.proj at TP 2, s 8192
 
@@ -29,7 +31,7 @@ def _noop(x_ptr):
     tl.store(x_ptr, 1)
 
 
-def burst_samples(fn, burst=8, rounds=1):
+def burst_samples(fn, burst=BURST, rounds=1):
     cycles, times = sleep_cycles_per_ms(), []
     for _ in range(rounds):
         torch.cuda.synchronize()
@@ -124,7 +126,7 @@ for _ in range(ROUNDS):
 python_loop_us = min(timeit.repeat("sum(range(1000))", number=2000, repeat=5)) / 2000 * 1e6
 if rank == 0:
     cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
-    print(f"t = {t}; rel_err {err:.1e}; host: {cpu}, {os.cpu_count()} cpus, Python {platform.python_version()}; "
+    print(f"burst {BURST}; t = {t}; rel_err {err:.1e}; host: {cpu}, {os.cpu_count()} cpus, Python {platform.python_version()}; "
           f"sum(range(1000)) {python_loop_us:.2f} us; gc thresholds {gc.get_threshold()}")
     print(f"GEMM {gemm_name}: {len(launches[gemm_name][3])} launcher arguments; sum {sum_name}: "
           f"{len(launches[sum_name][3])}")
