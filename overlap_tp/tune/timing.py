@@ -108,6 +108,39 @@ def queued_ms(fn, sets, group, rounds=5):
     return float(medians[0]), float(medians[1])
 
 
+def enqueue_us(fn, sets, group, calls=24, warm=8, rounds=10):
+    """The host's time (us) per fn(*set) call in a run of calls, as a training step issues them: `calls` calls back
+    to back, timed after `warm` untimed calls of the same run, the whole run queued behind a sleep kernel so the
+    host never waits for the GPU. The warm calls matter on the H200 hosts (virtual machines): the first calls after
+    the host blocked in a synchronize run 2-5x slower (a Python no-op 0.31 against 0.07 us, an output allocation 10.5
+    against 3.0: docs/perf/s40), which is what queued_ms's single call measures. The sleep is sized as queued_ms
+    sizes it (4x a first unslept run, doubled for a run that reached 80% of it). Median over `rounds`, the slowest
+    rank's."""
+    cycles_per_ms = sleep_cycles_per_ms()
+    sleep_ms, samples, device = None, [], torch.device("cuda", torch.cuda.current_device())
+    while len(samples) < rounds:
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        if sleep_ms is not None:
+            torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+        t0 = time.perf_counter()
+        for i in range(warm):
+            fn(*sets[i % len(sets)])
+        t1 = time.perf_counter()
+        for i in range(calls):
+            fn(*sets[(warm + i) % len(sets)])
+        t2 = time.perf_counter()
+        run_ms = (t2 - t0) * 1e3
+        late = torch.tensor([float(sleep_ms is None or run_ms > 0.8 * sleep_ms), run_ms], device=device)
+        dist.all_reduce(late, op=dist.ReduceOp.MAX, group=group)
+        if float(late[0]):
+            sleep_ms = 4 * float(late[1]) if sleep_ms is None else 2 * max(sleep_ms, float(late[1]))
+            continue
+        samples.append((t2 - t1) / calls * 1e6)
+    torch.cuda.synchronize()
+    return slowest_median(samples, group, device)
+
+
 @functools.cache
 def sleep_cycles_per_ms(reps=5):
     """How many cycles of torch.cuda._sleep (a spin kernel that counts SM clock cycles) make a millisecond

@@ -140,4 +140,27 @@ if rank == 0:
         2 * statistics.median(times["memop batch"])
     print(f"parts (check_call + empty + capturing/stream + gemm + sum + 2 memop batches): {parts_sum:.1f} us "
           f"against the plan's {statistics.median(times['plan']):.1f}")
+
+# how the time per call falls along a run of 64 calls behind a sleep: the first calls after the host blocked in a
+# synchronize run slower (the H200 hosts are virtual machines)
+SEGMENTS = ((0, 1), (1, 8), (8, 16), (16, 32), (32, 64))
+decay = {}
+for name in ("plan", "matmul", "noop C launcher", "empty(out)"):
+    fn, per_segment = variants[name], {seg: [] for seg in SEGMENTS}
+    for _ in range(ROUNDS):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(60 * sleep_cycles_per_ms()))
+        stamps = [time.perf_counter()]
+        for _ in range(64):
+            fn()
+            stamps.append(time.perf_counter())
+        for lo, hi in SEGMENTS:
+            per_segment[(lo, hi)].append((stamps[hi] - stamps[lo]) / (hi - lo) * 1e6)
+    torch.cuda.synchronize()
+    decay[name] = {seg: statistics.median(values) for seg, values in per_segment.items()}
+if rank == 0:
+    print("us per call along a run of 64 calls behind a sleep, by the calls' positions (median over rounds):")
+    print(f"{'variant':<22} " + " ".join(f"{f'[{lo},{hi})':>8}" for lo, hi in SEGMENTS))
+    for name, by_segment in decay.items():
+        print(f"{name:<22} " + " ".join(f"{by_segment[seg]:8.1f}" for seg in SEGMENTS))
 dist.destroy_process_group()
