@@ -14,7 +14,7 @@ from overlap_tp import OverlapConfig, gemm_rs
 from overlap_tp.kernels.launch import DirectKernel, JitLauncher
 from overlap_tp.ops import memops
 from overlap_tp.ops.gemm_rs import GemmRS
-from overlap_tp.tune.timing import sleep_cycles_per_ms
+from overlap_tp.tune.timing import enqueue_us, sleep_cycles_per_ms
 
 dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 torch.cuda.set_device(dev)
@@ -163,4 +163,9 @@ if rank == 0:
     print(f"{'variant':<22} " + " ".join(f"{f'[{lo},{hi})':>8}" for lo, hi in SEGMENTS))
     for name, by_segment in decay.items():
         print(f"{name:<22} " + " ".join(f"{by_segment[seg]:8.1f}" for seg in SEGMENTS))
+# tune.timing.enqueue_us (what `bench ops --host` reports), each rank's own figure
+for name in ("plan", "api", "matmul"):
+    fn = variants[name]
+    mine = enqueue_us(lambda: fn(), [()], group)
+    print(f"rank {rank}: enqueue_us {name} {mine:.1f}", flush=True)
 dist.destroy_process_group()
