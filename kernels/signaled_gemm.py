@@ -410,12 +410,42 @@ class SignaledGemm:
         bm, bn, bk = config.block_m, config.block_n, config.block_k
         self._boxes = ([bm, bk], [bk, bn], [bn, bk])   # a; w read as [.., K, N] ("kn"); w as [.., N, K]
         self._variants = {}
+        self._launches = {}   # launch_checked's arguments by the call's addresses
 
     def __call__(self, a, w, dst, bias=None):
         layout = weight_layout(w)
         if INTERPRET or layout is None:   # None: _launch_args' descriptor raises Triton's own error
             _jit_launch(*self._launch_args(a, w, dst, bias))
             return
+        launch = self._bind(a, w, dst, bias, layout)
+        if launch is not None:
+            kernel, grid, args = launch
+            kernel(grid, torch._C._cuda_getCurrentRawStream(self.device_index), *args)
+
+    def launch_checked(self, a, w, dst, bias=None):
+        """__call__ for a plan's call, whose a, w, dst and bias have the plan's fixed shapes (OpPlan.check_call; dst
+        and bias the plan's own or allocated by it): the launch's arguments are kept by the tensors' addresses and
+        w's layout, all that a descriptor or a specialization can change at a fixed shape, so a call with the
+        addresses of an earlier one (a layer's weight, the allocator's blocks) launches without building any."""
+        layout = weight_layout(w)
+        if INTERPRET or layout is None:
+            self(a, w, dst, bias)
+            return
+        key = (a.data_ptr(), w.data_ptr(), layout, dst.data_ptr(), None if bias is None else bias.data_ptr())
+        launch = self._launches.get(key)
+        if launch is None:
+            launch = self._bind(a, w, dst, bias, layout)
+            if launch is None:   # the variant's first call: launched by the JIT
+                return
+            if len(self._launches) >= MAX_CACHED_LAUNCHES:
+                self._launches.clear()
+            self._launches[key] = launch
+        kernel, grid, args = launch
+        kernel(grid, torch._C._cuda_getCurrentRawStream(self.device_index), *args)
+
+    def _bind(self, a, w, dst, bias, layout):
+        """(the DirectKernel, its grid, the launcher's arguments) of a call; None where the call went through the JIT
+        instead (the first call of its variant, which also launched it)."""
         dst_ptr = dst.data_ptr()
         bias_ptr = dst_ptr if bias is None else bias.data_ptr()   # the kernel's unused bias pointer: dst's
         variant = (bias is not None, layout, dst_ptr % 16 == 0, bias_ptr % 16 == 0, dst.stride(0))
@@ -426,7 +456,7 @@ class SignaledGemm:
             kernel = _shared.get(key)
             if kernel is None:   # compiled (or found in Triton's cache) and launched by the JIT
                 _shared[key] = DirectKernel(_jit_launch(grid, _descriptors(a, w, self.config) + rest, options))
-                return
+                return None
             # the launcher's arguments after the two descriptors, tensors as pointers: dst at 0, bias at 3
             rest = [x.data_ptr() if isinstance(x, torch.Tensor) else x for x in rest]
             found = self._variants[variant] = (kernel, grid, rest)
@@ -435,7 +465,7 @@ class SignaledGemm:
         rest[0], rest[3] = dst_ptr, bias_ptr
         box_a, box_kn, box_nk = self._boxes
         w_args = (kernel.tma(1, w, box_kn, _kn_rows) if layout == "kn" else kernel.tma(1, w, box_nk, _nk_rows))
-        kernel(grid, torch._C._cuda_getCurrentRawStream(self.device_index), *kernel.tma(0, a, box_a), *w_args, *rest)
+        return kernel, grid, (*kernel.tma(0, a, box_a), *w_args, *rest)
 
     def _plain_args(self, a, w, dst, bias):
         return _plain_args(a, w, dst, self.tiles, self.counters, self.num_programs, self.config, bias, self.bias_rows,
@@ -456,6 +486,10 @@ def _kn_rows(w):
     rows = w.transpose(-2, -1)
     return rows.reshape(-1, rows.shape[-1])
 
+
+# launch_checked's arguments kept per SignaledGemm: a plan shared by every layer of a shape sees each layer's weight
+# with the few addresses its activations get from the allocator
+MAX_CACHED_LAUNCHES = 256
 
 # Compiled kernels by their arguments' specialization, shared by every SignaledGemm of the process: the expert ops
 # make a SignaledGemm per routing (every step), whose first launch would otherwise go through the JIT (~180 us of host

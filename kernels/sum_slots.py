@@ -87,6 +87,7 @@ class SumSlots:
         self.slots, self.numel = slots, numel
         self.grid = max(1, triton.cdiv(numel, BLOCK))
         self._compiled = {}
+        self._bound = None   # launch_checked's (slots, kernel, and the arguments around out and progress)
         self.peers = 0 if summed is None else len(summed.summed_out)
         if summed is not None:
             device = summed.words.device
@@ -114,6 +115,25 @@ class SumSlots:
         pointers = self._pointers if self.peers else (slots_ptr,) * 4
         kernel(self.grid, torch._C._cuda_getCurrentRawStream(out.device.index), slots_ptr, out_ptr, self.numel,
                *pointers, progress, self.slots, BLOCK, self.peers, INTERPRET)
+        return out
+
+    def launch_checked(self, slots: torch.Tensor, out: torch.Tensor, progress: int = 0) -> torch.Tensor:
+        """__call__ for a plan's call, whose slots are its own buffer of this shape and whose `out` it allocated
+        (contiguous, `numel` elements of the slots' dtype): no checks, and the launch's arguments but `out` and
+        `progress` made once per slots buffer."""
+        bound, out_ptr = self._bound, out.data_ptr()
+        if INTERPRET or bound is None or bound[0] is not slots or out_ptr % 16:
+            self(slots, out, progress)   # the checks, and the compiled kernel of this variant
+            kernel = None if INTERPRET else self._compiled.get((slots.dtype, slots.data_ptr() % 16 == 0, True))
+            if kernel is not None:
+                slots_ptr = slots.data_ptr()
+                pointers = self._pointers if self.peers else (slots_ptr,) * 4
+                self._bound = (slots, kernel, slots.device.index, slots_ptr, (self.numel, *pointers),
+                               (self.slots, BLOCK, self.peers, INTERPRET))
+            return out
+        _, kernel, device_index, slots_ptr, middle, tail = bound
+        stream = torch._C._cuda_getCurrentRawStream(device_index)
+        kernel(self.grid, stream, slots_ptr, out_ptr, *middle, progress, *tail)
         return out
 
     def _jit(self, slots, out, progress):

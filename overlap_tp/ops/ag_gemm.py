@@ -218,8 +218,9 @@ class AgGemm(OpPlan):
         out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         gathered = started.gathered
         started.a_shard = started.gathered = None   # a handle kept after finish() holds no buffer (GatherBuffer's check)
-        engine.gemm_after_transfers(lambda: self.gemm(gathered, w, out, bias), self.ready, self.watched,
-                                    started.current, started.capturing, started.done)
+        gemm = self.gemm.launch_checked
+        engine.gemm_after_transfers(lambda: gemm(gathered, w, out, bias), self.ready, self.watched, started.current,
+                                    started.capturing, started.done)
         return (out, gathered) if return_gathered else out
 
     # The runners: each fills `out` (bias included) and returns the gathered input.
@@ -273,8 +274,9 @@ class AgGemm(OpPlan):
         the comm stream raises after the chunk's NCCL broadcasts."""
         transfers, current = self._signaled_transfers(a_shard, gathered)
         # NCCL needs SMs left free by the GEMM's grid (comm_sms) to run beside it
-        self.engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready,
-                                        self.watched, gemm_first=self.config.comm_sms > 0, current=current)
+        gemm = self.gemm.launch_checked
+        self.engine.transfers_then_gemm(transfers, lambda: gemm(gathered, w, out, bias), self.ready, self.watched,
+                                        gemm_first=self.config.comm_sms > 0, current=current)
 
     def _signaled_transfers(self, a_shard, gathered):
         """The shard copied into its rows of `gathered` on the caller's stream, and the NCCL transport's transfers
@@ -309,8 +311,9 @@ class AgGemm(OpPlan):
         the GEMM's grid leaves free; the GEMM enqueued first (the pulls need no SM it holds). Returns the gathered
         buffer."""
         gathered, transfers, current, capturing = self._pulled_transfers(a_shard)
-        self.engine.transfers_then_gemm(transfers, lambda: self.gemm(gathered, w, out, bias), self.ready,
-                                        self.watched, gemm_first=True, current=current, capturing=capturing)
+        gemm = self.gemm.launch_checked
+        self.engine.transfers_then_gemm(transfers, lambda: gemm(gathered, w, out, bias), self.ready, self.watched,
+                                        gemm_first=True, current=current, capturing=capturing)
         return gathered
 
     def _pulled_transfers(self, a_shard):

@@ -100,7 +100,7 @@ class P2PReduceScatter:
             gemm = SignaledGemm(tiles, programs, config, dst_offsets=offsets,
                                 bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
             buf = self.buf
-            self.store = lambda a, w, bias: gemm(a, w, buf, bias)
+            self.store = lambda a, w, bias: gemm.launch_checked(a, w, buf, bias)
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=watched.describe,
                                    names=("SUMMED", "ARRIVED"))
         # the sum raises SUMMED itself and reports an eager call's end to the watchdog (kernels/sum_slots.py)
@@ -153,7 +153,7 @@ class P2PReduceScatter:
         gemm = SignaledGemm(plan.tiles.to(device), programs, config, counters=counters, dst_offsets=offsets,
                             bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
         staging = self.staging
-        self.store = lambda a, w, bias: gemm(a, w, staging, bias)
+        self.store = lambda a, w, bias: gemm.launch_checked(a, w, staging, bias)
 
     def __call__(self, a, w, bias):
         """Issue the call's first half on the caller's stream and return the second half, a DeferredSum, to be
@@ -201,8 +201,8 @@ class P2PReduceScatter:
         writing the call's number into the watchdog's progress word: what ends a call whose result is the sum. The call
         is numbered (and watched) as the sum is launched: a call whose earlier launches raised is not watched."""
         if capturing:
-            return lambda: self.sum(self.flat_slots, out, 0)
-        return lambda: self.sum(self.flat_slots, out, self.watched.next_call())
+            return lambda: self.sum.launch_checked(self.flat_slots, out, 0)
+        return lambda: self.sum.launch_checked(self.flat_slots, out, self.watched.next_call())
 
     def finish(self, read_slots):
         """The call's second half on the current stream, around read_slots(slots [t, M/t, N]) (a kernel that reads the

@@ -79,8 +79,8 @@ class SignaledReduction:
                 else:
                     self.coll.all_reduce(received[dst_lo:dst_hi], stream=stream)
 
-        return self.engine.gemm_then_collectives(lambda: self.gemm(a, w, staging, bias), self.waits, collective,
-                                                 watched)
+        gemm = self.gemm.launch_checked
+        return self.engine.gemm_then_collectives(lambda: gemm(a, w, staging, bias), self.waits, collective, watched)
 
 
 def decomposed(device, out, compute_chunk, collective, bounds) -> list:

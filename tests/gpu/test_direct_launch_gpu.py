@@ -104,6 +104,45 @@ def test_row_tiles_over_stacked_expert_weights_equal_the_jit_launch():
         lo += rows
 
 
+@pytest.mark.parametrize("max_launches", [S.MAX_CACHED_LAUNCHES, 2])
+def test_launch_checked_follows_the_addresses(max_launches, monkeypatch):
+    """A plan's launches (launch_checked: the arguments kept by the tensors' addresses and w's layout) store the JIT
+    launch's bits: new data at a freed tensor's address, both weight layouts, a bias, a destination at another address,
+    and with a cache so small that it is cleared on the way."""
+    monkeypatch.setattr(S, "MAX_CACHED_LAUNCHES", max_launches)
+    m, n, k = 2048, 1024, 512
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    gemm, _, dst, _ = dense_gemm(m, n, bias_rows=(0, m))
+    w = (torch.randn(n, k, device=DEV, generator=gen) / k ** 0.5).bfloat16()
+    w_kn = (torch.randn(k, n, device=DEV, generator=gen) / k ** 0.5).bfloat16()
+    bias = torch.randn(n, device=DEV, generator=gen).bfloat16()
+    other_dst = torch.empty_like(dst)
+    for i in range(12):
+        a = torch.randn(m, k, device=DEV, generator=gen).bfloat16()
+        weight, b, into = ((w, None, dst), (w_kn.t(), None, dst), (w, bias, other_dst), (w_kn.t(), bias, dst))[i % 4]
+        want = jit_result(gemm, a, weight, into, b)
+        into.fill_(float("nan"))
+        gemm.launch_checked(a, weight, into, b)
+        assert torch.equal(into, want), (i, weight.stride(), b is not None)
+        del a   # the next tensor is likely handed the same block by the caching allocator
+    assert 0 < len(gemm._launches) <= max_launches
+
+
+def test_sum_slots_launch_checked_equals_the_reference():
+    """A plan's sums (SumSlots.launch_checked: arguments made once per slots buffer) equal the reference, into fresh
+    outputs, and a second slots buffer is bound in its turn."""
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    t, numel = 2, 1024 * 1000
+    op = SumSlots(t, numel)
+    for slots in (torch.randn(t, numel, device=DEV, generator=gen).bfloat16() for _ in range(2)):
+        want = reference_sum_slots(slots)
+        for _ in range(3):
+            out = torch.full((numel,), float("nan"), device=DEV, dtype=torch.bfloat16)
+            assert op.launch_checked(slots, out) is out
+            assert torch.equal(out, want)
+        assert op._bound[0] is slots
+
+
 def test_the_compiled_kernel_run_fallback_stores_the_same_bits(monkeypatch):
     m, n, k = 1024, 768, 256
     gen = torch.Generator(device=DEV).manual_seed(3)

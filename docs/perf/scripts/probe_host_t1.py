@@ -9,7 +9,8 @@
 # session 16 call 7), each with its median, quartiles and the median of its per-round ratio to a bare cuBLAS call.
 # --rounds R: rounds of the interleaved bursts (30). --label TEXT: printed first on every line (A/B of two code
 # versions run one after the other: run_s17_one.sh, in git at aa14ff3).
-# --only "rs p2p,rs cublas-p2p": those cases only (session 39). --removed: see REMOVED.
+# --only "rs p2p,rs cublas-p2p": those cases only (session 39). --removed: see REMOVED. --burst, --warm: below.
+# --unbound: the plan also with its GEMM and sum launched through __call__ (before session 40's launch_checked).
 # --ab: the plan also with its Triton kernels launched through CompiledKernel.run instead of DirectKernels
 # (kernels/launch.py), in the same rounds.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
@@ -18,6 +19,8 @@ import cProfile, gc, os, pstats, statistics, sys, time
 import torch, torch.distributed as dist
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
 from overlap_tp.kernels.launch import DirectKernel
+from overlap_tp.kernels.signaled_gemm import SignaledGemm
+from overlap_tp.kernels.sum_slots import SumSlots
 from overlap_tp.ops import memops
 from overlap_tp.ops.ag_gemm import AgGemm
 from overlap_tp.ops.gemm_ar import GemmAR
@@ -67,17 +70,37 @@ def burst_us(fn, sets, burst=8, rounds=10):
     return statistics.median(burst_samples(fn, sets, burst, rounds))
 
 
-def burst_samples(fn, sets, burst=8, rounds=10):
+# --burst B --warm W (session 40): B timed calls per burst after W untimed ones of the same run (8 and 0 before):
+# the first calls after a synchronize run 2-5x slower on the H200 hosts (probe_host_parts.py), and a burst of 8 from a
+# cold start was mostly its first call
+BURST = int(sys.argv[sys.argv.index("--burst") + 1]) if "--burst" in sys.argv else 8
+WARM = int(sys.argv[sys.argv.index("--warm") + 1]) if "--warm" in sys.argv else 0
+
+
+def burst_samples(fn, sets, burst=BURST, rounds=10):
     cycles, times = sleep_cycles_per_ms(), []
     for r in range(rounds):
         torch.cuda.synchronize()
         torch.cuda._sleep(int(40 * cycles))
+        for i in range(WARM):
+            fn(*sets[i % len(sets)])
         t0 = time.perf_counter()
         for i in range(burst):
             fn(*sets[i % len(sets)])
         times.append((time.perf_counter() - t0) / burst * 1e6)
     torch.cuda.synchronize()
     return times
+
+
+_launch_checked = (SignaledGemm.launch_checked, SumSlots.launch_checked)
+
+
+def unbound(on):
+    """--unbound: the plans' launches through SignaledGemm / SumSlots.__call__ (on) or launch_checked (off)."""
+    def switch():
+        SignaledGemm.launch_checked = SignaledGemm.__call__ if on else _launch_checked[0]
+        SumSlots.launch_checked = SumSlots.__call__ if on else _launch_checked[1]
+    return switch
 
 
 ROUNDS = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 30
@@ -204,6 +227,9 @@ for op, m, n, k, ours in CASES:
     if "--removed" in sys.argv and removed:   # the plan, then the driver calls session 39 removed from its path
         extra = removed_calls(removed)
         variants["plan_removed"] = (lambda a, w: (plan(a, w), [issue() for issue in extra]), direct(True))
+    if "--unbound" in sys.argv:   # session 40's A/B: the plan with its GEMM and sum launched as before (__call__)
+        variants["plan_unbound"] = (lambda a, w: plan(a, w), unbound(True))
+        variants["plan"] = (variants["plan"][0], unbound(False))
     if "--ab" in sys.argv:
         variants["plan_run"] = (lambda a, w: plan(a, w), direct(False))
         variants["matmul"] = (variants["matmul"], direct(True))
