@@ -17,8 +17,9 @@ if (( ${TP:-2} >= 4 )) && [[ ${GRAPHS:-local} != none ]]; then DEFER_WGRAD=${DEF
 # At TP 2 two sequences per micro-batch (same global batch): off 4794.1 -> 4759.6 / 4767.8 ms per iteration, signal
 # 4670.9 -> 4595.4 / 4582.9 (1.026x of off -> 1.036x / 1.040x; docs/perf/s38/README.md): the layers' fixed per-op
 # costs are amortised over GEMMs twice as long. The peak is off's, 136 GiB reserved of an H200's 140 (91 GB
-# allocated); MBS=1 where that does not fit. At TP >= 4 not measured end to end yet: 1 there.
-MBS=${MBS:-$(( ${TP:-2} == 2 ? 2 : 1 ))}
+# allocated); MBS=1 where that does not fit. At TP 4 likewise (four H200s, one call): off 2700.3 -> 2652.0, signal
+# 2502.3 -> 2445.5 ms (1.079x -> 1.084x; 74.5 GiB reserved; docs/perf/s40/README.md). At TP 8 not measured: 1.
+MBS=${MBS:-$(( ${TP:-2} <= 4 ? 2 : 1 ))}
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=llama3-8b
 MODEL_ARGS=("${LLAMA_ARGS[@]}"

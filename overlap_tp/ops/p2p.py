@@ -346,15 +346,24 @@ class DeferredSum:
         return op
 
     def __call__(self) -> torch.Tensor:
-        op = self._op_to_run()
-        return self.into(torch.empty(op.m_local, op.n, dtype=op.buf.dtype, device=op.buf.device))
+        op = self._take()
+        out = torch.empty(op.m_local, op.n, dtype=op.buf.dtype, device=op.buf.device)
+        op.finish_sum(out)
+        return out
 
     def consume(self, kernel):
         self._take().finish(kernel)
 
     def into(self, out: torch.Tensor) -> torch.Tensor:
-        """As calling it, into `out` ([M/t, N], contiguous): for a caller that handed `out` on before the sum ran (the
-        token split sums an unlinked layer's fc2 at its bda, after the other half's MLP)."""
+        """As calling it, into `out` ([M/t, N], contiguous, the slots' dtype and device): for a caller that handed `out`
+        on before the sum ran (the token split sums an unlinked layer's fc2 at its bda, after the other half's MLP).
+        The sum's launch does not check its output (SumSlots.launch_checked), so `out` is checked here."""
+        op = self._op_to_run()
+        if (out.shape != (op.m_local, op.n) or out.dtype != op.buf.dtype or out.device != op.buf.device
+                or not out.is_contiguous()):
+            raise ValueError(f"overlap_tp gemm_rs (p2p): the deferred sum goes into a contiguous [{op.m_local}, {op.n}] "
+                             f"{op.buf.dtype} tensor on {op.buf.device}; got {tuple(out.shape)} {out.dtype} on "
+                             f"{out.device}{'' if out.is_contiguous() else ', not contiguous'}")
         self._take().finish_sum(out)
         return out
 

@@ -135,3 +135,21 @@ def _check_absent_peer(rank, world):
 
 def test_a_peer_that_never_calls_is_a_clear_error_not_a_hang():
     run_distributed(2, _check_absent_peer)
+
+
+def test_a_deferred_sum_into_a_wrong_output_is_a_clear_error_and_stays_to_run():
+    """DeferredSum.into checks the caller's output (the sum's launch does not) before it runs the second half: a wrong
+    shape, dtype or layout is a ValueError and the deferred sum is still there to run."""
+    from types import SimpleNamespace
+    from overlap_tp.ops.p2p import DeferredSum
+    ran = []
+    op = SimpleNamespace(m_local=4, n=8, buf=torch.empty(2 * 4, 8, dtype=torch.bfloat16),
+                         finish_sum=lambda out: ran.append(out))
+    deferred = DeferredSum(op)
+    for wrong in (torch.empty(4, 9, dtype=torch.bfloat16), torch.empty(4, 8, dtype=torch.float32),
+                  torch.empty(8, 4, dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match=r"contiguous \[4, 8\] torch.bfloat16"):
+            deferred.into(wrong)
+    assert not deferred.done and not ran
+    out = torch.empty(4, 8, dtype=torch.bfloat16)
+    assert deferred.into(out) is out and ran == [out] and deferred.done

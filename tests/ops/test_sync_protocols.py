@@ -155,7 +155,8 @@ def _reduction(recorder, plan_id, groups):
     plan = make_plan("row_slice", 512, 256, 2, 32, 64, groups)
     reduction = SignaledReduction(plan, torch.device("cpu"), OverlapConfig(method="signal"), 4, (0, 0),
                                   FakeCollectives(recorder, plan_id), "reduce_scatter", engine=FakeEngine(recorder))
-    reduction.gemm = lambda a, w, staging, bias: recorder.emit("main", ("gemm", plan_id))
+    reduction.gemm = SimpleNamespace(   # the plan's launch (SignaledGemm.launch_checked)
+        launch_checked=lambda a, w, staging, bias: recorder.emit("main", ("gemm", plan_id)))
     return reduction
 
 
