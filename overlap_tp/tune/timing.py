@@ -76,7 +76,8 @@ def queued_ms(fn, sets, group, rounds=5):
     from its queue without launch gaps (gpu_ms: CUDA events around the call). `timed` measures the two
     overlapped, back to back: where its time exceeds gpu_ms, the host set the pace. The sleep is 4x the
     first round's host time (the slowest rank's; the same on every rank), doubled for a round whose host
-    time reached 80% of it (that round is redone).
+    time reached 80% of it (that round is redone). host_ms is a single call's, the first after a synchronize: on the
+    H200 hosts that one runs several times slower than the calls of a run (enqueue_us).
     Medians over `rounds`, the slowest rank's."""
     cycles_per_ms = sleep_cycles_per_ms()
     sleep_ms, host, gpu = None, [], []
