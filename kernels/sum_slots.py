@@ -78,6 +78,11 @@ class SlotsSummed(NamedTuple):
     progress: torch.Tensor
 
 
+def _variant(slots: torch.Tensor, out_ptr: int) -> tuple:
+    """What the compiled kernel is specialized on beyond the shape: the dtype and both pointers' 16-byte alignment."""
+    return slots.dtype, slots.data_ptr() % 16 == 0, out_ptr % 16 == 0
+
+
 class SumSlots:
     """sum_slots for one buffer shape, launched without Triton's launch path after the first call (as
     SignaledGemm: the compiled kernel of each alignment variant is kept as a DirectKernel). With `summed`, every
@@ -104,17 +109,15 @@ class SumSlots:
         if not (slots.is_contiguous() and out.is_contiguous()) or out.dtype != slots.dtype:
             raise ValueError("sum_slots: slots and out must be contiguous and of the same dtype")
         slots_ptr, out_ptr = slots.data_ptr(), out.data_ptr()
-        variant = (slots.dtype, slots_ptr % 16 == 0, out_ptr % 16 == 0)
+        variant = _variant(slots, out_ptr)
         kernel = None if INTERPRET else self._compiled.get(variant)
         if kernel is None:
             compiled = self._jit(slots, out, progress)
             if not INTERPRET:
                 self._compiled[variant] = DirectKernel(compiled)
             return out
-        # without `summed` the kernel reads none of the signalling pointers: the slots stand in for them
-        pointers = self._pointers if self.peers else (slots_ptr,) * 4
         kernel(self.grid, torch._C._cuda_getCurrentRawStream(out.device.index), slots_ptr, out_ptr, self.numel,
-               *pointers, progress, self.slots, BLOCK, self.peers, INTERPRET)
+               *self._signal_pointers(slots_ptr), progress, self.slots, BLOCK, self.peers, INTERPRET)
         return out
 
     def launch_checked(self, slots: torch.Tensor, out: torch.Tensor, progress: int = 0) -> torch.Tensor:
@@ -124,17 +127,23 @@ class SumSlots:
         bound, out_ptr = self._bound, out.data_ptr()
         if INTERPRET or bound is None or bound[0] is not slots or out_ptr % 16:
             self(slots, out, progress)   # the checks, and the compiled kernel of this variant
-            kernel = None if INTERPRET else self._compiled.get((slots.dtype, slots.data_ptr() % 16 == 0, True))
+            # bound for outputs on 16 bytes (the allocator's): the others go through __call__ every time
+            kernel = None if INTERPRET or out_ptr % 16 else self._compiled.get(_variant(slots, out_ptr))
             if kernel is not None:
                 slots_ptr = slots.data_ptr()
-                pointers = self._pointers if self.peers else (slots_ptr,) * 4
-                self._bound = (slots, kernel, slots.device.index, slots_ptr, (self.numel, *pointers),
+                middle = (self.numel, *self._signal_pointers(slots_ptr))
+                self._bound = (slots, kernel, slots.device.index, slots_ptr, middle,
                                (self.slots, BLOCK, self.peers, INTERPRET))
             return out
         _, kernel, device_index, slots_ptr, middle, tail = bound
         stream = torch._C._cuda_getCurrentRawStream(device_index)
         kernel(self.grid, stream, slots_ptr, out_ptr, *middle, progress, *tail)
         return out
+
+    def _signal_pointers(self, slots_ptr: int) -> tuple:
+        """The kernel's done, words, summed_out and progress pointers; without `summed` it reads none of them and the
+        slots stand in."""
+        return self._pointers if self.peers else (slots_ptr,) * 4
 
     def _jit(self, slots, out, progress):
         tables = self._tables if self.peers else (slots,) * 4

@@ -69,61 +69,75 @@ def timed(fn, sets, reps, group, warmup=5, device=None):
     return slowest_median(timed_samples(fn, sets, reps, group, warmup, device), group, device)
 
 
+class SleepAhead:
+    """The sleep kernel ahead of each timed run of queued_ms and enqueue_us, so that the host never waits for the GPU
+    while it enqueues the run: 4x the first run's host time (that run unslept and redone), doubled for a run whose
+    host time reached 80% of it (redone), the same on every rank (the slowest rank's: with sleeps of different
+    lengths the first collective would also wait out their difference; every rank redoes the same runs)."""
+
+    def __init__(self, group, device=None):
+        self.group, self.ms = group, None
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        self.cycles_per_ms = sleep_cycles_per_ms()
+
+    def start(self):
+        """Before a run: the GPU idle, the ranks together, then the sleep (once sized)."""
+        torch.cuda.synchronize()
+        dist.barrier(self.group)
+        if self.ms is not None:
+            torch.cuda._sleep(int(self.ms * self.cycles_per_ms))
+
+    def redo(self, host_ms: float) -> bool:
+        """After a run that took the host `host_ms`: whether it must be redone on every rank (the first run, or one
+        the sleep did not cover on some rank), the sleep resized if so."""
+        late = torch.tensor([float(self.ms is None or host_ms > 0.8 * self.ms), host_ms], device=self.device)
+        dist.all_reduce(late, op=dist.ReduceOp.MAX, group=self.group)
+        if float(late[0]):
+            self.ms = 4 * float(late[1]) if self.ms is None else 2 * max(self.ms, float(late[1]))
+            return True
+        return False
+
+
 def queued_ms(fn, sets, group, rounds=5):
     """(host_ms, gpu_ms) of one fn(*set) on the GPU: the host's enqueue time, and the GPU's time with
     every launch already queued. A sleep kernel holds the GPU while the host enqueues the call, so the
     host never waits for the GPU (host_ms: wall clock around the call) and the GPU then runs the call
     from its queue without launch gaps (gpu_ms: CUDA events around the call). `timed` measures the two
-    overlapped, back to back: where its time exceeds gpu_ms, the host set the pace. The sleep is 4x the
-    first round's host time (the slowest rank's; the same on every rank), doubled for a round whose host
-    time reached 80% of it (that round is redone). host_ms is a single call's, the first after a synchronize: on the
-    H200 hosts that one runs several times slower than the calls of a run (enqueue_us).
+    overlapped, back to back: where its time exceeds gpu_ms, the host set the pace. The sleep: SleepAhead.
+    host_ms is a single call's, the first after a synchronize: on the H200 hosts that one runs several times slower
+    than the calls of a run (enqueue_us).
     Medians over `rounds`, the slowest rank's."""
-    cycles_per_ms = sleep_cycles_per_ms()
-    sleep_ms, host, gpu = None, [], []
+    ahead, host, gpu = SleepAhead(group), [], []
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while len(gpu) < rounds:
         args = sets[len(gpu) % len(sets)]
-        torch.cuda.synchronize()
-        dist.barrier(group)
-        if sleep_ms is not None:
-            torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+        ahead.start()
         start.record()
         t0 = time.perf_counter()
         fn(*args)
         host_ms = (time.perf_counter() - t0) * 1e3
         end.record()
         torch.cuda.synchronize()
-        # One sleep for every rank (the longest), or the first collective would also wait out the
-        # difference between the ranks' sleeps; every rank redoes the same rounds.
-        late = torch.tensor([float(sleep_ms is None or host_ms > 0.8 * sleep_ms), host_ms], device=start.device)
-        dist.all_reduce(late, op=dist.ReduceOp.MAX, group=group)
-        if float(late[0]):
-            sleep_ms = 4 * float(late[1]) if sleep_ms is None else 2 * max(sleep_ms, float(late[1]))
+        if ahead.redo(host_ms):
             continue
         host.append(host_ms)
         gpu.append(start.elapsed_time(end))
     medians = torch.tensor([statistics.median(host), statistics.median(gpu)], dtype=torch.float64,
-                           device=start.device)
+                           device=ahead.device)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
     return float(medians[0]), float(medians[1])
 
 
-def enqueue_us(fn, sets, group, calls=24, warm=8, rounds=10):
+def enqueue_us(fn, sets, group, calls=24, warm=8, rounds=10, device=None):
     """The host's time (us) per fn(*set) call in a run of calls, as a training step issues them: `calls` calls back
     to back, timed after `warm` untimed calls of the same run, the whole run queued behind a sleep kernel so the
     host never waits for the GPU. The warm calls matter on the H200 hosts (virtual machines): the first calls after
     the host blocked in a synchronize run 2-5x slower (a Python no-op 0.31 against 0.07 us, an output allocation 10.5
-    against 3.0: docs/perf/s40), which is what queued_ms's single call measures. The sleep is sized as queued_ms
-    sizes it (4x a first unslept run, doubled for a run that reached 80% of it). Median over `rounds`, the slowest
-    rank's."""
-    cycles_per_ms = sleep_cycles_per_ms()
-    sleep_ms, samples, device = None, [], torch.device("cuda", torch.cuda.current_device())
+    against 3.0: docs/perf/s40), which is what queued_ms's single call measures. Median over `rounds`, the slowest
+    rank's (device None: the current CUDA device)."""
+    ahead, samples = SleepAhead(group, device), []
     while len(samples) < rounds:
-        torch.cuda.synchronize()
-        dist.barrier(group)
-        if sleep_ms is not None:
-            torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+        ahead.start()
         t0 = time.perf_counter()
         for i in range(warm):
             fn(*sets[i % len(sets)])
@@ -131,22 +145,18 @@ def enqueue_us(fn, sets, group, calls=24, warm=8, rounds=10):
         for i in range(calls):
             fn(*sets[(warm + i) % len(sets)])
         t2 = time.perf_counter()
-        run_ms = (t2 - t0) * 1e3
-        late = torch.tensor([float(sleep_ms is None or run_ms > 0.8 * sleep_ms), run_ms], device=device)
-        dist.all_reduce(late, op=dist.ReduceOp.MAX, group=group)
-        if float(late[0]):
-            sleep_ms = 4 * float(late[1]) if sleep_ms is None else 2 * max(sleep_ms, float(late[1]))
+        if ahead.redo((t2 - t0) * 1e3):
             continue
         samples.append((t2 - t1) / calls * 1e6)
     torch.cuda.synchronize()
-    return slowest_median(samples, group, device)
+    return slowest_median(samples, group, ahead.device)
 
 
 @functools.cache
 def sleep_cycles_per_ms(reps=5):
     """How many cycles of torch.cuda._sleep (a spin kernel that counts SM clock cycles) make a millisecond
     on this GPU: the median of `reps` timed 10M-cycle sleeps, measured once per process (callers size
-    their sleeps generously; queued_ms doubles one that proves too short)."""
+    their sleeps generously; SleepAhead doubles one that proves too short)."""
     cycles = 10_000_000
     torch.cuda._sleep(cycles)   # warm-up
     times = []

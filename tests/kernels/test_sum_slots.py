@@ -4,6 +4,7 @@ last place here, bit for bit on the GPU (tests/gpu/test_gemm_rs_gpu.py)."""
 import pytest
 import torch
 
+from overlap_tp.kernels import sum_slots
 from overlap_tp.kernels.sum_slots import BLOCK, SlotsSummed, SumSlots, reference_sum_slots
 
 
@@ -47,3 +48,29 @@ def test_a_signalling_sum_raises_every_peers_word_and_reports_its_call_once_ever
         assert op._done.item() == 0
         assert progress_word.item() == (progress if progress else -1)
         torch.testing.assert_close(out, reference_sum_slots(x), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("signalling", [False, True])
+def test_launch_checked_launches_what_the_checked_call_launches(signalling, monkeypatch):
+    """SumSlots.launch_checked (arguments made once per slots buffer) passes the compiled kernel the arguments that
+    __call__ passes it, for each output and progress number; an output off 16 bytes goes through __call__. The
+    kernels are stand-ins recording their launches (the launches themselves: tests/gpu/test_direct_launch_gpu.py)."""
+    monkeypatch.setattr(sum_slots, "INTERPRET", False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    t, numel = 2, 64
+    summed = None
+    if signalling:
+        summed = SlotsSummed(torch.zeros(2, t, dtype=torch.int32), [3], torch.zeros(1, dtype=torch.int32))
+    op = SumSlots(t, numel, summed)
+    slots = torch.zeros(t, numel, dtype=torch.bfloat16)
+    launches = []
+    for aligned in (True, False):   # the compiled kernels __call__ would have kept, per out alignment
+        op._compiled[(slots.dtype, True, aligned)] = lambda *args, aligned=aligned: launches.append((aligned, args))
+    outs = [torch.zeros(numel, dtype=torch.bfloat16) for _ in range(3)]
+    unaligned = torch.zeros(numel + 1, dtype=torch.bfloat16)[1:]
+    for out, progress in zip(outs + [unaligned] + outs, (5, 6, 7, 8, 9, 10, 11)):
+        op(slots, out, progress)
+        assert op.launch_checked(slots, out, progress) is out
+        (checked, want), (bound, got) = launches[-2:]
+        assert got == want and bound == checked == (out.data_ptr() % 16 == 0)
+    assert op._bound[0] is slots
