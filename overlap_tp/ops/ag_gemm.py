@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
-from overlap_tp.ops import comm, memops
+from overlap_tp.ops import comm, memops, replay
 from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, check_not_capturing, gemm_programs
 from overlap_tp.ops.config import OverlapConfig, chunk_by_for
 from overlap_tp.ops.p2p import GatherBuffer
@@ -110,6 +110,9 @@ class AgGemm(OpPlan):
             if config.transport == "p2p":
                 self._pull_into_gather_buffer()
                 self._run = self._pulled
+                if replay.enabled(device):   # eager calls replayed from graphs (ops/replay.py)
+                    self.graphs = replay.CallGraphs(device, self.describe())
+                    self._run = self._pulled_replayed
                 if config.comm_sms > 0:   # one kernel on the SMs the GEMM's grid leaves free, handshakes included
                     self.puller = self.gather.signaled_pull(config.comm_sms, self.chunks, self.flags, self.describe())
                     self._transfers = self._pull_signaled
@@ -315,6 +318,17 @@ class AgGemm(OpPlan):
         self.engine.transfers_then_gemm(transfers, lambda: gemm(gathered, w, out, bias), self.ready, self.watched,
                                         gemm_first=True, current=current, capturing=capturing)
         return gathered
+
+    def _pulled_replayed(self, a_shard, w, bias, out):
+        """_pulled, eagerly replayed from the graph of the operands' addresses where it has one (ops/replay.py): not
+        under a capture, and not where the stage would find a claimed region (OwnGather: host state of its own)."""
+        gather = self.gather
+        if self.engine.capturing() or not gather.unclaimed_and_free() or not self.graphs.replayed(
+                (a_shard.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(), 0 if bias is None else bias.data_ptr()),
+                self._pulled, a_shard, w, bias, out):
+            return self._pulled(a_shard, w, bias, out)
+        self.watched.record(self.engine.current())
+        return gather.gathered()
 
     def _pulled_transfers(self, a_shard):
         """The shard staged on the caller's stream, and the p2p transport's transfers as a function of the comm

@@ -30,7 +30,7 @@ import torch
 from overlap_tp.kernels.peer_copy import SignaledPull
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
 from overlap_tp.kernels.sum_slots import SlotsSummed, SumSlots
-from overlap_tp.ops import comm, memops, symmetric, watchdog
+from overlap_tp.ops import comm, memops, replay, symmetric, watchdog
 from overlap_tp.ops.sync import PeerSignals
 from overlap_tp.ops.tile_plan import p2p_copy_plan, p2p_plan, ring_peers
 
@@ -111,6 +111,8 @@ class P2PReduceScatter:
         self.flat_slots = self.buf.view(t, self.m_local * n)
         self.device_index = device.index
         self.outstanding = None   # "eager" / "capture": a call whose second half (its DeferredSum) has not run
+        # summed's eager calls replayed from graphs (ops/replay.py); None: issued one by one
+        self.graphs = replay.CallGraphs(device, watched.describe) if replay.enabled(device) else None
         watched.words = (("peer signals [SUMMED, ARRIVED] x rank", self.signals.words),)
         if self.copy and self.regions is None:
             watched.words += (("push group counters", self.waits.counters),)
@@ -185,16 +187,30 @@ class P2PReduceScatter:
     def summed(self, a, w, bias) -> torch.Tensor:
         """The whole call on the caller's stream, summed at once (gemm_rs without async_op): the same operations as
         __call__ and then its DeferredSum, with the ARRIVED signal and the wait for the peers' ARRIVED that follows
-        it in one batched driver call (store_and_reduce) instead of two."""
+        it in one batched driver call (store_and_reduce) instead of two. Eagerly, replayed from the graph of the
+        operands' addresses where it has one (ops/replay.py)."""
         capturing, stream = self._begin()
         out = torch.empty(self.m_local, self.n, dtype=self.buf.dtype, device=self.buf.device)
+        graphs = self.graphs
+        if graphs is not None and not capturing and graphs.replayed(
+                (a.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(), 0 if bias is None else bias.data_ptr()),
+                self._captured_summed, a, w, bias, out):
+            self.watched.record(stream)
+            return out
+        self._summed_into(stream, a, w, bias, out, capturing)
+        return out
+
+    def _captured_summed(self, a, w, bias, out):
+        """summed's operations into `out`, issued under a capture (CallGraphs.capture)."""
+        self._summed_into(torch._C._cuda_getCurrentRawStream(self.device_index), a, w, bias, out, True)
+
+    def _summed_into(self, stream, a, w, bias, out, capturing: bool):
         reduce = self._summing(out, capturing)
         if self.copy:
             self.push_half(a, w, bias, capturing)()   # the pushes, joined
             self.reduce_half(stream, reduce, capturing, raises_summed=True)
         else:
             self.store_and_reduce(stream, lambda: self.store(a, w, bias), reduce, capturing)
-        return out
 
     def _summing(self, out, capturing: bool):
         """The reduce step that sums the slots into `out` and raises SUMMED (SumSlots with SlotsSummed), eagerly also
@@ -460,6 +476,15 @@ class GatherBuffer:
         if self.claimed == "capture" and not capturing:
             self.claimed = None
         return self.claimed is not None
+
+    def unclaimed_and_free(self) -> bool:
+        """Whether a call may stage into the buffer with no claim in force (False: the stage finds the region claimed)
+        and, if so, no gathered tensor of the previous call still referenced (else the RuntimeError a stage raises):
+        what a call replayed from a graph (ops/replay.py), whose stage is a wait and a copy, checks first."""
+        if self._claimed(False):
+            return False
+        self._check_unreferenced()
+        return True
 
     def _check_unreferenced(self):
         if self._references() > self._unreferenced:

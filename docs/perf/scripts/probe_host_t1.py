@@ -11,6 +11,7 @@
 # versions run one after the other: run_s17_one.sh, in git at aa14ff3).
 # --only "rs p2p,rs cublas-p2p": those cases only (session 39). --removed: see REMOVED. --burst, --warm: below.
 # --unbound: the plan also with its GEMM and sum launched through __call__ (before session 40's launch_checked).
+# --eager: the plan also as a twin whose eager calls issue one by one, without ops/replay.py's graphs (session 41).
 # --ab: the plan also with its Triton kernels launched through CompiledKernel.run instead of DirectKernels
 # (kernels/launch.py), in the same rounds.
 #   torchrun --nproc-per-node 1 docs/perf/scripts/probe_host_t1.py [--profile] [--ab]
@@ -230,6 +231,12 @@ for op, m, n, k, ours in CASES:
     if "--unbound" in sys.argv:   # session 40's A/B: the plan with its GEMM and sum launched as before (__call__)
         variants["plan_unbound"] = (lambda a, w: plan(a, w), unbound(True))
         variants["plan"] = (variants["plan"][0], unbound(False))
+    if "--eager" in sys.argv:   # session 41's A/B: a twin plan whose eager calls issue one by one (no graph replays)
+        os.environ["OVERLAP_TP_EAGER_GRAPHS"] = "0"
+        twin = PLAN[op](group, rows, n, k, torch.bfloat16, dev, ours)
+        del os.environ["OVERLAP_TP_EAGER_GRAPHS"]
+        twin(*sets[0])
+        variants["plan_eager"] = lambda a, w: twin(a, w)
     if "--ab" in sys.argv:
         variants["plan_run"] = (lambda a, w: plan(a, w), direct(False))
         variants["matmul"] = (variants["matmul"], direct(True))

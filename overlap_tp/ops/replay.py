@@ -1,0 +1,98 @@
+"""Eager calls replayed from CUDA graphs: a plan's call captured once per set of operand addresses, then launched
+whole with one driver call (cudaGraphLaunch), where the eager path issues its launches, copies, events and stream
+memory operations one by one, with Python around each (issue 20: host time per call; docs/perf/s41).
+
+Why a replay does what the eager call would. At a plan's fixed shape, what one call issues depends on the operands'
+addresses and w's layout (CallGraphs' key) and on the plan's state: its buffers, device words and tables, all fixed
+when the plan was built. A graph captured for a key therefore issues what every later call of that key would. It runs
+the plan's captured path, the one a call inside the user's own CUDA graph runs (Megatron's --cuda-graph-impl local),
+which waits on the same device words for the same values as the eager path: a rank that replays and a peer that
+issues eagerly follow one protocol. What an eager call checks on the host on its way (a previous call still
+outstanding, a gathered buffer still referenced, a claimed region) the plan checks before it replays, and a call that
+the graph does not cover (async_op, a claimed region) runs eagerly. After a replay the plan records its watched event
+behind it, so the watchdog watches the replay as it watches an eager call.
+
+When. A key's first call runs eagerly: it compiles and binds what it meets for the first time. The second is captured
+on a side stream (thread-local capture mode, so other threads' CUDA calls are unaffected; nothing is allocated inside:
+the plan allocated the output before) and replayed; later ones replay. At most MAX_GRAPHS keys per plan get a graph;
+calls with other keys then run eagerly, after one warning. A call keeps the plan's graphs alive as long as the plan.
+
+Which plans. The p2p transports' signaled calls (gemm_rs summed at once, ag_gemm): no NCCL inside. NCCL's captured
+collectives may register their buffers with the peers at capture, which a peer issuing the same collective eagerly
+would not match, so the NCCL transports issue eagerly. OVERLAP_TP_EAGER_GRAPHS=0 turns replays off (each call issues
+its operations one by one, as before)."""
+import os
+import warnings
+
+import torch
+
+ENV = "OVERLAP_TP_EAGER_GRAPHS"
+MAX_GRAPHS = 128   # graphs per plan: each is a few kilobytes of driver state, no tensor memory
+MAX_SEEN = 4096    # first-seen keys remembered per plan (forgotten all at once past this)
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether a plan on `device` replays its eager calls (CUDA, and not turned off by OVERLAP_TP_EAGER_GRAPHS=0)."""
+    return device.type == "cuda" and os.environ.get(ENV, "1") != "0"
+
+
+class CallGraphs:
+    """One plan's captured calls, by key (the operands' addresses and w's layout)."""
+
+    def __init__(self, device: torch.device, describe: str):
+        self.device, self.describe = device, describe
+        self.graphs = {}
+        self._seen = set()
+        self._stream = None   # the side stream captures run on, made at the first capture
+        self._pool = None     # one memory pool for the plan's graphs (nothing is allocated inside them)
+        self._full = False
+
+    def replayed(self, key, call, *args) -> bool:
+        """Launch key's graph on the current stream, capturing call(*args) into it first at the key's second
+        sighting. False: the caller issues the call eagerly itself (the key's first sighting, or no room for more
+        graphs). call issues the plan's call on the current stream, as under any capture."""
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key not in self._seen or len(self.graphs) >= MAX_GRAPHS:
+                self._first_sighting(key)
+                return False
+            graph = self.graphs[key] = self.capture(call, args)
+        self.launch(graph)
+        return True
+
+    def _first_sighting(self, key):
+        if len(self.graphs) >= MAX_GRAPHS:
+            if not self._full:
+                self._full = True
+                warnings.warn(f"overlap_tp {self.describe}: {MAX_GRAPHS} sets of operand addresses have eager CUDA "
+                              f"graphs; calls with other addresses issue their operations eagerly "
+                              f"(ops/replay.py)", stacklevel=4)
+            return
+        if len(self._seen) >= MAX_SEEN:
+            self._seen.clear()
+        self._seen.add(key)
+
+    def capture(self, call, args):
+        """call(*args) captured into a new graph on the side stream, instantiated."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                call(*args)
+            except BaseException:
+                try:   # end the capture; the partial graph is dropped with the error
+                    graph.capture_end()
+                except RuntimeError:
+                    pass
+                raise
+            graph.capture_end()
+        return graph
+
+    @staticmethod
+    def launch(graph):
+        """The graph on the current stream, unwrapped: watchdog.watch_graph_replays wraps torch.cuda.CUDAGraph.replay
+        to record an event of its own, where the plan records its watched event instead."""
+        torch._C._CUDAGraph.replay(graph)

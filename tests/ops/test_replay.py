@@ -1,0 +1,83 @@
+"""CallGraphs' policy (ops/replay.py) on stand-in graphs: a key's first call issues eagerly, its second is captured
+and launched, later ones launch the captured graph; past MAX_GRAPHS new keys issue eagerly with one warning; a call
+that raises under capture leaves no graph; OVERLAP_TP_EAGER_GRAPHS=0 and CPU devices turn replays off. The replays
+themselves run on GPUs (tests/gpu/test_replay_gpu.py)."""
+import warnings
+
+import pytest
+import torch
+
+from overlap_tp.ops import replay
+
+
+class StandIn(replay.CallGraphs):
+    """CallGraphs whose capture runs the call and keeps what it was given, and whose launch counts."""
+
+    def __init__(self):
+        super().__init__(torch.device("cuda", 0), "gemm_rs(test)")
+        self.captured, self.launched = [], []
+
+    def capture(self, call, args):
+        call(*args)
+        graph = ("graph", args)
+        self.captured.append(graph)
+        return graph
+
+    def launch(self, graph):
+        self.launched.append(graph)
+
+
+def test_first_sighting_eager_second_captured_then_replayed():
+    graphs, issued = StandIn(), []
+    outcomes = [graphs.replayed(key, issued.append, key) for key in ("a", "b", "a", "a", "b", "c", "b")]
+    assert outcomes == [False, False, True, True, True, False, True]
+    assert graphs.captured == [("graph", ("a",)), ("graph", ("b",))]          # each key captured once, at its second call
+    assert issued == ["a", "b"]                                            # the calls the captures issued
+    # in call order: a's second (captured, then launched at once) and third, b's second and third
+    assert graphs.launched == [("graph", ("a",))] * 2 + [("graph", ("b",))] * 2
+    assert sorted(graphs.graphs) == ["a", "b"]
+
+
+def test_past_max_graphs_new_keys_issue_eagerly_with_one_warning(monkeypatch):
+    monkeypatch.setattr(replay, "MAX_GRAPHS", 2)
+    graphs = StandIn()
+    for key in ("a", "a", "b", "b"):
+        graphs.replayed(key, lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert [graphs.replayed(key, lambda: None) for key in ("c", "c", "c", "d")] == [False] * 4
+    assert len(caught) == 1 and "2 sets of operand addresses" in str(caught[0].message)
+    assert sorted(graphs.graphs) == ["a", "b"] and len(graphs.captured) == 2
+    assert graphs.replayed("a", lambda: None)   # the kept graphs still replay
+
+
+def test_seen_keys_are_bounded(monkeypatch):
+    monkeypatch.setattr(replay, "MAX_SEEN", 3)
+    graphs = StandIn()
+    for key in range(4):   # the fourth first sighting forgets the three before
+        assert not graphs.replayed(key, lambda: None)
+    assert not graphs.replayed(0, lambda: None)   # forgotten: a first sighting again
+    assert graphs.replayed(3, lambda: None)
+
+
+def test_a_call_that_raises_under_capture_leaves_no_graph():
+    class Failing(StandIn):
+        def capture(self, call, args):
+            call(*args)
+
+    graphs = Failing()
+
+    def boom():
+        raise ValueError("bad operand")
+    assert not graphs.replayed("k", boom)
+    with pytest.raises(ValueError, match="bad operand"):
+        graphs.replayed("k", boom)
+    assert graphs.graphs == {} and graphs.launched == []
+
+
+def test_enabled_on_cuda_unless_turned_off(monkeypatch):
+    monkeypatch.delenv(replay.ENV, raising=False)
+    assert replay.enabled(torch.device("cuda", 0))
+    assert not replay.enabled(torch.device("cpu"))
+    monkeypatch.setenv(replay.ENV, "0")
+    assert not replay.enabled(torch.device("cuda", 0))
