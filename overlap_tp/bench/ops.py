@@ -74,7 +74,8 @@ def ours_variants(op, sweep):
     next to it, and for AllGather+GEMM its pulls on 16 and 32 SMs (comm_sms > 0), both pulling one peer's rows per
     chunk (`/by-peer`: chunk_by 'peer', what `ours` runs where t > 2) and ours with row chunks (`p2p/by-rows`), and
     for GEMM+RS its two p2p transfers (`p2p/epilogue`, `p2p/copy`: OverlapConfig.rs_transfer) and cuBLAS's regions
-    pushed by the copy engines (`cublas-p2p/copy`);
+    pushed by the copy engines (`cublas-p2p/copy`); for GEMM+AllReduce its p2p transport (`p2p`, `cublas-p2p`: the
+    p2p ReduceScatter, then the copy engines' pulls of the summed regions);
     --sweep adds the schedule x groups x comm_sms corners that won in earlier runs (docs/perf/) and, for
     AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
@@ -104,7 +105,7 @@ def ours_variants(op, sweep):
                 # cuBLAS per region into the staging matrix, each pushed by the copy engines after its GEMM
                 "cublas-p2p/copy": OverlapConfig(method="decompose", transport="p2p", comm_sms=0,
                                                  rs_transfer="copy")} \
-        if op == "rs" else {"ours": OverlapConfig(method="signal")}
+        if op == "rs" else {"ours": OverlapConfig(method="signal"), "p2p": p2p, "cublas-p2p": cublas_p2p}
     if sweep:
         for schedule, groups, comm_sms in (("row_slice", 2, 0), ("row_slice", 4, 0), ("row_slice", 2, 16),
                                            ("tile_exact", 8, 0)):

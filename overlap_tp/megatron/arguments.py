@@ -485,8 +485,8 @@ def overlap_config_kwargs(args):
 
 def layer_configs(args):
     """The dense layers' OverlapConfig per op kind ("ag_gemm", "gemm_rs", "gemm_ar") from the flags.
-    gemm_ar always runs nccl (p2p is implemented for gemm_rs and ag_gemm). With --overlap-tp-transport
-    auto and --overlap-tp signal or decompose, ag_gemm pulls the peers' rows with the copy engines and gemm_rs
+    gemm_ar runs nccl (its p2p transport, ops/p2p.py P2PAllReduce, is not yet measured in layers). With
+    --overlap-tp-transport auto and --overlap-tp signal or decompose, ag_gemm pulls the peers' rows with the copy engines and gemm_rs
     stores its partials into the owners' buffers from the GEMM's epilogue (signal) or cuBLAS's (decompose: one GEMM
     per owner's region), both p2p with their GEMMs on every SM (comm_sms 0: nothing runs next to them), while gemm_ar
     runs nccl with --overlap-tp-comm-sms. Measured under graphs at t = 2 (docs/perf/s20/README.md): cuBLAS over p2p

@@ -6,8 +6,12 @@
 
 The methods are gemm_rs's (ops/gemm_rs.py) with an all-reduce per group: the signaled GEMM stores every tile
 in place into the output (a one-region plan) and each group's rows are all-reduced in place behind its
-counter. `p2p` is not implemented here. The bias is added once: by rank 0's epilogue (signal) or after the
-reduction (off, decompose).
+counter. The bias is added once: by rank 0's epilogue (signal) or after the reduction (off, decompose).
+Transport `p2p` (signal or decompose, CUDA, M divisible by t): gemm_rs's p2p ReduceScatter, each rank's sum written
+into its region of a symmetric buffer, then the copy engines pull the peers' regions into the output (ops/p2p.py
+P2PAllReduce): no collective and no SM spent on communication, and with no NCCL inside, an eager call replays from
+a CUDA graph (ops/replay.py). The bias goes into each region once, by its owner's GEMM. async_op returns a Pending
+of the call already joined on the caller's stream.
 """
 from typing import Optional
 
@@ -16,7 +20,8 @@ import torch
 from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
 from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, gemm_programs
-from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.config import OverlapConfig, rs_transfer_for
+from overlap_tp.ops.p2p import P2PAllReduce
 from overlap_tp.ops.reduction import SignaledReduction, after_work, decomposed, joined, plus_bias
 from overlap_tp.ops.tile_plan import make_plan
 
@@ -29,11 +34,20 @@ class GemmAR(OpPlan):
     def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
                  config: Optional[OverlapConfig] = None, instance: int = 0):
         super().__init__(group, m, n, k, dtype, device, config, instance)
-        config, device = self.config, self.device
-        if self.method in ("signal", "decompose") and config.transport != "nccl":
-            raise ValueError(f"gemm_ar: transport={config.transport!r} is implemented for gemm_rs and ag_gemm only; "
-                             f"use 'nccl'")
-        if self.method == "signal":
+        config, device, t = self.config, self.device, self.t
+        self.p2p = None   # the p2p transport's state (a call tests for it, not for the method and transport)
+        if self.method in ("signal", "decompose") and config.transport == "p2p":
+            if device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
+                raise ValueError("gemm_ar: transport='p2p' needs CUDA tensors (symmetric memory)")
+            if m % t:
+                raise ValueError(f"gemm_ar: transport='p2p' reduces rows in t regions: M={m} is not divisible by the "
+                                 f"group size t={t}")
+            # as GemmRS: rs_transfer 'copy' leaves one SM to the comm stream's waits
+            programs = gemm_programs(device, config, spare_sms=int(self.method == "signal"
+                                                                   and config.rs_transfer == "copy"))
+            self.p2p = P2PAllReduce(self.group, self.rank, t, m, n, dtype, device, config, programs, self.watched,
+                                    self.instance)
+        elif self.method == "signal":
             if config.schedule == "tile_exact" and (m % config.block_m or n % config.block_n):
                 raise ValueError(f"gemm_ar: method='signal' cannot run: schedule 'tile_exact' needs M={m} % "
                                  f"block_m={config.block_m} == 0 and N={n} % block_n={config.block_n} == 0")
@@ -50,10 +64,17 @@ class GemmAR(OpPlan):
         else:
             self.coll = comm.TorchCollectives(self.group)
 
+    def _resolve(self, config: OverlapConfig) -> OverlapConfig:
+        """OpPlan's resolution, then rs_transfer 'auto' for this group's size (the p2p transport's ReduceScatter)."""
+        return rs_transfer_for(super()._resolve(config), self.t)
+
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  async_op: bool = False):
         self.check_call(a, w, bias)
         m, n = self.m, self.n
+        if self.p2p is not None:   # joined on the caller's stream: nothing left to wait for
+            out = self.p2p(a, w, bias)
+            return Pending(lambda: out, out) if async_op else out
         if self.method == "signal":
             signaled = self.signaled
             out = torch.empty(signaled.plan.out_shape, dtype=a.dtype, device=a.device)

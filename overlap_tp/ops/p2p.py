@@ -7,6 +7,9 @@ Triton kernel (method 'signal', one persistent launch over a tile plan) or cuBLA
 regions locally instead, one after another, and the copy engines push each to its owner behind the GEMM's group
 counters (no SM moves the bytes).
 
+GEMM+AllReduce (`P2PAllReduce`): the ReduceScatter above with each rank's sum written into its own region of a
+symmetric gathered buffer, from where its peers pull it with the copy engines (the all-gather half).
+
 AllGather+GEMM (`GatherBuffer`): every rank copies its shard into its own region of a symmetric gathered buffer and
 tells its peers; each rank then pulls the peers' rows chunk by chunk from their buffers into its own with copy-engine
 copies (no SM spent on the transfer), or with one kernel on the SMs a signaled GEMM leaves free (`signaled_pull`:
@@ -298,6 +301,67 @@ class P2PReduceScatter:
         reduce()
         if not raises_summed:
             self.signals.signal(stream, self.SUMMED)
+
+
+class P2PAllReduce:
+    """all_reduce(a @ w.T) [+ bias] for one (group, M, N, dtype) with no collective: the p2p ReduceScatter
+    (P2PReduceScatter) sums this rank's region of the rows straight into its own region of a symmetric gathered buffer
+    (GatherBuffer [M, N], claimed: nothing staged), then the copy engines pull every peer's summed region from the
+    peers' buffers into the output and copy our own beside them: a ring all-reduce's all-gather half as pulls, with no
+    SM spent on either half.
+
+    Per call:
+        caller's stream:  claim our region (wait PULLED from every peer: it pulled our previous region; reset); the p2p
+                          ReduceScatter's whole call (P2PReduceScatter.summed's operations) with its sum into our region
+        comm stream, forked after it: the READY exchange; every peer's region pulled into the output (ring order) and
+                          ours copied; PULLED signalled to every peer
+        join:             the caller's stream waits for the comm stream
+    Order argument: the ReduceScatter's and the GatherBuffer's, each on its own words (the claim is a stage whose copy
+    the sum replaced). Our region is rewritten by the next call's sum only after that call's claim (every peer pulled
+    it) and this call's join (our own copy of it is done). The bias goes into each region once, by its owner's GEMM
+    (P2PReduceScatter's bias rows), so once into every row of the output."""
+
+    def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched, instance=0):
+        self.reduce_scatter = P2PReduceScatter(group, rank, t, m, n, dtype, device, config, programs, watched, instance)
+        self.gather = gather = GatherBuffer(group, rank, t, m // t, n, dtype, device, watched.describe,
+                                            memory_kind="all-reduce regions")
+        self.m, self.n, self.dtype, self.device, self.watched = m, n, dtype, device, watched
+        self.engine = comm.comm_engine(device, instance)
+        # (byte offset into the output, source address, bytes): every peer's region in ring order, then our own
+        self.copies = tuple((p * gather.region_bytes, gather.own[p], gather.region_bytes) for p in gather.peers + [rank])
+        watched.words += (("peer signals [PULLED, READY] x rank", gather.signals.words),)
+        # eager calls replayed from graphs (ops/replay.py); None: issued one by one
+        self.graphs = replay.CallGraphs(device, watched.describe) if replay.enabled(device) else None
+
+    def __call__(self, a, w, bias) -> torch.Tensor:
+        """The whole call on the caller's stream and its comm stream, joined: the all-reduced [M, N]."""
+        capturing, stream = self.reduce_scatter._begin()
+        out = torch.empty(self.m, self.n, dtype=self.dtype, device=self.device)
+        graphs = self.graphs
+        if graphs is not None and not capturing and graphs.replayed(
+                (a.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(), 0 if bias is None else bias.data_ptr()),
+                self._captured, a, w, bias, out):
+            self.watched.record(stream)
+            return out
+        self._issue(stream, a, w, bias, out, capturing)
+        return out
+
+    def _captured(self, a, w, bias, out):
+        """The call's operations into `out`, issued under a capture (CallGraphs.capture)."""
+        self._issue(torch._C._cuda_getCurrentRawStream(self.device.index), a, w, bias, out, True)
+
+    def _issue(self, stream, a, w, bias, out, capturing: bool):
+        gather, engine = self.gather, self.engine
+        region = gather.claim(stream, capturing)
+        self.reduce_scatter._summed_into(stream, a, w, bias, region, capturing)
+        gather.stage(stream, region, capturing)   # claimed: nothing to copy
+        engine.fork(stream, capturing)
+        raw, base = engine.raw, out.data_ptr()
+        gather.ready(raw, capturing)
+        for offset, src, nbytes in self.copies:
+            memops.copy(raw, base + offset, src, nbytes)
+        gather.finish(raw)
+        engine.join_watched(stream, capturing, self.watched)
 
 
 class RegionGemms:

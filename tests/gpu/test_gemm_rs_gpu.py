@@ -112,6 +112,21 @@ def _check_shapes(rank, world, shapes, op):
                         if by_epilogue is None:
                             by_epilogue = summed
                         assert torch.equal(summed, by_epilogue), (s, k, n, "p2p", transfer, "differs from epilogue")
+            if op == "ar" and config.schedule == "row_slice":
+                # the p2p transport (P2PAllReduce): the p2p ReduceScatter's sum of each region, gathered by the copy
+                # engines: at t = 2 NCCL's bf16 a + b bit for bit (as gemm_rs above), at t > 2 the accuracy rule; both
+                # transfers and cuBLAS per region, each three times (the buffers reused)
+                for p2p in (OverlapConfig(method="signal", transport="p2p", rs_transfer="epilogue"),
+                            OverlapConfig(method="signal", transport="p2p", rs_transfer="copy"),
+                            OverlapConfig(method="decompose", transport="p2p")):
+                    for _ in range(3):
+                        poison_allocator()
+                        summed = run(a, w, group, config=p2p)
+                        assert torch.isfinite(summed).all(), (s, k, n, "ar p2p", p2p)
+                        if world == 2 and p2p.method == "signal":
+                            assert torch.equal(summed, got), (s, k, n, "ar p2p", p2p.rs_transfer)
+                        else:
+                            assert rel_error(summed, ref) <= baseline_error * 1.05 + 1e-4, (s, k, n, "ar p2p", p2p)
         decomposed = run(a, w, group, config=OverlapConfig(method="decompose", chunks=4))
         assert rel_error(decomposed, ref) <= baseline_error * 1.05 + 1e-4
         if op == "rs":   # cuBLAS per owner's region, stored into its receive slot (RegionGemms): both buffers' turns;
@@ -171,6 +186,13 @@ def _check_bias_and_back_to_back(rank, world):
         ar = [gemm_ar(a, w, group, config=config) for _ in range(50)]
         torch.cuda.synchronize()
         assert all(torch.equal(o, ar[0]) for o in ar)
+    # gemm_ar over p2p with a bias (added once, by each region's owner): 200 calls, no sync in between
+    ar_ref = gemm_ar(a, w, group, bias=bias, config=OverlapConfig(method="off"))
+    ar_p2p = [gemm_ar(a, w, group, bias=bias, config=OverlapConfig(method="signal", transport="p2p"))
+              for _ in range(200)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, ar_p2p[0]) for o in ar_p2p), "gemm_ar p2p results changed across calls"
+    assert rel_error(ar_p2p[0], ar_ref.float()) < 1e-2
 
 
 def test_bias_and_200_back_to_back_calls():
@@ -214,8 +236,6 @@ def _check_async_op(rank, world):
                OverlapConfig(method="decompose", transport="p2p", rs_transfer="copy")]
     for config in configs:
         for run in (gemm_rs, gemm_ar):
-            if run is gemm_ar and config.transport == "p2p":
-                continue
             expected = run(a, w, group, config=config)
             torch.cuda.synchronize()
             pending = run(a, w, group, config=config, async_op=True)

@@ -1,12 +1,12 @@
-"""Eager calls replayed from CUDA graphs (ops/replay.py) on all GPUs here (t = gpu_world()): gemm_rs and ag_gemm on
-the p2p transports, each plan against a twin plan of the same config that issues every call eagerly.
+"""Eager calls replayed from CUDA graphs (ops/replay.py) on all GPUs here (t = gpu_world()): gemm_rs, gemm_ar and
+ag_gemm on the p2p transports, each plan against a twin plan of the same config that issues every call eagerly.
 
 Checked with a few input buffers reused in turn (the addresses recur, as a training step's do) and fresh random data
 written into them before every call:
 - every call of the replaying plan equals its twin's bit for bit, across the first sighting (eager), the capture and
   the replays; graphs exist afterwards, one per address set;
 - a rank that replays next to a peer that issues eagerly (one protocol on the device words);
-- gemm_rs: an async_op call (eager) between replayed ones; ag_gemm: the gathered input returned by a replay, and a
+- gemm_rs / gemm_ar: an async_op call (eager) between replayed ones; ag_gemm: the gathered input returned by a replay, and a
   replay while the previous gathered input is still referenced is the eager path's RuntimeError.
 """
 import os
@@ -20,6 +20,7 @@ from gpu_checks import gpu_world, poison_allocator
 from overlap_tp import OverlapConfig
 from overlap_tp.ops import replay
 from overlap_tp.ops.ag_gemm import AgGemm
+from overlap_tp.ops.gemm_ar import GemmAR
 from overlap_tp.ops.gemm_rs import GemmRS
 
 pytestmark = pytest.mark.gpu
@@ -53,11 +54,11 @@ def fill(tensors, seed):
         x.copy_(torch.randn_like(x, dtype=torch.float32) / x.shape[-1] ** 0.25)
 
 
-def _check_gemm_rs(rank, world, replays_here):
+def _check_reductions(rank, world, cls, replays_here):
     poison_allocator()
     m, n, k = 1024 * world, 2048, 1024
-    for name, config in RS_CONFIGS.items():
-        plan, twin = twins(GemmRS, world, m, n, k, config)
+    for name, config in RS_CONFIGS.items():   # gemm_ar's p2p transport is gemm_rs's with a gather after it
+        plan, twin = twins(cls, world, m, n, k, config)
         graphs = plan.p2p.graphs
         assert graphs is not None and twin.p2p.graphs is None, name
         if not replays_here(rank):
@@ -120,7 +121,12 @@ def _check_ag_gemm(rank, world, replays_here):
 
 @pytest.mark.parametrize("who", ["every rank", "rank 0 only"])
 def test_gemm_rs_replays_equal_eager_calls(who):
-    run_distributed(gpu_world(), _check_gemm_rs, _replays_here(who), backend="nccl")
+    run_distributed(gpu_world(), _check_reductions, GemmRS, _replays_here(who), backend="nccl")
+
+
+@pytest.mark.parametrize("who", ["every rank", "rank 0 only"])
+def test_gemm_ar_replays_equal_eager_calls(who):
+    run_distributed(gpu_world(), _check_reductions, GemmAR, _replays_here(who), backend="nccl")
 
 
 @pytest.mark.parametrize("who", ["every rank", "rank 0 only"])

@@ -118,7 +118,7 @@ def test_layers_receive_the_config():
     patch.apply(fake_args(overlap_tp_transport="p2p"), log=quiet)
     assert layers.get_default_overlap_config("gemm_rs").transport == "p2p"
     assert layers.get_default_overlap_config("ag_gemm").transport == "p2p"
-    assert layers.get_default_overlap_config("gemm_ar").transport == "nccl"  # p2p is RS/AG only
+    assert layers.get_default_overlap_config("gemm_ar").transport == "nccl"  # the flags keep gemm_ar on NCCL
     # --overlap-tp-comm-sms 8: the AllGather's pulls get 8 SMs, the p2p ReduceScatter's GEMM every SM, NCCL's 8 CTAs
     assert [layers.get_default_overlap_config(op).comm_sms for op in ("ag_gemm", "gemm_rs", "gemm_ar")] == [8, 0, 8]
     patch.apply(fake_args(overlap_tp_transport="auto"), log=quiet)   # the flag's default

@@ -84,8 +84,8 @@ def _check_bad_input(rank, world):
         (lambda: gemm_rs(a, w, config=OverlapConfig(method="signal", groups=(1, 1, 1), **SMALL_TILES)), "sum to"),
         (lambda: gemm_rs(a, w, config=OverlapConfig(method="signal", transport="p2p")), "needs CUDA tensors"),
         (lambda: gemm_rs(a, w, config=OverlapConfig(method="decompose", transport="p2p")), "needs CUDA tensors"),
-        (lambda: gemm_ar(a, w, config=OverlapConfig(method="signal", transport="p2p")), "gemm_rs and ag_gemm only"),
-        (lambda: gemm_ar(a, w, config=OverlapConfig(method="decompose", transport="p2p")), "gemm_rs and ag_gemm only"),
+        (lambda: gemm_ar(a, w, config=OverlapConfig(method="signal", transport="p2p")), "needs CUDA tensors"),
+        (lambda: gemm_ar(a, w, config=OverlapConfig(method="decompose", transport="p2p")), "needs CUDA tensors"),
     ]
     assert_each_raises(cases)
     # method='auto' (the default config) runs the named 'off' path on CPU, with a warning saying why. Its

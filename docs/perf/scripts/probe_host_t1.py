@@ -49,7 +49,8 @@ CUBLAS_P2P = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # 
 # (op, M, N, K, config): l8b.proj GEMM+RS (p2p, nccl, cuBLAS over p2p), l8b.qkv AllGather+GEMM (p2p, cuBLAS over
 # p2p), l8b.proj GEMM+AllReduce at s 8192 (shards at TP 2)
 CASES = [("rs", 8192, 4096, 2048, P2P), ("rs", 8192, 4096, 2048, NCCL), ("ag", 8192, 3072, 4096, P2P),
-         ("ar", 8192, 4096, 2048, NCCL), ("rs", 8192, 4096, 2048, CUBLAS_P2P), ("ag", 8192, 3072, 4096, CUBLAS_P2P)]
+         ("ar", 8192, 4096, 2048, NCCL), ("rs", 8192, 4096, 2048, CUBLAS_P2P), ("ag", 8192, 3072, 4096, CUBLAS_P2P),
+         ("ar", 8192, 4096, 2048, P2P)]   # the last: gemm_ar's p2p transport (session 41)
 NAMES = {id(P2P): "p2p", id(NCCL): "nccl", id(CUBLAS_P2P): "cublas-p2p"}
 if ONE_GPU:
     CASES = [case for case in CASES if case[4].transport == "p2p"]
