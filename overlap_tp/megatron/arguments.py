@@ -486,10 +486,10 @@ def overlap_config_kwargs(args):
 def layer_configs(args):
     """The dense layers' OverlapConfig per op kind ("ag_gemm", "gemm_rs", "gemm_ar") from the flags.
     gemm_ar runs nccl (its p2p transport, ops/p2p.py P2PAllReduce, is not yet measured in layers). With
-    --overlap-tp-transport auto and --overlap-tp signal or decompose, ag_gemm pulls the peers' rows with the copy engines and gemm_rs
-    stores its partials into the owners' buffers from the GEMM's epilogue (signal) or cuBLAS's (decompose: one GEMM
-    per owner's region), both p2p with their GEMMs on every SM (comm_sms 0: nothing runs next to them), while gemm_ar
-    runs nccl with --overlap-tp-comm-sms. Measured under graphs at t = 2 (docs/perf/s20/README.md): cuBLAS over p2p
+    --overlap-tp-transport auto and --overlap-tp signal or decompose, ag_gemm pulls the peers' rows with the copy
+    engines and gemm_rs stores its partials into the owners' buffers from the GEMM's epilogue (signal) or cuBLAS's
+    (decompose: one GEMM per owner's region), both p2p with their GEMMs on every SM (comm_sms 0: nothing runs next to
+    them), while gemm_ar runs nccl with --overlap-tp-comm-sms. Measured under graphs at t = 2 (docs/perf/s20/README.md): cuBLAS over p2p
     beat cuBLAS chunks over NCCL on all 8 public s 8192 shapes. On CPU tensors (gloo) the p2p transports do not
     exist: use --overlap-tp-transport nccl there."""
     config = OverlapConfig(**overlap_config_kwargs(args))

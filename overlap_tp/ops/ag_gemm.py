@@ -320,13 +320,18 @@ class AgGemm(OpPlan):
         return gathered
 
     def _pulled_replayed(self, a_shard, w, bias, out):
-        """_pulled, eagerly replayed from the graph of the operands' addresses where it has one (ops/replay.py): not
-        under a capture, and not where the stage would find a claimed region (OwnGather: host state of its own)."""
+        """_pulled, eagerly replayed from the graph of the operands' addresses where it has one (ops/replay.py), the
+        key also saying whether the stage finds our region claimed (OwnGather: the producer wrote the shard in place,
+        and the stage waits for nothing)."""
         gather = self.gather
-        if self.engine.capturing() or not gather.unclaimed_and_free() or not self.graphs.replayed(
-                (a_shard.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(), 0 if bias is None else bias.data_ptr()),
-                self._pulled, a_shard, w, bias, out):
+        if self.engine.capturing():
             return self._pulled(a_shard, w, bias, out)
+        claimed = gather.claim_in_force()
+        if not self.graphs.replayed((claimed, a_shard.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(),
+                                     0 if bias is None else bias.data_ptr()), self._pulled, a_shard, w, bias, out):
+            return self._pulled(a_shard, w, bias, out)
+        if claimed:
+            gather.claimed = None   # the claim is used up, as the stage a replay stands for leaves it
         self.watched.record(self.engine.current())
         return gather.gathered()
 

@@ -129,8 +129,8 @@ class OpPlan:
         config = config or self.config
         p2p_decompose = config.method == "decompose" and config.transport == "p2p"
         how = config.method + (f"/{config.transport}" if config.method == "signal" or p2p_decompose else "")
-        if self.op in ("gemm_rs", "gemm_ar") and config.method in ("signal", "decompose") and config.transport == "p2p" and \
-                config.rs_transfer == "copy":
+        if (self.op in ("gemm_rs", "gemm_ar") and config.method in ("signal", "decompose")
+                and config.transport == "p2p" and config.rs_transfer == "copy"):
             how += "/copy"   # the copy engines push the partials (OverlapConfig.rs_transfer)
         return f"{self.op}(M={self.m}, N={self.n}, K={self.k}, t={self.t}, {how})"
 

@@ -4,7 +4,7 @@ Per op:
   rs (gemm_rs), ar (gemm_ar)
       off; decompose with chunks in {2, 4, 8} x comm_sms in {0, 16}; signal/nccl with schedule in
       {row_slice, tile_exact} x comm_sms in {0, 8, 16} x group partitions; signal/p2p and decompose/p2p
-      (rs only: no groups or chunks, comm_sms 0; CUDA only).
+      (no groups or chunks, comm_sms 0; CUDA only; ar's measured end to end, ar_p2p).
   ag (ag_gemm)
       off; decompose as above, and over p2p with chunks in {1, 2, 4} (CUDA only); signal with transport
       nccl (comm_sms in {8, 16}: a GEMM that spins on a chunk's flag on every SM would starve NCCL) or p2p
@@ -273,12 +273,13 @@ def measured_only(shape: Shape, fix) -> List[OverlapConfig]:
     """The candidates with no model, which measure.end_to_end times (predict returns None for them): cuBLAS over
     p2p, the AllGather's pulls on SMs and, at t > 2, its pulls one peer per chunk and the ReduceScatter's other
     transfer of each GEMM."""
-    return decompose_p2p(shape, fix) + sm_pulls(shape, fix) + peer_pulls(shape, fix) + rs_transfers(shape, fix)
+    return (decompose_p2p(shape, fix) + sm_pulls(shape, fix) + peer_pulls(shape, fix) + rs_transfers(shape, fix)
+            + ar_p2p(shape, fix))
 
 
 def decompose_p2p(shape: Shape, fix) -> List[OverlapConfig]:
     """cuBLAS over the p2p transports (measured end to end: no model): gemm_rs one GEMM per region, ag_gemm the
-    pulls in DECOMPOSE_P2P_CHUNKS chunks; gemm_ar has no p2p transport."""
+    pulls in DECOMPOSE_P2P_CHUNKS chunks (gemm_ar's: ar_p2p)."""
     chunks = {"rs": (1,), "ag": DECOMPOSE_P2P_CHUNKS}.get(shape.op, ())
     return [OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=c, **fix) for c in chunks]
 
@@ -308,6 +309,17 @@ def rs_transfers(shape: Shape, fix) -> List[OverlapConfig]:
         return []
     return [OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue", **fix),
             OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=1, rs_transfer="copy", **fix)]
+
+
+def ar_p2p(shape: Shape, fix) -> List[OverlapConfig]:
+    """gemm_ar over p2p (ops/p2p.py P2PAllReduce: the p2p ReduceScatter, then the copy engines' pulls of the summed
+    regions), with the signaled GEMM's epilogue stores and with cuBLAS per region: measured end to end (no model);
+    none for the other ops. Session 41 at t = 2: 0.370 ms against the NCCL signal's 0.470 at l8b.proj s 8192, slower
+    at l70b.proj (1.06 against 1.01)."""
+    if shape.op != "ar":
+        return []
+    return [OverlapConfig(method="signal", transport="p2p", comm_sms=0, **fix),
+            OverlapConfig(method="decompose", transport="p2p", comm_sms=0, chunks=1, **fix)]
 
 
 def space_size(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig()) -> Dict[str, int]:

@@ -295,7 +295,7 @@ def predict(shape: Shape, config: OverlapConfig, meas: Measurements, progress: s
         return _decompose(shape, config, meas)
     if config.method != "signal":
         raise ValueError(f"cannot predict method={config.method!r}")
-    if shape.op == "rs" and config.transport == "p2p":
+    if shape.op in ("rs", "ar") and config.transport == "p2p":
         return None   # no collective to model: measured end to end only
     if shape.op == "ag" and config.transport == "p2p" and config.comm_sms:
         return None   # the pulls on SMs, handshakes inside their kernel: measured end to end only (candidates.sm_pulls)

@@ -6,8 +6,10 @@ written into them before every call:
 - every call of the replaying plan equals its twin's bit for bit, across the first sighting (eager), the capture and
   the replays; graphs exist afterwards, one per address set;
 - a rank that replays next to a peer that issues eagerly (one protocol on the device words);
-- gemm_rs / gemm_ar: an async_op call (eager) between replayed ones; ag_gemm: the gathered input returned by a replay, and a
-  replay while the previous gathered input is still referenced is the eager path's RuntimeError.
+- gemm_rs / gemm_ar: an async_op call (eager) between replayed ones; ag_gemm: the gathered input returned by a
+  replay, and a replay while the previous gathered input is still referenced is the eager path's RuntimeError; a
+  layer's own gathered buffer (OwnGather) whose region the producer claimed and wrote (the stage waits for nothing and
+  copies nothing), or claimed and then handed another tensor (the stage copies it).
 """
 import os
 
@@ -19,7 +21,7 @@ from distributed import run_distributed
 from gpu_checks import gpu_world, poison_allocator
 from overlap_tp import OverlapConfig
 from overlap_tp.ops import replay
-from overlap_tp.ops.ag_gemm import AgGemm
+from overlap_tp.ops.ag_gemm import AgGemm, OwnGather
 from overlap_tp.ops.gemm_ar import GemmAR
 from overlap_tp.ops.gemm_rs import GemmRS
 
@@ -66,7 +68,7 @@ def _check_reductions(rank, world, cls, replays_here):
         inputs = [(torch.empty(m, k, dtype=torch.bfloat16, device="cuda"),
                    torch.empty(n, k, dtype=torch.bfloat16, device="cuda"),
                    torch.empty(n, dtype=torch.bfloat16, device="cuda")) for _ in range(BUFFERS)]
-        outs = []   # some outputs kept: their addresses are not reused, so the outputs' addresses vary (the key has out's)
+        outs = []   # some outputs kept, so that the outputs' addresses vary (the key has out's)
         for call in range(ROUNDS * BUFFERS):
             a, w, bias = inputs[call % BUFFERS]
             fill((a, w, bias), 100 * call + rank)
@@ -117,6 +119,47 @@ def _check_ag_gemm(rank, world, replays_here):
         del held
         torch.cuda.synchronize()
         dist.barrier()
+
+
+def _check_own_gather(rank, world, replays_here):
+    poison_allocator()
+    m, n, k = 1024, 3072, 1024
+    config = AG_CONFIGS["p2p"]
+    _, twin = twins(AgGemm, world, m, n, k, config)
+    own = OwnGather(dist.group.WORLD, m, k, torch.bfloat16, torch.device("cuda", rank))
+    inputs = [(torch.empty(m, k, dtype=torch.bfloat16, device="cuda"),
+               torch.empty(n, k, dtype=torch.bfloat16, device="cuda")) for _ in range(BUFFERS)]
+    for call in range(ROUNDS * BUFFERS):
+        a, w = inputs[call % BUFFERS]
+        fill((a, w), 100 * call + rank)
+        region = own.claim()
+        if call % 4 == 3:   # claimed, then handed another tensor: the stage copies it
+            shard = a
+        else:               # the producer writes the shard in place: nothing staged
+            region.copy_(a)
+            shard = region
+        if call == 0 and not replays_here(rank):   # this rank's plan issues eagerly beside a peer that replays
+            os.environ[replay.ENV] = "0"
+        got, gathered = own.ag_gemm(shard, w, None, config)
+        os.environ.pop(replay.ENV, None)
+        gathered_now = gathered.clone()
+        del gathered, region, shard
+        want, want_gathered = twin(a, w, return_gathered=True)
+        assert torch.equal(got, want), call
+        assert torch.equal(gathered_now, want_gathered), call
+        del want_gathered
+    plan = next(iter(own._plans.values()))
+    if replays_here(rank):
+        assert len(plan.graphs.graphs) >= 1
+    else:
+        assert not hasattr(plan, "graphs")
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+@pytest.mark.parametrize("who", ["every rank", "rank 0 only"])
+def test_own_gather_replays_equal_eager_calls(who):
+    run_distributed(gpu_world(), _check_own_gather, _replays_here(who), backend="nccl")
 
 
 @pytest.mark.parametrize("who", ["every rank", "rank 0 only"])

@@ -31,7 +31,7 @@ def test_first_sighting_eager_second_captured_then_replayed():
     graphs, issued = StandIn(), []
     outcomes = [graphs.replayed(key, issued.append, key) for key in ("a", "b", "a", "a", "b", "c", "b")]
     assert outcomes == [False, False, True, True, True, False, True]
-    assert graphs.captured == [("graph", ("a",)), ("graph", ("b",))]          # each key captured once, at its second call
+    assert graphs.captured == [("graph", ("a",)), ("graph", ("b",))]   # each key once, at its second call
     assert issued == ["a", "b"]                                            # the calls the captures issued
     # in call order: a's second (captured, then launched at once) and third, b's second and third
     assert graphs.launched == [("graph", ("a",))] * 2 + [("graph", ("b",))] * 2

@@ -139,8 +139,10 @@ def test_candidates_counts_and_validity():
             if c.method == "decompose" and c.transport == "p2p"] == ["auto"]
     rs2 = [c for c in candidates(Shape("rs", 8192, 4096, 2048, 2), 132) if c.method == "signal" and c.transport == "p2p"]
     assert [c.rs_transfer for c in rs2] == ["auto"]
-    # gemm_ar has no p2p transport
-    assert not [c for c in candidates(Shape("ar", 8192, 4096, 2048, 2), 132) if c.transport == "p2p"]
+    # gemm_ar's p2p transport: the signaled GEMM and cuBLAS per region, measured end to end
+    ar_p2p = [c for c in candidates(Shape("ar", 8192, 4096, 2048, 2), 132) if c.transport == "p2p"]
+    assert sorted(label(c) for c in ar_p2p) == ["decompose-p2p/c1", "p2p/sm0"]
+    assert all(predict(Shape("ar", 8192, 4096, 2048, 2), c, meas) is None for c in ar_p2p)
     assert all(c.schedule == "row_slice" for c in ag)
 
 
