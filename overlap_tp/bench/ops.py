@@ -55,6 +55,9 @@ def parse_args(argv):
     p.add_argument("--host", action="store_true",
                    help="also measure ours' host time per call (GPU held busy): through a prebuilt plan and the "
                         "functional API, in a run of calls (tune.timing.enqueue_us), and one call alone")
+    p.add_argument("--host-config", choices=("ours", "p2p"), default="ours",
+                   help="the config --host times: ours (what the Megatron layers run: gemm_ar on NCCL) or p2p (the "
+                        "signaled GEMM on the p2p transports for all three ops, gemm_ar's too)")
     p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="gemm_rs_ar", help="report file name (without extension)")
     return p.parse_args(argv)
@@ -189,10 +192,12 @@ def bench_shape(op, name, m, k, n, args, group):
     row["ours"] = variants.pop("ours")
     row["S"] = row["seq"] / row["ours"]
     if args.host:
-        ours = ours_variants(op, False)["ours"]
-        plan = {"rs": GemmRS, "ar": GemmAR, "ag": AgGemm}[op](group, a_rows, n, k, torch.bfloat16, sets[0][0].device, ours)
+        hosted = ours_variants(op, False)["ours"] if args.host_config == "ours" else \
+            OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+        plan = {"rs": GemmRS, "ar": GemmAR, "ag": AgGemm}[op](group, a_rows, n, k, torch.bfloat16, sets[0][0].device,
+                                                               hosted)
         row["host_plan_us"] = enqueue_us(lambda a, w: plan(a, w), sets, group)
-        row["host_api_us"] = enqueue_us(lambda a, w: run(a, w, group, config=ours), sets, group)
+        row["host_api_us"] = enqueue_us(lambda a, w: run(a, w, group, config=hosted), sets, group)
         row["host_seq_us"] = enqueue_us(lambda a, w: run(a, w, group, config=off), sets, group)
         row["host_first_us"] = 1e3 * queued_ms(lambda a, w: plan(a, w), sets, group, rounds=20)[0]
     row["pct_ideal"] = 100 * (row["S"] - 1) / (row["S_ideal"] - 1) if row["S_ideal"] > 1.001 else None
@@ -283,8 +288,9 @@ def main(argv):
         notes = (f"Signaled GEMM without communication vs cuBLAS, median over rows: {sgemm:.3f}.\n"
                  f"Times in ms (median of calls, slowest rank; {mode}). S = seq / ours; %ideal = (S-1)/(S_ideal-1); "
                  "FO bound = FlashOverlap's theoretical bound. host us: the host's time per call in a run of calls "
-                 "with the GPU held busy (enqueue_us: 24 calls timed after 8), ours' default config through a "
-                 "prebuilt plan, through the functional API (a cached plan), and seq (method 'off'); first call: "
+                 "with the GPU held busy (enqueue_us: 24 calls timed after 8), "
+                 + ("ours' default config" if args.host_config == "ours" else "the signaled p2p transport") +
+                 " through a prebuilt plan, through the functional API (a cached plan), and seq (method 'off'); first call: "
                  "one call alone after a synchronize (queued_ms).")
         command = f"torchrun --nproc-per-node {dist.get_world_size()} -m overlap_tp.bench ops " + " ".join(argv)
         report.write(args.out, args.name, "GEMM+ReduceScatter / GEMM+AllReduce / AllGather+GEMM, t = %d"
