@@ -35,6 +35,7 @@ import warnings
 from overlap_tp.ops.config import CHUNK_BY, EXPERT_OP_DEFAULTS, METHODS, RS_TRANSFERS, TRANSPORTS, OverlapConfig
 
 MOE_TRANSPORTS = ("nccl", "p2p")   # --overlap-moe-transport
+from overlap_tp.ops import replay
 from overlap_tp.ops.watchdog import timeout_from_env
 
 GROUP_TITLE = "overlap_tp"
@@ -213,8 +214,8 @@ def tune_cache_path(args):
 
 def validate_overlap_env(args=None):
     """Check the OVERLAP_TP_* overrides in os.environ (and the tune cache location `args` gives, if any);
-    raise OverlapArgumentError with a one-line message naming the variable. The watchdog's variable is
-    parsed by the watchdog's own reader, so what passes here is what the ops will accept."""
+    raise OverlapArgumentError with a one-line message naming the variable. The watchdog's and the eager replays'
+    variables are parsed by their own readers, so what passes here is what the ops will accept."""
     raw = os.environ.get(PEAK_TFLOPS_ENV)
     if raw:   # empty = unset, as overlap_tp.training.throughput.peak_tflops reads it
         try:
@@ -226,6 +227,7 @@ def validate_overlap_env(args=None):
                                        "TFLOP/s the logged MFU divides by)")
     try:
         timeout_from_env()
+        replay.from_env()
     except ValueError as error:
         raise OverlapArgumentError(str(error)) from None
     from overlap_tp.tune.cache import location_problem

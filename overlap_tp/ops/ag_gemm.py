@@ -111,7 +111,7 @@ class AgGemm(OpPlan):
                 self._pull_into_gather_buffer()
                 self._run = self._pulled
                 if replay.enabled(device):   # eager calls replayed from graphs (ops/replay.py)
-                    self.graphs = replay.CallGraphs(device, self.describe())
+                    self.graphs = replay.CallGraphs(device, self.watched)
                     self._run = self._pulled_replayed
                 if config.comm_sms > 0:   # one kernel on the SMs the GEMM's grid leaves free, handshakes included
                     self.puller = self.gather.signaled_pull(config.comm_sms, self.chunks, self.flags, self.describe())
@@ -323,16 +323,15 @@ class AgGemm(OpPlan):
         """_pulled, eagerly replayed from the graph of the operands' addresses where it has one (ops/replay.py), the
         key also saying whether the stage finds our region claimed (OwnGather: the producer wrote the shard in place,
         and the stage waits for nothing)."""
-        gather = self.gather
-        if self.engine.capturing():
+        gather, engine = self.gather, self.engine
+        if engine.capturing():
             return self._pulled(a_shard, w, bias, out)
         claimed = gather.claim_in_force()
-        if not self.graphs.replayed((claimed, a_shard.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(),
-                                     0 if bias is None else bias.data_ptr()), self._pulled, a_shard, w, bias, out):
+        if not self.graphs.replayed((claimed,) + replay.operands_key(a_shard, w, out, bias), engine.current(),
+                                    self._pulled, a_shard, w, bias, out):
             return self._pulled(a_shard, w, bias, out)
         if claimed:
             gather.claimed = None   # the claim is used up, as the stage a replay stands for leaves it
-        self.watched.record(self.engine.current())
         return gather.gathered()
 
     def _pulled_transfers(self, a_shard):

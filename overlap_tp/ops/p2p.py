@@ -73,11 +73,12 @@ class P2PReduceScatter:
 
     SUMMED, ARRIVED = 0, 1
 
-    def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched, instance=0):
+    def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched, instance=0, replays=True):
         """config.method 'signal': the signaled GEMM stores the tiles (programs: its grid); 'decompose': cuBLAS
         (RegionGemms). config.rs_transfer (resolved: 'epilogue' or 'copy') says whether the GEMMs store into the
         owners' buffers or the copy engines push what they stored locally (_build_pushes, push_half). instance: the
-        plan's (OpPlan.instance), whose comm stream the pushes run on."""
+        plan's (OpPlan.instance), whose comm stream the pushes run on. replays: summed's eager calls replayed from
+        graphs (P2PAllReduce, which replays its whole call, passes False)."""
         from torch.distributed import _symmetric_memory as symm_mem
         self.t, self.m_local, self.n, self.watched, self.instance = t, m // t, n, watched, instance
         self.buf = symmetric.empty(t * self.m_local, n, dtype=dtype, device=device, kind="reduce-scatter slots")
@@ -115,7 +116,7 @@ class P2PReduceScatter:
         self.device_index = device.index
         self.outstanding = None   # "eager" / "capture": a call whose second half (its DeferredSum) has not run
         # summed's eager calls replayed from graphs (ops/replay.py); None: issued one by one
-        self.graphs = replay.CallGraphs(device, watched.describe) if replay.enabled(device) else None
+        self.graphs = replay.CallGraphs(device, watched) if replays and replay.enabled(device) else None
         watched.words = (("peer signals [SUMMED, ARRIVED] x rank", self.signals.words),)
         if self.copy and self.regions is None:
             watched.words += (("push group counters", self.waits.counters),)
@@ -194,18 +195,11 @@ class P2PReduceScatter:
         operands' addresses where it has one (ops/replay.py)."""
         capturing, stream = self._begin()
         out = torch.empty(self.m_local, self.n, dtype=self.buf.dtype, device=self.buf.device)
-        graphs = self.graphs
-        if graphs is not None and not capturing and graphs.replayed(
-                (a.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(), 0 if bias is None else bias.data_ptr()),
-                self._captured_summed, a, w, bias, out):
-            self.watched.record(stream)
-            return out
-        self._summed_into(stream, a, w, bias, out, capturing)
+        if self.graphs is None:
+            self._summed_into(stream, a, w, bias, out, capturing)
+        else:
+            self.graphs.call(self._summed_into, stream, capturing, a, w, bias, out)
         return out
-
-    def _captured_summed(self, a, w, bias, out):
-        """summed's operations into `out`, issued under a capture (CallGraphs.capture)."""
-        self._summed_into(torch._C._cuda_getCurrentRawStream(self.device_index), a, w, bias, out, True)
 
     def _summed_into(self, stream, a, w, bias, out, capturing: bool):
         reduce = self._summing(out, capturing)
@@ -324,7 +318,8 @@ class P2PAllReduce:
     (P2PReduceScatter's bias rows), so once into every row of the output."""
 
     def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched, instance=0):
-        self.reduce_scatter = P2PReduceScatter(group, rank, t, m, n, dtype, device, config, programs, watched, instance)
+        self.reduce_scatter = P2PReduceScatter(group, rank, t, m, n, dtype, device, config, programs, watched, instance,
+                                               replays=False)
         self.gather = gather = GatherBuffer(group, rank, t, m // t, n, dtype, device, watched.describe,
                                             memory_kind="all-reduce regions")
         self.m, self.n, self.dtype, self.device, self.watched = m, n, dtype, device, watched
@@ -334,24 +329,17 @@ class P2PAllReduce:
         self.own_copy = (rank * gather.region_bytes, gather.own[rank], gather.region_bytes)
         watched.words += (("peer signals [PULLED, READY] x rank", gather.signals.words),)
         # eager calls replayed from graphs (ops/replay.py); None: issued one by one
-        self.graphs = replay.CallGraphs(device, watched.describe) if replay.enabled(device) else None
+        self.graphs = replay.CallGraphs(device, watched) if replay.enabled(device) else None
 
     def __call__(self, a, w, bias) -> torch.Tensor:
         """The whole call on the caller's stream and its comm stream, joined: the all-reduced [M, N]."""
         capturing, stream = self.reduce_scatter._begin()
         out = torch.empty(self.m, self.n, dtype=self.dtype, device=self.device)
-        graphs = self.graphs
-        if graphs is not None and not capturing and graphs.replayed(
-                (a.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(), 0 if bias is None else bias.data_ptr()),
-                self._captured, a, w, bias, out):
-            self.watched.record(stream)
-            return out
-        self._issue(stream, a, w, bias, out, capturing)
+        if self.graphs is None:
+            self._issue(stream, a, w, bias, out, capturing)
+        else:
+            self.graphs.call(self._issue, stream, capturing, a, w, bias, out)
         return out
-
-    def _captured(self, a, w, bias, out):
-        """The call's operations into `out`, issued under a capture (CallGraphs.capture)."""
-        self._issue(torch._C._cuda_getCurrentRawStream(self.device.index), a, w, bias, out, True)
 
     def _issue(self, stream, a, w, bias, out, capturing: bool):
         gather, engine = self.gather, self.engine

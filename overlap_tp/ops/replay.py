@@ -31,26 +31,43 @@ MAX_GRAPHS = 128   # graphs per plan: each is a few kilobytes of driver state, n
 MAX_SEEN = 4096    # first-seen keys remembered per plan (forgotten all at once past this)
 
 
+def from_env() -> bool:
+    """OVERLAP_TP_EAGER_GRAPHS: 1, empty or unset (the default) replays, 0 issues every call one by one; another value
+    is a ValueError (megatron.arguments.validate_overlap_env raises it at start)."""
+    raw = os.environ.get(ENV, "")
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{ENV}={raw!r}: expected 1 (eager calls replayed from CUDA graphs, the default) or 0 "
+                         f"(each call's operations issued one by one)")
+    return raw != "0"
+
+
 def enabled(device: torch.device) -> bool:
-    """Whether a plan on `device` replays its eager calls (CUDA, and not turned off by OVERLAP_TP_EAGER_GRAPHS=0)."""
-    return device.type == "cuda" and os.environ.get(ENV, "1") != "0"
+    """Whether a plan on `device` replays its eager calls: CUDA, and not turned off (from_env)."""
+    return device.type == "cuda" and from_env()
+
+
+def operands_key(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias) -> tuple:
+    """What a dense plan's call issues depends on at the plan's fixed shape: the operands' addresses and w's layout."""
+    return a.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(), 0 if bias is None else bias.data_ptr()
 
 
 class CallGraphs:
-    """One plan's captured calls, by key (the operands' addresses and w's layout)."""
+    """One plan's captured calls, by key (operands_key, and whatever else the plan's call depends on)."""
 
-    def __init__(self, device: torch.device, describe: str):
-        self.device, self.describe = device, describe
+    def __init__(self, device: torch.device, watched):
+        """watched: the plan's Watched, whose event a launch records behind the graph."""
+        self.device, self.watched, self.describe = device, watched, watched.describe
         self.graphs = {}
         self._seen = set()
         self._stream = None   # the side stream captures run on, made at the first capture
         self._pool = None     # one memory pool for the plan's graphs (nothing is allocated inside them)
         self._full = False
 
-    def replayed(self, key, call, *args) -> bool:
-        """Launch key's graph on the current stream, capturing call(*args) into it first at the key's second
-        sighting. False: the caller issues the call eagerly itself (the key's first sighting, or no room for more
-        graphs). call issues the plan's call on the current stream, as under any capture."""
+    def replayed(self, key, stream: int, call, *args) -> bool:
+        """Launch key's graph on `stream` (the current one), capturing call(*args) into it first at the key's second
+        sighting, and record the plan's watched event behind it. False: the caller issues the call eagerly itself
+        (the key's first sighting, or no room for more graphs). call issues the plan's call on the current stream,
+        as under any capture."""
         graph = self.graphs.get(key)
         if graph is None:
             if key not in self._seen or len(self.graphs) >= MAX_GRAPHS:
@@ -58,7 +75,18 @@ class CallGraphs:
                 return False
             graph = self.graphs[key] = self.capture(call, args)
         self.launch(graph)
+        self.watched.record(stream)
         return True
+
+    def call(self, issue, stream: int, capturing: bool, a, w, bias, out):
+        """A dense plan's call into `out`: issue(stream, a, w, bias, out, capturing) issues it; eagerly the graph of
+        its operands_key is launched instead where there is one (replayed)."""
+        if capturing or not self.replayed(operands_key(a, w, out, bias), stream, self._issue_captured, issue,
+                                          a, w, bias, out):
+            issue(stream, a, w, bias, out, capturing)
+
+    def _issue_captured(self, issue, a, w, bias, out):
+        issue(torch._C._cuda_getCurrentRawStream(self.device.index), a, w, bias, out, True)
 
     def _first_sighting(self, key):
         if len(self.graphs) >= MAX_GRAPHS:

@@ -13,6 +13,7 @@ from overlap_tp.megatron.arguments import (PEAK_TFLOPS_ENV, TUNE_CACHE_ENV, Over
                                            overlap_config_kwargs, tune_cache_path, validate_overlap_args,
                                            validate_overlap_env)
 from overlap_tp.megatron_patches.apply import SPEC
+from overlap_tp.ops import replay
 from overlap_tp.ops.watchdog import WATCHDOG_ENV
 
 
@@ -355,6 +356,8 @@ def test_env_names_are_the_readers_names():
     (WATCHDOG_ENV, "nan", "expected a number of seconds >= 0"),
     (WATCHDOG_ENV, "5s", "expected a number of seconds >= 0"),
     (WATCHDOG_ENV, "", "expected a number of seconds >= 0"),   # the watchdog's reader refuses it too
+    (replay.ENV, "off", "OVERLAP_TP_EAGER_GRAPHS='off': expected 1"),
+    (replay.ENV, "2", "expected 1 .* or 0"),
 ])
 def test_bad_env_overrides_stop_the_run_at_start(monkeypatch, name, value, match):
     monkeypatch.setenv(name, value)
@@ -365,7 +368,8 @@ def test_bad_env_overrides_stop_the_run_at_start(monkeypatch, name, value, match
 
 
 def test_good_env_overrides_pass(monkeypatch, tmp_path):
-    for name, value in ((PEAK_TFLOPS_ENV, "756.5"), (WATCHDOG_ENV, "0"), (TUNE_CACHE_ENV, str(tmp_path / "a/b.json"))):
+    for name, value in ((PEAK_TFLOPS_ENV, "756.5"), (WATCHDOG_ENV, "0"), (TUNE_CACHE_ENV, str(tmp_path / "a/b.json")),
+                        (replay.ENV, "0")):
         monkeypatch.setenv(name, value)
     validate_overlap_args(megatron_like(), warn=None)
     monkeypatch.setenv(PEAK_TFLOPS_ENV, "")    # empty = unset, as the MFU reads it
