@@ -8,16 +8,17 @@ when the plan was built. A graph captured for a key therefore issues what every 
 the plan's captured path, the one a call inside the user's own CUDA graph runs (Megatron's --cuda-graph-impl local),
 which waits on the same device words for the same values as the eager path: a rank that replays and a peer that
 issues eagerly follow one protocol. What an eager call checks on the host on its way (a previous call still
-outstanding, a gathered buffer still referenced, a claimed region) the plan checks before it replays, and a call that
-the graph does not cover (async_op, a claimed region) runs eagerly. After a replay the plan records its watched event
-behind it, so the watchdog watches the replay as it watches an eager call.
+outstanding, a gathered buffer still referenced) the plan checks before it replays; host state that changes what a
+call issues (ag_gemm: whether a norm claimed our region and wrote the shard in place) is part of the key; calls whose
+second half runs later (async_op, a sum deferred into a norm, the split AllGather) issue eagerly. The plan's watched
+event is recorded behind every launch, so the watchdog watches a replay as it watches an eager call.
 
 When. A key's first call runs eagerly: it compiles and binds what it meets for the first time. The second is captured
 on a side stream (thread-local capture mode, so other threads' CUDA calls are unaffected; nothing is allocated inside:
 the plan allocated the output before) and replayed; later ones replay. At most MAX_GRAPHS keys per plan get a graph;
-calls with other keys then run eagerly, after one warning. A call keeps the plan's graphs alive as long as the plan.
+calls with other keys then run eagerly, after one warning. The graphs live as long as their plan.
 
-Which plans. The p2p transports' signaled calls (gemm_rs summed at once, ag_gemm): no NCCL inside. NCCL's captured
+Which plans. The p2p transports' (gemm_rs summed at once, gemm_ar, ag_gemm's signaled calls): no NCCL inside. NCCL's captured
 collectives may register their buffers with the peers at capture, which a peer issuing the same collective eagerly
 would not match, so the NCCL transports issue eagerly. OVERLAP_TP_EAGER_GRAPHS=0 turns replays off (each call issues
 its operations one by one, as before)."""
@@ -27,7 +28,7 @@ import warnings
 import torch
 
 ENV = "OVERLAP_TP_EAGER_GRAPHS"
-MAX_GRAPHS = 128   # graphs per plan: each is a few kilobytes of driver state, no tensor memory
+MAX_GRAPHS = 128   # graphs per plan: driver state only (nothing is allocated inside a capture)
 MAX_SEEN = 4096    # first-seen keys remembered per plan (forgotten all at once past this)
 
 
