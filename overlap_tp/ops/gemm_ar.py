@@ -37,11 +37,11 @@ class GemmAR(OpPlan):
         config, device, t = self.config, self.device, self.t
         self.p2p = None   # the p2p transport's state (a call tests for it, not for the method and transport)
         if self.method in ("signal", "decompose") and config.transport == "p2p":
-            if device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
-                raise ValueError("gemm_ar: transport='p2p' needs CUDA tensors (symmetric memory)")
             if m % t:
                 raise ValueError(f"gemm_ar: transport='p2p' reduces rows in t regions: M={m} is not divisible by the "
                                  f"group size t={t}")
+            if device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
+                raise ValueError("gemm_ar: transport='p2p' needs CUDA tensors (symmetric memory)")
             # as GemmRS: rs_transfer 'copy' leaves one SM to the comm stream's waits
             programs = gemm_programs(device, config, spare_sms=int(self.method == "signal"
                                                                    and config.rs_transfer == "copy"))

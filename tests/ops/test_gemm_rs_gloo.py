@@ -86,6 +86,8 @@ def _check_bad_input(rank, world):
         (lambda: gemm_rs(a, w, config=OverlapConfig(method="decompose", transport="p2p")), "needs CUDA tensors"),
         (lambda: gemm_ar(a, w, config=OverlapConfig(method="signal", transport="p2p")), "needs CUDA tensors"),
         (lambda: gemm_ar(a, w, config=OverlapConfig(method="decompose", transport="p2p")), "needs CUDA tensors"),
+        (lambda: gemm_ar(a[:63].contiguous(), w, config=OverlapConfig(method="signal", transport="p2p")),
+         "reduces rows in t regions: M=63 is not divisible"),
     ]
     assert_each_raises(cases)
     # method='auto' (the default config) runs the named 'off' path on CPU, with a warning saying why. Its

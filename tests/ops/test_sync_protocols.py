@@ -8,7 +8,7 @@ interleavings that respect stream order and wait conditions, many times over, an
   group *in the same replay* is stored; counters are back at zero after each call; two plans interleaved
   keep their own counters; a capture that is recorded but never run (a failed capture) leaves the next
   eager call correct;
-- the peer protocols (P2PReduceScatter, GatherBuffer, and the expert combine's RowPush): no rank overwrites a buffer a
+- the peer protocols (P2PReduceScatter, GatherBuffer, P2PAllReduce, and the expert combine's RowPush): no rank overwrites a buffer a
   peer has not consumed yet, and no rank consumes a buffer before every peer's data of the same call is in it; the
   same with GatherBuffer's pulls split over copy lanes (extra streams forked and joined per chunk), row by row;
 - the cuBLAS paths over the copy engines (method decompose, transport p2p; each rank's caller stream and comm stream,
@@ -725,6 +725,95 @@ def test_a_claim_in_a_failed_capture_is_forgotten(recorder):
     recorder.take()
     g.stage(0, torch.full((1, 4), 7, dtype=torch.int32), False)
     assert [op[0] for op in recorder.take()[0]] == ["wait", "write", "copy"]
+
+
+def _run_all_reduce(recorder, t, seed, ready_waits=True, calls=25):
+    """gemm_ar over p2p (P2PAllReduce._issue: the plan's own code on every rank's caller and comm streams, with the
+    fork and the join): the p2p ReduceScatter summed at once into our region of the gathered buffer (claimed first),
+    then the peers' regions pulled into the output on the comm stream and our own copied on the caller's stream.
+    Checks: the ReduceScatter's (no store into an owner's slots before its previous sum, a sum sees every source's
+    partial of its call); the sum never lands on our region before every peer pulled, and we copied, the previous
+    call's; a pull or our own copy reads the region of its own call; after the join the output holds every region of
+    its call. Mutation: ready_waits=False, the pulls without the READY exchange's wait.
+    The claim's PULLED wait is implied here: a peer raises ARRIVED for call c, which our sum of c waits for, only after
+    its join of call c - 1, behind its pulls of our region (a claim without that wait passed every seed)."""
+    rs_signals, gather_signals = _peer_signals(t, (1, 0)), _peer_signals(t, (1, 0))
+    gathers, _ = _gather_buffers(t, gather_signals)
+    outs = {}                                   # an output's address -> (rank, call, the output, kept alive)
+    ops = []
+    for rank in range(t):
+        op = p2p.P2PAllReduce.__new__(p2p.P2PAllReduce)
+        op.reduce_scatter = P2PReduceScatter.__new__(P2PReduceScatter)
+        op.reduce_scatter.signals, op.reduce_scatter.copy = rs_signals[rank], False
+        op.gather, op.engine, op.watched = gathers[rank], RankEngine(recorder, rank), NoWatch()
+        g = gathers[rank]
+        op.pulls = tuple((p * g.region_bytes, g.own[p], g.region_bytes) for p in g.peers)
+        op.own_copy = (rank * g.region_bytes, g.own[rank], g.region_bytes)
+        if not ready_waits:   # the mutation: READY raised, never waited for
+            real = gather_signals[rank]
+            g.signals = SimpleNamespace(wait=real.wait, signal=real.signal,
+                                        signal_then_wait=lambda stream, slot, capturing, real=real: real.signal(
+                                            stream, slot))
+        ops.append(op)
+    programs = {}
+    for rank, op in enumerate(ops):
+        for call in range(calls):
+            out = torch.zeros(t, 4, dtype=torch.int32)
+            outs[out.data_ptr()] = (rank, call, out)
+            op.reduce_scatter.store = lambda a, w, bias, r=rank, c=call: recorder.emit(r, ("store", r, c))
+            op.reduce_scatter._summing = lambda region, capturing, r=rank, c=call: (
+                lambda: _signalling_sum(recorder, rs_signals[r], r, c))
+            op._issue(rank, None, None, None, out, False)
+            recorder.emit(rank, ("check", rank, call))
+        programs.update(recorder.take())
+    slots = [[-1] * t for _ in range(t)]        # slots[owner][source]: the call whose partial is there
+    summed = [-1] * t                           # the call whose sum each rank's region holds
+    read = [[-1] * t for _ in range(t)]         # read[r][p]: the call of p's region that r last pulled (or copied)
+    filled = {}                                 # (rank, call): the regions of its output written
+    region_of = {g.own[g.rank]: g.rank for g in gathers}
+
+    def act(stream, op):
+        kind = op[0]
+        if kind == "store":
+            _, rank, call = op
+            for owner in range(t):
+                assert summed[owner] == call - 1 or owner == rank, \
+                    f"rank {rank} call {call} overwrote rank {owner}'s slots before its sum of call {call - 1}"
+                slots[owner][rank] = call
+        elif kind == "sum":
+            _, rank, call = op
+            assert slots[rank] == [call] * t, f"rank {rank} summed call {call} from {slots[rank]}"
+            for q in range(t):
+                assert read[q][rank] == call - 1, \
+                    f"rank {rank} overwrote its region before rank {q} read call {call - 1} (read {read[q][rank]})"
+            summed[rank] = call
+        elif kind == "copy":
+            dst, src = op[1], op[2]
+            base = next(b for b in outs if b <= dst < b + 16 * t)
+            rank, call, _ = outs[base]
+            p = region_of[src]
+            assert summed[p] == call, f"rank {rank} call {call} read rank {p}'s region holding call {summed[p]}"
+            assert dst == base + 16 * p, "a region lands at its rank's rows"
+            read[rank][p] = call
+            filled.setdefault((rank, call), set()).add(p)
+        elif kind == "check":
+            _, rank, call = op
+            assert filled.get((rank, call)) == set(range(t)), \
+                f"rank {rank} call {call} ended with regions {filled.get((rank, call))}"
+
+    run(programs, Memory(*[s.words for s in rs_signals + gather_signals]), act, random.Random(seed),
+        max_steps=400000, joins=True)
+    assert summed == [calls - 1] * t
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (3, 2), (4, 3)])
+def test_p2p_all_reduce_never_overwrites_a_region_being_read_or_reads_early(recorder, t, seed):
+    _run_all_reduce(recorder, t, seed)
+
+
+def test_the_simulator_catches_all_reduce_pulls_without_the_ready_wait(recorder):
+    _some_seed_fails(recorder, "read rank .* region holding call", lambda seed: _run_all_reduce(
+        recorder, 2, seed, ready_waits=False))
 
 
 class _FakeLanes(comm.CopyLanes):
