@@ -36,7 +36,8 @@ Methods (OverlapConfig.method):
                      copy per chunk, each chunk's tiles waiting for that peer's rows only (OverlapConfig.chunk_by;
                      its default 'auto' takes it where t > 2).
   auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
-Rows always land at their standard position, so no reorder pass follows the transfer.
+Rows always land at their standard position, so no reorder pass follows the transfer. Eagerly, a signal call on the
+p2p transport whose operand addresses the plan has seen before launches as one CUDA graph (ops/replay.py).
 """
 from collections import OrderedDict
 from typing import Optional

@@ -21,7 +21,8 @@ rows this rank will own, which equals adding it after the sum without another pa
 
 async_op=True returns a `Pending`: the GEMM is issued and its communication may still be running when the
 call returns, so the caller can queue independent work (the column-parallel backward's wgrad GEMM, as
-Megatron overlaps its dgrad reduce-scatter) before `wait()`.
+Megatron overlaps its dgrad reduce-scatter) before `wait()`. Without it, a call on the p2p transport whose operand
+addresses the plan has seen before launches eagerly as one CUDA graph (ops/replay.py).
 """
 from typing import Optional
 
