@@ -18,9 +18,9 @@ on a side stream (thread-local capture mode, so other threads' CUDA calls are un
 the plan allocated the output before) and replayed; later ones replay. At most MAX_GRAPHS keys per plan get a graph;
 calls with other keys then run eagerly, after one warning. The graphs live as long as their plan.
 
-Which plans. The p2p transports' (gemm_rs summed at once, gemm_ar, ag_gemm's signaled calls): no NCCL inside. NCCL's captured
-collectives may register their buffers with the peers at capture, which a peer issuing the same collective eagerly
-would not match, so the NCCL transports issue eagerly. OVERLAP_TP_EAGER_GRAPHS=0 turns replays off (each call issues
+Which plans. The p2p transports' (gemm_rs summed at once, gemm_ar, ag_gemm's signaled calls): no NCCL inside.
+NCCL's captured collectives may register their buffers with the peers at capture, which a peer issuing the same
+collective eagerly would not match, so the NCCL transports issue eagerly. OVERLAP_TP_EAGER_GRAPHS=0 turns replays off (each call issues
 its operations one by one, as before)."""
 import os
 import warnings
@@ -57,7 +57,7 @@ class CallGraphs:
 
     def __init__(self, device: torch.device, watched):
         """watched: the plan's Watched, whose event a launch records behind the graph."""
-        self.device, self.watched, self.describe = device, watched, watched.describe
+        self.device, self.watched = device, watched
         self.graphs = {}
         self._seen = set()
         self._stream = None   # the side stream captures run on, made at the first capture
@@ -93,7 +93,7 @@ class CallGraphs:
         if len(self.graphs) >= MAX_GRAPHS:
             if not self._full:
                 self._full = True
-                warnings.warn(f"overlap_tp {self.describe}: {MAX_GRAPHS} sets of operand addresses have eager CUDA "
+                warnings.warn(f"overlap_tp {self.watched.describe}: {MAX_GRAPHS} sets of operand addresses have eager CUDA "
                               f"graphs; calls with other addresses issue their operations eagerly "
                               f"(ops/replay.py)", stacklevel=4)
             return
