@@ -347,12 +347,13 @@ class AgGemm(OpPlan):
     def _list_pulls(self):
         """One lane of copy-engine pulls: every chunk's copies (one per peer; chunk_by 'peer': its one peer's) and its
         flag's address, made once (the buffer's and the flags' addresses are the plan's), so a call walks a list; the
-        last chunk's flag and the PULLED signal to the peers (gather.finish) go out in one driver call."""
+        last chunk's flag and the PULLED signal to the peers (gather.finish) go out in one driver call. A group of one
+        rank has no chunk (nothing to pull) and no peer to signal: an empty batch."""
         gather, peers = self.gather, self.chunk_peers or (None,) * len(self.chunks)
         self._pulls = tuple((tuple(gather.copies(lo, hi)) if peer is None else (gather.peer_copy(peer, lo, hi),), flag)
                             for (lo, hi), peer, flag in zip(self.chunks, peers, self.ready.addresses))
-        self._last_flag_pulled = memops.MemOps(
-            [("write", self._pulls[-1][1], READY)] + self.gather.signals.signal_ops(self.gather.PULLED))
+        last_flag = [("write", self._pulls[-1][1], READY)] if self._pulls else []
+        self._last_flag_pulled = memops.MemOps(last_flag + self.gather.signals.signal_ops(self.gather.PULLED))
 
     def _pull_listed(self, stream, capturing):
         """The transfers of _pulled with one lane of copy-engine pulls: behind the peers' READY, each chunk's copies

@@ -302,8 +302,11 @@ class CommEngine:
     def transfers_then_gemm(self, transfers, gemm, flags, watched, gemm_first: bool, current: Optional[int] = None,
                             capturing: Optional[bool] = None):
         """The AllGather+GEMM shape (AG+GEMM, A2A+GEMM): fork, the transfers on the comm stream (each raises its
-        chunk's flag) and the GEMM on the caller's stream (its tiles wait for their chunk's flag), the flags
-        lowered behind the GEMM, and the join.
+        chunk's flag) and the GEMM on the caller's stream (its tiles wait for their chunk's flag), the join, and the
+        flags lowered behind the join. Behind the join, not behind the GEMM: a flag that no tile waits on (an
+        expert chunk with no rows here, a rank whose GEMM has no tile) is raised at a time the GEMM's end does not
+        bound, and lowered before that raise it would stay raised into the next call, whose tiles would read the
+        chunk before its transfer.
         The enqueue order matters in eager mode with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, Megatron's
         setting): the queue dispatches in order and stops at the first item whose dependency is pending, so the
         comm stream's chain (transfer, flag, transfer, ...) enqueued first held the GEMM's launch until the last
@@ -330,9 +333,9 @@ class CommEngine:
         else:
             transfers(self.raw)
             gemm()
-        self.lower_flags(flags, current)   # after the GEMM that waited on them
         # eagerly the watchdog watches the join's event (the GEMM's tiles wait on nothing but the transfers)
         self.join_watched(current, capturing, watched)
+        self.lower_flags(flags, current)   # after every raise (the join) and the GEMM that waited on them
 
     def transfers_ahead(self, transfers, current: int, capturing: bool, done: Optional["memops.Event"]):
         """Phase one of transfers_then_gemm split in two (a plan's start()): fork, the transfers on the comm stream,
@@ -348,13 +351,14 @@ class CommEngine:
     def gemm_after_transfers(self, gemm, flags, watched, current: int, capturing: bool,
                              done: Optional["memops.Event"]):
         """Phase two (a plan's finish()): the GEMM on the caller's stream (its tiles wait for their chunks' flags), the
-        flags lowered behind it, and the caller's stream joined to `done` (these transfers, not the comm stream's
-        tail). `current` must be the stream that phase one forked from."""
+        caller's stream joined to `done` (these transfers, not the comm stream's tail), and the flags lowered behind
+        the join (transfers_then_gemm says why). `current` must be the stream that phase one forked from."""
         gemm()
-        self.lower_flags(flags, current)
         if self.stream is None:
+            self.lower_flags(flags, None)
             return
         done.wait(current)
+        self.lower_flags(flags, current)
         if not capturing and watched is not None:
             watched.watch()   # eagerly `done` is the plan's watched event (AgGemm._transfers_done)
 

@@ -598,6 +598,17 @@ def test_ag_gemm_pull_list_raises_pulled_after_the_last_copies(recorder, monkeyp
                                                                        ("write", pulled, 1)]
 
 
+def test_ag_gemm_pull_list_of_a_one_rank_group_is_empty(recorder, monkeypatch):
+    """t = 1 (a legal group): no chunk to pull and no peer to signal, so the plan's pull list is built (no last chunk
+    to batch PULLED with) and a call issues nothing on the comm stream."""
+    monkeypatch.setattr(ag_gemm, "memops", recorder)
+    signals = _peer_signals(1, (1, 0))
+    gathers, _ = _gather_buffers(1, signals, m=2)
+    plans, _ = _pull_lists(gathers, [])
+    plans[0]._pull_listed(0, False)
+    assert recorder.take() == {}
+
+
 def test_the_simulator_catches_a_stage_without_its_pulled_wait(recorder):
     with pytest.raises(AssertionError, match="overwrote its region"):
         for seed in range(20):
@@ -1048,13 +1059,13 @@ class _OrderEngine(comm.CommEngine):
 def test_transfers_then_gemm_enqueues_the_gemm_before_the_transfers_where_they_need_no_sm_it_holds(gemm_first):
     """With one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1) a comm-stream chain enqueued before the GEMM holds
     the GEMM's launch until the chain completes: gemm_first enqueues the GEMM right after the fork; without it
-    (NCCL with no SM left free) the transfers go first. Either way the flags are lowered behind the GEMM on the
-    caller's stream, then the join."""
+    (NCCL with no SM left free) the transfers go first. Either way the join, then the flags lowered on the caller's
+    stream (behind every raise, whether or not a tile waited on it)."""
     engine = _OrderEngine()
     engine.transfers_then_gemm(lambda stream: engine.log.append(f"transfers on {stream}"),
                                lambda: engine.log.append("gemm"), None, None, gemm_first=gemm_first)
     middle = ["gemm", "transfers on comm"] if gemm_first else ["transfers on comm", "gemm"]
-    assert engine.log == ["fork"] + middle + ["lower flags on caller", "join"]
+    assert engine.log == ["fork"] + middle + ["join", "lower flags on caller"]
 
 
 def test_decomposed_allgather_forks_once_so_no_gather_waits_for_a_gemm(monkeypatch):
@@ -1401,3 +1412,111 @@ def test_expert_combine_decomposed_over_p2p_pushes_written_rows_and_copies_out_i
 def test_the_simulator_catches_a_push_without_its_fork(recorder, monkeypatch):
     _some_seed_fails(recorder, "before its matmul wrote it", lambda seed: _run_expert_combine_decomposed(
         recorder, monkeypatch, 2, seed, fork=False))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The expert dispatch's signaled GEMM over the copy engines (method signal, transport p2p): the ready flags
+# ---------------------------------------------------------------------------------------------------
+
+def _dispatch_routing(t, seed, call, experts=2):
+    """counts[ep, E] for call `call`: every third call a routing in which rank 0 receives nothing and the last rank
+    sends nothing (rank 0's GEMM then has no tile, so no tile waits on its chunks' flags), the others skewed."""
+    counts = _expert_counts_for(t, 1000 * seed + call, experts)
+    if call % 3 == 1:
+        counts[:, :experts] = 0
+        counts[t - 1] = 0
+    return counts
+
+
+def _run_expert_dispatch_signaled(recorder, monkeypatch, t, seed, lowered_after_join=True):
+    """30 calls per rank of the dispatch's signaled GEMM over the copy engines (expert._dispatch_signaled with a
+    RowPull and ready flags shared by every call, as the op's _ExpertOp shares them), each rank's caller and comm
+    streams recorded with their forks and joins; the GEMM recorded as, per chunk with tiles, a wait on the chunk's
+    flag (the tiles' acquire spin) and the reads of its rows; a new routing every call, some with chunks that no
+    tile waits on. Checks: every row a tile reads was pulled in the same call; the flags are lowered when a rank's
+    streams have run to their end. lowered_after_join=False: the mutation that lowers the flags behind the GEMM
+    only, before the join."""
+    from overlap_tp.ops import expert
+    from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout, pulled_rows
+    calls, capacity, parts, experts = 30, 64, 2, 2
+    signals = _peer_signals(t, (1, 0))
+    bufs = [torch.zeros(capacity, 4, dtype=torch.int32) for _ in range(t)]
+    words = [torch.zeros(parts + 1, dtype=torch.int32) for _ in range(t)]   # _ExpertOp.words: groups + 1
+    programs, xrs, xs = {}, {}, {}
+    for rank in range(t):
+        pull = p2p.RowPull.__new__(p2p.RowPull)
+        pull.capacity, pull.buf, pull.row_bytes, pull.signals = capacity, bufs[rank], 16, signals[rank]
+        pull.peer_ptrs = [None if p == rank else bufs[p].data_ptr() for p in range(t)]
+        engine = _RankEngine(rank)
+        if not lowered_after_join:
+            def transfers_then_gemm(transfers, gemm, flags, watched, gemm_first, engine=engine):
+                current = engine.current()
+                engine.fork(current, False)
+                gemm()
+                transfers(engine.raw)
+                engine.lower_flags(flags, current)
+                engine.join(current, False)
+            engine.transfers_then_gemm = transfers_then_gemm
+        monkeypatch.setattr(comm, "comm_engine", lambda device, engine=engine: engine)
+        for call in range(calls):
+            lay = layout(_dispatch_routing(t, seed, call, experts), rank)
+            plan = dispatch_plan(lay, 8, 16, 16, parts)
+            x = torch.full((max(lay.tokens, 1), 4), call, dtype=torch.int32)
+            xr = torch.zeros(max(lay.rows, 1), 4, dtype=torch.int32)
+            xs[rank, call], xrs[rank, call] = x, xr
+            copies = [pulled_rows(lay, exchange) for exchange in plan.exchanges]
+            flags = comm.ReadyFlags(words[rank][:len(plan.exchanges)])
+
+            def gemm_launch(a, w, y, copies=copies, flags=flags, main=engine.main):
+                for c, chunk in enumerate(copies):
+                    if chunk:   # the chunk's tiles: a spin on its flag, then their rows
+                        recorder.emit(main, ("wait", flags.addresses[c], 1))
+                        recorder.emit(main, ("mm", a.data_ptr(), tuple((row, row + rows) for _, _, row, rows in chunk)))
+            state = SimpleNamespace(plan=plan, flags=flags, copies=copies, watched=None, gemm_first=True,
+                                    gemm=gemm_launch)
+            recorder.emit(engine.main, ("call", rank, call))
+            expert._dispatch_signaled(x, None, xr, None, state, None, pull)
+        programs.update(recorder.take())
+    staged = [-1] * t                                   # the call of rank p's x in its symmetric buffer
+    pulled = {}                                         # (rank, call, xr row) -> the call of the rows pulled there
+    xr_rows, x_of = _row_addresses(xrs), {x.data_ptr(): key for key, x in xs.items()}
+    current = [0] * t
+
+    def act(stream, op):
+        if op[0] == "call":
+            current[op[1]] = op[2]
+        elif op[0] == "copy" and op[2] in x_of:          # RowPull.start: rank p's x into its symmetric buffer
+            p, call = x_of[op[2]]
+            staged[p] = call
+        elif op[0] == "copy":                            # a chunk's pull: peer rows into this rank's xr
+            (rank, call), row = xr_rows[op[1]]
+            peer = next(p for p in range(t) if p != rank and bufs[p].data_ptr() <= op[2] < bufs[p].data_ptr()
+                        + capacity * 16)
+            for i in range(op[3] // 16):
+                pulled[rank, call, row + i] = staged[peer]
+        elif op[0] == "mm":
+            rank = int(stream[4:])
+            call = current[rank]
+            assert op[1] == xrs[rank, call].data_ptr()
+            for lo, hi in op[2]:
+                for i in range(lo, hi):
+                    got = pulled.get((rank, call, i))
+                    assert got == call, f"rank {rank} call {call}: a tile read xr row {i} holding {got}"
+
+    run(programs, Memory(*[s.words for s in signals], *words), act, random.Random(seed), joins=True)
+    assert staged == [calls - 1] * t
+    assert all(not w.any() for w in words), [w.tolist() for w in words]
+
+
+@pytest.mark.parametrize("t, seed", [(2, 0), (2, 1), (2, 2), (3, 3), (4, 4)])
+def test_expert_dispatch_signaled_over_p2p_reads_only_rows_of_its_call(recorder, monkeypatch, t, seed):
+    """The flags are lowered after the join: a chunk's flag that no tile waits on (a chunk with no rows here, or a
+    rank with no rows at all, whose GEMM does not run) is raised by the comm stream at a time the caller's stream
+    does not otherwise wait for; lowered behind the GEMM alone, it could stay raised into the next call, whose
+    tiles would then read the chunk's rows before they are pulled."""
+    _run_expert_dispatch_signaled(recorder, monkeypatch, t, seed)
+
+
+def test_the_simulator_catches_flags_lowered_before_the_join(recorder, monkeypatch):
+    _some_seed_fails(recorder, "a tile read xr row", lambda seed: _run_expert_dispatch_signaled(
+        recorder, monkeypatch, 2, seed, lowered_after_join=False))
