@@ -127,7 +127,9 @@ class Recorder:
 
 
 def _pytest_child(records: str, files):
-    """In the chunk's process: pytest over `files` with the Recorder."""
+    """In the chunk's process: pytest over `files` with the Recorder, the root first on sys.path (as `python -m
+    pytest` from the root puts it)."""
+    sys.path.insert(0, ROOT)
     import pytest
     sys.exit(pytest.main(["-q", "-rfEs", "-p", "no:cacheprovider", *files], plugins=[Recorder(records)]))
 
