@@ -309,8 +309,8 @@ def release_full_iteration_graphs():
     They sit in a class attribute (FullCudaGraphWrapper.cuda_graph), so without this they are destroyed in
     the interpreter's last teardown, next to the NCCL communicators they captured collectives of: on the H200
     pair every smoke run under `--cuda-graph-impl full_iteration` logged its last iteration and then never
-    exited (overlap off and on alike; `--cuda-graph-impl local`, whose graphs live on the modules, exited;
-    docs/perf/s11/README.md). Megatron-Bridge frees its graphs before the process group for the same reason
+    exited (overlap off and on alike; `--cuda-graph-impl local`, whose graphs live on the modules, exited).
+    Megatron-Bridge frees its graphs before the process group for the same reason
     (its _delete_cuda_graphs). The process group itself is left to Megatron, as its own pretrain_gpt.py does."""
     try:
         from megatron.core.full_cuda_graph import FullCudaGraphWrapper

@@ -5,10 +5,10 @@
 #   TRANSPORT=auto|nccl|p2p  COMM_SMS=N --overlap-tp-transport / --overlap-tp-comm-sms (default auto)
 #   GATHER_IN_PLACE=1|0                 --overlap-tp-gather-in-place where OVERLAP is signal or decompose and
 #                                       TRANSPORT is not nccl (default 0; llama3-8b and llama3-70b-proxy: 1, measured
-#                                       faster there, docs/perf/s29/README.md)
+#                                       faster there)
 #   DEFER_WGRAD=1|0                     --overlap-tp-defer-wgrad with gathering in place: fc1's wgrad runs beside
 #                                       proj's backward AllGather (default 0; llama3-8b and llama3-70b-proxy: 1 at
-#                                       TP >= 4 under graphs, measured faster there, docs/perf/s33/README.md)
+#                                       TP >= 4 under graphs, measured faster there)
 #   TOKEN_SPLIT=1|0                     --overlap-tp-token-split: each micro-batch as two interleaved halves of its
 #                                       sequences (default 0; needs an even micro-batch: MBS=2 in the llama3 recipes)
 #   TUNE_CACHE=PATH                     with OVERLAP=auto: --overlap-tp-tune-cache (default $OUT_DIR/overlap_tp_tune.json:
@@ -17,8 +17,7 @@
 #   RDZV_ENDPOINT=host:port  RDZV_ID=job  torchrun's c10d rendezvous instead (multi-node, SLURM)
 #   TRANSFORMER_IMPL=local|transformer_engine   (default: transformer_engine where it imports)
 #   GRAPHS=local|full_iteration|none    Megatron's --cuda-graph-impl for both sides, on and off alike
-#                                       (default local; smoke: full_iteration, measured fastest there,
-#                                       docs/perf/s10/README.md)
+#                                       (default local; smoke: full_iteration, measured fastest there)
 #   WANDB_PROJECT (default overlap_tp; "" turns W&B off)  WANDB_MODE (offline unless set)  EXP_NAME
 #   OUT_DIR (default runs/$RECIPE-$OVERLAP): train.log, tensorboard/, wandb/
 #   DRY_RUN=1                           print the launch command instead of running it

@@ -5,24 +5,23 @@
 # one layer 856 M params -> 7.7 GB + ~2 GB activations (flash attention, no recompute); embedding and
 # output layer 2.1 B params -> 19 GB; so ~10 layers in ~130 GB. NUM_LAYERS defaults to 8 to leave room
 # for NCCL/allocator overhead. Measured (no TE, GBS 4): 8 layers peak at 94 GB per GPU at TP=2;
-# 16 layers at TP=4 (TP=4 NPROC=4) peak at 83 GB (`git show 27bec54:docs/perf/llama3-70b-proxy/README.md`).
+# 16 layers at TP=4 (TP=4 NPROC=4) peak at 83 GB.
 #   bash recipes/llama3-70b-proxy.sh              overlap on (--overlap-tp decompose at TP 2: cuBLAS over the p2p
 #                                                 transports; signal at TP >= 4)
 #   OVERLAP=off bash recipes/llama3-70b-proxy.sh  baseline: Megatron's path, overlap off
 # The default mode is decompose at TP 2 (signal elsewhere): at these shapes the long row-parallel GEMMs run faster
-# under cuBLAS than under the signaled kernel (one layer under graphs: 0.967 against signal's 0.991 of Megatron's; end
-# to end 1.028x of off at 8 layers, docs/perf/s20/README.md; 1.033x against signal's 1.021x gathering in place, s29).
-# At TP 4 and above it is signal: one layer under graphs at t = 4, gathering in place, 0.955 of Megatron's against
-# decompose's 1.002 (docs/perf/s30/README.md; the 8B layer 0.913 against 0.948).
+# under cuBLAS than under the signaled kernel (8 layers, gathering in place: 1.033x of off against signal's 1.021x,
+# benchmarks/e2e-tp2_h200x2_2026-11-28.md). At TP 4 and above it is signal, whose layer gathering in place measured
+# faster than decompose's there.
 set -euo pipefail
 if (( ${TP:-2} >= 4 )); then OVERLAP=${OVERLAP:-signal}; else OVERLAP=${OVERLAP:-decompose}; fi
 # The norms write into linear_qkv's and linear_fc1's own gathered buffers (--overlap-tp-gather-in-place: +64 MB of
 # symmetric memory per linear and layer here): 1.033x of off against 1.029x without it, local graphs, 8 layers
-# (docs/perf/s29/README.md). GATHER_IN_PLACE=0 turns it off.
+# (benchmarks/e2e-tp2_h200x2_2026-11-28.md). GATHER_IN_PLACE=0 turns it off.
 GATHER_IN_PLACE=${GATHER_IN_PLACE:-1}
 # At TP >= 4 under graphs linear_fc1's wgrad also runs beside linear_proj's backward AllGather
-# (--overlap-tp-defer-wgrad): 16 layers at TP 4 1877.4 -> 1868.6 ms per iteration (one pair, docs/perf/s33/README.md;
-# llama3-8b at TP 4 -0.9% in two). DEFER_WGRAD=0/1 overrides.
+# (--overlap-tp-defer-wgrad): it hides that AllGather's pulls, which at TP >= 4 outlast the dgrad GEMM beside them
+# (measured faster end to end there; a tie at TP 2). DEFER_WGRAD=0/1 overrides.
 if (( ${TP:-2} >= 4 )) && [[ ${GRAPHS:-local} != none ]]; then DEFER_WGRAD=${DEFER_WGRAD:-1}; fi
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=llama3-70b-proxy

@@ -7,18 +7,18 @@
 # Add flags after the script name, e.g. `--recompute-granularity selective` where attention is not fused.
 set -euo pipefail
 # The norms write into linear_qkv's and linear_fc1's own gathered buffers (--overlap-tp-gather-in-place: +32 MB of
-# symmetric memory per linear and layer, 2 GB per GPU): 1.031x of off against 1.026x without it, local graphs
-# (docs/perf/s29/README.md). GATHER_IN_PLACE=0 turns it off.
+# symmetric memory per linear and layer, 2 GB per GPU): no stage copy per AllGather, measured faster end to end.
+# GATHER_IN_PLACE=0 turns it off.
 GATHER_IN_PLACE=${GATHER_IN_PLACE:-1}
 # At TP >= 4 under graphs linear_fc1's wgrad also runs beside linear_proj's backward AllGather
-# (--overlap-tp-defer-wgrad): TP 4 2517.2 / 2503.8 -> 2495.8 / 2480.1 ms per iteration in two interleaved pairs, 1.068x
-# of off against 1.060x; a tie at TP 2 (docs/perf/s33/README.md). DEFER_WGRAD=0/1 overrides.
+# (--overlap-tp-defer-wgrad): it hides that AllGather's pulls, which at TP >= 4 outlast the dgrad GEMM beside them
+# (-0.9% per iteration at TP 4; a tie at TP 2). DEFER_WGRAD=0/1 overrides.
 if (( ${TP:-2} >= 4 )) && [[ ${GRAPHS:-local} != none ]]; then DEFER_WGRAD=${DEFER_WGRAD:-1}; fi
 # At TP 2 two sequences per micro-batch (same global batch): off 4794.1 -> 4759.6 / 4767.8 ms per iteration, signal
-# 4670.9 -> 4595.4 / 4582.9 (1.026x of off -> 1.036x / 1.040x; docs/perf/s38/README.md): the layers' fixed per-op
-# costs are amortised over GEMMs twice as long. The peak is off's, 136 GiB reserved of an H200's 140 (91 GB
-# allocated); MBS=1 where that does not fit. At TP 4 likewise (four H200s, one call): off 2700.3 -> 2652.0, signal
-# 2502.3 -> 2445.5 ms (1.079x -> 1.084x; 74.5 GiB reserved; docs/perf/s40/README.md). At TP 8 not measured: 1.
+# 4670.9 -> 4595.4 / 4582.9 (1.026x of off -> 1.036x / 1.040x; benchmarks/e2e-tp2_h200x2_2026-11-28.md): the layers'
+# fixed per-op costs are amortised over GEMMs twice as long. The peak is off's, 136 GiB reserved of an H200's 140
+# (91 GB allocated); MBS=1 where that does not fit. At TP 4 likewise: off 2700.3 -> 2652.0, signal 2502.3 -> 2445.5 ms
+# (1.079x -> 1.084x; 74.5 GiB reserved; benchmarks/e2e-tp4_h200x4_2026-11-28.md). At TP 8 not measured: 1.
 MBS=${MBS:-$(( ${TP:-2} <= 4 ? 2 : 1 ))}
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=llama3-8b

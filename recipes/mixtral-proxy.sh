@@ -31,7 +31,7 @@ TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "
 # full_iteration graphs are refused for dropless MoE). Per-layer graphs of attention only (GRAPHS=local, with
 # --cuda-graph-modules attn) abort in megatron-core 0.19.2 on both sides: its local graph manager captures the whole
 # layer's forward, MoE included, and the alltoall dispatcher's device-to-host sync of the token counts fails inside
-# the capture (cudaErrorCapturedEvent, with the overlap off too; session 22). So this recipe runs both sides eagerly
+# the capture (cudaErrorCapturedEvent, with the overlap off too). So this recipe runs both sides eagerly
 # unless GRAPHS is given.
 GRAPHS=${GRAPHS:-none}
 GRAPH_SCOPE=()

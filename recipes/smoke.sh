@@ -8,13 +8,13 @@
 # Then: python -m overlap_tp.training.report runs/smoke-off/train.log runs/smoke-auto/train.log --out runs/report
 # The default mode is auto here (signal elsewhere): at these shapes every collective outlasts its GEMM, and the tuner's
 # per-op choices (the reduce-scatters on p2p, the AllGathers decompose-p2p, signal or off by shape) beat signal in all
-# four rounds that ran both (sessions 28-30), by 1-8%. It measures its candidates once per shape before the first
+# four rounds that ran both, by 1-8%. It measures its candidates once per shape before the first
 # step (~10 s; the first run on a machine, with its compiles, ~1.5 min in all).
 set -euo pipefail
 OVERLAP=${OVERLAP:-auto}
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=smoke
-GRAPHS=${GRAPHS:-full_iteration}   # measured fastest here, for off and signal alike (docs/perf/s10/README.md)
+GRAPHS=${GRAPHS:-full_iteration}   # measured fastest here, for off and signal alike
 MODEL_ARGS=("${LLAMA_ARGS[@]}"
             --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16
             --num-query-groups 4 --kv-channels 64 --seq-length 2048 --max-position-embeddings 2048

@@ -31,7 +31,7 @@ def _worker(rank, world_size, init_file, backend, fn, args, environ):
         print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
     # Every rank passed fn before any tears its group down: a rank that left while a peer was still connecting closed
-    # the connection under it (CI, session 36: "Gloo connectFullMesh failed ... Connection closed by peer" in a test
+    # the connection under it (seen in CI: "Gloo connectFullMesh failed ... Connection closed by peer" in a test
     # whose fn communicates nothing).
     dist.barrier()
     dist.destroy_process_group()

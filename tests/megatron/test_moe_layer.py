@@ -317,7 +317,8 @@ def _check_training_steps(rank, world):
     routing seen before comes back, its cached state reused, after the weights moved), the same SGD update of every
     parameter from each layer's own grads; every step's output, input grad and parameter grads agree. What one
     forward + backward cannot show: state that outlives a step (per-routing plans, buffers, the router's) going
-    stale once the weights and the routing change (session 23: mixtral-proxy's loss left off's after 7 steps)."""
+    stale once the weights and the routing change (on GPUs such state once made mixtral-proxy's loss leave off's after
+    7 steps)."""
     _megatron_on_cpu()
     _init_megatron(world)
     from megatron.core import parallel_state as ps

@@ -283,8 +283,8 @@ def test_routings_share_the_ops_words():
 def _check_routings_with_other_group_counts(rank, world):
     """groups='auto' gives each routing its own number of groups, so a word that is one routing's local-rows counter
     (raised by the GEMM, waited on by no collective) is another's exchange counter. Every combine leaves its counters
-    at 0: a count left over would release that exchange before its tiles were stored (session 24: the MoE layer's
-    200 steps on GPUs went wrong at the second routing)."""
+    at 0: a count left over would release that exchange before its tiles were stored (on GPUs the MoE
+    layer's 200 steps went wrong at the second routing)."""
     from overlap_tp.ops import moe_tile_plan
     moe_tile_plan.TARGET_GROUP_BYTES = 16 * H * 2   # "auto": a group per 16 remote rows of H bf16 columns
     few = torch.tensor([[2, 1, 1, 0], [0, 1, 3, 2]])          # 1 remote row each way: 2 groups, local rows counter 2
@@ -314,7 +314,7 @@ def test_routings_with_other_group_counts_leave_no_count_behind():
 def _check_peers_connected_before_the_first_exchange(rank, world):
     """Every MoE exchange goes through collectives whose peers were connected first (comm.exchange_collectives:
     NCCL connects send/receive peers at their first exchange and waits for the device there, which hung beside a
-    spinning GEMM on GPUs, session 23): each op and method that exchanges calls connect_peers before exchanging."""
+    spinning GEMM on GPUs): each op and method that exchanges calls connect_peers before exchanging."""
     from overlap_tp.ops import comm
     events = []
 

@@ -37,7 +37,7 @@ def test_a_wait_is_registered_once_and_named_by_its_code():
 
 
 def test_the_words_report_any_shape_unsigned():
-    """A stuck plan's report reads its words: the p2p signals are [slots, t] (session 17: a 2-D read raised in the
+    """A stuck plan's report reads its words: the p2p signals are [slots, t] (a 2-D read once raised in the
     watchdog's thread, which died, and the stuck rank hung instead of ending)."""
     import torch
     assert watchdog.unsigned_words(torch.tensor([3, -1], dtype=torch.int32)) == [3, 2 ** 32 - 1]
@@ -197,7 +197,7 @@ def test_nothing_is_listed_when_the_watchdog_is_off():
 
 @pytest.mark.parametrize("connections", ["1", "8", None])
 def test_words_stuck_behind_the_wait_are_explained_under_one_hardware_queue(monkeypatch, connections):
-    """Session 26's SIGSTOP run: every word read as unreadable, since with CUDA_DEVICE_MAX_CONNECTIONS=1 the read
+    """A SIGSTOPped peer's run on GPUs: every word read as unreadable, since with CUDA_DEVICE_MAX_CONNECTIONS=1 the read
     queues behind the stuck wait; the message says so there, and only there."""
     ended = []
     monkeypatch.setattr(watchdog, "_read", lambda words: watchdog.UNREADABLE if words == "stuck" else [1, 0])

@@ -79,8 +79,8 @@ def test_llama_shapes():
     assert [flag(seventy, f) for f in ("--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
                                        "--num-query-groups", "--seq-length")] == ["8192", "28672", "64", "8", "8192"]
     assert flag(recipe_argv("llama3-70b-proxy", NUM_LAYERS="10"), "--num-layers") == "10"
-    # the mode measured fastest per recipe: cuBLAS over p2p at the 70B shapes at TP 2 (docs/perf/s20, s29), signal
-    # there at TP 4 (s30) and at 8B, auto for the smoke (s28-s30)
+    # the mode measured fastest per recipe: cuBLAS over p2p (decompose) at the 70B shapes at TP 2, signal there at
+    # TP 4 and at 8B, auto for the smoke (benchmarks/results.jsonl)
     assert (flag(seventy, "--overlap-tp"), flag(eight, "--overlap-tp")) == ("decompose", "signal")
     assert flag(recipe_argv("llama3-70b-proxy", OVERLAP="signal"), "--overlap-tp") == "signal"
     seventy_t4 = recipe_argv("llama3-70b-proxy", TP="4", NPROC="4")
@@ -92,9 +92,9 @@ def test_llama_shapes():
 
 
 def test_llama3_8b_micro_batch_where_measured_faster():
-    """Two sequences per micro-batch at TP 2 and 4, the same global batch (docs/perf/s38: 1.036x / 1.040x of off
-    against 1.026x at one at TP 2; docs/perf/s40: 1.084x against 1.079x at TP 4; both sides faster); one at TP 8, not
-    measured there; MBS overrides, on both sides alike."""
+    """Two sequences per micro-batch at TP 2 and 4, the same global batch (both sides faster, ours more:
+    benchmarks/e2e-tp2_h200x2_2026-11-28.md, e2e-tp4_h200x4_2026-11-28.md); one at TP 8, not measured there; MBS
+    overrides, on both sides alike."""
     micro = "--micro-batch-size"
     for overlap in ("signal", "off"):
         assert flag(recipe_argv("llama3-8b", OVERLAP=overlap), micro) == "2"
@@ -106,8 +106,8 @@ def test_llama3_8b_micro_batch_where_measured_faster():
 
 
 def test_gather_in_place_and_defer_wgrad_where_measured_faster_and_only_where_they_apply():
-    """llama3-8b and llama3-70b-proxy gather in place by default (measured faster, docs/perf/s29), and at TP >= 4
-    under graphs defer fc1's wgrad as well (s33); never with the overlap off or auto, nor over NCCL (the flags would
+    """llama3-8b and llama3-70b-proxy gather in place by default (measured faster end to end), and at TP >= 4
+    under graphs defer fc1's wgrad as well (faster there, a tie at TP 2); never with the overlap off or auto, nor over NCCL (the flags would
     be refused); GATHER_IN_PLACE / DEFER_WGRAD=0/1 override a recipe's defaults."""
     in_place = "--overlap-tp-gather-in-place"
     for name in ("llama3-8b", "llama3-70b-proxy"):
@@ -123,7 +123,7 @@ def test_gather_in_place_and_defer_wgrad_where_measured_faster_and_only_where_th
     assert in_place not in recipe_argv("smoke") and in_place not in recipe_argv("mixtral-proxy")
     assert in_place in recipe_argv("smoke", GATHER_IN_PLACE="1", OVERLAP="signal")
     # DEFER_WGRAD: with gathering in place only (the flag needs it); the llama3 recipes' default at TP >= 4 under
-    # graphs (measured faster there, docs/perf/s33), off at TP 2 (a tie), eagerly and elsewhere
+    # graphs (measured faster there), off at TP 2 (a tie), eagerly and elsewhere
     defer = "--overlap-tp-defer-wgrad"
     for name in ("llama3-8b", "llama3-70b-proxy"):
         assert defer not in recipe_argv(name) and defer in recipe_argv(name, DEFER_WGRAD="1")

@@ -365,7 +365,9 @@ def test_refit_cli_writes_both_files(tmp_path):
 
 
 def test_defaults_are_the_recorded_fit():
-    record = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "perf", "tune_refit.json")
+    # the fit of tests/data/tune_validate.json (gemm_rs, 2 x H200, t = 2) by
+    # `python -m overlap_tp.tune.refit tests/data/tune_validate.json --out <dir>`
+    record = os.path.join(os.path.dirname(__file__), "..", "data", "tune_refit.json")
     with open(record) as f:
         fitted = json.load(f)["variants"]["all four"]["fitted"]
     assert Contention() == Contention(**fitted)
