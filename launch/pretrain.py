@@ -11,6 +11,10 @@ paths) are given. Throughput, MFU and overlap scalars go to stdout, TensorBoard 
 parameter keeps its own Adam step after a distributed-optimizer checkpoint load (`separate_adam_steps`: a
 megatron-core bug that makes resumed runs drift).
 
+`overlap-tp-pretrain --check ARGS` only parses and validates ARGS (Megatron's checks and overlap_tp's) on the CPU
+and prints `ok` or the error (launch/check.py); in a run, an error in overlap_tp's flags is one line on rank 0,
+status 2.
+
 Needs `megatron.training`: megatron-core >= 0.19 on Python >= 3.12, or a Megatron-LM checkout on
 PYTHONPATH. For Megatron-LM's own scripts (pretrain_gpt.py ...) use `overlap-tp-run` (launch/run.py). Written against megatron-core 0.19 (`pretrain(cfg_container, ...)`); older
 `pretrain(...)` signatures get a model provider instead of the model config.
@@ -27,6 +31,8 @@ from overlap_tp.launch.orphans import end_with_spawning_rank
 # first: it ends when the rank does (launch/orphans.py)
 end_with_spawning_rank()
 
+PROG = "overlap-tp-pretrain"
+DEFAULTS = {"tokenizer_type": "NullTokenizer"}   # Megatron's args_defaults: mock data needs no tokenizer files
 HOW_TO_GET_MEGATRON = (
     "megatron.training is not importable here ({error}). It ships with megatron-core >= 0.19, which "
     "needs Python >= 3.12: `pip install -e \".[megatron]\"`. Or put a Megatron-LM checkout on "
@@ -39,26 +45,31 @@ def require_megatron_training():
         import megatron.training  # noqa: F401
         import megatron.training.training  # noqa: F401
     except ImportError as error:  # also megatron-core >= 0.17 on Python < 3.12 (typing.override)
-        raise SystemExit("overlap-tp-pretrain: " + HOW_TO_GET_MEGATRON.format(error=error))
+        raise SystemExit(f"{PROG}: " + HOW_TO_GET_MEGATRON.format(error=error))
 
 
-def preflight(local_ranks):
-    """What a training launch needs, before torchrun starts anything: megatron.training and one CUDA GPU
-    per local rank. Prints one line and returns 1 where something is missing, else 0 (recipes/common.sh)."""
+def preflight(local_ranks, argv=None):
+    """What a training launch needs, before torchrun starts anything (recipes/common.sh): one CUDA GPU per local
+    rank (counted before Megatron is imported, whose import warns at length on a machine without GPUs), then
+    megatron.training, then, given the launch's arguments `argv`, `--check`'s parse and validation of them. Prints
+    one line and returns 1 (the machine) or 2 (the arguments) where something is wrong, else 0."""
     try:
-        require_megatron_training()
         require_gpus(local_ranks)
+        require_megatron_training()
     except SystemExit as error:
         print(error, file=sys.stderr)
         return 1
-    return 0
+    if argv is None:
+        return 0
+    from overlap_tp.launch.check import check
+    return check(PROG, argv, defaults=DEFAULTS, quiet=True)
 
 
 def require_gpus(local_ranks):
     import torch
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count < local_ranks:
-        raise SystemExit(f"overlap-tp-pretrain: {local_ranks} rank(s) per node need as many CUDA GPUs; "
+        raise SystemExit(f"{PROG}: {local_ranks} rank(s) per node need as many CUDA GPUs; "
                          f"{count} visible here")
 
 
@@ -257,9 +268,21 @@ def separate_adam_steps():
 def main(argv=None):
     if argv is not None:
         sys.argv = [sys.argv[0]] + list(argv)
-    require_megatron_training()
+    if "--check" in sys.argv[1:]:   # Megatron's and overlap_tp's validation only, on the CPU (launch/check.py)
+        from overlap_tp.launch.check import check
+        return check(PROG, [a for a in sys.argv[1:] if a != "--check"], defaults=DEFAULTS)
     if not any(flag in sys.argv[1:] for flag in ("-h", "--help")):
         require_gpus(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    require_megatron_training()
+    from overlap_tp.megatron.arguments import OverlapArgumentError
+    try:
+        return _main()
+    except OverlapArgumentError as error:   # once, on rank 0, no traceback (every rank stops alike)
+        from overlap_tp.launch.check import refuse
+        return refuse(PROG, error)
+
+
+def _main():
     use_prebuilt_dataset_helpers()
     separate_adam_steps()
 
@@ -271,7 +294,7 @@ def main(argv=None):
     from overlap_tp.megatron_patches.apply import apply
     from overlap_tp.training.throughput import install_training_log_hook
 
-    defaults = {"tokenizer_type": "NullTokenizer"}
+    defaults = dict(DEFAULTS)
     if hasattr(megatron_arguments, "parse_and_validate_args"):  # >= 0.18
         args = megatron_arguments.parse_and_validate_args(extra_args_provider=extra_args_provider,
                                                           args_defaults=defaults)

@@ -23,7 +23,9 @@ sys.argv = [SCRIPT, ARGS...], as `python SCRIPT ARGS...` would):
   SCRIPT.
 
 SCRIPT must parse its arguments through `megatron.training` (every Megatron-LM `pretrain_*.py` does);
-one that ends without doing so is reported. The two-line alternative for your own script (no
+one that ends without doing so is reported. An error in overlap_tp's flags (OverlapArgumentError) is one line on
+rank 0, status 2. `overlap-tp-run --check [SCRIPT] ARGS` runs Megatron's argument checks and overlap_tp's on the CPU
+and prints `ok` or the error (launch/check.py). The two-line alternative for your own script (no
 launcher) and `--spec overlap_tp.megatron_patches.spec signal`: README.md, "You already have a
 Megatron-LM script".
 
@@ -36,8 +38,11 @@ import os
 import runpy
 import sys
 
+from overlap_tp.launch.check import check, refuse
+
 PROG = "overlap-tp-run"
-USAGE = f"{PROG} SCRIPT [ARGS...]   (under torchrun, in place of SCRIPT)"
+USAGE = (f"{PROG} SCRIPT [ARGS...]   (under torchrun, in place of SCRIPT)\n"
+         f"       {PROG} --check [SCRIPT] ARGS   (Megatron's and overlap_tp's argument checks only, on the CPU)")
 
 
 class LaunchError(SystemExit):
@@ -259,14 +264,31 @@ def main(argv=None):
     if not argv or argv[0] in ("-h", "--help"):
         _help_parser().print_help()
         return 0 if argv else 2
+    if argv[0] == "--check":
+        return check_main(argv[1:])
     script, rest = argv[0], argv[1:]
     if script.startswith("-"):
-        raise LaunchError(f"expected the training script first, got the flag {script!r} (usage: {USAGE})")
+        raise LaunchError(f"expected the training script first, got the flag {script!r} (usage: {PROG} SCRIPT "
+                          f"[ARGS...], or {PROG} --check [SCRIPT] ARGS)")
     check_script(script)
     if not any(flag in rest for flag in ("-h", "--help")):
         require_gpus()
-    run(script, rest)
+    from overlap_tp.megatron.arguments import OverlapArgumentError
+    try:
+        run(script, rest)
+    except OverlapArgumentError as error:   # once, on rank 0, no traceback (every rank stops alike)
+        return refuse(PROG, error)
     return 0
+
+
+def check_main(argv):
+    """`--check [SCRIPT] ARGS`: Megatron's parser and validation plus overlap_tp's, no GPU (launch/check.py). With
+    SCRIPT, megatron is looked up as the script will see it (its folder first); the script's own extra flags, if
+    it adds any, are unknown to the check."""
+    folder = None
+    if argv and not argv[0].startswith("-"):
+        folder, argv = os.path.dirname(check_script(argv[0])), argv[1:]
+    return check(PROG, argv, path=folder)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ export GPUS_PER_NODE=${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-8}}
 export MASTER_ADDR=${MASTER_ADDR:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)}
 export MASTER_PORT=${MASTER_PORT:-29500}
 export OUT_DIR=${OUT_DIR:-$REPO/runs/$RECIPE-${OVERLAP:-signal}-$SLURM_JOB_ID}
-# Keep NVLink multicast off where the hosts forbid it (the recipes export these too).
+# Keep NVLink multicast off where the hosts forbid it (the recipes set these for the run too).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # export NCCL_SOCKET_IFNAME=... NCCL_IB_HCA=...   # site-specific network settings
 

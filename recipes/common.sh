@@ -1,44 +1,72 @@
 # Shared by the recipes (sourced, not run). A recipe sets RECIPE, MODEL_ARGS and TRAIN_ARGS, then
-# calls run_recipe "$@". Environment knobs (all optional):
-#   OVERLAP=signal|decompose|auto|off   --overlap-tp (default signal; the smoke: auto; the 70B proxy at TP 2:
-#                                       decompose); off = the baseline
+# calls run_recipe "$@". Environment knobs (all optional; recipes/README.md lists each recipe's defaults):
+#   OVERLAP=signal|decompose|auto|off   --overlap-tp (off = the baseline)
 #   TRANSPORT=auto|nccl|p2p  COMM_SMS=N --overlap-tp-transport / --overlap-tp-comm-sms (default auto)
 #   GATHER_IN_PLACE=1|0                 --overlap-tp-gather-in-place where OVERLAP is signal or decompose and
-#                                       TRANSPORT is not nccl (default 0; llama3-8b and llama3-70b-proxy: 1, measured
-#                                       faster there)
+#                                       TRANSPORT is not nccl
 #   DEFER_WGRAD=1|0                     --overlap-tp-defer-wgrad with gathering in place: fc1's wgrad runs beside
-#                                       proj's backward AllGather (default 0; llama3-8b and llama3-70b-proxy: 1 at
-#                                       TP >= 4 under graphs, measured faster there)
+#                                       proj's backward AllGather
 #   TOKEN_SPLIT=1|0                     --overlap-tp-token-split: each micro-batch as two interleaved halves of its
-#                                       sequences (default 0; needs an even micro-batch: MBS=2 in the llama3 recipes)
+#                                       sequences (needs an even micro-batch: MBS=2 in the llama3 recipes)
 #   TUNE_CACHE=PATH                     with OVERLAP=auto: --overlap-tp-tune-cache (default $OUT_DIR/overlap_tp_tune.json:
 #                                       a second run into the same OUT_DIR tunes nothing)
-#   TP=2  NPROC=2  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static rendezvous)
+#   TP=2  NPROC=$TP (ranks per node)  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static
+#                                       rendezvous); NPROC x NNODES must be a multiple of TP
 #   RDZV_ENDPOINT=host:port  RDZV_ID=job  torchrun's c10d rendezvous instead (multi-node, SLURM)
 #   TRANSFORMER_IMPL=local|transformer_engine   (default: transformer_engine where it imports)
 #   GRAPHS=local|full_iteration|none    Megatron's --cuda-graph-impl for both sides, on and off alike
-#                                       (default local; smoke: full_iteration, measured fastest there)
 #   WANDB_PROJECT (default overlap_tp; "" turns W&B off)  WANDB_MODE (offline unless set)  EXP_NAME
 #   OUT_DIR (default runs/$RECIPE-$OVERLAP): train.log, tensorboard/, wandb/
-#   DRY_RUN=1                           print the launch command instead of running it
+#   LOG_INTERVAL (default 5)  PYTHON (default python3)  CUDA_DEVICE_MAX_CONNECTIONS (default 1)
+#   DRY_RUN=1                           print the command that would run (one flag per line, quoted for the shell)
+#   CHECK=1                             check the flags with Megatron's and overlap_tp's validation, on the CPU
 # Arguments given to the recipe are appended to the Megatron command line (they win).
-
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
-export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 
 OVERLAP=${OVERLAP:-signal}
 TP=${TP:-2}
-NPROC=${NPROC:-2}
+NPROC=${NPROC:-$TP}
 PYTHON=${PYTHON:-python3}
 
 _imports() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
 
+# TP, NPROC and NNODES are whole numbers and the job's ranks (NPROC x NNODES) a multiple of TP; else one line, 2
+_check_layout() {
+  local name
+  for name in TP NPROC NNODES; do
+    if [[ ! ${!name:-1} =~ ^[1-9][0-9]*$ ]]; then
+      echo "[recipe] $name=${!name}: expected a positive whole number" >&2; return 2
+    fi
+  done
+  if (( NPROC * ${NNODES:-1} % TP )); then
+    echo "[recipe] NPROC=$NPROC x NNODES=${NNODES:-1} = $(( NPROC * ${NNODES:-1} )) ranks is not a multiple of TP=$TP:" \
+         "set NPROC to a multiple of TP, or leave it unset (it follows TP)" >&2
+    return 2
+  fi
+}
+
+# _print_command ASSIGNMENTS... -- COMMAND...: `env ASSIGNMENTS` on one line, then the command with one flag and
+# its values per line, every word quoted for the shell (pasted back, it runs the same command)
+_print_command() {
+  local line=env word
+  while [[ $1 != -- ]]; do line+=" $(printf '%q' "$1")"; shift; done
+  shift
+  printf '%s \\\n' "$line"
+  line=$(printf '%q' "$1")
+  shift
+  for word in "$@"; do
+    if [[ $word == -* && ! $word =~ ^-[0-9.] ]]; then printf '%s \\\n' "$line"; line=" "; fi
+    line+=" $(printf '%q' "$word")"
+  done
+  printf '%s\n' "$line"
+}
+
 run_recipe() {
+  _check_layout || return
   local out_dir=${OUT_DIR:-runs/$RECIPE-$OVERLAP}
   local exp_name=${EXP_NAME:-$RECIPE-$OVERLAP}
   local impl=${TRANSFORMER_IMPL:-}
   if [[ -z $impl ]]; then
-    if [[ ${DRY_RUN:-0} != 1 ]] && _imports transformer_engine; then impl=transformer_engine; else impl=local; fi
+    if _imports transformer_engine; then impl=transformer_engine; else impl=local; fi
   fi
   local overlap_args=(--overlap-tp "$OVERLAP")
   [[ -n ${TRANSPORT:-} ]] && overlap_args+=(--overlap-tp-transport "$TRANSPORT")
@@ -57,7 +85,7 @@ run_recipe() {
   # two interleaved halves of each micro-batch (needs an even --micro-batch-size: MBS=2)
   [[ ${TOKEN_SPLIT:-0} == 1 && $OVERLAP != off ]] && overlap_args+=(--overlap-tp-token-split)
   local env_args=()
-  if [[ ${DRY_RUN:-0} != 1 ]] && ! _imports transformer_engine && ! _imports fused_weight_gradient_mlp_cuda; then
+  if ! _imports transformer_engine && ! _imports fused_weight_gradient_mlp_cuda; then
     # Megatron's fused wgrad accumulation needs Apex or TE, its RoPE fusion TE.
     env_args+=(--no-gradient-accumulation-fusion --no-rope-fusion)
     if [[ $OVERLAP == off ]] && ! _imports apex; then
@@ -68,7 +96,7 @@ run_recipe() {
       overlap_args+=(--overlap-tp-layers)
     fi
   fi
-  if [[ ${DRY_RUN:-0} != 1 && $impl == local ]] && ! _imports apex; then
+  if [[ $impl == local ]] && ! _imports apex; then
     # Megatron's persistent LayerNorm and fused masked softmax are Apex's kernels, and on by default: without Apex
     # its local spec's torch norm refuses the first and its attention fails to import the second (seen at TP 1,
     # where Megatron's own layers run: nothing to communicate)
@@ -81,15 +109,18 @@ run_recipe() {
     full_iteration) graph_args=(--cuda-graph-impl full_iteration --no-check-for-nan-in-loss-and-grad) ;;
     *) echo "[recipe] GRAPHS=${GRAPHS}: expected local, full_iteration or none" >&2; return 2 ;;
   esac
+  # the run's environment: NVLink multicast off, and what Megatron's sequence parallelism asks for
+  local run_env=(NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+                 "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}")
   local log_args=(--log-interval "${LOG_INTERVAL:-5}" --log-throughput --log-timers-to-tensorboard
                   --tensorboard-dir "$out_dir/tensorboard" --eval-iters 0 --eval-interval 1000000)
   local project=${WANDB_PROJECT-overlap_tp}
   if [[ -n $project ]]; then
-    if [[ ${DRY_RUN:-0} == 1 ]] || _imports wandb; then
-      export WANDB_MODE=${WANDB_MODE:-offline}
+    if _imports wandb; then
+      run_env+=("WANDB_MODE=${WANDB_MODE:-offline}")
       log_args+=(--wandb-project "$project" --wandb-exp-name "$exp_name" --wandb-save-dir "$out_dir/wandb")
     else
-      echo "[recipe] wandb does not import here: W&B logging off (pip install wandb)" >&2
+      echo "[recipe] W&B off: wandb is not installed (pip install -e \".[wandb]\"; WANDB_PROJECT= hides this line)" >&2
     fi
   fi
   local rendezvous=(--node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-localhost}"
@@ -97,21 +128,27 @@ run_recipe() {
   if [[ -n ${RDZV_ENDPOINT:-} ]]; then  # multi-node: torchrun's c10d rendezvous (launch/slurm_template.sh)
     rendezvous=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-overlap_tp}")
   fi
+  local args=(--tensor-model-parallel-size "$TP" --sequence-parallel --transformer-impl "$impl"
+              "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${log_args[@]}" "${overlap_args[@]}" "${env_args[@]}"
+              "${graph_args[@]}" "$@")
   local cmd=(torchrun --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" "${rendezvous[@]}"
-             -m overlap_tp.launch.pretrain
-             --tensor-model-parallel-size "$TP" --sequence-parallel --transformer-impl "$impl"
-             "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${log_args[@]}" "${overlap_args[@]}" "${env_args[@]}"
-             "${graph_args[@]}" "$@")
-  if [[ ${DRY_RUN:-0} == 1 ]]; then
-    printf '%q ' "${cmd[@]}"; echo
-    return 0
+             -m overlap_tp.launch.pretrain "${args[@]}")
+  # the launch's arguments as Megatron and overlap_tp validate them, for the whole job's ranks (launch/check.py)
+  local check_env=("${run_env[@]}" "WORLD_SIZE=$(( NPROC * ${NNODES:-1} ))")
+  [[ ${DRY_RUN:-0} == 1 ]] && _print_command "${run_env[@]}" -- "${cmd[@]}"
+  if [[ ${CHECK:-0} == 1 ]]; then
+    env "${check_env[@]}" "$PYTHON" -m overlap_tp.launch.pretrain --check "${args[@]}"
+    return
   fi
-  # megatron.training and a GPU per rank, checked before torchrun starts anything (one line, exit 1)
-  "$PYTHON" -c "import sys; from overlap_tp.launch.pretrain import preflight; sys.exit(preflight($NPROC))" || return 1
+  [[ ${DRY_RUN:-0} == 1 ]] && return 0
+  # a GPU per rank, megatron.training, then the flags, before torchrun starts anything: one line, exit 1 or 2
+  env "${check_env[@]}" "$PYTHON" -c \
+    "import sys; from overlap_tp.launch.pretrain import preflight; sys.exit(preflight($NPROC, sys.argv[1:]))" \
+    "${args[@]}" || return
   mkdir -p "$out_dir"
   echo "[recipe] $RECIPE, --overlap-tp $OVERLAP, graphs ${GRAPHS:-local}, log: $out_dir/train.log" >&2
   set -o pipefail
-  "${cmd[@]}" 2>&1 | tee "$out_dir/train.log"
+  env "${run_env[@]}" "${cmd[@]}" 2>&1 | tee "$out_dir/train.log"
 }
 
 # Llama-style model flags shared by the Llama recipes: RMSNorm, SwiGLU, GQA, no biases, RoPE, bf16.

@@ -18,7 +18,7 @@ MOE_ARGS=(--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoa
           --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2)
 # Megatron's grouped experts (TEGroupedMLP) need Transformer Engine; without it the baseline runs SequentialMLP
 # (overlap_tp's experts are always one grouped GEMM per op)
-if [[ ${DRY_RUN:-0} != 1 ]] && _imports transformer_engine; then MOE_ARGS+=(--moe-grouped-gemm); fi
+if _imports transformer_engine; then MOE_ARGS+=(--moe-grouped-gemm); fi
 MODEL_ARGS=("${LLAMA_ARGS[@]}" "${MOE_ARGS[@]}"
             --num-layers "${NUM_LAYERS:-8}" --hidden-size 4096 --ffn-hidden-size 14336
             --num-attention-heads 32 --num-query-groups 8 --kv-channels 128 --seq-length 4096

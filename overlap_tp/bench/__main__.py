@@ -1,16 +1,32 @@
-"""`python -m overlap_tp.bench SUBCOMMAND ...`: one entry point for every benchmark."""
+"""`python -m overlap_tp.bench SUBCOMMAND ...`: one entry point for every benchmark (`--help` lists them)."""
 import importlib
 import os
 import sys
 
 SUBCOMMANDS = {
-    "ops": "overlap_tp.bench.ops",    # GEMM+RS / GEMM+AR against the BENCHMARKS.md baselines (torchrun)
-    "norm": "overlap_tp.bench.norm",  # fused reorder + residual add + RMSNorm (one GPU)
-    "gemm": "overlap_tp.bench.gemm",  # the signaled GEMM alone vs cuBLAS on the layers' GEMMs (one GPU)
-    "layer": "overlap_tp.bench.layer",  # one TransformerLayer fwd+bwd: ours vs Megatron vs no-comm (torchrun)
-    "moe": "overlap_tp.bench.moe",    # MoE a2a_gemm / gemm_a2a against all_to_all + cuBLAS (torchrun)
-    "moe_layer": "overlap_tp.bench.moe_layer",  # OverlapMoELayer against Megatron's MoELayer (torchrun)
+    "ops": "overlap_tp.bench.ops",
+    "norm": "overlap_tp.bench.norm",
+    "gemm": "overlap_tp.bench.gemm",
+    "layer": "overlap_tp.bench.layer",
+    "moe": "overlap_tp.bench.moe",
+    "moe_layer": "overlap_tp.bench.moe_layer",
 }
+DESCRIPTIONS = {   # one line each, for --help
+    "ops": "GEMM+ReduceScatter, GEMM+AllReduce, AllGather+GEMM against cuBLAS + NCCL and async-TP (torchrun)",
+    "norm": "the fused bias-dropout-add + RMSNorm kernels against torch's eager ops (one GPU)",
+    "gemm": "the signaled GEMM alone against cuBLAS on the GEMMs the layers issue (one GPU)",
+    "layer": "one TransformerLayer fwd+bwd: overlap_tp's against Megatron's and against no communication (torchrun)",
+    "moe": "MoE a2a_gemm / gemm_a2a against all_to_all + cuBLAS (torchrun)",
+    "moe_layer": "OverlapMoELayer against Megatron's MoELayer, fwd+bwd (torchrun)",
+}
+
+
+def usage():
+    width = max(map(len, SUBCOMMANDS))
+    lines = ["usage: python -m overlap_tp.bench SUBCOMMAND [ARGS...]   (SUBCOMMAND --help: its flags)", "",
+             "subcommands:"]
+    lines += [f"  {name:<{width}}  {DESCRIPTIONS[name]}" for name in SUBCOMMANDS]
+    return "\n".join(lines)
 
 
 # one rank per GPU under torchrun, at least this many ranks: the layer and MoE benchmarks also run on one GPU (TP 1,
@@ -42,8 +58,12 @@ def requirement_problem(subcommand, argv, environ=os.environ, cuda_devices=None)
 
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage())
+        return 0
     if not argv or argv[0] not in SUBCOMMANDS:
-        print(f"usage: python -m overlap_tp.bench {{{','.join(SUBCOMMANDS)}}} [--help]", file=sys.stderr)
+        unknown = f"python -m overlap_tp.bench: unknown subcommand {argv[0]!r}\n" if argv else ""
+        print(unknown + usage(), file=sys.stderr)
         return 2
     if not any(flag in argv for flag in ("-h", "--help")):
         problem = requirement_problem(argv[0], argv[1:])

@@ -1,5 +1,10 @@
 """The benchmark and tuner entry points stop with one line where the launch or the machine cannot run them,
-instead of a traceback from deep inside torch (torch.cuda.set_device on a CPU-only build)."""
+instead of a traceback from deep inside torch (torch.cuda.set_device on a CPU-only build); `--help` lists the
+benchmarks."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 from overlap_tp.bench import __main__ as bench
@@ -19,6 +24,26 @@ def test_distributed_benchmarks_need_torchrun_a_group_and_gpus():
     assert bench.requirement_problem("layer", [], environ=one_gpu, cuda_devices=1) is None   # TP 1: own computation
     assert bench.requirement_problem("layer", ["--device", "cpu"], environ={}, cuda_devices=0) is None
     assert bench.requirement_problem("norm", [], environ={}, cuda_devices=0) is None   # checks its GPU itself
+
+
+def test_help_lists_every_subcommand_with_one_line_and_exits_0():
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-m", "overlap_tp.bench", "--help"], capture_output=True, text=True,
+                            cwd=root)
+    assert result.returncode == 0 and result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("usage: python -m overlap_tp.bench SUBCOMMAND")
+    listed = {line.split()[0]: line.split(None, 1)[1] for line in lines if line.startswith("  ")}
+    assert listed == bench.DESCRIPTIONS and list(listed) == list(bench.SUBCOMMANDS)
+    assert all(description for description in listed.values())
+
+
+def test_no_or_an_unknown_subcommand_prints_the_list_and_returns_2(capsys):
+    assert bench.main([]) == 2
+    assert "subcommands:" in capsys.readouterr().err
+    assert bench.main(["layers"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m overlap_tp.bench: unknown subcommand 'layers'\n") and "  moe_layer  " in err
 
 
 def test_main_prints_the_line_and_returns_2(monkeypatch, capsys):

@@ -338,3 +338,46 @@ def test_adam_steps_are_separated_after_a_checkpoint_load(monkeypatch):
     module.HAVE_APEX_OR_TE = True                       # Apex / TE optimizers keep no per-parameter step tensor
     DistributedOptimizer.load_state_dict = megatron_like_load
     assert pretrain.separate_adam_steps() is False
+
+
+@pytest.fixture
+def no_training_hooks(monkeypatch):
+    """main() installs the throughput log and the optimizer patch, which need megatron-core (not the stand-in)."""
+    from overlap_tp.launch import pretrain
+    from overlap_tp.training import throughput
+    monkeypatch.setattr(pretrain, "use_prebuilt_dataset_helpers", lambda: None)
+    monkeypatch.setattr(pretrain, "separate_adam_steps", lambda: None)
+    monkeypatch.setattr(throughput, "install_training_log_hook", lambda: None)
+    monkeypatch.setattr(launcher, "require_gpus", lambda: None)
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_an_overlap_argument_error_is_one_line_on_rank_0(checkout, no_training_hooks, monkeypatch, capsys, rank):
+    """Every rank meets the error; rank 0 alone prints it, as one line without a traceback; status 2."""
+    monkeypatch.setenv("RANK", rank)
+    script = write(checkout, "pretrain_stub.py", SCRIPT_019)
+    assert launcher.main([script, "--tensor-model-parallel-size", "2", "--overlap-tp", "signal"]) == 2
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    if rank == "0":
+        assert err.count("\n") == 1 and err.startswith("overlap-tp-run: --overlap-tp signal needs --sequence-parallel")
+    else:
+        assert err == ""
+
+
+def test_check_with_the_scripts_megatron_and_no_gpu(checkout, monkeypatch, capsys):
+    """--check [SCRIPT] ARGS: the parser and validation of the Megatron next to SCRIPT, then overlap_tp's; no GPU
+    looked for, the script not run."""
+    monkeypatch.setattr(launcher, "require_gpus", lambda: pytest.fail("--check looked for GPUs"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    script = write(checkout, "pretrain_stub.py", SCRIPT_019)
+    argv = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--overlap-tp", "signal"]
+    assert launcher.main(["--check", script] + argv) == 0
+    assert capsys.readouterr().out == "ok (world size 2)\n"
+    assert "megatron.training" in sys.modules and "RESULT" not in vars(sys.modules["megatron.training"])
+    assert launcher.main(["--check", script] + argv[:2] + argv[3:]) == 2
+    assert capsys.readouterr().err.startswith("overlap-tp-run: --overlap-tp signal needs --sequence-parallel")
+    assert launcher.main(["--check", script, "--overlap-tp", "sideways"]) == 2
+    assert "argument --overlap-tp: invalid choice: 'sideways'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="does not exist"):
+        launcher.main(["--check", str(checkout / "missing.py")])
