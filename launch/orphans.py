@@ -2,11 +2,10 @@
 
 torchrun ends a failed job by signalling its ranks. What a rank started itself through multiprocessing is not a
 worker of torchrun's and outlives it: Megatron's torch_dist checkpointing starts a multiprocessing Manager (a
-server process, for its write results), which then holds the job's stdout and its memory. Seen on the H200
-pair: after a rank was SIGKILLed, a torch_dist run (`torchrun ... | tee train.log`) went on 45 s until the test
-script killed it, where the legacy format, which starts no Manager, ended in 4.8 s; two processes of such a job
-were found alive after torchrun's exit. The same Manager is what the test
-suite used to leave behind (tests/leftovers.py).
+server process, for its write results), which then holds the job's stdout and its memory: after a rank is
+SIGKILLed, a torch_dist run piped into `tee` would go on until something killed the Manager, where the legacy
+format, which starts no Manager, ends in seconds, and processes of such a job can outlive torchrun's exit. The
+test suite checks for the same leftovers (tests/leftovers.py).
 
 A process started with multiprocessing's spawn (or forkserver) method first imports its parent's main module
 (multiprocessing marks that moment: current_process()._inheriting), then runs its target. The training

@@ -232,7 +232,7 @@ def separate_adam_steps():
     as ONE tensor put into every parameter's state, and AdamW adds 1 to each parameter's step in place, so after a
     resume the shared step advances once per parameter per update: from the first update on, every parameter but the
     first is bias-corrected for another step count than in the uninterrupted run (a resumed run equal at its first
-    iteration, off from its second). Found reading megatron-core while chasing issue 24's resume drift; the recipes
+    iteration, off from its second). The recipes
     with `--use-distributed-optimizer` (llama3-8b, llama3-70b-proxy, mixtral-proxy) take this path, the smoke recipe
     (Megatron's non-distributed optimizer, which restores the step per parameter) does not. The patch leaves the
     restored values as they are and only stops the sharing."""
@@ -330,10 +330,10 @@ def release_full_iteration_graphs():
     """Free Megatron's full-iteration CUDA graphs once training is done, before the interpreter exits.
 
     They sit in a class attribute (FullCudaGraphWrapper.cuda_graph), so without this they are destroyed in
-    the interpreter's last teardown, next to the NCCL communicators they captured collectives of: on the H200
-    pair every smoke run under `--cuda-graph-impl full_iteration` logged its last iteration and then never
-    exited (overlap off and on alike; `--cuda-graph-impl local`, whose graphs live on the modules, exited).
-    Megatron-Bridge frees its graphs before the process group for the same reason
+    the interpreter's last teardown, next to the NCCL communicators they captured collectives of, and a run under
+    `--cuda-graph-impl full_iteration` logs its last iteration and then never exits (overlap off and on alike;
+    under `--cuda-graph-impl local` the graphs live on the modules and the run exits). Megatron-Bridge frees its
+    graphs before the process group for the same reason
     (its _delete_cuda_graphs). The process group itself is left to Megatron, as its own pretrain_gpt.py does."""
     try:
         from megatron.core.full_cuda_graph import FullCudaGraphWrapper

@@ -1,8 +1,8 @@
 """The signaled GEMM alone against cuBLAS, one GPU: every GEMM a Llama layer issues through overlap_tp.
 
-    python -m overlap_tp.bench gemm --out docs/perf
+    python -m overlap_tp.bench gemm --out OUT_DIR
 
-Per BENCHMARKS.md layer (TP = --tp shards, --seq tokens), bf16, the GEMM of each overlapped call the layers make:
+Per public layer shape (overlap_tp/tune/shapes.py; TP = --tp shards, --seq tokens), bf16, the GEMM of each overlapped call the layers make:
   fwd   qkv / fc1: ag_gemm's  [M, K] @ W[N_local, K].T     (W row-major: the kernel's "nk" layout)
         proj / fc2: gemm_rs's [M, K_local] @ W[N, K_local].T
   dgrad qkv / fc1: gemm_rs's  dY[M, N_local] @ W[N_local, K]   (the weight read transposed in place: "kn")
@@ -17,8 +17,7 @@ Times: cuBLAS and every variant of a GEMM are timed in --rounds interleaved roun
 from one CUDA graph per variant (CUDA events per replay of 4 x --input-sets calls; inputs rotated over the sets,
 no L2 flush, as in a layer; --eager: back-to-back eager calls, which at the smoke recipe's shapes measure the
 host's launch rate, not the GPU), so the clock drift of a run falls on all of them alike; `ms` is the median over all rounds, `ratio range` the lowest and highest of the
-per-round ratios. (Timed one after the other, cuBLAS read 10-20% apart on two machines of the same kind, and the
-ratios moved with it: `git show 27bec54:docs/perf/s9/README.md`.)
+per-round ratios. (Timed one after the other, a clock drift between the two would move the ratios.)
 """
 import argparse
 import functools

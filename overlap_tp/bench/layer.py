@@ -1,7 +1,7 @@
 """Layer benchmark: one Llama TransformerLayer, forward + backward, on overlap_tp's spec against Megatron's
 own linears and against the same layer with no TP communication at all.
 
-    torchrun --nproc-per-node 2 -m overlap_tp.bench layer --out docs/perf
+    torchrun --nproc-per-node 2 -m overlap_tp.bench layer --out OUT_DIR
     TRITON_INTERPRET=1 torchrun --nproc-per-node 2 -m overlap_tp.bench layer --tiny --out /tmp/layer   # CPU, gloo
 
 Shapes (BENCHMARKS.md): Llama-3-8B (h 4096, 32 heads, 8 KV heads, FFN 14336) and Llama-3-70B (h 8192, 64
@@ -65,7 +65,7 @@ the --reps steps of each configuration are spread over --rounds interleaved roun
 configuration in turn, --warmup untimed steps and a barrier before each block), so a drift of the machine
 during the run falls on all configurations alike; ms is the median of all its steps, the slowest rank's;
 "t/megatron per round" gives the range of the ratio over the rounds (the noise of the comparison). Ratios:
-t/megatron (issue target for signal on the 8B layer: <= 0.95, i.e. >= 5% faster) and t/nocomm (target
+t/megatron (the target for signal on the 8B layer: <= 0.95, i.e. >= 5% faster) and t/nocomm (target
 <= 1.05). The report (JSON + Markdown, rewritten after every configuration) names the command, git
 commit, device, versions and CUDA_DEVICE_MAX_CONNECTIONS (Megatron's training sets it to 1; the recipes too).
 """
@@ -128,7 +128,7 @@ def configurations(device_type):
         "signal-agp2p": ("ours", {"ag_gemm": p2p, "gemm_rs": signal, "gemm_ar": signal}, False),
         "signal-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
         "decompose-p2p": ("ours", {"ag_gemm": decompose_p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal}, False),
-        # per op the GEMM that measured faster over p2p on most s 8192 shapes (docs/perf/s20): the signaled one behind
+        # per op the GEMM that measured faster over p2p on most s 8192 shapes (docs/performance.md): the signaled one behind
         # the AllGather's per-chunk flags, cuBLAS's regions for the ReduceScatter (no remote stores from Triton)
         "mixed-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal}, False),
         # signal-p2p with the AllGathers' pulls split over two streams (two copy engines at once, where they scale)
@@ -153,7 +153,7 @@ def configurations(device_type):
         # signal-p2p-inplace with the partials pushed by the copy engines at any t (rs_transfer 'copy')
         "signal-p2p-rscopy-inplace": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p_copy, "gemm_ar": signal}, False),
         # signal-p2p-inplace-dw with cuBLAS's GEMMs per region for the ReduceScatters, each region pushed by the copy
-        # engines (the signaled GEMM ran 5-9% slower than cuBLAS beside the copies at t = 4, session 36)
+        # engines (beside the copies at t = 4 the signaled GEMM runs slower than cuBLAS: docs/performance.md)
         "mixed-p2p-rscopy-inplace-dw": ("ours", {"ag_gemm": p2p, "gemm_rs": decompose_p2p_copy, "gemm_ar": signal},
                                         False),
     }
@@ -647,7 +647,7 @@ def bench_model(model, args, group, device, rows, command):
             row["error"] = f"{type(error).__name__}: {error}"[:300]
         if row.get("gpu_ms") and row["gpu_ms"] > GPU_MS_SLACK * row["ms"]:
             # A time without launch gaps cannot exceed the back-to-back span: the queued run went
-            # slower than the normal one (seen in the seventh session's runs), so it bounds nothing.
+            # slower than the normal one (it happens), so it bounds nothing.
             row["gpu_note"] = "GPU ms > span: not compared"
         elif row.get("gpu_ms") and model_rows["megatron"].get("gpu_ms") and "gpu_note" not in model_rows["megatron"]:
             row["gpu_vs_megatron"] = row["gpu_ms"] / model_rows["megatron"]["gpu_ms"]

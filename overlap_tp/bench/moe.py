@@ -3,7 +3,7 @@ sequential path, BENCHMARKS.md's MoE shapes (Mixtral-8x7B-like: hidden 4096, ffn
 8 experts, top-2, EP = the number of processes; 8192 and 16384 tokens per rank; uniform and Zipf(1.2)
 routing over the experts).
 
-    torchrun --nproc-per-node 2 -m overlap_tp.bench moe --out docs/perf
+    torchrun --nproc-per-node 2 -m overlap_tp.bench moe --out OUT_DIR
 
 One process per GPU; every variant runs in the same process on the same inputs and routing:
   seq        method='off': NCCL all_to_all_single then one cuBLAS matmul per (source rank, expert) segment

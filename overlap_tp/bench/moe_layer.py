@@ -2,7 +2,7 @@
 Mixtral-8x7B-like (hidden 4096, expert FFN 14336, SwiGLU, 8 experts, top-2, aux loss), EP = the number of
 processes, 8192 and 16384 tokens per rank, uniform and Zipf(1.2) routing.
 
-    torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --out docs/perf
+    torchrun --nproc-per-node 2 -m overlap_tp.bench moe_layer --out OUT_DIR
 
 One process per GPU; every variant runs in the same process on the same inputs, weights and routing:
   megatron   Megatron's MoELayer: router, permute, all_to_all, SequentialMLP experts (TEGroupedMLP with
@@ -56,8 +56,8 @@ def parse_args(argv):
     p.add_argument("--transformer-impl", default="local", choices=("local", "transformer_engine"),
                    help="Megatron's MoE module: local (SequentialMLP) or TE's (TEGroupedMLP) where TE imports")
     p.add_argument("--routings", type=int, default=1,
-                   help="routings cycled step by step (each drawn with its own seed): 1 = the same every step, as "
-                        "earlier records; training's routing changes every step, which rebuilds the expert ops' plans")
+                   help="routings cycled step by step (each drawn with its own seed): 1 = the same every step; "
+                        "training's routing changes every step, which rebuilds the expert ops' plans")
     p.add_argument("--reps", type=int, default=20, help="timed steps per variant, spread over --rounds")
     p.add_argument("--rounds", type=int, default=5,
                    help="interleaved rounds: each round times every variant in turn (reps / rounds steps each)")
@@ -196,7 +196,7 @@ def bench_shape(tokens, routing, args, group):
             row["auto_chose"] = trial.chosen
     # every routing once per variant, untimed, before the rounds: a routing's first step can compile a new kernel
     # specialization (Triton specializes integer arguments on == 1 and divisibility by 16, a bounded set per op that
-    # training pays once), which in session 26 put one round of Zipf's at 0.11-0.15x; its cost is reported apart
+    # training pays once), which would dominate a round it fell into; its cost is reported apart
     # (first_<variant>: ms per step of this pass, the slowest rank's; compiles_<variant>: the Triton kernels this
     # rank compiled in it, by name; mallocs_<variant>: the caching allocator's device allocations in it, the other
     # first-time cost of larger routings), not mixed into the timed medians
@@ -269,8 +269,8 @@ def triton_compiles():
 def profile_steps(run, sets, path, steps=3):
     """GPU time per step (ms: the kernels' and copies' time summed over the profiled steps / steps), with the
     kernel table by GPU time written to `path`.txt and the trace to `path`.json (torch.profiler over `steps`
-    steps after one unprofiled, Python functions recorded: docs/perf/scripts/trace_gaps.py lists where the GPU waited
-    for the host and, with --host, what the host did meanwhile). The profiled steps are not the timed ones."""
+    steps after one unprofiled, Python functions recorded, so the trace shows where the GPU waited for the host and
+    what the host did meanwhile). The profiled steps are not the timed ones."""
     from torch.profiler import ProfilerActivity, profile
     run(*sets[0])
     torch.cuda.synchronize()

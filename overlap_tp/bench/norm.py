@@ -1,6 +1,6 @@
 """Fused bias-dropout-add + RMSNorm benchmark, one GPU:
 
-    python -m overlap_tp.bench norm --out docs/perf
+    python -m overlap_tp.bench norm --out OUT_DIR
 
 Per (rows = M/t, hidden), bf16, the Llama path (no bias, no dropout) unless the variant says otherwise:
   fwd fused            the fused forward on a standard input: the plain fused add-RMSNorm Triton kernel
@@ -72,8 +72,8 @@ def median_ms(calls, reps):
 
     A sleep kernel holds the GPU while the host enqueues all `reps` calls, each behind an L2 flush and
     between two events, so the events time the kernels alone. (triton.testing.do_bench launches each call
-    behind its ~60 us L2 flush; a call whose host side takes longer, like the backward's launch plus
-    partial sum, then also times the launch gap: the first records' backward rows did.) The sleep is
+    behind its L2 flush; a call whose host side takes longer than the flush, like the backward's launch plus
+    partial sum, then also times the launch gap.) The sleep is
     doubled and the reps redone while the host's enqueue reaches 80% of it."""
     for call in calls:  # compile and warm up
         call()

@@ -1,7 +1,7 @@
 """Operator benchmark: GEMM+ReduceScatter, GEMM+AllReduce and AllGather+GEMM against the baselines of
 BENCHMARKS.md.
 
-    torchrun --nproc-per-node 2 -m overlap_tp.bench ops --out docs/perf
+    torchrun --nproc-per-node 2 -m overlap_tp.bench ops --out OUT_DIR
 
 One process per GPU; every baseline runs in the same process on the same inputs:
   seq        cuBLAS then the NCCL collective on one stream (method='off'; AG: the all-gather first)
@@ -79,7 +79,7 @@ def ours_variants(op, sweep):
     for GEMM+RS its two p2p transfers (`p2p/epilogue`, `p2p/copy`: OverlapConfig.rs_transfer) and cuBLAS's regions
     pushed by the copy engines (`cublas-p2p/copy`); for GEMM+AllReduce its p2p transport (`p2p`, `cublas-p2p`: the
     p2p ReduceScatter, then the copy engines' pulls of the summed regions);
-    --sweep adds the schedule x groups x comm_sms corners that won in earlier runs (docs/perf/) and, for
+    --sweep adds the schedule x groups x comm_sms corners that have measured best (docs/performance.md) and, for
     AllGather+GEMM, chunk counts of the pulls and in-place NCCL broadcasts."""
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     cublas_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # 4 chunks, as the flags give

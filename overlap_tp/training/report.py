@@ -28,8 +28,8 @@ _OURS = re.compile(r"\[overlap_tp\] iteration\s+(\d+)")
 _OUR_FIELDS = {
     "tokens_per_sec_per_gpu": re.compile(r"tokens/s/GPU:\s*([0-9.eE+-]+)"),
     "mfu": re.compile(r"MFU:\s*([0-9.eE+-]+)%"),
-    # the figures of overlap_tp.training.throughput ("Overlap statistics"); logs written before they were
-    # defined as they are now carry "overlap efficiency", which is not read
+    # the figures of overlap_tp.training.throughput ("Overlap statistics"); a log's "overlap efficiency", a figure
+    # of another definition, is not read
     "exposed_comm_ms": re.compile(r"exposed comm \(ms/step\):\s*([0-9.eE+-]+)"),
     "comm_hidden": re.compile(r"comm hidden:\s*([0-9.eE+-]+)"),
 }
