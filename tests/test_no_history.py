@@ -36,9 +36,6 @@ PATTERNS = (
     ("a removed record", re.compile(r"\bgit show [0-9a-f]{7,40}:")),
 )
 
-# String literals that are code, not prose: the benchmarks' `--out` default folder (overlap_tp/bench/*.py), which
-# moves with the benchmark campaigns' layout. Exact literals only; drop this once the defaults point elsewhere.
-ALLOWED_LITERALS = {"docs/perf"}
 
 
 def files():
@@ -66,8 +63,6 @@ def prose(relpath):
                                                    else set())
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type not in kinds:
-            continue
-        if token.type == tokenize.STRING and token.string.strip("'\"rbuRBU") in ALLOWED_LITERALS:
             continue
         pieces += [(token.start[0] + i, line) for i, line in enumerate(token.string.splitlines())]
     return pieces

@@ -55,7 +55,7 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=20, help="calls per variant and round")
     p.add_argument("--eager", action="store_true", help="time back-to-back eager calls instead of graph replays "
                    "(host-bound where a GEMM takes less GPU time than its launch)")
-    p.add_argument("--out", default="docs/perf")
+    p.add_argument("--out", default="runs/bench")
     p.add_argument("--name", default="signaled_gemm")
     return p.parse_args(argv)
 

@@ -186,7 +186,7 @@ def parse_args(argv):
                         "off for cpu")
     p.add_argument("--tiny", action="store_true",
                    help="CPU plumbing run: --device cpu --models tiny --seq 32 --reps 4 --rounds 2 --warmup 1 --input-sets 2")
-    p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
+    p.add_argument("--out", default="runs/bench", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="layer", help="report file name (without extension)")
     p.add_argument("--graphs", action="store_true",
                    help="time every configuration (Megatron's layer and the counterfactual too) as replays of a "

@@ -76,7 +76,7 @@ def parse_args(argv):
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--sweep", action="store_true", help="also time groups x comm_sms variants of signal")
-    p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
+    p.add_argument("--out", default="runs/bench", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="moe", help="report file name (without extension)")
     return p.parse_args(argv)
 

@@ -65,7 +65,7 @@ def parse_args(argv):
                    help="also profile 3 steps of every variant (torch.profiler): per variant and shape, a table of "
                         "the kernels by GPU time (DIR/<shape>_<variant>.txt), the trace (.json) and the GPU-busy "
                         "time per step")
-    p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
+    p.add_argument("--out", default="runs/bench", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="moe_layer", help="report file name (without extension)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.reps < args.rounds:

@@ -62,7 +62,7 @@ def parse_args(argv):
     p.add_argument("--input-sets", type=int, default=3)
     p.add_argument("--reps", type=int, default=30, help="timed calls per variant (median)")
     p.add_argument("--sweep", action="store_true", help="also time the launch-parameter grid (FWD_WARPS, BWD_GRID)")
-    p.add_argument("--out", default="docs/perf")
+    p.add_argument("--out", default="runs/bench")
     p.add_argument("--name", default="fused_add_rmsnorm")
     return p.parse_args(argv)
 

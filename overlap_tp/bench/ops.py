@@ -58,7 +58,7 @@ def parse_args(argv):
     p.add_argument("--host-config", choices=("ours", "p2p"), default="ours",
                    help="the config --host times: ours (what the Megatron layers run: gemm_ar on NCCL) or p2p (the "
                         "signaled GEMM on the p2p transports for all three ops, gemm_ar's too)")
-    p.add_argument("--out", default="docs/perf", help="folder for the JSON + Markdown report (rank 0)")
+    p.add_argument("--out", default="runs/bench", help="folder for the JSON + Markdown report (rank 0)")
     p.add_argument("--name", default="gemm_rs_ar", help="report file name (without extension)")
     return p.parse_args(argv)
 
