@@ -37,7 +37,7 @@ try:
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
     from megatron.core.utils import divide, get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
 except ImportError as error:  # pragma: no cover - exercised only without megatron-core
-    raise ImportError("overlap_tp.megatron.layers needs megatron-core (pip install 'overlap_tp[megatron]' or "
+    raise ImportError("overlap_tp.megatron.layers needs megatron-core (pip install -e '.[megatron]' in the checkout, or "
                       "'megatron-core>=0.16')") from error
 
 from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad

@@ -219,7 +219,7 @@ def main(argv=None):
     try:
         png = render_png(runs, os.path.join(options.out, "report.png"), options.skip)
     except ImportError:
-        print("matplotlib is missing: pip install 'overlap_tp[report]'", file=sys.stderr)
+        print("matplotlib is missing: pip install -e '.[report]' in the checkout", file=sys.stderr)
         return 1
     page = render_html(runs, png, os.path.join(options.out, "report.html"), options.skip)
     for row in summary_rows(runs, options.skip):

@@ -58,7 +58,7 @@ def create(spec):
         import wandb_workspaces.reports.v2 as wr
     except ImportError as error:
         raise SystemExit(f"overlap_tp.training.wandb_dashboard needs wandb and wandb-workspaces ({error}): "
-                         "pip install 'overlap_tp[wandb]'; or use --dry-run")
+                         "pip install -e '.[wandb]' in the checkout; or use --dry-run")
     panels = [wr.LinePlot(title=p["title"], x=p["x"], y=p["y"]) for p in spec["panels"]]
     if spec["kind"] == "workspace":
         import wandb_workspaces.workspaces as ws
