@@ -1257,6 +1257,41 @@ def _row_addresses(tensors):
     return {tensor.data_ptr() + 16 * i: (k, i) for k, tensor in tensors.items() for i in range(tensor.shape[0])}
 
 
+def _dispatch_reads(t, bufs, capacity, xs, xrs, reader, local_rows=None):
+    """The simulator's act() for the expert dispatch over RowPull buffers `bufs` (rank p's x of each call in xs, its
+    xr in xrs, both by (rank, call)), and `staged` (the call of each rank's x in its symmetric buffer): every xr row
+    an "mm" reads (but the call's local rows) must have been pulled in the same call, from the peer's x of that call;
+    `reader` names the reads in the failure."""
+    staged = [-1] * t
+    pulled = {}                                         # (rank, call, xr row) -> the call of the rows pulled there
+    xr_rows, x_of = _row_addresses(xrs), {x.data_ptr(): key for key, x in xs.items()}
+    current = [0] * t
+
+    def act(stream, op):
+        if op[0] == "call":
+            current[op[1]] = op[2]
+        elif op[0] == "copy" and op[2] in x_of:          # RowPull.start: rank p's x into its symmetric buffer
+            p, call = x_of[op[2]]
+            assert op[1] == bufs[p].data_ptr()
+            staged[p] = call
+        elif op[0] == "copy":                            # a chunk's pull: peer rows into this rank's xr
+            (rank, call), row = xr_rows[op[1]]
+            peer = next(p for p in range(t) if p != rank and bufs[p].data_ptr() <= op[2] < bufs[p].data_ptr()
+                        + capacity * 16)
+            for i in range(op[3] // 16):
+                pulled[rank, call, row + i] = staged[peer]
+        elif op[0] == "mm":
+            rank = int(stream[4:])
+            call = current[rank]
+            assert op[1] == xrs[rank, call].data_ptr()
+            for lo, hi in op[2]:
+                for i in range(lo, hi):
+                    if local_rows is None or i not in local_rows[rank, call]:
+                        got = pulled.get((rank, call, i))
+                        assert got == call, f"rank {rank} call {call}: {reader} read xr row {i} holding {got}"
+    return act, staged
+
+
 def _run_expert_dispatch_decomposed(recorder, monkeypatch, t, seed, joins_per_chunk=True):
     """30 calls per rank of the dispatch's cuBLAS path over the copy engines (expert._dispatch_decomposed with a
     RowPull), each rank's caller and comm streams recorded with their forks and joins and the matmuls recorded as
@@ -1297,34 +1332,7 @@ def _run_expert_dispatch_decomposed(recorder, monkeypatch, t, seed, joins_per_ch
                 first_wait = min(i for i, (stream, kind) in enumerate(order) if stream == engine.raw and kind == "wait")
                 assert order.index((engine.main, "mm")) < first_wait, order
         programs.update(recorder.take())
-    staged = [-1] * t                                   # the call of rank p's x in its symmetric buffer
-    pulled = {}                                         # (rank, call, xr row) -> the call of the rows pulled there
-    xr_rows, x_of = _row_addresses(xrs), {x.data_ptr(): key for key, x in xs.items()}
-    current = [0] * t
-
-    def act(stream, op):
-        if op[0] == "call":
-            current[op[1]] = op[2]
-        elif op[0] == "copy" and op[2] in x_of:          # RowPull.start: rank p's x into its symmetric buffer
-            p, call = x_of[op[2]]
-            assert op[1] == bufs[p].data_ptr()
-            staged[p] = call
-        elif op[0] == "copy":                            # a chunk's pull: peer rows into this rank's xr
-            (rank, call), row = xr_rows[op[1]]
-            peer = next(p for p in range(t) if p != rank and bufs[p].data_ptr() <= op[2] < bufs[p].data_ptr()
-                        + capacity * 16)
-            for i in range(op[3] // 16):
-                pulled[rank, call, row + i] = staged[peer]
-        elif op[0] == "mm":
-            rank = int(stream[4:])
-            call = current[rank]
-            assert op[1] == xrs[rank, call].data_ptr()
-            for lo, hi in op[2]:
-                for i in range(lo, hi):
-                    if i not in local_rows[rank, call]:
-                        got = pulled.get((rank, call, i))
-                        assert got == call, f"rank {rank} call {call}: a matmul read xr row {i} holding {got}"
-
+    act, staged = _dispatch_reads(t, bufs, capacity, xs, xrs, "a matmul", local_rows)
     run(programs, Memory(*[s.words for s in signals]), act, random.Random(seed), joins=True)
     assert staged == [calls - 1] * t
 
@@ -1477,32 +1485,7 @@ def _run_expert_dispatch_signaled(recorder, monkeypatch, t, seed, lowered_after_
             recorder.emit(engine.main, ("call", rank, call))
             expert._dispatch_signaled(x, None, xr, None, state, None, pull)
         programs.update(recorder.take())
-    staged = [-1] * t                                   # the call of rank p's x in its symmetric buffer
-    pulled = {}                                         # (rank, call, xr row) -> the call of the rows pulled there
-    xr_rows, x_of = _row_addresses(xrs), {x.data_ptr(): key for key, x in xs.items()}
-    current = [0] * t
-
-    def act(stream, op):
-        if op[0] == "call":
-            current[op[1]] = op[2]
-        elif op[0] == "copy" and op[2] in x_of:          # RowPull.start: rank p's x into its symmetric buffer
-            p, call = x_of[op[2]]
-            staged[p] = call
-        elif op[0] == "copy":                            # a chunk's pull: peer rows into this rank's xr
-            (rank, call), row = xr_rows[op[1]]
-            peer = next(p for p in range(t) if p != rank and bufs[p].data_ptr() <= op[2] < bufs[p].data_ptr()
-                        + capacity * 16)
-            for i in range(op[3] // 16):
-                pulled[rank, call, row + i] = staged[peer]
-        elif op[0] == "mm":
-            rank = int(stream[4:])
-            call = current[rank]
-            assert op[1] == xrs[rank, call].data_ptr()
-            for lo, hi in op[2]:
-                for i in range(lo, hi):
-                    got = pulled.get((rank, call, i))
-                    assert got == call, f"rank {rank} call {call}: a tile read xr row {i} holding {got}"
-
+    act, staged = _dispatch_reads(t, bufs, capacity, xs, xrs, "a tile")
     run(programs, Memory(*[s.words for s in signals], *words), act, random.Random(seed), joins=True)
     assert staged == [calls - 1] * t
     assert all(not w.any() for w in words), [w.tolist() for w in words]
