@@ -140,8 +140,8 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
     slots dy_slot_stride elements apart (the next column-parallel layer's p2p dgrad reduce-scatter, left unsummed to
     this kernel). At t = 2 both slots are prefetched and summed at the row's use, so their loads stay in flight as
     dy's would (summed at the prefetch they waited out their latency there: no gain over a separate sum). For t > 2
-    they are summed at the prefetch: four slots prefetched as four loads measured 12 us slower than the separate sum
-    at 2048 x 4096, summed at the prefetch 6 us faster (docs/perf/s18, probe_norm_slots.py).
+    they are summed at the prefetch: prefetched as t separate loads they measured slower than a separate sum, summed
+    at the prefetch faster (docs/performance.md).
 
     The loads of row i + 1 are issued before row i's reduction and stores (software pipelining by
     hand): without it each program has one row's reads in flight and waits out the full memory latency
@@ -279,8 +279,8 @@ def _has_pdl(device_index):
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-# Launched through their compiled kernels (kernels/launch.py): Triton's JIT launch costs ~50 us of host per call,
-# and an eager layer runs several of these per step.
+# Launched through their compiled kernels (kernels/launch.py): Triton's JIT launch costs tens of microseconds of
+# host time per call, and an eager layer runs several of these per step.
 _forward = JitLauncher(_forward_kernel)
 _backward = JitLauncher(_backward_kernel)
 _sum_partials = JitLauncher(_sum_partials_kernel)
@@ -359,11 +359,11 @@ def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=F
 def backward_grid(m, n, device, programs_per_sm=None, num_warps=None, orders=()):
     """(programs, rows_per_program, TILE_N, N_TILES, num_warps) of the backward launch for m rows of n.
 
-    Defaults, from the launch grid sweep on H200 (docs/perf/norm_sweep.md, `--sweep`): 32 fp32
+    Defaults, from the launch grid sweep (`python -m overlap_tp.bench norm --sweep`; docs/performance.md): 32 fp32
     elements per thread per row (num_warps = row block / 1024) and about 256 threads per SM (2 programs
-    per SM at 4096 columns, 1 at 8192). More warps per row or more programs per SM measured 5-25% slower:
+    per SM at 4096 columns, 1 at 8192). More warps per row or more programs per SM measured slower:
     each program already keeps two rows of loads in flight, and more programs add partial rows to write
-    and sum. Fewer warps spill registers (4 warps at 8192 columns: 15x slower)."""
+    and sum. Fewer warps spill registers (4 warps at 8192 columns: many times slower)."""
     tile_n, n_tiles, _ = _block(n, *orders)
     block = tile_n * n_tiles
     num_warps = num_warps or min(32, max(4, block // 1024))
@@ -384,8 +384,8 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
     Reads dy (in dy_order), d_residual_out (or None: zero), the saved s and rstd. Writes ds (the grad of
     s: the residual's, or x's for the plain norm, standard layout) and dx (x's grad, in dx_order) unless
     `dx` is None, which means dx is ds (no dropout, standard layout, same dtype). Each program writes one
-    partial row (programs x N fp32) that a second kernel sums (`_sum_partials_kernel`; at 2048 x 4096
-    torch's `sum(0)` took 4 us longer, git show 27bec54:docs/perf/s9/README.md). pdl: launch that kernel with
+    partial row (programs x N fp32) that a second kernel sums (`_sum_partials_kernel`, faster than torch's `sum(0)`
+    there, and deterministic: docs/performance.md). pdl: launch that kernel with
     programmatic dependent launch, so it is resident and waiting when the backward ends (None: where the
     GPU has it, Hopper on). programs_per_sm, num_warps: the benchmark sweeps them; it also times pdl=False.
     dy_slots: a contiguous [t, ...] tensor, t stacked tensors of dy's elements whose sum is dy (dy itself is then not

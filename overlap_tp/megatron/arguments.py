@@ -81,7 +81,7 @@ def add_overlap_args(parser):
              "auto (default): AllGather+GEMM and "
              "GEMM+ReduceScatter on p2p with their GEMMs on every SM, GEMM+AllReduce on nccl: no NCCL SM next "
              "to a sequence-parallel GEMM, the combination that measured fastest at TP 2 under CUDA graphs "
-             "for both methods (docs/perf/s11/README.md, docs/perf/s20/README.md).")
+             "for both methods (docs/performance.md).")
     group.add_argument(
         "--overlap-tp-comm-sms", type=int, default=None, metavar="N",
         help="SMs left to the collective: the GEMM runs on (SMs - N) and NCCL is capped at N CTAs; "
@@ -102,7 +102,7 @@ def add_overlap_args(parser):
              "copy, as PyTorch's async-TP pulls whole shards). peer needs --overlap-tp signal or decompose on the "
              "p2p transport (--overlap-tp-transport p2p or auto), one copy lane and, for signal, no pull SMs. "
              "Default: auto, peer where TP > 2 and the signaled AllGathers pull that way (faster on every 8B and 70B "
-             "AllGather shape at TP 4, session 35), else rows.")
+             "AllGather shape at TP 4: docs/performance.md), else rows.")
     group.add_argument(
         "--overlap-tp-rs-transfer", choices=RS_TRANSFERS, default=None,
         help="How the signaled GEMM+ReduceScatters on the p2p transport move the peers' partial sums "
@@ -143,9 +143,9 @@ def add_overlap_args(parser):
         "--overlap-tp-defer-wgrad", action="store_true",
         help="With --overlap-tp-gather-in-place: linear_fc1's backward leaves its weight-gradient GEMM to "
              "linear_proj's backward, which runs it while its dgrad AllGather pulls the peers' rows (fc1's gathered "
-             "input is still in its own buffer): that AllGather no longer waits with nothing beside it (one 8B layer "
-             "at TP 4 under CUDA graphs: -2.3%%, docs/perf/s32; llama3-8b at TP 4 end to end: -0.9%% per "
-             "iteration, s33). It pays under --cuda-graph-impl local or full_iteration; eagerly, with one hardware "
+             "input is still in its own buffer): that AllGather does not wait with nothing beside it (faster at "
+             "TP 4 under CUDA graphs, per layer and end to end: docs/performance.md). It pays under "
+             "--cuda-graph-impl local or full_iteration; eagerly, with one hardware "
              "queue, the wgrad waits behind the pulls (a warning says so). The gradient is the same bits, returned "
              "to autograd from linear_proj's backward (DDP's hooks see it as any other). Off by default; the llama3 "
              "recipes turn it on at TP >= 4 under graphs.")
@@ -153,7 +153,7 @@ def add_overlap_args(parser):
         "--overlap-tp-token-split", action="store_true",
         help="Run each micro-batch of b sequences (b even, --micro-batch-size >= 2) as two halves of b/2 sequences, "
              "interleaved layer by layer so that one half's ReduceScatter and AllGather transfers run beside the "
-             "other half's attention and MLP (issue 22's token split; TokenWeave, Domino). Each half runs its own "
+             "other half's attention and MLP (the token split of TokenWeave, Domino). Each half runs its own "
              "plans and buffers (twice the p2p receive and gathered buffers). The result is the unsplit layer's up "
              "to the GEMMs' summation order. Needs overlap_tp's fused layer with sequence parallelism; a layer that "
              "recomputes or offloads activations, or a micro-batch of odd size, runs whole (a warning says why). "
@@ -320,7 +320,7 @@ def validate_overlap_args(args, *, warn=_warn):
             note("--overlap-tp-defer-wgrad without CUDA graphs (--cuda-graph-impl none): linear_fc1's wgrad still runs "
                  "inside linear_proj's backward, with the same gradient, but eagerly, with one hardware queue "
                  "(CUDA_DEVICE_MAX_CONNECTIONS=1), its launch waits behind the AllGather's pulls, so it hides "
-                 "nothing; it was measured faster under --cuda-graph-impl local only (docs/perf/s33)")
+                 "nothing; it measured faster under --cuda-graph-impl local only (docs/performance.md)")
 
     if getattr(args, "overlap_tp_token_split", False):
         if method == "off":
@@ -410,8 +410,8 @@ def validate_overlap_args(args, *, warn=_warn):
                 f"replace yet. Use {off}.")
     if method in ("signal", "decompose") and tp >= 8:
         note(f"--overlap-tp {method} with --tensor-model-parallel-size {tp}: at TP 8 each rank's GEMMs are short "
-             "and the layers are host-bound, and the overlapped layers measured 34-63% slower than with "
-             "--overlap-tp off on 8 x H200 (docs/perf/t8/README.md). Consider --overlap-tp auto (per-shape "
+             "and the layers are host-bound, and the overlapped layers measured slower than with "
+             "--overlap-tp off on 8 x H200 (docs/performance.md). Consider --overlap-tp auto (per-shape "
              "choice, off where overlap does not pay) or --overlap-tp off.")
     if getattr(args, "transformer_impl", "local") == "transformer_engine":
         note(f"{flag} with --transformer-impl transformer_engine: overlap_tp's layer spec takes "
@@ -487,13 +487,13 @@ def overlap_config_kwargs(args):
 
 def layer_configs(args):
     """The dense layers' OverlapConfig per op kind ("ag_gemm", "gemm_rs", "gemm_ar") from the flags.
-    gemm_ar runs nccl (its p2p transport, ops/p2p.py P2PAllReduce, is not yet measured in layers). With
+    gemm_ar runs nccl (its p2p transport, ops/p2p.py P2PAllReduce, is a candidate --overlap-tp auto measures). With
     --overlap-tp-transport auto and --overlap-tp signal or decompose, ag_gemm pulls the peers' rows with the copy
     engines and gemm_rs stores its partials into the owners' buffers from the GEMM's epilogue (signal) or cuBLAS's
     (decompose: one GEMM per owner's region), both p2p with their GEMMs on every SM (comm_sms 0: nothing runs next to
-    them), while gemm_ar runs nccl with --overlap-tp-comm-sms. Measured under graphs at t = 2 (docs/perf/s20/README.md): cuBLAS over p2p
-    beat cuBLAS chunks over NCCL on all 8 public s 8192 shapes. On CPU tensors (gloo) the p2p transports do not
-    exist: use --overlap-tp-transport nccl there."""
+    them), while gemm_ar runs nccl with --overlap-tp-comm-sms. Why: under graphs at t = 2 cuBLAS over p2p measured
+    faster than cuBLAS chunks over NCCL on every public s 8192 shape (docs/performance.md). On CPU tensors (gloo) the
+    p2p transports do not exist: use --overlap-tp-transport nccl there."""
     config = OverlapConfig(**overlap_config_kwargs(args))
     nccl = dataclasses.replace(config, transport="nccl")
     ag = rs = config

@@ -87,7 +87,7 @@ class SDPAttention(MegatronModule):
 
     def _attend(self, q, k, v, mask, is_causal, dropout_p):
         # --deterministic-mode: the flash and cuDNN kernels' backward accumulate dQ with atomics (two identical
-        # steps differ; so did the memory-efficient one's, session 13), so the math kernel runs: bit-exact run to
+        # steps differ; so does the memory-efficient one's), so the math kernel runs: bit-exact run to
         # run, at the memory and time cost of materialised scores (as Megatron's own local attention).
         deterministic = getattr(self.config, "deterministic_mode", False) and q.is_cuda
         # Megatron draws attention dropout from the model-parallel RNG stream (different per TP rank)

@@ -37,7 +37,7 @@ try:
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
     from megatron.core.utils import divide, get_pg_rank, get_pg_size, get_tensor_model_parallel_group_if_none
 except ImportError as error:  # pragma: no cover - exercised only without megatron-core
-    raise ImportError("overlap_tp.megatron.layers needs megatron-core (pip install 'overlap_tp[megatron]' or "
+    raise ImportError("overlap_tp.megatron.layers needs megatron-core (pip install -e '.[megatron]' in the checkout, or "
                       "'megatron-core>=0.16')") from error
 
 from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
@@ -167,10 +167,10 @@ class WgradHandoff:
     linear_proj (OverlapTransformerLayer, `--overlap-tp-defer-wgrad`).
 
     Why: in a layer's backward, linear_proj's dgrad AllGather+GEMM waits for the pre-MLP norm's backward, which waits
-    for fc1's dgrad; its pulls (at TP 4 on the 8B layer ~0.2 ms against a 0.09 ms GEMM, docs/perf/s32) had nothing to
-    run beside. fc1's wgrad GEMM (~0.6 ms there) depends on neither, so it moves there: under a CUDA graph the copy
-    engines pull proj's rows while the SMs run fc1's wgrad, and proj's dgrad GEMM then finds its rows in place
-    (measured: that op 0.275 -> 0.090 ms, the layer -2.3%). Eagerly, with one hardware queue, the wgrad's launch waits
+    for fc1's dgrad; its pulls (at TP 4 longer than proj's short dgrad GEMM) would have nothing to run beside. fc1's
+    wgrad GEMM (longer than those pulls) depends on neither, so it moves there: under a CUDA graph the copy engines
+    pull proj's rows while the SMs run fc1's wgrad, and proj's dgrad GEMM then finds its rows in place
+    (docs/performance.md). Eagerly, with one hardware queue, the wgrad's launch waits
     behind the pulls enqueued before it (AgGemm.start), so the move pays under graphs only.
 
     How the gradient gets home: fc1's weight is also an input of proj's autograd Function (`consumer_input`, passed at

@@ -48,7 +48,7 @@ try:
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_object_for_checkpoint
     from megatron.core.utils import get_pg_rank, get_pg_size
 except ImportError as error:  # pragma: no cover - exercised only without megatron-core
-    raise ImportError("overlap_tp.megatron.moe_layer needs megatron-core (pip install 'overlap_tp[megatron]' or "
+    raise ImportError("overlap_tp.megatron.moe_layer needs megatron-core (pip install -e '.[megatron]' in the checkout, or "
                       "'megatron-core>=0.16')") from error
 
 from overlap_tp.megatron.moe_auto import MethodTrial

@@ -52,7 +52,7 @@ With gathering in place and `set_defer_wgrad(True)` (`--overlap-tp-defer-wgrad`)
 weight-gradient GEMM to linear_proj's backward, which runs it between its dgrad AllGather's start and its GEMM, so
 that proj's pulls run beside it (layers.WgradHandoff).
 
-The token split (`set_token_split(True)`, `--overlap-tp-token-split`; issue 22's second route, TokenWeave / Domino,
+The token split (`set_token_split(True)`, `--overlap-tp-token-split`; as TokenWeave / Domino,
 docs/fused_block.md): a micro-batch of b >= 2 sequences (b even) runs as two halves of b/2 sequences, A and B, in an
 order that puts one half's transfers beside the other half's compute:
 

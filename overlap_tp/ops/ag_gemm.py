@@ -27,11 +27,11 @@ Methods (OverlapConfig.method):
                      (ops/p2p.py GatherBuffer, one per shard shape): no SM spent on communication (ConCCL/FiCCO),
                      and the shard is copied once, into our region, where the GEMM and the peers read it. With
                      comm_sms > 0 the same pulls run as a kernel of comm_sms CTAs on the SMs the GEMM's grid
-                     leaves free (kernels/peer_copy.py: loads over NVLink). Measured no faster than the copy
-                     engines (session 23: the kernel alone moves what they move, 180-300 GB/s per rank), but it
-                     does the handshakes too: the READY exchange, each chunk's flag and PULLED are its own stores
-                     and spins, where the copy engines' path has stream memory operations (~6 us per cross-GPU hop
-                     inside a graph against ~1-2, session 34): one launch per call (GatherBuffer.signaled_pull).
+                     leaves free (kernels/peer_copy.py: loads over NVLink). It moves no more bytes per second
+                     than the copy engines, but it does the handshakes too: the READY exchange, each chunk's flag
+                     and PULLED are its own stores and spins, where the copy engines' path has stream memory
+                     operations, each several times a kernel's store and spin inside a graph (docs/performance.md):
+                     one launch per call (GatherBuffer.signaled_pull).
                      chunk_by 'peer' (copy engines, one lane) cuts the chunks by peer instead of by rows: one
                      copy per chunk, each chunk's tiles waiting for that peer's rows only (OverlapConfig.chunk_by;
                      its default 'auto' takes it where t > 2).
@@ -171,7 +171,7 @@ class AgGemm(OpPlan):
     def start(self, a_shard: torch.Tensor) -> "StartedAgGemm":
         """Phase one of a call split in two: the shard staged and the transfers issued on the comm stream now;
         finish() launches the GEMM. For a schedule that runs other work between an AllGather's transfers and its
-        GEMM: issue 22's token split issues half B's transfers ahead of half A's compute (docs/fused_block.md, Token
+        GEMM: the token split issues half B's transfers ahead of half A's compute (docs/fused_block.md, Token
         split), each half through a plan with a gathered buffer of its own (`gather`), so that both can be in flight.
         finish() makes the caller's stream wait for this plan's transfers only, not for those issued on the comm
         stream after them.
@@ -289,7 +289,7 @@ class AgGemm(OpPlan):
         engine, current = self.engine, None
         if engine.stream is None:
             gathered.narrow(0, self.rank * self.m, self.m).copy_(a_shard)
-        else:   # a copy-engine copy through the driver: a fraction of copy_'s host time (docs/perf/s17)
+        else:   # a copy-engine copy through the driver: a fraction of copy_'s host time
             nbytes = a_shard.numel() * a_shard.element_size()
             current = engine.current()
             memops.copy(current, gathered.data_ptr() + self.rank * nbytes, a_shard.data_ptr(), nbytes)
@@ -453,8 +453,8 @@ def ag_gemm_plan(a_shard: torch.Tensor, w: torch.Tensor, group=None, config: Opt
 
 
 class OwnGather:
-    """A column-parallel layer's own gathered input buffer, written in place by the producer of its input: issue 22's
-    fused block, the pull variant. The norm before the GEMM writes its rows straight into this rank's region
+    """A column-parallel layer's own gathered input buffer, written in place by the producer of its input: the fused
+    block's pull variant (docs/fused_block.md). The norm before the GEMM writes its rows straight into this rank's region
     (claim()), the AllGather+GEMM then stages nothing (no copy on the critical path, where CUDA graphs run it as an SM
     kernel) and the peers pull the rows from there; the buffer is the layer's alone, so the whole gathered input is
     still in it at the backward, whose wgrad reads it with no re-gather (no copies or pulls beside the dgrad GEMM).

@@ -12,88 +12,72 @@ RS_TRANSFERS = ("auto", "epilogue", "copy")
 
 @dataclass(frozen=True)
 class OverlapConfig:
-    """How one overlapped op (gemm_rs, gemm_ar, ...) runs.
+    """How one overlapped op (gemm_rs, gemm_ar, ag_gemm, the expert ops) runs. Frozen; every field is validated
+    when the config is built (a ValueError naming the field). Fields left at 'auto' are resolved when a plan is
+    built (method by the tuner, chunk_by by chunk_by_for, rs_transfer by rs_transfer_for, the tile by
+    tile_for_shape), so one config can serve every group size and shape.
 
     method:
-      signal     the persistent Triton GEMM signals per group of tiles; each group's collective starts
-                 on the comm stream as soon as its tiles are stored.
-      decompose  the GEMM split along M into `chunks` cuBLAS calls, each chunk's collective on the comm
-                 stream (what Megatron/TE call pipelining); a baseline and a fallback. With transport 'p2p'
-                 (gemm_rs and ag_gemm, CUDA): cuBLAS GEMMs over the p2p transports below, no SM spent on
-                 communication and no Triton GEMM (gemm_rs: one GEMM per owner's region, written straight
-                 into its symmetric buffer; ag_gemm: the local rows' GEMM from the shard itself while the copy
-                 engines pull the peers' rows in `chunks`, then each chunk's GEMM).
-      off        cuBLAS then the collective, on one stream (Megatron's default path).
-      auto       the wave-group tuner's choice for the shape (overlap_tp.tune.choose, docs/tuner.md): read
-                 from the tuning cache, else measured once on every rank of the group together at the
-                 first call of the shape and cached; `off` where overlap does not beat it. CPU tensors
-                 run `off` (with a warning).
-    schedule:    tile order of the signaled GEMM+collective. `row_slice` writes every group straight into
-                 the layout the collective needs, so the result lands in Megatron's standard layout;
-                 `tile_exact` follows the tile raster and leaves tiles in execution order, undone after the
-                 collective. ag_gemm has one schedule (local rows first, then the peers' chunks).
-    groups:      "auto" (a first rule: about 16 MB of output per group, 2 to 8 groups), an int (that many
-                 near-equal groups) or a tuple of per-group sizes in schedule units (row_slice: row-slices
-                 of block_m rows of every rank's region; tile_exact: tile positions of a rank's region;
-                 ag_gemm: the chunks in which the peers' rows arrive, in row-slices of the local rows).
-    transport:   how `signal` and `decompose` move the data. `nccl`: one NCCL collective per group (chunk)
-                 on the comm stream. `p2p` (gemm_rs and ag_gemm, CUDA only): no collective. gemm_rs: the
-                 GEMM's epilogue stores each region's rows straight into the owner's symmetric-memory buffer
-                 over NVLink, then a barrier and one add per rank (schedule and groups do not apply). ag_gemm:
-                 `nccl` broadcasts each chunk in place (signal needs comm_sms >= 1); `p2p` pulls the peers'
-                 rows with copy-engine copies from their symmetric gathered buffers (no SM), or, for `signal`
-                 with comm_sms > 0, with one kernel per call on those SMs that also does the call's handshakes
-                 (kernels/peer_copy.py: the fixed cost of small AllGathers, session 34).
-    comm_sms:    SMs left to the collective: the GEMM grid is (SMs - comm_sms) and NCCL runs on a
-                 communicator capped at comm_sms CTAs. 0 gives the GEMM every SM and leaves NCCL uncapped.
-                 ag_gemm's signal over p2p: the CTAs of its pull kernel (0: the copy engines pull).
-    chunks:      M-chunks of the `decompose` method (gemm_rs over p2p: one GEMM per region, chunks unused).
-    copy_lanes:  streams the p2p AllGather's copy-engine pulls are split over (ag_gemm and gather_rows, transport
-                 'p2p'): each chunk's rows in `copy_lanes` near-equal parts, one per stream, each lane starting at a
-                 different peer, so that several copy engines can move them at once. Measured on four H200s
-                 (docs/perf/s22): no faster, the copy engines together move 210-270 GB/s per rank however they are
-                 driven. 1: every pull on the comm stream. Not with the SM pulls (comm_sms > 0): a ValueError.
+      signal     the persistent Triton GEMM signals per group of tiles; each group's transfer starts as soon
+                 as its tiles are stored.
+      decompose  the GEMM split into cuBLAS calls, each part's transfer on the comm stream (Megatron/TE's
+                 pipelining). With transport 'p2p' (gemm_rs and ag_gemm, CUDA): no SM spent on communication
+                 and no Triton GEMM (gemm_rs: one GEMM per owner's region, written into its symmetric buffer;
+                 ag_gemm: the local rows' GEMM from the shard itself while the copy engines pull the peers'
+                 rows in `chunks`, then each chunk's GEMM).
+      off        cuBLAS then the collective, on one stream (Megatron's path).
+      auto       the tuner's choice for the shape (overlap_tp.tune.choose, docs/tuner.md): from the tuning
+                 cache, else measured once on every rank of the group together and cached; `off` where no
+                 overlap beats it. CPU tensors run `off` (with a warning).
+    schedule:    tile order of the signaled GEMM + NCCL collectives. `row_slice` writes every group straight into
+                 the layout the collective needs (the result lands in Megatron's standard layout); `tile_exact`
+                 follows the tile raster and leaves tiles in execution order, undone after the collective.
+                 ag_gemm has one schedule (local rows first, then the peers' chunks).
+    groups:      "auto" (about 16 MB of output per group, 2 to 8 groups), an int (that many near-equal groups)
+                 or a tuple of per-group sizes in schedule units (row_slice: row-slices of block_m rows of every
+                 rank's region; tile_exact: tile positions of a rank's region; ag_gemm: chunks of the peers'
+                 rows, in row-slices of the local rows).
+    transport:   how `signal` and `decompose` move the data. `nccl`: one NCCL collective per group (chunk) on
+                 the comm stream (ag_gemm: each chunk broadcast in place; signal needs comm_sms >= 1). `p2p`
+                 (gemm_rs, gemm_ar and ag_gemm, CUDA, one NVLink domain): no collective. gemm_rs: the partial
+                 sums go straight into the owners' symmetric receive buffers (rs_transfer), then each rank sums
+                 its t slots. ag_gemm: the copy engines pull the peers' rows from their symmetric gathered
+                 buffers (no SM), or, for `signal` with comm_sms > 0, one kernel per call on those SMs pulls
+                 them and does the call's handshakes itself (kernels/peer_copy.py: cheaper fixed costs, for
+                 short ops).
+    comm_sms:    SMs left to communication: the GEMM grid is (SMs - comm_sms) and NCCL runs on a communicator
+                 capped at comm_sms CTAs; 0 gives the GEMM every SM and leaves NCCL uncapped. ag_gemm's signal
+                 over p2p: the CTAs of its pull kernel (0: the copy engines pull).
+    chunks:      parts of the `decompose` method (gemm_rs over p2p: one GEMM per region, chunks unused).
+    copy_lanes:  streams the p2p AllGather's copy-engine pulls are split over (ag_gemm and gather_rows): each
+                 chunk's rows in `copy_lanes` near-equal parts, one per stream, each lane starting at a different
+                 peer. 1 (the default): every pull on the comm stream; more lanes measured no faster, as the copy
+                 engines share one ceiling per rank (docs/performance.md). With the SM pulls (comm_sms > 0): a
+                 ValueError.
     chunk_by:    how ag_gemm's copy-engine pulls (transport 'p2p', comm_sms 0, one copy lane) cut the peers' rows
-                 into chunks. 'rows': chunk c is the same run of row-slices of every peer's region (t - 1 copies and
-                 one ready flag per chunk; `groups` counts chunks). 'peer': chunk c is a run of row-slices of one
-                 peer's region, the peers in ring order (one copy and one flag per chunk; `groups` counts chunks per
-                 peer, 'auto' aiming at the same ~16 MB per chunk: one per peer at the 8B shapes at t = 4), as
-                 PyTorch's async-TP pulls whole shards: t - 1 copies where 'rows' needs (t - 1) x chunks. Method
-                 'decompose' the same: `chunks` per peer, each pulled, then multiplied, peer by peer.
-                 'auto' (the default; chunk_by_for): 'peer' for method 'signal' on those copy-engine pulls with
-                 `groups` 'auto' where the group has more than two ranks, else 'rows'. Measured under graphs at
-                 t = 4 (four H100s, session 35): 'peer' faster on all four AllGather shapes of `bench ops` (l8b.qkv
-                 0.298 -> 0.242 ms, l70b.qkv 0.602 -> 0.518; async-TP 0.226 / 0.494), one 8B layer 1.061 -> 1.037
-                 of the no-communication counterfactual, the 70B layer 1.024 -> 1.005, llama3-8b at TP 4 -0.6% per
-                 iteration (docs/perf/s35): one whole peer region is copied at ~350 GB/s, a third of it at ~280 with
-                 2-5 us after each copy. At t = 2 (one peer) the two cut the
-                 same rows and tie (session 34), so 'auto' keeps 'rows' there; explicit `groups` (the tuner's
-                 partitions) mean row chunks, as the tuner's model of them does.
+                 into chunks. 'rows': chunk c is the same row-slices of every peer's region (t - 1 copies per
+                 chunk). 'peer': chunk c is row-slices of one peer's region, the peers in ring order (one copy per
+                 chunk; `groups` counts chunks per peer), as PyTorch's async-TP pulls; 'decompose' then pulls and
+                 multiplies peer by peer. 'auto' (chunk_by_for): 'peer' for 'signal' with `groups` 'auto' where
+                 t > 2, else 'rows' (explicit `groups`, the tuner's partitions, mean row chunks). Why: a copy
+                 engine moves one large copy faster than several small ones, and at t > 2 the pulls set the op's
+                 time (docs/performance.md); at t = 2 the two cut the same rows.
     rs_transfer: how gemm_rs on the p2p transport moves the peers' partial sums into their owners' receive
-                 buffers. 'epilogue': the GEMM's epilogue stores each peer's tiles over NVLink as it computes them
-                 (the SMs move the bytes, so the GEMM lasts as long as the transfer). 'copy': the GEMM stores them
-                 locally, one peer's region after another in ring order and its own region last, and the copy
-                 engines push each region as soon as its tiles are stored (ops/p2p.py, P2PReduceScatter): the GEMM
-                 runs at its own speed and whatever follows it on the stream (the backward's wgrad GEMM before the
-                 norm sums the slots) runs beside the pushes. `groups` counts pushes per peer ('auto': ~16 MB each,
-                 one per peer where t > 2). Method 'signal': one persistent GEMM raising a counter per push, one SM
-                 left to the comm stream's waits (a captured graph waits with one-thread kernels); method
-                 'decompose': one cuBLAS GEMM per push (the cuBLAS kernels' speed, each push behind a stream
-                 dependency, no wait kernel). 'auto' (the default; rs_transfer_for): 'copy' for method 'signal' where
-                 the group has more than two ranks, else 'epilogue' (method 'decompose' with 'copy' is explicit, and a
-                 tuner candidate where t > 2: the fastest op on three of four shapes in session 37, a tie in the
-                 layer). Measured under graphs on four H200s (docs/perf/s36): 'copy' faster at t = 4
-                 on l8b.fc2 (0.395 -> 0.372 ms), l70b.proj (0.485 -> 0.463) and l70b.fc2 (1.455 -> 1.359), slower on
-                 l8b.proj (0.224 -> 0.246: its 48 MB outlast its 0.1 ms GEMM, and the copies move them slower than
-                 the stores); one 8B / 70B layer 1.045 / 1.009 -> 1.034 / 0.984 of the no-communication
-                 counterfactual; the 70B proxy at TP 4 -1.0 / -1.3% per iteration, llama3-8b -0.2%. At t = 2 a tie
-                 or a loss (the 70B layer 0.984 -> 0.998), so 'auto' keeps the epilogue there.
+                 buffers. 'epilogue': the GEMM's epilogue stores them over NVLink as it computes them (the SMs
+                 move the bytes). 'copy': the GEMM stores them locally, the peers' regions in ring order and its
+                 own last, and the copy engines push each region as soon as it is stored (ops/p2p.py
+                 P2PReduceScatter; `groups` counts pushes per peer): the SMs stay with the GEMM and with what
+                 follows it on the stream (the backward's wgrad). 'signal' leaves one SM to the comm stream's
+                 waits; 'decompose' runs one cuBLAS GEMM per push. 'auto' (rs_transfer_for): 'copy' for 'signal'
+                 where t > 2, else 'epilogue' ('decompose' with 'copy' is explicit, and a tuner candidate). Why:
+                 at t > 2 the transfers outlast the GEMM; at t = 2 the epilogue is as fast or faster
+                 (docs/performance.md).
     block_*, num_stages, num_warps: the GEMM's tile shape and pipelining.
-    tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow
-                 tile 128x128x64 / 4 stages / 4 warps instead where the GEMM's tiles fill the GPU's waves so much
-                 better that it wins (tile_for_shape: small GEMMs such as the smoke recipe's backward ones);
-                 under method 'auto' too (the tuner picks method, schedule, groups and SMs for the default
-                 tile; the rule then picks the tile). Any other tile, or tile_by_shape=False, keeps the tile.
+    tile_by_shape: with the default tile (128x256x64, 3 stages, 8 warps), a signaled plan takes the narrow tile
+                 128x128x64 / 4 stages / 4 warps instead where that fills the GPU's waves enough better to win
+                 (tile_for_shape: small GEMMs such as the smoke recipe's backward ones); under method 'auto' too
+                 (the tuner picks method, schedule, groups and SMs for the default tile; the rule then picks the
+                 tile). Any other tile, or tile_by_shape=False, keeps the tile.
     """
 
     method: str = "auto"
@@ -149,9 +133,9 @@ class OverlapConfig:
 
 DEFAULT_TILE = dict(block_m=128, block_n=256, block_k=64, num_stages=3, num_warps=8)
 NARROW_TILE = dict(block_n=128, num_stages=4, num_warps=4)
-# The time of one wave of narrow tiles relative to one wave of default tiles: half the FLOPs per tile at ~92% of
-# the default tile's throughput (l8b's GEMMs at s 8192, where both fill many waves: 128x128 ran at 0.897 of cuBLAS,
-# 128x256 at 0.978; docs/perf/s14/README.md).
+# The time of one wave of narrow tiles relative to one wave of default tiles: half the FLOPs per tile at a
+# somewhat lower throughput than the default tile's, measured at the 8B GEMMs where both fill many waves
+# (docs/performance.md).
 NARROW_WAVE_COST = 0.55
 
 
@@ -163,7 +147,8 @@ def tile_for_shape(config: "OverlapConfig", m: int, n: int, programs: int) -> "O
 
     (a wave's time is its slowest program's, so a last wave half full costs a whole one). At the smoke
     recipe's backward GEMMs (M 4096, N 512 or 1408) the default tile leaves half the SMs idle or runs a second
-    wave 45% full; at BENCHMARKS.md's 8B and 70B shapes the rule keeps the default tile."""
+    wave under half full; at the public 8B and 70B shapes (overlap_tp/tune/shapes.py) the rule keeps the default
+    tile."""
     if not config.tile_by_shape or any(getattr(config, k) != v for k, v in DEFAULT_TILE.items()) or m == 0 or n == 0:
         return config
     rows = -(-m // DEFAULT_TILE["block_m"])
@@ -197,8 +182,8 @@ def rs_transfer_for(config: "OverlapConfig", t: int) -> "OverlapConfig":
     return replace(config, rs_transfer="copy" if copy else "epilogue")
 
 # The expert ops' (a2a_gemm, gemm_a2a) defaults where they differ from OverlapConfig's: at EP = 2 over
-# NVLink the all-to-all is 3-10% of the grouped GEMM, so 16 SMs taken from the GEMM cost more than the
-# exchange hides; 2-4 SMs and 2-4 parts per peer were the best corners of the sweep (docs/perf/moe_ops.md).
+# NVLink the all-to-all is a small share of the grouped GEMM, so 16 SMs taken from the GEMM cost more than the
+# exchange hides; a few SMs and a few parts per peer measured best (docs/performance.md).
 EXPERT_OP_DEFAULTS = dict(groups=2, comm_sms=4)
 DEFAULT_EXPERT_CONFIG = OverlapConfig(**EXPERT_OP_DEFAULTS)
 

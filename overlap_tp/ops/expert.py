@@ -293,7 +293,7 @@ class _ExpertState:
             if config.transport == "p2p" else None
         if kind == "a2a_gemm" and device.type == "cuda":
             # the dispatch's table is needed at once (the GPU waits for its GEMM): built on the GPU from the counts,
-            # one small copy and one launch, where the host's numpy build and the table's copy took ~0.3 ms
+            # one small copy and one launch, cheaper than the host's numpy build and the table's copy
             n_tiles = -(-plan.n // plan.block_n)
             if device_counts is None or device_counts.device != device:
                 device_counts = host_table_to(counts, device)
@@ -314,7 +314,7 @@ class PinnedStaging:
     """Host-built tables on their way to the GPU without a host synchronisation and without pinning fresh memory
     per table. A copy from pageable memory waits for the stream to drain (dynamic routing builds tables every
     step); `Tensor.pin_memory()` queues the copy but takes a new page-locked block whenever the earlier ones
-    still wait for their copies, 0.5-2.9 ms each on the H200 hosts (docs/perf/s12). Here a few pinned slots
+    still wait for their copies, and page-locking costs milliseconds of host time. Here a few pinned slots
     are reused in turn: a slot is written only once the GPU has run the copy that last read it (its event), else
     the next slot is tried, and a new one added when every slot is in flight."""
 

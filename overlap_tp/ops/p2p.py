@@ -309,8 +309,8 @@ class P2PAllReduce:
                           ReduceScatter's whole call (P2PReduceScatter.summed's operations) with its sum into our region
         comm stream, forked after it: the READY exchange; every peer's region pulled into the output (ring order);
                           PULLED signalled to every peer
-        caller's stream:  our region copied into the output, beside the pulls (another copy engine: in call 2 of
-                          session 41 the copy after the pulls on one stream made the gather ~0.13 ms of 0.37)
+        caller's stream:  our region copied into the output, beside the pulls (another copy engine; behind the
+                          pulls on one stream it would lengthen the gather by its own copy time)
         join:             the caller's stream waits for the comm stream
     Order argument: the ReduceScatter's and the GatherBuffer's, each on its own words (the claim is a stage whose copy
     the sum replaced). Our region is rewritten by the next call's sum only after that call's claim (every peer pulled
@@ -503,8 +503,8 @@ class GatherBuffer:
 
     def gathered(self) -> torch.Tensor:
         """This call's gathered [t * m, k]: a new tensor over the buffer's storage (so that the next stage can tell
-        whether it, or a view of it, is still referenced). detach() makes that alias in a fifth of view()'s host time
-        (0.45 against 2.5 us on a CPU; the buffer never requires grad)."""
+        whether it, or a view of it, is still referenced). detach() makes that alias in a fraction of view()'s host time
+        (the buffer never requires grad)."""
         return self.buf.detach()
 
     def stage(self, stream: int, a_shard: torch.Tensor, capturing: bool):
@@ -585,8 +585,9 @@ class GatherBuffer:
     def signaled_pull(self, programs: int, chunks, flags: torch.Tensor, describe: str) -> SignaledPull:
         """ready(), the pulls of `chunks` (local row ranges; flags[c] raised after chunk c) and finish() as one kernel
         of `programs` CTAs (kernels/peer_copy.py): the same rows in the same ring order, loaded by SMs over NVLink,
-        the READY exchange, the flags and PULLED as the kernel's stores and spins (no stream memory operation: ~6 us
-        per cross-GPU hop inside a graph, docs/perf/s34/README.md). Launched on the stream that would pull, after
+        the READY exchange, the flags and PULLED as the kernel's stores and spins (no stream memory operation, whose
+        cross-GPU hop inside a graph costs several times a kernel's: docs/performance.md). Launched on the stream that
+        would pull, after
         stage(). A READY that never comes ends in the watchdog's report naming `describe` (the plan)."""
         size, signals, t, peers = self.buf.element_size(), self.signals, self.world, self.peers
         dog = watchdog.watchdog()

@@ -1,6 +1,6 @@
 """Eager calls replayed from CUDA graphs: a plan's call captured once per set of operand addresses, then launched
 whole with one driver call (cudaGraphLaunch), where the eager path issues its launches, copies, events and stream
-memory operations one by one, with Python around each (issue 20: host time per call; docs/perf/s41).
+memory operations one by one, with Python around each: the eager host time per call (docs/performance.md).
 
 Why a replay does what the eager call would. At a plan's fixed shape, what one call issues depends on the operands'
 addresses and w's layout (CallGraphs' key) and on the plan's state: its buffers, device words and tables, all fixed

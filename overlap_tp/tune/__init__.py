@@ -1,4 +1,4 @@
-"""Per-shape tuner: which OverlapConfig an op should run for a shape (issue 4; docs/tuner.md).
+"""Per-shape tuner: which OverlapConfig an op should run for a shape (docs/tuner.md).
 
     config = choose("rs", a, w, group)            # gemm_rs / gemm_ar / ag_gemm operands as the op gets them
 

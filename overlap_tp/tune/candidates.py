@@ -39,7 +39,7 @@ DECOMPOSE_CHUNKS = (2, 4, 8)
 DECOMPOSE_COMM_SMS = (0, 16)
 DECOMPOSE_P2P_CHUNKS = (1, 2, 4)   # ag_gemm's pulls per peer region (gemm_rs over p2p: one GEMM per region)
 # ag_gemm's pulls by a kernel on the SMs the signaled GEMM leaves (handshakes inside it): the fixed cost per call is
-# what it saves, so it pays where the op is short (the smoke's shapes, session 34)
+# what it saves, so it pays where the op is short (the smoke recipe's shapes)
 AG_SM_PULL_SMS = (16, 32)
 MAX_GROUPS = 8
 FIRST_WAVES = 2
@@ -302,8 +302,8 @@ def rs_transfers(shape: Shape, fix) -> List[OverlapConfig]:
     """gemm_rs over p2p with the transfer rs_transfer 'auto' does not pick for its GEMM, where t > 2 (at t = 2 both
     GEMMs store into the owners): the signaled GEMM's partials stored by its epilogue (the p2p candidate pushes them
     with the copy engines there), and cuBLAS per region into a local staging matrix, each region pushed by the copy
-    engines after its GEMM (the decompose-p2p candidate stores into the owners; session 37 on four H200s: l8b.fc2
-    0.346 ms against 0.365 for the signaled copy, faster on three of the four s 8192 shapes). Measured end to end (no
+    engines after its GEMM (the decompose-p2p candidate stores into the owners; cuBLAS's speed beside the copy
+    engines makes it the fastest op on some of the s 8192 shapes: docs/performance.md). Measured end to end (no
     model); none for the other ops."""
     if shape.op != "rs" or shape.t <= 2:
         return []
@@ -314,8 +314,8 @@ def rs_transfers(shape: Shape, fix) -> List[OverlapConfig]:
 def ar_p2p(shape: Shape, fix) -> List[OverlapConfig]:
     """gemm_ar over p2p (ops/p2p.py P2PAllReduce: the p2p ReduceScatter, then the copy engines' pulls of the summed
     regions), with the signaled GEMM's epilogue stores and with cuBLAS per region: measured end to end (no model);
-    none for the other ops. Session 41 at t = 2: 0.370 ms against the NCCL signal's 0.470 at l8b.proj s 8192, slower
-    at l70b.proj (1.06 against 1.01)."""
+    none for the other ops. Faster than the NCCL signal where the GEMM is short, slower where it is long (8B / 70B
+    proj at t = 2: docs/performance.md), so the tuner measures it per shape."""
     if shape.op != "ar":
         return []
     return [OverlapConfig(method="signal", transport="p2p", comm_sms=0, **fix),

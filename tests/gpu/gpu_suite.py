@@ -4,6 +4,7 @@ end well inside one device command, and one summary per machine size.
     python tests/gpu/gpu_suite.py plan                          # the chunks for this machine's GPU count
     python tests/gpu/gpu_suite.py run --commit SHA --out DIR    # every chunk, then the summary, into DIR
     python tests/gpu/gpu_suite.py run --chunk K --commit SHA --out DIR   # chunk K alone (one 10-minute command)
+    python tests/gpu/gpu_suite.py run --jobs 2 --commit SHA --out DIR    # every chunk, two at a time
     (--logs DIR2: the chunks' pytest output and raw records there instead of beside the results)
     python tests/gpu/gpu_suite.py summary DIR/chunk-*.json      # the chunks' results -> tests/gpu/results/
 
@@ -21,6 +22,7 @@ machine size is kept (it replaces the older one). tests/test_gpu_gate.py checks,
 summary passed and was taken of the sources as they are.
 """
 import argparse
+import concurrent.futures
 import glob
 import hashlib
 import json
@@ -322,6 +324,8 @@ def main(argv=None):
     r.add_argument("--out", required=True, help="folder for the chunks' records and logs (and the summary)")
     r.add_argument("--logs", default=None, help="folder for the chunks' pytest output and raw records (--out)")
     r.add_argument("--limit", type=float, default=CHUNK_LIMIT_S, help="seconds a chunk may run")
+    r.add_argument("--jobs", type=int, default=1, help="chunks run at once (one GPU is shared: their tests "
+                   "time-slice it; the results are the same, the wall time shorter where the tests leave it idle)")
     s = sub.add_parser("summary", help="merge chunk records into tests/gpu/results/<N>gpu.{json,md}")
     s.add_argument("records", nargs="+", help="the chunks' chunk-K.json files (run's --out)")
     s.add_argument("--into", default=RESULTS)
@@ -360,17 +364,20 @@ def main(argv=None):
         sys.exit(f"gpu_suite run: --chunk {args.chunk}: this machine's plan has chunks 1 to {len(chunks)}")
     meta = {"commit": args.commit, "source_hash": source_hash(), "machine": info,
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "command": "python tests/gpu/gpu_suite.py run" + ("" if args.chunk is None else " --chunk K")}
-    done = []
-    for k in picked:
+            "command": "python tests/gpu/gpu_suite.py run" + ("" if args.chunk is None else " --chunk K")
+            + ("" if args.jobs == 1 else f" --jobs {args.jobs}")}
+    def run(k):
         print(f"chunk {k}/{len(chunks)}: {len(chunks[k - 1])} files", flush=True)
         records = read_records(run_chunk(k, chunks[k - 1], logs, args.limit))
         with open(os.path.join(args.out, f"chunk-{k}.json"), "w") as f:   # what `summary` merges
             json.dump(dict(meta, records=records), f)
-        done.append(records)
         ran = [row for row in merge([records], meta)["files"].values() if row["ran"]]
         print(f"chunk {k}: " + ", ".join(f"{sum(r[c] for r in ran)} {c.replace('_', ' ')}"
                                          for c in ("passed", "failed", "errors", "skipped", "not_run")), flush=True)
+        return records
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        done = list(pool.map(run, picked))
     if args.chunk is None:
         summary = merge(done, meta)
         write_summary(summary, args.out)

@@ -318,7 +318,7 @@ def _deterministic():
     """What Megatron's --deterministic-mode sets up for the process (megatron.training.determinism): cuBLAS with a
     fixed workspace (read when the handle is made) and torch's deterministic algorithms. With the config's
     deterministic_mode (SDPAttention on the math kernel), two identical steps are bit-exact, so two layer
-    variants can be compared bit for bit (session 12 saw the flash kernel's backward differ run to run)."""
+    variants can be compared bit for bit (the flash kernel's backward differs run to run)."""
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(True, warn_only=True)
 
@@ -458,7 +458,7 @@ def test_mlp_boundary_next_norm_and_fc2_sum_in_one_kernel(method):
 @pytest.mark.parametrize("method", P2P_METHODS)
 @pytest.mark.parametrize("size", ["l8b", "l70b"])
 def test_fused_blocks_at_the_8b_and_70b_layer_shapes(size, method):
-    """Issue 22's check at training sizes: two 8B / 70B layers at s 8192 with every sum left to the norms' kernels
+    """The fused block's check at training sizes: two 8B / 70B layers at s 8192 with every sum left to the norms' kernels
     (forward and backward), bit for bit the summed path, 3 steps."""
     run_distributed(_gpu_world(), check_mlp_boundary, method, size, 8192, 3, 0, ("fused", "summed"), backend="nccl")
 
@@ -566,9 +566,9 @@ def test_norms_write_into_the_gathered_buffers_bitwise(method):
 
 def check_auto_gathers_in_place(rank, world):
     """check_gather_in_place under 'auto' with the tuner's answers fixed: linear_qkv's AllGather on p2p (signal, its
-    pulls on 16 SMs: one kernel with the handshakes inside, a candidate the tuner measures since session 34),
-    linear_fc1's on NCCL, so both branches run whatever the machine would measure (session 31: the real tuner picked
-    NCCL for every AllGather of the small pair, and nothing gathered in place). The decisions are asked for where the
+    pulls on 16 SMs: one kernel with the handshakes inside, a candidate the tuner measures), linear_fc1's on NCCL, so
+    both branches run whatever the machine would measure (the real tuner may pick NCCL for every AllGather of the
+    small pair, and then nothing gathers in place). The decisions are asked for where the
     layers ask the tuner (OverlapColumnParallelLinear._in_place_config, then the ag_gemm call) and kept per shape, as
     the tuner keeps them."""
     from overlap_tp.ops import config as config_module
@@ -624,8 +624,8 @@ def test_deferred_fc1_wgrad_bitwise(method):
 
 @pytest.mark.parametrize("method", P2P_METHODS)
 def test_gather_in_place_at_the_70b_layer_shape(method):
-    """Two 70B layers at s 8192 (2 steps): session 31's 70B proxy at TP 4 parted from off's loss after iteration 1
-    (docs/perf/s31/README.md); the 8B shapes did not."""
+    """Two 70B layers at s 8192 (2 steps): bit for bit the staged path at the 70B shapes too, which rules the layer
+    out when a 70B run's loss parts from off's (a short schedule's chaos can do that on its own)."""
     run_distributed(_gpu_world(), check_gather_in_place, method, "l70b", 8192, 2, 0, backend="nccl")
 
 

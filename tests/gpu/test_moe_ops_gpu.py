@@ -13,7 +13,7 @@ random inputs and outputs allocated over NaN-poisoned memory:
 - 200 back-to-back forward calls of each op and 50 forward + backward steps without a sync, a hang or a
   changed bit (watchdog on, 120 s); a late peer (host and GPU) does not hang either op;
 - routings with different group counts (groups='auto') alternating, forward + backward against `off`: an op's
-  routings share its counter words, so no call may leave a count behind (session 24).
+  routings share its counter words, so no call may leave a count behind.
 """
 import os
 import time
@@ -177,7 +177,7 @@ def _check_routings_with_other_group_counts(rank, world):
     """Two routings whose groups='auto' counts differ (2 and 6 groups per peer at EP 2: the group size target
     lowered to 1 MB for this hidden size), alternating, forward + backward of dispatch + fc1 and fc2 + combine on each, against
     off. The combine's local-rows counter of the 2-group routing is an exchange counter of the 6-group one: left
-    counting, it released that exchange before its tiles were stored (session 24, the MoE layer's 200 steps)."""
+    counting, it would release that exchange before its tiles were stored (stale rows at the peer, no error)."""
     from overlap_tp.ops import moe_tile_plan
     os.environ["OVERLAP_TP_WATCHDOG_S"] = "120"
     moe_tile_plan.TARGET_GROUP_BYTES = 1 << 20
@@ -214,8 +214,8 @@ def test_routings_with_other_group_counts():
 
 def _check_first_exchange_beside_the_gemm(rank, world):
     """The process's first MoE exchange is a signaled dispatch over NCCL with its GEMM enqueued first (comm_sms > 0):
-    NCCL's peer connections are made before it (Communicator.connect_peers). Made inside it, their setup waited for
-    the device while the GEMM's tiles spun on the exchange (session 23: mixtral-proxy hung at its first iteration)."""
+    NCCL's peer connections are made before it (Communicator.connect_peers). Made inside it, their setup would wait
+    for the device while the GEMM's tiles spin on the exchange: a hang at the first iteration."""
     os.environ["OVERLAP_TP_WATCHDOG_S"] = "60"
     group = dist.group.WORLD
     counts, x, w1, w2 = _mixtral_problem(rank, world)

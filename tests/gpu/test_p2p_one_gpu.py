@@ -216,7 +216,7 @@ def _check_layer_captured(rank, world, method="signal", in_place=False):
     """An OverlapTransformerLayer at TP 2 (SP, both sequence-parallel collectives and the backward's re-gather on
     the p2p transports: no other collective) captured forward + backward in one CUDA graph and replayed with fresh
     inputs: output, input grad and every parameter grad bit for bit the eager step's on the same input (Megatron's
-    deterministic mode), one rank late before some replays (issue 21: the layer replayed at t = 2). in_place: the
+    deterministic mode), one rank late before some replays (the layer replayed at t = 2). in_place: the
     layer built with set_gather_in_place(True) (its norms write into qkv's and fc1's own gathered buffers)."""
     import test_layers_gpu as L
     from megatron.core.transformer.spec_utils import build_module
@@ -371,7 +371,7 @@ def test_a_peer_that_never_calls_ends_the_waiting_rank(captured):
     """gemm_rs on the p2p transport at t = 2 (one GPU); after three calls together only rank 0 calls again (eagerly,
     or by replaying a captured call). Its wait for rank 1's signal must end the process within OVERLAP_TP_WATCHDOG_S
     (5 s) and the poll, exit code 70, with a message naming the op and the transport (and, replayed, the signal),
-    instead of hanging (issue 24 item 3; the replayed case is test_graphs_gpu.py's two-GPU test)."""
+    instead of hanging (docs/reliability.md; the replayed case is test_graphs_gpu.py's two-GPU test)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="5", CAPTURED=str(int(captured)),
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
