@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Transformer Engine on a device machine, from what te_pack.py put in .te/ (carry: [".te"]). Run from the repository
-# root. Installs TE into $TE_SITE (default /tmp/te-site; add it to PYTHONPATH) and prints the import check.
+# Transformer Engine on a device machine, from what te_pack.py put in .te/. Run from the repository root.
+# Installs TE into $TE_SITE (default /tmp/te-site; add it to PYTHONPATH) and prints the import check.
 #   - The core library and TE's python code: unpacked from .te/te-core-sm90.tar.xz (no build).
 #   - The PyTorch extension: taken from .te/torch-ext/ (the wheel a previous build returned, in 15 MiB pieces
-#     named transformer_engine_torch-*.whl.part-*) when present; else built from the source distribution against
-#     this machine's torch (sm_90, 16 jobs) and, when $OUT is set, returned there in pieces for .te/torch-ext/.
+#     named transformer_engine_torch-*.whl.part-*) when present; else built from .te/build/ (the source
+#     distribution and the cuDNN frontend's headers) against this machine's torch (sm_90, 16 jobs) and, when $OUT
+#     is set, returned there in pieces for .te/torch-ext/.
+# carry: [".te"] to build; once .te/torch-ext/ holds the build, [".te/wheels", ".te/torch-ext",
+# ".te/te-core-sm90.tar.xz", ".te/transformer_engine-2.20.2-py3-none-any.whl"] (without the build inputs).
 # Prints the build time and the wheel's size.
 set -euo pipefail
 REPO=$PWD
@@ -19,7 +22,8 @@ if compgen -G ".te/torch-ext/transformer_engine_torch-*.whl.part-*" > /dev/null;
   echo "PyTorch extension: the kept build $(basename "$wheel") ($(du -m "$wheel" | cut -f1) MiB)"
 else
   src=/tmp/te-torch-src; rm -rf "$src" /tmp/te-wheel; mkdir -p "$src" /tmp/te-wheel
-  tar xzf .te/transformer_engine_torch-*.tar.gz -C "$src" --strip-components=1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$TE_SITE" .te/build/nvidia_cudnn_frontend-*.whl
+  tar xzf .te/build/transformer_engine_torch-*.tar.gz -C "$src" --strip-components=1
   t0=$SECONDS
   (cd "$src" && NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 NVTE_WITH_NCCL_EP=0 MAX_JOBS=${MAX_JOBS:-16} \
      python3 -m pip wheel -q --no-deps --no-build-isolation -w /tmp/te-wheel . 2>&1 | grep -v -i warn | tail -20)

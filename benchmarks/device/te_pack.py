@@ -10,8 +10,9 @@ result with xz: about 26 MiB. The JAX half and nothing else is dropped.
 
     python benchmarks/device/te_pack.py [--version 2.20.2] [--arch 90]
 
-Writes .te/te-core-sm<arch>.tar.xz, .te/transformer_engine-<v>-py3-none-any.whl,
-.te/transformer_engine_torch-<v>.tar.gz and .te/wheels/ (TE's python dependencies the device lacks).
+Writes .te/te-core-sm<arch>.tar.xz, .te/transformer_engine-<v>-py3-none-any.whl, .te/wheels/ (TE's python
+dependencies the device lacks) and .te/build/ (what only the extension's build needs: its source distribution and
+the cuDNN frontend, for its headers).
 """
 import argparse
 import glob
@@ -27,7 +28,7 @@ import zipfile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FATBIN_MAGIC = struct.pack("<I", 0xBA55ED50)
 PY_DEPS = ("pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
-           "nvdlfw-inspect", "nvidia-cudnn-frontend")
+           "nvdlfw-inspect")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 
 
@@ -74,7 +75,8 @@ def main():
     parser.add_argument("--arch", type=int, default=90)
     args = parser.parse_args()
     out = os.path.join(ROOT, ".te")
-    os.makedirs(os.path.join(out, "wheels"), exist_ok=True)
+    for sub in ("wheels", "build"):
+        os.makedirs(os.path.join(out, sub), exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         pip_download(tmp, f"transformer-engine-cu13=={args.version}", f"transformer-engine=={args.version}")
         pip_download(tmp, f"transformer-engine-torch=={args.version}", binary=False)
@@ -91,9 +93,10 @@ def main():
             for name in sorted(os.listdir(tree)):
                 tar.add(os.path.join(tree, name), arcname=name)
         print(f"{packed}: {os.path.getsize(packed) / 2**20:.1f} MiB")
-        for pattern in ("transformer_engine-*.whl", "transformer_engine_torch-*.tar.gz"):
-            shutil.copy(glob.glob(os.path.join(tmp, pattern))[0], out)
+        shutil.copy(glob.glob(os.path.join(tmp, "transformer_engine-*.whl"))[0], out)
+        shutil.copy(glob.glob(os.path.join(tmp, "transformer_engine_torch-*.tar.gz"))[0], os.path.join(out, "build"))
     pip_download(os.path.join(out, "wheels"), *PY_DEPS)
+    pip_download(os.path.join(out, "build"), "nvidia-cudnn-frontend")
 
 
 if __name__ == "__main__":
