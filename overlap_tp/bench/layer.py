@@ -67,8 +67,8 @@ process on the same inputs and the same weights:
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
 timed (output, input grad and every parameter grad, max relative error <= --check-tol; the TE layers' fused norm
-weights compared as the norms'); every layer that passed is kept. Times: CUDA events around each forward + backward, inputs rotated over --input-sets sets;
-the --reps steps of each configuration are spread over --rounds interleaved rounds (each round times every
+weights compared as the norms'); every layer that passed is kept. Times: CUDA events around each forward +
+backward, inputs rotated over --input-sets sets; the --reps steps of each configuration are spread over --rounds interleaved rounds (each round times every
 configuration in turn, --warmup untimed steps and a barrier before each block), so a drift of the machine
 during the run falls on all configurations alike; ms is the median of all its steps, the slowest rank's;
 "t/megatron per round" gives the range of the ratio over the rounds (the noise of the comparison). Ratios:
@@ -464,8 +464,8 @@ def write_report(args, rows, command, group):
              f"streams its GPU ms has exceeded the span; a GPU ms above {GPU_MS_SLACK} x ms is flagged in 'GPU ms "
              "note' and left out of the ratios (and Megatron's flagged leaves every ratio out). peak GiB: torch's "
              "allocator; symmetric GiB: the symmetric memory the configuration allocated, outside it (a shape's "
-             "shared buffers count where first built). te, te-ub: Megatron's Transformer Engine layer, without and with "
-             "--tp-comm-overlap (userbuffers); UB linears: how many of its linears run a GEMM on userbuffers (0 at "
+             "shared buffers count where first built). te, te-ub: Megatron's Transformer Engine layer, without and "
+             "with --tp-comm-overlap (userbuffers); UB linears: how many of its linears run a GEMM on userbuffers (0 at "
              "t = 1: TE overlaps only with sequence parallelism); best_vs_te / best_vs_te-ub in the summary: the best "
              "of ours over that layer's time.\n\n"
              "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "\n\n" + "\n".join(lines))
