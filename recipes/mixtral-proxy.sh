@@ -36,4 +36,4 @@ TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "
 GRAPHS=${GRAPHS:-none}
 GRAPH_SCOPE=()
 if [[ $GRAPHS == local ]]; then GRAPH_SCOPE=(--cuda-graph-modules attn); fi
-run_recipe --overlap-moe "$OVERLAP" "${GRAPH_SCOPE[@]}" "$@"
+run_recipe --overlap-moe "$OVERLAP_METHOD" "${GRAPH_SCOPE[@]}" "$@"

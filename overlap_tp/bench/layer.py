@@ -53,15 +53,22 @@ process on the same inputs and the same weights:
                 (not in the default list) signal-p2p-inplace-dw with the ReduceScatters' GEMMs by cuBLAS, one per
                 region into a local staging matrix, each region pushed by the copy engines after its GEMM (method
                 'decompose', rs_transfer 'copy')
+  te, te-ub     (not in the default list; Transformer Engine installed, --device cuda) Megatron's own TE layer
+                (get_gpt_layer_with_transformer_engine_spec: TE's fused RMSNorm+Linear for qkv and fc1, TE's row
+                linears, TEDotProductAttention; SP through TE's NCCL collectives), and the same with
+                `--tp-comm-overlap`: TE's userbuffers, initialised as Megatron does (initialize_ub, shape
+                [s * b, h], bf16, TE's default overlap methods, NCCL bootstrap) with UB_SKIPMC=1 (no NVLink
+                multicast). TE's linears overlap only with SP: at t = 1 te-ub runs with userbuffers initialised
+                and no linear on them (column 'UB linears' counts those that are; te_baselines.py)
   <any of ours>-split
                 (not in the default list; --micro-batch even) that configuration with the layer built under
                 set_token_split(True) (`--overlap-tp-token-split`): the micro-batch's sequences in two halves, run
                 interleaved so that one half's transfers run beside the other half's compute
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
-timed (output, input grad and every parameter grad, max relative error <= --check-tol); every layer that
-passed is kept. Times: CUDA events around each forward + backward, inputs rotated over --input-sets sets;
-the --reps steps of each configuration are spread over --rounds interleaved rounds (each round times every
+timed (output, input grad and every parameter grad, max relative error <= --check-tol; the TE layers' fused norm
+weights compared as the norms'); every layer that passed is kept. Times: CUDA events around each forward +
+backward, inputs rotated over --input-sets sets; the --reps steps of each configuration are spread over --rounds interleaved rounds (each round times every
 configuration in turn, --warmup untimed steps and a barrier before each block), so a drift of the machine
 during the run falls on all configurations alike; ms is the median of all its steps, the slowest rank's;
 "t/megatron per round" gives the range of the ratio over the rounds (the noise of the comparison). Ratios:
@@ -74,7 +81,6 @@ import contextlib
 import functools
 import gc
 import gzip
-import importlib.util
 import json
 import os
 import shutil
@@ -85,6 +91,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from overlap_tp.bench import te_baselines
 from overlap_tp.tune import report
 from overlap_tp.tune.timing import CapturedCalls, queued_ms, slowest_median, timed_samples
 from overlap_tp.ops import symmetric
@@ -122,6 +129,8 @@ def configurations(device_type):
     return {
         "megatron": ("megatron", None, False),
         "nocomm": ("megatron", None, True),
+        "te": ("te", None, False),
+        "te-ub": ("te-ub", None, False),
         "off": ("ours", OverlapConfig(method="off"), False),
         "signal": ("ours", signal, False),
         "decompose": ("ours", OverlapConfig(method="decompose", chunks=4), False),
@@ -170,7 +179,8 @@ def parse_args(argv):
     p.add_argument("--models", default="l8b,l70b", help="comma list of " + ",".join(MODELS))
     p.add_argument("--configs", default=None,
                    help=f"comma list, in order (megatron first); default {DEFAULT_CONFIGS} "
-                        f"(CPU: {CPU_CONFIGS}); also: auto")
+                        f"(CPU: {CPU_CONFIGS}); also: auto, and Transformer Engine's layer: te, te-ub "
+                        "(--tp-comm-overlap)")
     p.add_argument("--seq", type=int, default=8192, help="sequence length s (the layer sees s/t rows per rank)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--reps", type=int, default=50, help="timed forward+backward steps (median)")
@@ -218,6 +228,11 @@ def parse_args(argv):
                 f"must be even")
     if configs[0] != "megatron":
         p.error("--configs must start with megatron (the reference every other configuration is checked against)")
+    te_configs = [name for name in configs if name in te_baselines.TE_SPECS]
+    if te_configs and args.device != "cuda":
+        p.error(f"{','.join(te_configs)}: Transformer Engine's layer needs --device cuda")
+    if te_configs and (problem := te_baselines.te_problem()):
+        p.error(f"{','.join(te_configs)}: {problem}")
     if args.rounds < 1 or args.reps < args.rounds:
         p.error(f"--rounds {args.rounds} with --reps {args.reps}: need 1 <= rounds <= reps")
     unknown = set(args.models.split(",")) - set(MODELS)
@@ -245,12 +260,20 @@ def layer_config(model, tp, device_type, fusions=None):
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1, use_cpu_initialization=device_type == "cpu")
 
 
-def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgrad=False, token_split=False):
-    """One TransformerLayer from our spec ('ours') or the Megatron reference spec ('megatron'); in_place: ours, its
-    norms writing into the column-parallel linears' own gathered buffers (set_gather_in_place); defer_wgrad: fc1's
-    wgrad inside proj's backward (set_defer_wgrad); token_split: the micro-batch as two interleaved halves
-    (set_token_split)."""
+def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgrad=False, token_split=False,
+                tokens=None):
+    """One TransformerLayer from our spec ('ours'), the Megatron reference spec ('megatron') or Megatron's TE spec
+    ('te', 'te-ub': with userbuffers for `tokens` rows, te_baselines); in_place: ours, its norms writing into the
+    column-parallel linears' own gathered buffers (set_gather_in_place); defer_wgrad: fc1's wgrad inside proj's
+    backward (set_defer_wgrad); token_split: the micro-batch as two interleaved halves (set_token_split)."""
     from megatron.core.transformer.spec_utils import build_module
+    if spec_kind in te_baselines.TE_SPECS:
+        if spec_kind == "te-ub":
+            te_baselines.initialize_userbuffers(tokens, config.hidden_size, config.tensor_model_parallel_size)
+        torch.manual_seed(seed)
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(seed)
+        return te_baselines.build_te_layer(spec_kind, config).to(device)
     if spec_kind == "ours":
         from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
         spec = get_gpt_layer_overlap_spec()
@@ -304,9 +327,10 @@ def rel_error(got, ref):
     return float((got.float() - ref).norm() / max(float(ref.norm()), 1e-30))
 
 
-def _capture(layer, x, g, rope):
+def _capture(layer, x, g, rope, rename=str):
+    """One step's output, input grad and parameter grads (keyed by rename(parameter name))."""
     out, dx = step(layer, x, g, rope)
-    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    grads = {rename(n): p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
     return out.detach().clone(), dx.detach().clone(), grads
 
 
@@ -358,7 +382,7 @@ COLUMNS = [
     ("gpu_ms", "GPU ms", "{:.3f}"), ("gpu_vs_megatron", "GPU/megatron", "{:.3f}"), ("gpu_note", "GPU ms note", "{}"),
     ("host_ms", "host ms", "{:.3f}"),
     ("check_err", "check err", "{:.1e}"), ("check_worst", "worst", "{}"), ("same_init", "init = megatron's", "{}"),
-    ("collectives", "dist calls", "{}"),
+    ("collectives", "dist calls", "{}"), ("userbuffers", "UB linears", "{}"),
     ("peak_gib", "peak GiB", "{:.1f}"), ("symmetric_gib", "symmetric GiB", "{:.2f}"), ("error", "error", "{}"),
 ]
 
@@ -370,7 +394,8 @@ def _versions():
         out["megatron_core"] = megatron.core.__version__
     except (ImportError, AttributeError):
         out["megatron_core"] = None
-    out["transformer_engine"] = importlib.util.find_spec("transformer_engine") is not None
+    out["transformer_engine"] = te_baselines.te_version()
+    out["UB_SKIPMC"] = os.environ.get("UB_SKIPMC")
     return out
 
 
@@ -379,7 +404,7 @@ def summarize(rows):
     lines, summary = [], {}
     for model in dict.fromkeys(r["model"] for r in rows):
         timed_rows = {r["config"]: r for r in rows if r["model"] == model and r.get("ms")}
-        ours = {k: v for k, v in timed_rows.items() if k not in ("megatron", "nocomm")}
+        ours = {k: v for k, v in timed_rows.items() if k not in ("megatron", "nocomm", *te_baselines.TE_SPECS)}
         entry = {}
         if "nocomm" in timed_rows and "megatron" in timed_rows:
             # the best t/megatron that hiding all of Megatron's exposed communication could reach
@@ -398,6 +423,11 @@ def summarize(rows):
                 entry["best_vs_megatron"] = ours[best]["vs_megatron"]
             if "nocomm" in timed_rows:
                 entry["best_vs_nocomm"] = ours[best]["vs_nocomm"]
+        for te in te_baselines.TE_SPECS:   # Transformer Engine's layer, without and with its userbuffers overlap
+            if te in timed_rows and "megatron" in timed_rows:
+                entry[f"{te}_vs_megatron"] = timed_rows[te]["vs_megatron"]
+            if te in timed_rows and ours:
+                entry[f"best_vs_{te}"] = ours[entry["best_ours"]]["ms"] / timed_rows[te]["ms"]
         gpu_ours = {k: v["gpu_vs_megatron"] for k, v in ours.items() if v.get("gpu_vs_megatron")}
         if gpu_ours:   # the same comparison with launch gaps removed (GPU ms): what a faster host would see
             entry["best_gpu_ours"] = min(gpu_ours, key=gpu_ours.get)
@@ -434,7 +464,10 @@ def write_report(args, rows, command, group):
              f"streams its GPU ms has exceeded the span; a GPU ms above {GPU_MS_SLACK} x ms is flagged in 'GPU ms "
              "note' and left out of the ratios (and Megatron's flagged leaves every ratio out). peak GiB: torch's "
              "allocator; symmetric GiB: the symmetric memory the configuration allocated, outside it (a shape's "
-             "shared buffers count where first built).\n\n"
+             "shared buffers count where first built). te, te-ub: Megatron's Transformer Engine layer, without and "
+             "with --tp-comm-overlap (userbuffers); UB linears: how many of its linears run a GEMM on userbuffers (0 at "
+             "t = 1: TE overlaps only with sequence parallelism); best_vs_te / best_vs_te-ub in the summary: the best "
+             "of ours over that layer's time.\n\n"
              "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "\n\n" + "\n".join(lines))
     report.write(args.out, args.name, f"One Llama TransformerLayer forward + backward, TP = {settings['tp']}, "
                  f"{'SP' if settings['tp'] > 1 else 'no SP'}, s = {args.seq}", rows, COLUMNS, notes, command=command)
@@ -474,13 +507,18 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
     symmetric_before = symmetric.total()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    rename = te_baselines.reference_name if spec_kind in te_baselines.TE_SPECS else str
     try:
+        x = sets[0][0]
         layer = build_layer(spec_kind, config, device, in_place=base.endswith((IN_PLACE_SUFFIX, DEFER_WGRAD_SUFFIX)),
-                            defer_wgrad=base.endswith(DEFER_WGRAD_SUFFIX), token_split=base != name)
+                            defer_wgrad=base.endswith(DEFER_WGRAD_SUFFIX), token_split=base != name,
+                            tokens=x.shape[0] * x.shape[1] * dist.get_world_size(group))
         if base != name and not layer.token_split:
             raise RuntimeError("the layer does not split (a warning said why)")
+        if spec_kind in te_baselines.TE_SPECS:
+            row["userbuffers"] = te_baselines.active_userbuffers(layer)
         if weights is not None:
-            params = dict(layer.named_parameters())
+            params = {rename(n): p for n, p in layer.named_parameters()}
             if sorted(params) != sorted(weights):
                 raise RuntimeError(f"parameter names differ from megatron's: {sorted(set(params) ^ set(weights))}")
             row["same_init"] = all(torch.equal(params[n], w) for n, w in weights.items())
@@ -489,7 +527,7 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
                     params[n].copy_(w)
         _apply_overlap(layer, overlap)
         with count_collectives() as counts, _communication(nocomm):
-            result = _capture(layer, *sets[0], rope)
+            result = _capture(layer, *sets[0], rope, rename)
         row["collectives"] = sum(counts.values())
         if nocomm and row["collectives"]:
             raise RuntimeError(f"the counterfactual still communicates: {counts}")
@@ -676,6 +714,7 @@ def run(args, group=None, command=None):
             for model in args.models.split(","):
                 bench_model(model, args, ps.get_tensor_model_parallel_group(), device, rows, command)
     finally:
+        te_baselines.release_userbuffers()
         ps.destroy_model_parallel()
     if dist.get_rank() == 0:
         print(report.markdown_table(rows, COLUMNS))

@@ -460,3 +460,53 @@ def test_recipe_docs_carry_no_run_history_and_name_real_entry_points():
         for file in os.listdir(os.path.join(ROOT, folder)):
             text = open(os.path.join(ROOT, folder, file)).read() if file.endswith((".sh", ".py", ".md")) else ""
             assert "overlap_tp.report" not in text, file   # the report is overlap_tp.training.report
+
+
+TE_IMPORTS = ("wandb", "transformer_engine")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_te_baselines_are_the_off_run_on_megatrons_te_layers(fakes, name):
+    """OVERLAP=te / te-ub: Megatron's Transformer Engine layers (overlap_tp's off), te-ub with --tp-comm-overlap and
+    UB_SKIPMC=1; otherwise the very command of OVERLAP=off on the same machine: model, batch, graphs, logging."""
+    off_env, off, _ = dry_run(name, fakes_folder=fakes, imports=TE_IMPORTS, OVERLAP="off")
+    for mode in ("te", "te-ub"):
+        env, command, _ = dry_run(name, fakes_folder=fakes, imports=TE_IMPORTS, OVERLAP=mode)
+        assert flag(command, "--transformer-impl") == "transformer_engine" and flag(command, "--overlap-tp") == "off"
+        assert ("--tp-comm-overlap" in command) == (mode == "te-ub") and ("UB_SKIPMC=1" in env) == (mode == "te-ub")
+        if "--num-experts" in command:
+            assert flag(command, "--overlap-moe") == "off"
+        same = [w.replace(f"{name}-{mode}", f"{name}-off") for w in command if w != "--tp-comm-overlap"]
+        assert same == off, sorted(set(same) ^ set(off))
+        assert [a for a in env if a != "UB_SKIPMC=1"] == off_env
+
+
+@pytest.mark.parametrize("imports, env, message", [
+    (("wandb",), dict(OVERLAP="te"), "[recipe] OVERLAP=te runs Megatron's Transformer Engine layers: "
+                                     "transformer_engine does not import here"),
+    (TE_IMPORTS, dict(OVERLAP="te-ub", TRANSFORMER_IMPL="local"), "[recipe] OVERLAP=te-ub runs Megatron's "
+                                                                  "Transformer Engine layers: not with "
+                                                                  "TRANSFORMER_IMPL=local"),
+    (TE_IMPORTS, dict(OVERLAP="te-ub", TP="1"), "[recipe] OVERLAP=te-ub: --tp-comm-overlap needs TP >= 2"),
+])
+def test_te_baselines_refuse_what_they_cannot_run(fakes, imports, env, message):
+    result = run_recipe("smoke", fakes_folder=fakes, imports=imports, DRY_RUN="1", **env)
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.startswith(message), result.stderr
+
+
+def test_te_baseline_at_tp1_is_megatrons_te_layers(fakes):
+    """TP=1 OVERLAP=te (the one-GPU run of tests/gpu/test_te_gpu.py): one rank, Megatron's TE layers."""
+    command = dry_run("smoke", fakes_folder=fakes, imports=TE_IMPORTS, OVERLAP="te", TP="1")[1]
+    assert flag(command, "--nproc-per-node") == "1" and flag(command, "--tensor-model-parallel-size") == "1"
+    assert flag(command, "--transformer-impl") == "transformer_engine" and flag(command, "--overlap-tp") == "off"
+    assert "--tp-comm-overlap" not in command and "--overlap-tp-layers" not in command
+
+
+def test_te_ub_flags_pass_megatrons_validation(fakes):
+    """CHECK=1 on OVERLAP=te-ub: Megatron accepts --tp-comm-overlap with the recipe's flags (sequence parallel at
+    TP 2); --no-rope-fusion only because Transformer Engine is a stand-in here (Megatron asks TE for its RoPE)."""
+    pytest.importorskip("megatron.training.arguments", reason="megatron.training: megatron-core >= 0.19",
+                        exc_type=ImportError)
+    result = run_recipe("smoke", "--no-rope-fusion", fakes_folder=fakes, imports=TE_IMPORTS, CHECK="1",
+                        OVERLAP="te-ub")
+    assert (result.returncode, result.stdout) == (0, "ok (world size 2)\n"), result.stderr
