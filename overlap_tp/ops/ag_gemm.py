@@ -24,7 +24,7 @@ Methods (OverlapConfig.method):
                      alternatives measured slower: nccl.Communicator.all_gather_rows_at); the GEMM
                      leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it).
                p2p   copy-engine pulls from the peers' regions of their symmetric gathered buffers into ours
-                     (ops/p2p.py GatherBuffer, one per shard shape): no SM spent on communication (ConCCL/FiCCO),
+                     (ops/p2p_gather.py GatherBuffer, one per shard shape): no SM spent on communication (ConCCL/FiCCO),
                      and the shard is copied once, into our region, where the GEMM and the peers read it. With
                      comm_sms > 0 the same pulls run as a kernel of comm_sms CTAs on the SMs the GEMM's grid
                      leaves free (kernels/peer_copy.py: loads over NVLink). It moves no more bytes per second
@@ -47,10 +47,10 @@ import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
 from overlap_tp.ops import comm, memops, replay
-from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, check_not_capturing, gemm_programs
+from overlap_tp.ops.plan_base import (OpPlan, Pending, after_work, cached_plan, check_not_capturing, chunk_bounds,
+                                       gemm_programs, joined)
 from overlap_tp.ops.config import OverlapConfig, chunk_by_for
-from overlap_tp.ops.p2p import GatherBuffer
-from overlap_tp.ops.reduction import after_work, joined
+from overlap_tp.ops.p2p_gather import GatherBuffer
 from overlap_tp.ops.tile_plan import ag_plan
 from overlap_tp.ops.watchdog import Watched
 

@@ -8,7 +8,7 @@ The methods are gemm_rs's (ops/gemm_rs.py) with an all-reduce per group: the sig
 in place into the output (a one-region plan) and each group's rows are all-reduced in place behind its
 counter. The bias is added once: by rank 0's epilogue (signal) or after the reduction (off, decompose).
 Transport `p2p` (signal or decompose, CUDA, M divisible by t): gemm_rs's p2p ReduceScatter, each rank's sum written
-into its region of a symmetric buffer, then the copy engines pull the peers' regions into the output (ops/p2p.py
+into its region of a symmetric buffer, then the copy engines pull the peers' regions into the output (ops/p2p_reduction.py
 P2PAllReduce): no collective and no SM spent on communication, and with no NCCL inside, an eager call replays from
 a CUDA graph (ops/replay.py). The bias goes into each region once, by its owner's GEMM. async_op returns a Pending
 of the call already joined on the caller's stream.
@@ -19,10 +19,11 @@ import torch
 
 from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
-from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, gemm_programs
+from overlap_tp.ops.collective_reduction import SignaledReduction, decomposed
+from overlap_tp.ops.plan_base import (OpPlan, Pending, after_work, cached_plan, chunk_bounds, gemm_programs, joined,
+                                       plus_bias)
 from overlap_tp.ops.config import OverlapConfig, rs_transfer_for
-from overlap_tp.ops.p2p import P2PAllReduce
-from overlap_tp.ops.reduction import SignaledReduction, after_work, decomposed, joined, plus_bias
+from overlap_tp.ops.p2p_reduction import P2PAllReduce
 from overlap_tp.ops.tile_plan import make_plan
 
 

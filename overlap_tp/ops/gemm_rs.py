@@ -5,10 +5,10 @@
     out = gemm_rs(a, w, group, bias=..., config=...)        # the same through a cached plan
 
 Methods (OverlapConfig.method): `signal` (persistent Triton GEMM + per-group collectives on the comm stream,
-ops/reduction.py; or, with transport 'p2p', epilogue stores into the owners' symmetric buffers, or with
+ops/collective_reduction.py; or, with transport 'p2p', epilogue stores into the owners' symmetric buffers, or with
 rs_transfer 'copy' (the default where t > 2) local stores that the copy engines push to the owners group by group,
-ops/p2p.py), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream; or, with transport 'p2p',
-one cuBLAS GEMM per owner's region writing straight into that owner's symmetric buffer, ops/p2p.py RegionGemms, or
+ops/p2p_reduction.py), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream; or, with transport 'p2p',
+one cuBLAS GEMM per owner's region writing straight into that owner's symmetric buffer, ops/p2p_reduction.py RegionGemms, or
 with rs_transfer 'copy' into a local staging matrix, each pushed by the copy engines after its GEMM),
 the collectives through a raw NCCL communicator (ops/nccl.py); `off` (cuBLAS then torch.distributed's
 reduce-scatter: Megatron's path and, on CPU tensors under gloo, the reference); `auto` (the tuner's choice, resolved
@@ -30,10 +30,11 @@ import torch
 
 from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
-from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, gemm_programs
+from overlap_tp.ops.collective_reduction import SignaledReduction, decomposed
+from overlap_tp.ops.plan_base import (OpPlan, Pending, after_work, cached_plan, chunk_bounds, gemm_programs, joined,
+                                       plus_bias)
 from overlap_tp.ops.config import OverlapConfig, rs_transfer_for
-from overlap_tp.ops.p2p import P2PReduceScatter
-from overlap_tp.ops.reduction import SignaledReduction, after_work, decomposed, joined, plus_bias
+from overlap_tp.ops.p2p_reduction import P2PReduceScatter
 from overlap_tp.ops.tile_plan import make_plan
 
 

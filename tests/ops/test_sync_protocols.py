@@ -24,10 +24,11 @@ import torch
 
 from types import SimpleNamespace
 
-from overlap_tp.ops import ag_gemm, comm, p2p, sync, watchdog
+from overlap_tp.ops import ag_gemm, comm, p2p_expert, p2p_gather, p2p_reduction, sync, watchdog
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.p2p import P2PReduceScatter, RowPush
-from overlap_tp.ops.reduction import SignaledReduction
+from overlap_tp.ops.collective_reduction import SignaledReduction
+from overlap_tp.ops.p2p_expert import RowPush
+from overlap_tp.ops.p2p_reduction import P2PReduceScatter
 from overlap_tp.ops.tile_plan import GROUP, make_plan, ring_peers
 
 
@@ -204,7 +205,8 @@ def recorder(monkeypatch):
     fake = Recorder()
     monkeypatch.setattr(comm, "memops", fake)
     monkeypatch.setattr(sync, "memops", fake)
-    monkeypatch.setattr(p2p, "memops", fake)
+    for module in (p2p_reduction, p2p_gather, p2p_expert):
+        monkeypatch.setattr(module, "memops", fake)
     monkeypatch.setattr(watchdog, "memops", fake)   # Watched.join: an eager call's join through the plan's event
     monkeypatch.setattr(watchdog, "_instance", watchdog.Watchdog(0.0))
     return fake
@@ -464,7 +466,7 @@ def _gather_buffers(t, signals, m=1):
     bufs = [torch.zeros(t * m, 4, dtype=torch.int32) for _ in range(t)]
     gathers = []
     for rank in range(t):
-        g = p2p.GatherBuffer.__new__(p2p.GatherBuffer)
+        g = p2p_gather.GatherBuffer.__new__(p2p_gather.GatherBuffer)
         g.rank, g.world, g.m, g.describe, g.signals = rank, t, m, "all_gather(test)", signals[rank]
         g.buf, g.base, g.row_bytes, g.region_bytes = bufs[rank], bufs[rank].data_ptr(), 16, 16 * m
         g._unreferenced = g._references()
@@ -592,7 +594,7 @@ def test_ag_gemm_pull_list_raises_pulled_after_the_last_copies(recorder, monkeyp
     plans[0]._pull_listed(0, False)
     ops = recorder.take()[0]
     flag = [flags[0].data_ptr() + 4 * c for c in range(2)]
-    pulled = signals[0].remote[1] + 4 * 2 * p2p.GatherBuffer.PULLED
+    pulled = signals[0].remote[1] + 4 * 2 * p2p_gather.GatherBuffer.PULLED
     assert [op[0] for op in ops] == ["write", "wait", "write", "copy", "write", "copy", "write", "write"], ops
     assert ops[4] == ("write", flag[0], ag_gemm.READY) and ops[6:] == [("write", flag[1], ag_gemm.READY),
                                                                        ("write", pulled, 1)]
@@ -619,7 +621,7 @@ def _signaled_pulls(gathers, monkeypatch):
     """Per rank, the SM pulls' kernel (GatherBuffer.signaled_pull) as built for an AgGemm with one chunk: its tables
     (the peers' regions, the READY / PULLED words it spins on and raises), which _kernel_call_ops turns into the
     kernel's memory operations."""
-    monkeypatch.setattr(p2p, "watchdog", SimpleNamespace(
+    monkeypatch.setattr(p2p_gather, "watchdog", SimpleNamespace(
         watchdog=lambda: SimpleNamespace(timeout_s=0.0, open_mailbox=lambda: torch.zeros(1, dtype=torch.int64)),
         wait_code=lambda *a: 1))
     return [g.signaled_pull(1, [(0, g.m)], torch.zeros(1, dtype=torch.int32), "ag_gemm(test)") for g in gathers]
@@ -753,7 +755,7 @@ def _run_all_reduce(recorder, t, seed, ready_waits=True, calls=25):
     outs = {}                                   # an output's address -> (rank, call, the output, kept alive)
     ops = []
     for rank in range(t):
-        op = p2p.P2PAllReduce.__new__(p2p.P2PAllReduce)
+        op = p2p_reduction.P2PAllReduce.__new__(p2p_reduction.P2PAllReduce)
         op.reduce_scatter = P2PReduceScatter.__new__(P2PReduceScatter)
         op.reduce_scatter.signals, op.reduce_scatter.copy = rs_signals[rank], False
         op.gather, op.engine, op.watched = gathers[rank], RankEngine(recorder, rank), NoWatch()
@@ -1304,7 +1306,7 @@ def _run_expert_dispatch_decomposed(recorder, monkeypatch, t, seed, joins_per_ch
     bufs = [torch.zeros(capacity, 4, dtype=torch.int32) for _ in range(t)]
     pulls = []
     for rank in range(t):
-        pull = p2p.RowPull.__new__(p2p.RowPull)
+        pull = p2p_expert.RowPull.__new__(p2p_expert.RowPull)
         pull.capacity, pull.buf, pull.row_bytes, pull.signals = capacity, bufs[rank], 16, signals[rank]
         pull.peer_ptrs = [None if p == rank else bufs[p].data_ptr() for p in range(t)]
         pulls.append(pull)
@@ -1452,7 +1454,7 @@ def _run_expert_dispatch_signaled(recorder, monkeypatch, t, seed, lowered_after_
     words = [torch.zeros(parts + 1, dtype=torch.int32) for _ in range(t)]   # _ExpertOp.words: groups + 1
     programs, xrs, xs = {}, {}, {}
     for rank in range(t):
-        pull = p2p.RowPull.__new__(p2p.RowPull)
+        pull = p2p_expert.RowPull.__new__(p2p_expert.RowPull)
         pull.capacity, pull.buf, pull.row_bytes, pull.signals = capacity, bufs[rank], 16, signals[rank]
         pull.peer_ptrs = [None if p == rank else bufs[p].data_ptr() for p in range(t)]
         engine = _RankEngine(rank)

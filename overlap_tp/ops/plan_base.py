@@ -1,5 +1,5 @@
-"""What every op plan shares: the two-phase contract, checks, the persistent GEMM's grid, Pending, and the
-functional API's plan cache.
+"""The op plans' base: what every op plan shares: the two-phase contract, checks, the persistent GEMM's grid,
+Pending (and the finishes its methods use), and the functional API's plan cache.
 
 An op plan (GemmRS, GemmAR, AgGemm; the expert ops' DispatchGemm, GemmCombine) is built once per (group,
 shape, dtype, device, config): the group and this rank's place in it, a cross-rank agreement check, the config
@@ -69,6 +69,34 @@ class Pending:
         out = self._finish()
         self._finish = self._buffers = None
         return out
+
+
+def joined(device, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A Pending's finish for the comm-stream methods: join the comm stream, then produce the output."""
+    def finish():
+        if device.type == "cuda":
+            engine = comm.comm_engine(device)
+            engine.join(engine.current(), comm.capturing(device))
+        return result()
+    return finish
+
+
+def after_work(work, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A Pending's finish for torch.distributed's async work (None: it already completed)."""
+    def finish():
+        if work is not None:
+            work.wait()
+        return result()
+    return finish
+
+
+def plus_bias(out, bias: Optional[torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The output with the bias added once after the reduction (off and decompose; signal adds it in the epilogue)."""
+    def result():
+        if bias is not None:
+            out.add_(bias)
+        return out
+    return result
 
 
 def check_not_capturing(device: torch.device, what: str):
