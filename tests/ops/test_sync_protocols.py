@@ -12,7 +12,7 @@ interleavings that respect stream order and wait conditions, many times over, an
   peer has not consumed yet, and no rank consumes a buffer before every peer's data of the same call is in it; the
   same with GatherBuffer's pulls split over copy lanes (extra streams forked and joined per chunk), row by row;
 - the cuBLAS paths over the copy engines (method decompose, transport p2p; each rank's caller stream and comm stream,
-  with their forks and joins): AgGemm._pulled_decomposed and the expert dispatch's chunks read only rows pulled in
+  with their forks and joins): AgGemmDecomposedP2P._run and the expert dispatch's chunks read only rows pulled in
   the same call, their local GEMMs enqueued before any peer wait; the expert combine pushes only rows its matmuls
   already wrote and copies out only rows pushed in the same call.
 A mutation check proves the simulator can fail: the counter wait without its reset passes stale targets.
@@ -478,15 +478,15 @@ def _gather_buffers(t, signals, m=1):
 
 
 def _pull_lists(gathers, chunks, by_peer=False):
-    """Per rank, an AgGemm's one-lane pull list over its GatherBuffer (AgGemm._list_pulls: the plan's own code), with
-    ready-flag words of its own: (the plans, the flag tensors). by_peer: chunk_by 'peer', each of `chunks` once per
-    peer in the rank's ring order (ag_plan's chunk_peers)."""
+    """Per rank, an AgGemm's one-lane pull list over its GatherBuffer (AgGemmSignaledCopyEngines._list_pulls: the
+    plan's own code), with ready-flag words of its own: (the plans, the flag tensors). by_peer: chunk_by 'peer', each
+    of `chunks` once per peer in the rank's ring order (ag_plan's chunk_peers)."""
     t = len(gathers)
     count = len(chunks) * (t - 1 if by_peer else 1)
     flags = [torch.zeros(count, dtype=torch.int32) for _ in gathers]
     plans = []
     for rank, (g, words) in enumerate(zip(gathers, flags)):
-        plan = ag_gemm.AgGemm.__new__(ag_gemm.AgGemm)
+        plan = object.__new__(ag_gemm.AgGemmSignaledCopyEngines)
         plan.gather, plan.chunks, plan.chunk_peers = g, chunks, None
         if by_peer:
             plan.chunks = list(chunks) * (t - 1)
@@ -526,7 +526,7 @@ def _run_gather(recorder, t, seed, stage_waits=True, in_place=False, plan_pulls=
             else:
                 g.stage(rank, torch.full((1, 4), call, dtype=torch.int32), False)
             if plan_pulls:
-                plans[rank]._pull_listed(rank, False)
+                plans[rank]._transfers(rank, False)
             else:
                 g.ready(rank, False)
                 g.pull(rank, 0, 1)
@@ -591,7 +591,7 @@ def test_ag_gemm_pull_list_raises_pulled_after_the_last_copies(recorder, monkeyp
     signals = _peer_signals(2, (1, 0))
     gathers, _ = _gather_buffers(2, signals, m=2)
     plans, flags = _pull_lists(gathers, [(0, 1), (1, 2)])
-    plans[0]._pull_listed(0, False)
+    plans[0]._transfers(0, False)
     ops = recorder.take()[0]
     flag = [flags[0].data_ptr() + 4 * c for c in range(2)]
     pulled = signals[0].remote[1] + 4 * 2 * p2p_gather.GatherBuffer.PULLED
@@ -607,7 +607,7 @@ def test_ag_gemm_pull_list_of_a_one_rank_group_is_empty(recorder, monkeypatch):
     signals = _peer_signals(1, (1, 0))
     gathers, _ = _gather_buffers(1, signals, m=2)
     plans, _ = _pull_lists(gathers, [])
-    plans[0]._pull_listed(0, False)
+    plans[0]._transfers(0, False)
     assert recorder.take() == {}
 
 
@@ -1071,10 +1071,10 @@ def test_transfers_then_gemm_enqueues_the_gemm_before_the_transfers_where_they_n
 
 
 def test_decomposed_allgather_forks_once_so_no_gather_waits_for_a_gemm(monkeypatch):
-    """AgGemm's decompose method: the comm stream forks once, after the local shard is in `gathered` (the
-    in-place broadcasts send it from there) and before any GEMM; then gather c, join, GEMM c. A fork per chunk
-    made each gather wait for the previous chunk's GEMM (no overlap at all)."""
-    from overlap_tp.ops.ag_gemm import AgGemm
+    """AgGemm's decompose method on NCCL (AgGemmDecomposedNccl): the comm stream forks once, after the local shard is
+    in `gathered` (the in-place broadcasts send it from there) and before any GEMM; then gather c, join, GEMM c. A
+    fork per chunk made each gather wait for the previous chunk's GEMM (no overlap at all)."""
+    from overlap_tp.ops.ag_gemm import AgGemmDecomposedNccl
     engine = _OrderEngine()
     log = engine.log
     a_shard, w = torch.randn(4, 3), torch.randn(5, 3)
@@ -1086,12 +1086,12 @@ def test_decomposed_allgather_forks_once_so_no_gather_waits_for_a_gemm(monkeypat
             log.append(f"gather {lo}:{hi} on {stream}")
             gathered[4 + lo:4 + hi] = 1.0                 # the peer's rows
 
-    plan = object.__new__(AgGemm)
+    plan = object.__new__(AgGemmDecomposedNccl)
     plan.t, plan.rank, plan.device, plan.engine, plan.coll, plan.bounds = 2, 0, torch.device("cpu"), engine, Coll(), \
         [(0, 2), (2, 4)]
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b, out: (log.append(f"gemm {tuple(a.shape)}"), real_mm(a, b, out=out)))
-    plan._decomposed(a_shard, w, gathered, out)
+    plan._chunked(a_shard, w, gathered, out)
     assert log == [("fork", True), "gemm (4, 3)", "gather 0:2 on comm", "join", "gemm (2, 3)",
                    "gather 2:4 on comm", "join", "gemm (2, 3)"]
     assert torch.allclose(out, gathered @ w.t())
@@ -1135,7 +1135,7 @@ class _RankEngine(comm.CommEngine):
 
 
 def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_chunk=True, lanes=1, by_peer=False):
-    """30 calls per rank of AgGemm._pulled_decomposed (the cuBLAS path over the copy engines), each rank's caller
+    """30 calls per rank of AgGemmDecomposedP2P._run (the cuBLAS path over the copy engines), each rank's caller
     stream and comm stream recorded with their forks and joins, the GEMMs recorded as reads of their rows; run in a
     random interleaving that respects every wait and every join. Checks: a GEMM of peer rows reads this call's rows,
     every pulled; a rank restages its shard only after every peer pulled the previous one; the local rows' GEMM is
@@ -1147,7 +1147,7 @@ def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_c
     gathers, bufs = _gather_buffers(t, signals, m)
     programs, first_order = {}, []
     for rank in range(t):
-        plan = object.__new__(ag.AgGemm)
+        plan = object.__new__(ag.AgGemmDecomposedP2P)
         plan.t, plan.rank, plan.gather, plan.watched = t, rank, gathers[rank], None
         plan.lanes = None if lanes == 1 else _FakeLanes(rank, lanes)   # each chunk's pulls over `lanes` streams
         plan.engine = _RankEngine(rank)
@@ -1165,7 +1165,7 @@ def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_c
             recorder.emit(main, ("call", rank, call))
             shard = torch.full((m, 4), call, dtype=torch.int32)
             out = torch.empty(t * m, 2)
-            plan._pulled_decomposed(shard, torch.zeros(2, 4), None, out)
+            plan._run(shard, torch.zeros(2, 4), None, out)
             if call == 0:
                 first_order = [(stream, op[0]) for stream, op in recorder.sequence]
                 first_mm = first_order.index((main, "mm"))
