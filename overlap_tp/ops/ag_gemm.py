@@ -159,8 +159,8 @@ class AgGemmOff(AgGemm):
 
 class AgGemmDecomposedNccl(AgGemm):
     """Method 'decompose' on the NCCL transport: the shard copied into its rows of a new gathered buffer, the local
-    rows' cuBLAS GEMM at once, and chunk c of the peers' rows gathered on the comm stream (in-place broadcasts), then its
-    GEMMs on the caller's stream behind a join. One fork, after the local shard's copy (the in-place broadcasts send
+    rows' cuBLAS GEMM at once, and chunk c of the peers' rows gathered on the comm stream (in-place broadcasts), then
+    its GEMMs on the caller's stream behind a join. One fork, after the local shard's copy (the in-place broadcasts send
     this rank's rows from `gathered`) and before the local GEMM: no gather waits for a GEMM (a fork per chunk made
     chunk c's gather wait for chunk c-1's GEMM: no overlap at all). The bias is added after."""
 

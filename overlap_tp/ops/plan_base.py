@@ -1,13 +1,13 @@
 """The op plans' base: what every op plan shares: the two-phase contract, checks, the persistent GEMM's grid,
 Pending (and the finishes its methods use), and the functional API's plan cache.
 
-An op plan (GemmRS, GemmAR, AgGemm; the expert ops' DispatchGemm, GemmCombine) is built once per (group,
-shape, dtype, device, config): the group and this rank's place in it, a cross-rank agreement check, the config
-resolved (`auto` asks the tuner, once), tile plans and their device tables, synchronisation words, buffers,
-communicators and the kernel launcher. Calling it checks cheap invariants and launches; nothing on that path
+An op plan (a strategy of GemmRS, GemmAR or AgGemm; the expert ops keep a state per routing instead: ops/expert.py) is
+built once per (group, shape, dtype, device, config): the group and this rank's place in it, a cross-rank agreement
+check, the config resolved (`auto` asks the tuner, once), tile plans and their device tables, synchronisation words,
+buffers, communicators and the kernel launcher. Calling it checks cheap invariants and launches; nothing on that path
 builds, allocates beyond the outputs or synchronizes with the host, so a call can be captured in a CUDA graph.
-Building one needs the host (collectives, allocations, copies): under capture it is an error, so build plans
-(or run one eager step) before capturing.
+Building one needs the host (collectives, allocations, copies): under capture it is an error, so build plans (or run
+one eager step) before capturing.
 """
 import contextlib
 import dataclasses

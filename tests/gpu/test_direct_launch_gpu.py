@@ -1,5 +1,5 @@
-"""The direct launch of compiled Triton kernels (kernels/direct_launch.py) on ONE GPU: SignaledGemm and SumSlots store the
-same bits as Triton's JIT launch for every variant (weight read as stored or transposed, bias, stacked expert
+"""The direct launch of compiled Triton kernels (kernels/direct_launch.py) on ONE GPU: SignaledGemm and SumSlots store
+the same bits as Triton's JIT launch for every variant (weight read as stored or transposed, bias, stacked expert
 weights through row tiles), the descriptor cache follows the tensors it describes (a new tensor at a freed one's
 address, a new shape), the CompiledKernel.run fallback stores the same bits and says so, and a captured launch
 replays with fresh inputs. Run: `pytest -m gpu tests/gpu/test_direct_launch_gpu.py`."""

@@ -1,6 +1,6 @@
-"""Which compiled kernels kernels/direct_launch.py launches directly, decided without a GPU: the C launch function is found
-behind Triton 3.6's launcher (bare, or inside its tensor-descriptor wrapper), and every other layout gives a reason
-(the DirectKernel then launches through CompiledKernel.run and warns). The launches themselves need a GPU:
+"""Which compiled kernels kernels/direct_launch.py launches directly, decided without a GPU: the C launch function is
+found behind Triton 3.6's launcher (bare, or inside its tensor-descriptor wrapper), and every other layout gives a
+reason (the DirectKernel then launches through CompiledKernel.run and warns). The launches themselves need a GPU:
 tests/gpu/test_direct_launch_gpu.py."""
 import types
 
