@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap_tp.kernels.launch import DirectKernel
+from overlap_tp.kernels.direct_launch import DirectKernel
 from overlap_tp.kernels.signaled_gemm import (COL, DST_BUF, DST_COL, DST_ROW, EXPERT, GROUP, INTERPRET, NO_WAIT,
                                               SRC_ROW, SRC_ROW_END, TILE_FIELDS, WAIT, RowTiles)
 

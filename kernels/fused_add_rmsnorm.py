@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from overlap_tp.kernels.launch import JitLauncher
+from overlap_tp.kernels.direct_launch import JitLauncher
 from overlap_tp.kernels.tile_order import TileOrder  # noqa: F401  (the layout contract; re-exported for callers)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -279,7 +279,7 @@ def _has_pdl(device_index):
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-# Launched through their compiled kernels (kernels/launch.py): Triton's JIT launch costs tens of microseconds of
+# Launched through their compiled kernels (kernels/direct_launch.py): Triton's JIT launch costs tens of microseconds of
 # host time per call, and an eager layer runs several of these per step.
 _forward = JitLauncher(_forward_kernel)
 _backward = JitLauncher(_backward_kernel)
@@ -568,7 +568,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     x_order: layout of x (and so of its gradient); grad_order: layout in which y's gradient will
     arrive (the next layer's dgrad ReduceScatter); None = standard.
     x_sum: x is not computed yet but is the sum of t slots (a peer-to-peer reduce-scatter's partials, not yet
-    summed: overlap_tp/ops/p2p.py, DeferredSum); x_sum.consume(fn) calls fn(slots [t, ...]) where the slots
+    summed: overlap_tp/ops/p2p_reduction.py, DeferredSum); x_sum.consume(fn) calls fn(slots [t, ...]) where the slots
     are readable, and the kernel sums them itself: one pass over the activation less. x then only stands for
     the input in autograd (its gradient is the reduce-scatter output's, as without x_sum)."""
 

@@ -1,6 +1,6 @@
 """The p2p AllGather's pulls done by SMs, with the handshakes inside the kernel: one launch per call.
 
-ops/p2p.py GatherBuffer keeps a gathered [t * m, k] buffer on every rank; rank p's own rows are region p of its
+ops/p2p_gather.py GatherBuffer keeps a gathered [t * m, k] buffer on every rank; rank p's own rows are region p of its
 buffer. A call pulls, for every peer p and every chunk c = rows [lo_c, hi_c),
 
     ours[p * m + i, :] = peer_p's buffer[p * m + i, :]          lo_c <= i < hi_c
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from overlap_tp.kernels.deadline_wait import globaltimer_after, report_then_trap
-from overlap_tp.kernels.launch import INTERPRET, DirectKernel
+from overlap_tp.kernels.direct_launch import INTERPRET, DirectKernel
 
 BLOCK = 16384     # elements per program per step: 64 per thread at 8 warps (eight 16-byte loads in flight)
 NUM_WARPS = 8

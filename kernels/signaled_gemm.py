@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from overlap_tp.kernels.launch import INTERPRET, DirectKernel
+from overlap_tp.kernels.direct_launch import INTERPRET, DirectKernel
 
 
 # The plan table (built by overlap_tp/ops/tile_plan.py), one row per tile in execution order: source rows
@@ -116,7 +116,7 @@ class RowTiles:
         return torch.from_numpy(np.concatenate(parts) if parts else np.zeros((0, TILE_FIELDS), np.int32))
 
 
-# Under the CPU interpreter (INTERPRET, kernels/launch.py) the kernel upcasts its dot operands (the interpreter's
+# Under the CPU interpreter (INTERPRET, kernels/direct_launch.py) the kernel upcasts its dot operands (the interpreter's
 # tl.dot mishandles bf16/fp16; the upcast is exact, a product of two bf16 values is exact in fp32) and uses
 # tl.debug_barrier (it has no inline PTX). The compiled GPU kernel is untouched by either.
 
@@ -214,7 +214,7 @@ def signaled_gemm_kernel(
         group = tl.load(entry + 5)
         # Other buffers (peers' receive buffers mapped into this GPU's address space) are addressed as
         # offsets from dst_ptr: one flat address space, no integer-to-pointer casts. Their owner
-        # (overlap_tp/ops/p2p.py) checks that each offset is a multiple of 16 elements: 16-byte stores stay.
+        # (overlap_tp/ops/p2p_reduction.py) checks that each offset is a multiple of 16 elements: 16-byte stores stay.
         dst_base = dst_ptr + tl.multiple_of(tl.load(dst_offsets_ptr + tl.load(entry + 6)), 16)
         expert = tl.load(entry + 8)
 
@@ -389,7 +389,7 @@ def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, b
 
 
 class SignaledGemm:
-    """The signaled GEMM of one plan, launched without Triton's launch path (kernels/launch.py).
+    """The signaled GEMM of one plan, launched without Triton's launch path (kernels/direct_launch.py).
 
     Triton's JIT binds and specializes every argument and looks the kernel up by that key on every call (tens of
     microseconds of host time per launch), and its launcher re-encodes both TMA

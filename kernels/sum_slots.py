@@ -1,7 +1,7 @@
 """The sum of a reduce-scatter's received partials: out = slots[0] + slots[1] + ... + slots[t-1], and, for the
 peer-to-peer protocol, the signal that the slots may be written again.
 
-The peer-to-peer GEMM+ReduceScatter (overlap_tp/ops/p2p.py) leaves t partials of this rank's rows in a
+The peer-to-peer GEMM+ReduceScatter (overlap_tp/ops/p2p_reduction.py) leaves t partials of this rank's rows in a
 [t, M/t, N] receive buffer (slot s: rank s's partial). One pass reads them and writes the sum:
 
     out[i] = round(sum over s of float(slots[s, i]))      s in order 0, 1, ..., t-1; fp32, rounded once
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap_tp.kernels.launch import DirectKernel
+from overlap_tp.kernels.direct_launch import DirectKernel
 from overlap_tp.kernels.signaled_gemm import INTERPRET
 
 BLOCK = 4096      # elements per program: 16 per thread at 8 warps (two 16-byte loads per slot)

@@ -32,9 +32,9 @@ from overlap_tp.tune import report
 from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, SMOKE_AG_SHAPES, SMOKE_SHAPES, at_tp
 from overlap_tp.tune.timing import CapturedCalls, event_times
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.plan_base import gemm_programs
 from overlap_tp.ops.config import tile_for_shape
-from overlap_tp.ops.reduction import device_plan
+from overlap_tp.ops.collective_reduction import device_plan
 from overlap_tp.ops.tile_plan import ag_plan
 
 DEFAULT = OverlapConfig(method="signal", tile_by_shape=False)   # every config runs the tile as given

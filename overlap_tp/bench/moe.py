@@ -35,7 +35,7 @@ from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG
 from overlap_tp.ops.expert import all_to_all_rows, expert_mm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout
-from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.plan_base import gemm_programs
 
 INPUT_SETS = 3
 ZIPF_S = 1.2

@@ -28,8 +28,8 @@ from overlap_tp.ops.gemm_rs import GemmRS
 from overlap_tp.tune.timing import enqueue_us, graph_timed, queued_ms
 from overlap_tp.tune.timing import timed as eager_timed
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.common import gemm_programs
-from overlap_tp.ops.reduction import device_plan
+from overlap_tp.ops.plan_base import gemm_programs
+from overlap_tp.ops.collective_reduction import device_plan
 from overlap_tp.ops.tile_plan import ag_plan
 
 INPUT_SETS = 3

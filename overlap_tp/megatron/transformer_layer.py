@@ -8,7 +8,7 @@ the sequence shards under SP):
 
 `OverlapTransformerLayer` computes both in one kernel (overlap_tp.megatron.norm.fused_add_rmsnorm): one read of
 x and residual, one write of each output, and in backward one kernel instead of two. When linear_proj's
-reduce-scatter runs on the p2p transport (overlap_tp/ops/p2p.py), x itself is never written: the kernel reads the
+reduce-scatter runs on the p2p transport (ops/p2p_reduction.py), x itself is never written: the kernel reads the
 t received partials and sums them (one pass over the activation and one launch less): the layer asks linear_proj
 to defer its sum (OverlapRowParallelLinear.defer_sum_next) for the span of its attention block, and the fused bda
 runs the deferred sum it finds on x. Everything else is

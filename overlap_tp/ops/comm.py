@@ -360,7 +360,7 @@ class CommEngine:
         done.wait(current)
         self.lower_flags(flags, current)
         if not capturing and watched is not None:
-            watched.watch()   # eagerly `done` is the plan's watched event (AgGemm._transfers_done)
+            watched.watch()   # eagerly `done` is the plan's watched event (AgGemmSignaled._transfers_done)
 
     def prepare_graph_waits(self):
         """Compile the capture-time wait kernel now, eagerly (a compile inside a capture could load a module

@@ -31,7 +31,7 @@ Methods (OverlapConfig.method):
              have SMs that the spinning GEMM does not hold). Transport `nccl`: the capped communicator of
              overlap_tp/ops/nccl.py; under gloo, torch.distributed's batch_isend_irecv, with the kernel in
              the Triton CPU interpreter. Transport `p2p` (CUDA): the copy engines, no SM and no NCCL
-             (overlap_tp/ops/p2p.py): a2a_gemm pulls each chunk from the peers' symmetric copies of their x
+             (overlap_tp/ops/p2p_expert.py): a2a_gemm pulls each chunk from the peers' symmetric copies of their x
              (RowPull), gemm_a2a pushes each group's staged rows into the peers' receive buffers, which
              each rank copies into z after the join (RowPush); the buffers belong to the op, sized for the
              most tokens a rank has had (regrown, collectively, when a routing needs more).
@@ -52,11 +52,11 @@ import torch.distributed as dist
 from overlap_tp.kernels.expert_row_tiles import dispatch_row_tiles
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, tma_unsupported_reason, weight_layout
 from overlap_tp.ops import comm
-from overlap_tp.ops.common import check_not_capturing, device_properties, gemm_programs, warn_once
+from overlap_tp.ops.plan_base import check_not_capturing, device_properties, gemm_programs, warn_once
 from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
 from overlap_tp.ops.moe_tile_plan import (EXPERT_RASTER_M, Layout, combine_plan, dispatch_plan, layout, parts_per_peer,
                                           pulled_rows, pushed_rows)
-from overlap_tp.ops.p2p import RowPull, RowPush
+from overlap_tp.ops.p2p_expert import RowPull, RowPush
 from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS
 from overlap_tp.ops.watchdog import Watched
 

@@ -312,10 +312,10 @@ def rs_transfers(shape: Shape, fix) -> List[OverlapConfig]:
 
 
 def ar_p2p(shape: Shape, fix) -> List[OverlapConfig]:
-    """gemm_ar over p2p (ops/p2p.py P2PAllReduce: the p2p ReduceScatter, then the copy engines' pulls of the summed
-    regions), with the signaled GEMM's epilogue stores and with cuBLAS per region: measured end to end (no model);
-    none for the other ops. Faster than the NCCL signal where the GEMM is short, slower where it is long (8B / 70B
-    proj at t = 2: docs/performance.md), so the tuner measures it per shape."""
+    """gemm_ar over p2p (ops/p2p_reduction.py P2PAllReduce: the p2p ReduceScatter, then the copy engines' pulls of
+    the summed regions), with the signaled GEMM's epilogue stores and with cuBLAS per region: measured end to end (no
+    model); none for the other ops. Faster than the NCCL signal where the GEMM is short, slower where it is long (8B /
+    70B proj at t = 2: docs/performance.md), so the tuner measures it per shape."""
     if shape.op != "ar":
         return []
     return [OverlapConfig(method="signal", transport="p2p", comm_sms=0, **fix),

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from overlap_tp.ops import comm
 from overlap_tp.ops.ag_gemm import ag_gemm
-from overlap_tp.ops.common import transient_plans, warn_once
+from overlap_tp.ops.plan_base import transient_plans, warn_once
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
@@ -114,8 +114,8 @@ def _end_to_end(shape, configs, group, device, reps, sets, errors, run):
 def _gemm_alone(shape: Shape, schedule: str, base: OverlapConfig, comm_sms: Sequence[int], a, w, reps, group):
     """{comm_sms: ms} of the signaled GEMM with (SMs - comm_sms) programs, no communication."""
     from overlap_tp.kernels.signaled_gemm import signaled_gemm
-    from overlap_tp.ops.common import gemm_programs
-    from overlap_tp.ops.reduction import device_plan
+    from overlap_tp.ops.plan_base import gemm_programs
+    from overlap_tp.ops.collective_reduction import device_plan
     world = shape.t if shape.op == "rs" else 1
     out = {}
     for cs in comm_sms:
@@ -201,7 +201,7 @@ def _curves(shape, group, device, base, reps, comm_sms, points, direct):
     for schedule in schedules:
         meas.gemm[schedule] = _gemm_alone(shape, schedule, base, comm_sms, full, w, reps, group)
     if "tile_exact" in schedules:   # the reorder gemm_rs / gemm_ar run after the collectives
-        from overlap_tp.ops.reduction import device_plan
+        from overlap_tp.ops.collective_reduction import device_plan
         world = shape.t if shape.op == "rs" else 1
         state = device_plan("tile_exact", shape.m, shape.n, world, dataclasses.replace(base, groups=1),
                            shape.elem_bytes, device)

@@ -21,9 +21,9 @@ from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, gemm_ar, gemm_rs
 from overlap_tp.ops import comm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.plan_base import gemm_programs
 from overlap_tp.ops.config import tile_for_shape
-from overlap_tp.ops.reduction import device_plan
+from overlap_tp.ops.collective_reduction import device_plan
 
 pytestmark = pytest.mark.gpu
 

@@ -30,7 +30,7 @@ from overlap_tp.bench.moe import routing_counts
 from overlap_tp.ops.expert import all_to_all_rows, expert_mm, expert_wgrad
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout, parts_per_peer
-from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.plan_base import gemm_programs
 
 pytestmark = pytest.mark.gpu
 

@@ -306,6 +306,39 @@ def test_p2p_transports_at_t2_on_one_gpu(check):
     run_distributed(T, _on_one_gpu, check, backend="gloo")
 
 
+def _check_strategies(rank, world):
+    """The op's class returns the plan of the strategy its config names, on the p2p transports, and that plan's calls
+    equal the reference (the strategies' own choice is tested on the CPU: tests/ops/test_strategies.py)."""
+    from overlap_tp.ops import ag_gemm as ag, gemm_rs as rs
+    group, (m, n, k) = dist.group.WORLD, SHAPES[0]
+    cases = [(rs.GemmRS, RS, rs.GemmRSOverP2P, "signal/p2p"),
+             (rs.GemmRS, dataclasses.replace(RS, rs_transfer="copy"), rs.GemmRSOverP2P, "signal/p2p/copy"),
+             (rs.GemmRS, RS_CUBLAS, rs.GemmRSOverP2P, "decompose/p2p"),
+             (rs.GemmRS, dataclasses.replace(RS_CUBLAS, rs_transfer="copy"), rs.GemmRSOverP2P, "decompose/p2p/copy"),
+             (ag.AgGemm, AG, ag.AgGemmSignaledCopyEngines, "signal/p2p"),
+             (ag.AgGemm, dataclasses.replace(AG, copy_lanes=2), ag.AgGemmSignaledCopyLanes, "signal/p2p"),
+             (ag.AgGemm, AG_CUBLAS, ag.AgGemmDecomposedP2P, "decompose/p2p")]
+    for op, config, strategy, label in cases:
+        rows = m if op is rs.GemmRS else m // world
+        plan = op(group, rows, n, k, torch.bfloat16, torch.device("cuda", 0), config)
+        assert type(plan) is strategy and plan.describe().endswith(f", {label})"), (plan.describe(), config)
+        for call in range(2):
+            if op is rs.GemmRS:
+                a, w, bias = _operands(call, m, n, k, rank)
+                got, want = plan(a, w, bias), _rs_reference(call, m, n, k, rank, world)
+            else:
+                shards, w, bias = _ag_operands(call, m, n, k, rank, world)
+                got = plan(shards[rank], w, bias)
+                want = torch.cat(shards).float() @ w.float().t() + bias.float()
+            assert rel_error(got, want) < 1e-2, (plan.describe(), call)
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def test_each_p2p_strategy_is_built_by_its_op_and_matches_the_reference_at_t2_on_one_gpu():
+    run_distributed(T, _on_one_gpu, _check_strategies, backend="gloo")
+
+
 def _check_layer(rank, world, check):
     """A test_layers_gpu.py check of OverlapTransformerLayers with both sequence-parallel collectives on the p2p
     transports, run at TP 2 on this one GPU (its TP group is gloo: nothing but the p2p ops may communicate)."""

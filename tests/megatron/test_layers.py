@@ -431,7 +431,7 @@ class _FakeDeferredSum:
 def _deferring(real_gemm_rs, consumed):
     """gemm_rs as the p2p transport runs it where a consumer sums the output (async_op: a Pending carrying a
     DeferredSum), faked on gloo: the real result as slots (out, 0); `consumed` records each consumption."""
-    from overlap_tp.ops.common import Pending
+    from overlap_tp.ops.plan_base import Pending
 
     def deferring_gemm_rs(*args, async_op=False, **kwargs):
         result = real_gemm_rs(*args, async_op=async_op, **kwargs)

@@ -117,11 +117,11 @@ def test_gemm_programs_leave_the_collectives_sms_and_at_least_the_spare_ones(mon
     stream's graph waits even at comm_sms 0), never fewer than one program; 4 on a CPU (the interpreter)."""
     import torch
     from types import SimpleNamespace
-    from overlap_tp.ops import common
-    monkeypatch.setattr(common, "device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    from overlap_tp.ops import plan_base
+    monkeypatch.setattr(plan_base, "device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     gpu = torch.device("cuda", 0)
-    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=0)) == 132
-    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=0), spare_sms=1) == 131
-    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=16), spare_sms=1) == 116
-    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=200)) == 1
-    assert common.gemm_programs(torch.device("cpu"), OverlapConfig(), spare_sms=1) == 4
+    assert plan_base.gemm_programs(gpu, OverlapConfig(comm_sms=0)) == 132
+    assert plan_base.gemm_programs(gpu, OverlapConfig(comm_sms=0), spare_sms=1) == 131
+    assert plan_base.gemm_programs(gpu, OverlapConfig(comm_sms=16), spare_sms=1) == 116
+    assert plan_base.gemm_programs(gpu, OverlapConfig(comm_sms=200)) == 1
+    assert plan_base.gemm_programs(torch.device("cpu"), OverlapConfig(), spare_sms=1) == 4
