@@ -323,10 +323,12 @@ def _blocks_128x128_kernel(w_ptr, R, C, q_ptr, ds_ptr, L4, qt_ptr, dst_ptr, L4_T
 _TILE = 64   # rows (or columns) per program of the tensorwise and 1x128 kernels
 
 
-def quantize_tensorwise(x: torch.Tensor, fmt="e4m3", *, transposed=False, amax: Optional[torch.Tensor] = None):
+def quantize_tensorwise(x: torch.Tensor, fmt="e4m3", *, transposed=False, amax: Optional[torch.Tensor] = None,
+                        q_out: Optional[torch.Tensor] = None):
     """Per-tensor current scaling of x [R, C]: a pass for the amax (skipped where `amax`, a one-element fp32 tensor
     on x's device, is given: a known or earlier amax), then one quantizing pass. Returns ScaledFp8 of x, or with
-    `transposed` a pair (x's, x.T's), both with the same ds."""
+    `transposed` a pair (x's, x.T's), both with the same ds. q_out: where x's q goes (a contiguous [R, C] fp8
+    tensor of the format), else a new tensor."""
     _check_input(x)
     dtype = fp8_dtype(fmt)
     r, c = x.shape
@@ -334,10 +336,14 @@ def quantize_tensorwise(x: torch.Tensor, fmt="e4m3", *, transposed=False, amax: 
     if amax is None:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         _amax_kernel[grid](x, r, c, amax, _TILE, _TILE)
-    q = torch.empty(r, c, dtype=dtype, device=x.device)
+    if q_out is not None and (q_out.shape != (r, c) or q_out.dtype != dtype or not q_out.is_contiguous()
+                              or q_out.device != x.device):
+        raise ValueError(f"q_out must be a contiguous ({r}, {c}) {dtype} tensor on {x.device}; got {q_out.dtype} "
+                         f"{tuple(q_out.shape)} on {q_out.device}")
+    q = q_out if q_out is not None else torch.empty(r, c, dtype=dtype, device=x.device)
     qt = torch.empty(c, r, dtype=dtype, device=x.device) if transposed else q
     ds = torch.empty(1, dtype=torch.float32, device=x.device)
-    _tensorwise_kernel[grid](x, r, c, amax, q, qt, ds, FP8_MAX[dtype], _triton_dtype(dtype), True, transposed,
+    _tensorwise_kernel[grid](x, r, c, amax, q, qt, ds, FP8_MAX[dtype], triton_dtype(dtype), True, transposed,
                              _TILE, _TILE)
     out = ScaledFp8(q, ds, "tensorwise")
     return (out, ScaledFp8(qt, ds, "tensorwise")) if transposed else out
@@ -351,7 +357,7 @@ def quantize_1x128(x: torch.Tensor, fmt="e4m3") -> ScaledFp8:
     r, c = x.shape
     q = torch.empty(r, c, dtype=dtype, device=x.device)
     ds = torch.empty(c // BLOCK, r, dtype=torch.float32, device=x.device)
-    _blocks_1x128_kernel[(triton.cdiv(r, _TILE), c // BLOCK)](x, r, c, q, ds, FP8_MAX[dtype], _triton_dtype(dtype),
+    _blocks_1x128_kernel[(triton.cdiv(r, _TILE), c // BLOCK)](x, r, c, q, ds, FP8_MAX[dtype], triton_dtype(dtype),
                                                               _TILE)
     return ScaledFp8(q, ds, "1x128")
 
@@ -366,7 +372,7 @@ def quantize_1x128_transposed(x: torch.Tensor, fmt="e4m3") -> ScaledFp8:
     qt = torch.empty(c, r, dtype=dtype, device=x.device)
     ds = torch.empty(r // BLOCK, c, dtype=torch.float32, device=x.device)
     _blocks_1x128_transposed_kernel[(r // BLOCK, triton.cdiv(c, _TILE))](x, r, c, qt, ds, FP8_MAX[dtype],
-                                                                        _triton_dtype(dtype), _TILE)
+                                                                        triton_dtype(dtype), _TILE)
     return ScaledFp8(qt, ds, "1x128")
 
 
@@ -386,10 +392,11 @@ def quantize_128x128(w: torch.Tensor, fmt="e4m3", *, transposed=False):
     qt = torch.empty(c, r, dtype=dtype, device=w.device) if transposed else q
     dst = torch.ones(cb, padded_k_blocks(r), dtype=torch.float32, device=w.device) if transposed else ds
     _blocks_128x128_kernel[(rb, cb)](w, r, c, q, ds, ds.shape[1], qt, dst, dst.shape[1], FP8_MAX[dtype],
-                                     _triton_dtype(dtype), transposed)
+                                     triton_dtype(dtype), transposed)
     out = ScaledFp8(q, ds, "128x128")
     return (out, ScaledFp8(qt, dst, "128x128")) if transposed else out
 
 
-def _triton_dtype(dtype: torch.dtype):
+def triton_dtype(dtype: torch.dtype):
+    """Triton's type of an FP8 torch dtype."""
     return {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}[dtype]

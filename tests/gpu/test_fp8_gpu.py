@@ -182,3 +182,27 @@ def test_fresh_data_each_call():
         out = torch.full(plan.staging_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
         fp8_signaled_gemm(a, w, out, tiles, None, gemm_programs(a.q.device, WIDE), WIDE)
         assert_fp8_gemm_close(_row_order(out, plan), a, w)
+
+
+@pytest.mark.parametrize("scaling", ["1x128", "tensorwise"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("rows,hidden", [(4096, 4096), (8192, 8192), (1000, 1536)])
+def test_fused_norm_fp8_output_is_bit_equal_to_the_reference_quantizer(scaling, fmt, rows, hidden):
+    """The fused add + RMSNorm's FP8 rows and scales equal the reference quantizer applied to the bf16 y it stored,
+    bit for bit, and y, the residual and rstd are those of the norm without FP8 output."""
+    _needs_fp8()
+    from overlap_tp.kernels.fp8_norm import add_rmsnorm_fp8
+    from overlap_tp.kernels.fused_add_rmsnorm import empty_forward_outputs, launch_forward
+    gen = torch.Generator(device="cuda").manual_seed(rows + hidden)
+    x = (3 * torch.randn(rows, hidden, device="cuda", generator=gen)).bfloat16()
+    residual = torch.randn(rows, hidden, device="cuda", generator=gen).bfloat16()
+    weight = (1 + 0.5 * torch.randn(hidden, device="cuda", generator=gen)).bfloat16()
+    bias = (0.5 * torch.randn(hidden, device="cuda", generator=gen)).bfloat16()
+    plain = empty_forward_outputs(x, residual, torch.bfloat16)
+    launch_forward(x, residual, weight, bias, plain, eps=1e-5)
+    out, q = add_rmsnorm_fp8(x, residual, weight, bias, scaling=scaling, fmt=fmt)
+    assert torch.equal(out.y, plain.y) and torch.equal(out.residual_out, plain.residual_out)
+    assert torch.equal(out.rstd, plain.rstd)
+    ref = (Q.quantize_1x128_reference if scaling == "1x128" else Q.quantize_tensorwise_reference)(out.y, fmt)
+    assert torch.equal(q.ds, ref.ds)
+    _assert_fp8_equal(q.q, ref.q)
