@@ -206,3 +206,73 @@ def test_fused_norm_fp8_output_is_bit_equal_to_the_reference_quantizer(scaling, 
     ref = (Q.quantize_1x128_reference if scaling == "1x128" else Q.quantize_tensorwise_reference)(out.y, fmt)
     assert torch.equal(q.ds, ref.ds)
     _assert_fp8_equal(q.q, ref.q)
+
+
+def test_scale_layouts_mean_to_cublas_what_they_mean_to_the_reference():
+    """torch's scaled_mm (cuBLAS) given our scale views computes the product of our dequantized operands: the layouts
+    agree in meaning, not only in shape (the CPU test checks the shapes through the meta kernel)."""
+    _needs_fp8()
+    import torch.nn.functional as F
+    gen = torch.Generator(device="cuda").manual_seed(42)
+    m, n, k = 1024, 768, 1280
+    cases = [("tensorwise", F.ScalingType.TensorWise, F.ScalingType.TensorWise)]
+    if hasattr(F.ScalingType, "BlockWise1x128"):
+        cases += [("1x128x128x128", F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise128x128),
+                  ("1x128x1x128", F.ScalingType.BlockWise1x128, F.ScalingType.BlockWise1x128)]
+    for recipe, recipe_a, recipe_b in cases:
+        a, w = _operands(m, n, k, recipe, gen)
+        views = {"tensorwise": lambda s: s.reshape(()), "1x128": Q.scale_view_1x128, "128x128": Q.scale_view_128x128}
+        try:
+            got = F.scaled_mm(a.q, w.q.t(), views[a.scaling](a.ds), recipe_a, views[w.scaling](w.ds), recipe_b,
+                              output_dtype=torch.bfloat16)
+        except (RuntimeError, ValueError) as error:   # a cuBLAS without this blockwise pair: the layout cannot be checked here
+            if recipe == "tensorwise":
+                raise
+            print(f"{recipe}: scaled_mm unavailable here: {error}")
+            continue
+        assert_fp8_gemm_close(got, a, w)
+
+
+def test_captured_fp8_gemm_replays_count_and_store_the_same_bits():
+    """The FP8 GEMM with its signal captured in a CUDA graph: each replay raises every group's counter by its tile
+    count (a waiter resets them in the ops; here they count on) and stores the bits of the eager call; a replay after
+    new operand values are copied into the captured tensors gives the new product."""
+    _needs_fp8()
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    m, n, k = 4096, 2048, 1024
+    for recipe in ("tensorwise", "1x128x128x128"):
+        a, w = _operands(m, n, k, recipe, gen)
+        plan = make_plan("row_slice", m, n, 2, WIDE.block_m, WIDE.block_n)
+        tiles = plan.tiles.cuda()
+        counters = torch.zeros(plan.num_groups, dtype=torch.int32, device="cuda")
+        out = torch.empty(plan.staging_shape, dtype=torch.bfloat16, device="cuda")
+        programs = gemm_programs(a.q.device, WIDE)
+
+        def call():
+            fp8_signaled_gemm(a, w, out, tiles, counters, programs, WIDE)
+        call()
+        torch.cuda.synchronize()
+        eager = out.clone()
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()   # warm on the side stream, as torch.cuda.graph asks
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            call()
+        counters.zero_()
+        out.fill_(float("nan"))
+        for replays in (1, 2, 3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert counters.tolist() == [replays * g for g in plan.group_tiles]
+            assert torch.equal(out, eager)
+        fresh_a, fresh_w = _operands(m, n, k, recipe, gen)
+        for mine, new in ((a, fresh_a), (w, fresh_w)):
+            mine.q.copy_(new.q)
+            mine.ds.copy_(new.ds)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_fp8_gemm_close(_row_order(out, plan), a, w)
