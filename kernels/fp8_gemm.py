@@ -27,8 +27,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from overlap_tp.kernels.fp8_quant import BLOCK, ScaledFp8, dequantize_reference
-from overlap_tp.kernels.signaled_gemm import (INTERPRET, NO_WAIT, TILE_FIELDS, cta_barrier_then,  # noqa: F401
-                                              default_offsets, wait_flag_then)
+from overlap_tp.kernels.signaled_gemm import (INTERPRET, TILE_FIELDS, cta_barrier_then, default_offsets,
+                                              wait_flag_then)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # the scaled operands this kernel multiplies: (a's scaling, w's scaling) -> (A_BLOCKS, W_SCALING)

@@ -215,8 +215,10 @@ def cast_fp8(x, qs, FP8_MAX: tl.constexpr, OUT: tl.constexpr):
     y = x.to(tl.float32) * qs
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX))
     if _INTERPRETED:
-        return _interpreted_cast(y, OUT)
-    return y.to(OUT)
+        q = _interpreted_cast(y, OUT)
+    else:
+        q = y.to(OUT)
+    return q
 
 
 @triton.jit
