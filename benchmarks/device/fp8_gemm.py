@@ -35,7 +35,7 @@ from overlap_tp import OverlapConfig
 from overlap_tp.bench.gemm import interleaved, layer_gemms
 from overlap_tp.kernels import fp8_quant as Q
 from overlap_tp.kernels.fp8_gemm import fp8_signaled_gemm
-from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.plan_base import gemm_programs
 from overlap_tp.ops.tile_plan import ag_plan, make_plan
 
 TENSORWISE_CONFIGS = "128x256x128/3/8,128x128x128/4/8,128x256x64/4/8"

@@ -10,7 +10,7 @@ from gpu_checks import poison_allocator
 from overlap_tp import OverlapConfig
 from overlap_tp.kernels import fp8_quant as Q
 from overlap_tp.kernels.fp8_gemm import fp8_gemm_reference, fp8_signaled_gemm
-from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.plan_base import gemm_programs
 from overlap_tp.ops.tile_plan import ag_plan, make_plan
 
 pytestmark = pytest.mark.gpu
