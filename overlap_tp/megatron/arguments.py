@@ -396,7 +396,6 @@ def validate_overlap_args(args, *, warn=_warn):
         raise OverlapArgumentError(
             f"{flag} with --fp8-format: the overlapped GEMMs are bf16/fp16. Use --bf16, or {off}.")
     for name, what in (("yaml_cfg", "--yaml-cfg"),
-                       ("multi_latent_attention", "--multi-latent-attention"),
                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
                        ("experimental_attention_variant", "--experimental-attention-variant")):
         if getattr(args, name, None):

@@ -10,7 +10,8 @@ and need nothing.
 Two ways to run it, chosen per call from what the call needs:
 
     varlen   torch.nn.attention.varlen.varlen_attn (Flash Attention on cu_seqlens, no mask): CUDA, bf16 / fp16, no
-             attention dropout, not --deterministic-mode, sequences without padding inside their slots or a causal
+             attention dropout, not --deterministic-mode, value heads the size of the query heads (not MLA's),
+             sequences without padding inside their slots or a causal
              mask (a causal query never sees the padding after its sequence's real tokens)
     masked   torch's scaled_dot_product_attention on the whole row with a block-diagonal document mask built on the
              device from cu_seqlens (t x t booleans; no host sync): everything else, the CPU, dropout and
@@ -84,9 +85,14 @@ def max_seqlen(packed, side: str, tokens: int) -> int:
     return int((starts[1:] - starts[:-1]).max())
 
 
-def uses_varlen(query, packed, *, causal: bool, dropout_p: float, deterministic: bool) -> bool:
-    """Whether `varlen_attention` can run this call (see the module docstring); else the masked path runs."""
+def uses_varlen(query, packed, *, causal: bool, dropout_p: float, deterministic: bool,
+                value_head_dim: Optional[int] = None) -> bool:
+    """Whether `varlen_attention` can run this call (see the module docstring); else the masked path runs.
+    value_head_dim: the value heads' size where it differs from the query's (MLA), which Flash Attention does not
+    take."""
     if not (query.is_cuda and query.dtype in VARLEN_DTYPES) or dropout_p > 0.0 or deterministic:
+        return False
+    if value_head_dim is not None and value_head_dim != query.shape[-1]:
         return False
     padded = packed.cu_seqlens_q_padded is not None or packed.cu_seqlens_kv_padded is not None
     if padded and not causal:

@@ -275,7 +275,6 @@ def test_transformer_engine_gets_a_precedence_note():
     ({"overlap_tp_comm_sms": -1}, ">= 0"),
     ({"overlap_tp_copy_lanes": 0}, "--overlap-tp-copy-lanes 0: expected an integer >= 1"),
     ({"overlap_tp_transport": "p2p", "overlap_tp_comm_sms": 16, "overlap_tp_copy_lanes": 2}, "give one of the two"),
-    ({"multi_latent_attention": True}, "--multi-latent-attention"),
 ])
 def test_conflicts_say_what_to_change(overrides, match):
     with pytest.raises(OverlapArgumentError, match=match):
