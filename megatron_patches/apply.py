@@ -12,7 +12,8 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
 - the process-wide OverlapConfig per op kind the layers use: `overlap_tp.megatron.layers.set_default_overlap_config`
   with `overlap_tp.megatron.arguments.layer_configs(args)` (gemm_ar keeps transport nccl, p2p being gemm_rs/ag_gemm
   only; `--overlap-tp-transport auto` puts ag_gemm and gemm_rs on p2p), also readable as `get_overlap_config(op)`.
-- MoE models: with `--overlap-moe` on, every layer's MLP is overlap_tp's OverlapMoELayer and its
+- MoE models: with `--overlap-moe` on, every MoE layer's MLP (every layer, or those `--moe-layer-freq` makes MoE;
+  the others get the dense MLP) is overlap_tp's OverlapMoELayer and its
   OverlapConfig (`overlap_tp.megatron.moe_layer.set_default_moe_overlap_config`, `get_moe_overlap_config()`) comes
   from `--overlap-moe` and `--overlap-tp-comm-sms`; with it off, the MLP slot of overlap_tp's layer spec
   holds the MoE module Megatron's own spec would build (its MoELayer, untouched).
