@@ -133,3 +133,13 @@ def _check_mla_layer(rank, world, q_lora_rank, qk_layernorm, packed):
                                                                 (24, True, True)])
 def test_mla_layer_matches_megatrons(q_lora_rank, qk_layernorm, packed):
     run_distributed(2, _check_mla_layer, q_lora_rank, qk_layernorm, packed)
+
+
+def test_multi_latent_attention_flag_is_accepted():
+    from types import SimpleNamespace
+
+    from overlap_tp.megatron.arguments import validate_overlap_args
+    args = SimpleNamespace(overlap_tp="signal", tensor_model_parallel_size=2, sequence_parallel=True,
+                           normalization="RMSNorm", transformer_impl="local", multi_latent_attention=True,
+                           qk_layernorm=True)
+    assert validate_overlap_args(args, warn=None) == []
