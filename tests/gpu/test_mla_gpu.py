@@ -35,13 +35,13 @@ class _Done:
 
 def _host_all_gather(output, input_, group=None, async_op=False, **unused):
     staged = torch.empty(output.shape, dtype=output.dtype)
-    dist.all_gather_into_tensor(staged, input_.cpu(), group=group)
+    dist.all_gather_into_tensor(staged, input_.contiguous().cpu(), group=group)
     output.copy_(staged)
     return _Done() if async_op else None
 
 
 def _host_reduce_scatter(output, input_, group=None, async_op=False, **unused):
-    staged = input_.float().cpu()
+    staged = input_.float().contiguous().cpu()
     rows = output.shape[0]
     parts = list(staged.split(rows))
     result = torch.empty(output.shape, dtype=torch.float32)
