@@ -12,7 +12,8 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
 - the process-wide OverlapConfig per op kind the layers use: `overlap_tp.megatron.layers.set_default_overlap_config`
   with `overlap_tp.megatron.arguments.layer_configs(args)` (gemm_ar keeps transport nccl, p2p being gemm_rs/ag_gemm
   only; `--overlap-tp-transport auto` puts ag_gemm and gemm_rs on p2p), also readable as `get_overlap_config(op)`.
-- MoE models: with `--overlap-moe` on, every layer's MLP is overlap_tp's OverlapMoELayer and its
+- MoE models: with `--overlap-moe` on, every MoE layer's MLP (every layer, or those `--moe-layer-freq` makes MoE;
+  the others get the dense MLP) is overlap_tp's OverlapMoELayer and its
   OverlapConfig (`overlap_tp.megatron.moe_layer.set_default_moe_overlap_config`, `get_moe_overlap_config()`) comes
   from `--overlap-moe` and `--overlap-tp-comm-sms`; with it off, the MLP slot of overlap_tp's layer spec
   holds the MoE module Megatron's own spec would build (its MoELayer, untouched).
@@ -208,34 +209,45 @@ def overlap_layer_spec(config, vp_stage=None):
     """The decoder block spec with overlap_tp's layers, for a GPTModelConfig (0.19+) or a
     TransformerConfig: every layer is `get_gpt_layer_overlap_spec` with the TransformerConfig's values
     for the keywords it names (num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
-    qk_l2_norm, normalization, transformer_impl; config and vp_stage if it takes them), and the block's final
+    qk_l2_norm, normalization, transformer_impl; config and vp_stage if it takes them), an MoE model's layers
+    dense or MoE as moe_layer_freq says (overlap_tp.megatron.layer_pattern, Megatron's reading and pipeline
+    slice of it), and the block's final
     norm is OverlapRMSNorm (TENorm with transformer_impl "transformer_engine" where TE imports). A block spec
     rather than a layer spec: given a layer spec, Megatron picks the final norm itself, and without TE or
     Apex that is WrappedTorchNorm, which refuses sequence parallel."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    from overlap_tp.megatron.layer_pattern import moe_layer_pattern, stage_layer_ids
     from overlap_tp.megatron.layer_spec import te_norm_module
     from overlap_tp.megatron.norm import OverlapRMSNorm
     transformer = getattr(config, "transformer", config)
+    # the final norm carries no TP communication: Transformer Engine's with --transformer-impl transformer_engine
+    final_norm = te_norm_module(getattr(transformer, "transformer_impl", None)) or OverlapRMSNorm
+    pattern = moe_layer_pattern(transformer)
+    if pattern is not None and not all(pattern):   # --moe-layer-freq: dense layers between MoE layers
+        dense, moe = (overlap_transformer_layer_spec(config, vp_stage, dense=True),
+                      overlap_transformer_layer_spec(config, vp_stage))
+        return TransformerBlockSubmodules(
+            layer_specs=[moe if pattern[i] else dense for i in stage_layer_ids(transformer, vp_stage)],
+            layer_norm=final_norm)
     if "vp_stage" in inspect.signature(get_num_layers_to_build).parameters:
         layers = get_num_layers_to_build(transformer, vp_stage=vp_stage)
     else:
         layers = get_num_layers_to_build(transformer)
-    # the final norm carries no TP communication: Transformer Engine's with --transformer-impl transformer_engine
-    final_norm = te_norm_module(getattr(transformer, "transformer_impl", None)) or OverlapRMSNorm
     return TransformerBlockSubmodules(layer_specs=[overlap_transformer_layer_spec(config, vp_stage)] * layers,
                                       layer_norm=final_norm)
 
 
-def overlap_transformer_layer_spec(config, vp_stage=None):
+def overlap_transformer_layer_spec(config, vp_stage=None, dense=False):
     """One TransformerLayer ModuleSpec with overlap_tp's linears and norms (see overlap_layer_spec); for an
-    MoE model its MLP is OverlapMoELayer with --overlap-moe on, else Megatron's own MoE module. The layer is
+    MoE model its MLP is OverlapMoELayer with --overlap-moe on, else Megatron's own MoE module, and with
+    `dense` (the dense layers of a --moe-layer-freq pattern) the dense MLP of ffn_hidden_size. The layer is
     OverlapTransformerLayer, or Megatron's TransformerLayer with --no-overlap-tp-fused-norms."""
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
 
     transformer = getattr(config, "transformer", config)
     offered = {
-        "num_experts": getattr(transformer, "num_moe_experts", None),
+        "num_experts": None if dense else getattr(transformer, "num_moe_experts", None),
         "moe_grouped_gemm": getattr(transformer, "moe_grouped_gemm", False),
         "qk_layernorm": getattr(transformer, "qk_layernorm", False),
         "multi_latent_attention": getattr(transformer, "multi_latent_attention", False),

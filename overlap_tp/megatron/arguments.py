@@ -347,7 +347,7 @@ def validate_overlap_args(args, *, warn=_warn):
 
     use_layers = method != "off" or getattr(args, "overlap_tp_layers", False)
     if moe != "off":
-        _validate_moe(args, moe, comm_sms)
+        _validate_moe(args, moe, comm_sms, note)
     elif not use_layers:
         return given
 
@@ -376,11 +376,6 @@ def validate_overlap_args(args, *, warn=_warn):
             "SP, Megatron's row-parallel layers use GEMM+AllReduce (and the column-parallel ones an "
             "AllReduce of the input gradient), which these layers do not replace. Add "
             f"--sequence-parallel (same math, half the bytes per collective), or use {off}.")
-    moe_layer_freq = getattr(args, "moe_layer_freq", 1)
-    if getattr(args, "num_experts", None) and moe_layer_freq not in (1, None):
-        raise OverlapArgumentError(
-            f"{flag} with --moe-layer-freq {moe_layer_freq}: overlap_tp's layer spec makes every layer an "
-            f"MoE layer of --num-experts experts. Drop --moe-layer-freq, or use {off}.")
     if getattr(args, "tp_comm_overlap", False):
         raise OverlapArgumentError(
             f"{flag} with --tp-comm-overlap: both overlap the same TP communication (Transformer "
@@ -401,7 +396,6 @@ def validate_overlap_args(args, *, warn=_warn):
         raise OverlapArgumentError(
             f"{flag} with --fp8-format: the overlapped GEMMs are bf16/fp16. Use --bf16, or {off}.")
     for name, what in (("yaml_cfg", "--yaml-cfg"),
-                       ("multi_latent_attention", "--multi-latent-attention"),
                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
                        ("experimental_attention_variant", "--experimental-attention-variant")):
         if getattr(args, name, None):
@@ -423,7 +417,7 @@ def validate_overlap_args(args, *, warn=_warn):
     return given
 
 
-def _validate_moe(args, moe, comm_sms):
+def _validate_moe(args, moe, comm_sms, note):
     """--overlap-moe's own requirements (the MoE layer refuses the rest of what it does not implement
     when the model is built, naming the config field)."""
     flag = f"--overlap-moe {moe}"
@@ -440,15 +434,24 @@ def _validate_moe(args, moe, comm_sms):
     expert_tp = getattr(args, "expert_tensor_parallel_size", None) or getattr(args, "tensor_model_parallel_size", 1)
     if (expert_tp or 1) > 1:
         raise OverlapArgumentError(
-            f"{flag} with expert tensor parallelism {expert_tp}: the expert ops run whole experts on each "
-            "rank of the expert-parallel group (Megatron's --expert-tensor-parallel-size defaults to "
-            "--tensor-model-parallel-size). Add --expert-tensor-parallel-size 1, or use --overlap-moe off.")
+            f"{flag} with expert tensor parallelism {expert_tp}: the expert ops (all-to-all + grouped GEMM) move "
+            "whole tokens between the expert-parallel ranks and run each expert's whole fc1 / fc2 on one rank; an "
+            "expert split over an expert-TP group would need an AllGather and a ReduceScatter inside them, which they "
+            "do not carry (Megatron's --expert-tensor-parallel-size defaults to --tensor-model-parallel-size). Add "
+            "--expert-tensor-parallel-size 1 (spread the experts with --expert-model-parallel-size instead), or use "
+            "--overlap-moe off (Megatron's MoE layer, between overlap_tp's dense layers).")
     if getattr(args, "add_bias_linear", False):
         raise OverlapArgumentError(
             f"{flag} with expert biases: the grouped expert GEMMs have none. Add --disable-bias-linear, or use "
             "--overlap-moe off.")
-    for name, what in (("moe_shared_expert_overlap", "--moe-shared-expert-overlap"),
-                       ("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm")):
+    if getattr(args, "moe_shared_expert_overlap", False):
+        note(f"{flag} with --moe-shared-expert-overlap: that overlap runs the shared experts inside Megatron's token "
+             "dispatcher, which overlap_tp's MoE layer replaces. The shared experts run before routing, as Megatron's "
+             "MoELayer runs them without the flag, on overlap_tp's dense linears (their AllGather and ReduceScatter "
+             "overlapped with their own GEMMs), and the dispatch / combine all-to-alls are overlapped with the routed "
+             "experts' GEMMs (docs/moe_layer.md); running with --moe-shared-expert-overlap off.")
+        args.moe_shared_expert_overlap = False
+    for name, what in (("overlap_moe_expert_parallel_comm", "--overlap-moe-expert-parallel-comm"),):
         if getattr(args, name, False):
             raise OverlapArgumentError(
                 f"{flag} with {what}: that overlap runs inside Megatron's token dispatcher, which overlap_tp's "

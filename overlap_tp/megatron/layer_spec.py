@@ -11,6 +11,8 @@
         core_attention                         -> TEDotProductAttention if Transformer Engine is
                                                   importable, else overlap_tp.megatron.attention.SDPAttention
         mlp with num_experts                   -> OverlapMoELayer (get_moe_overlap_module_spec)
+        self_attention with multi_latent_attention -> Megatron's MLASelfAttention, its up-projections and
+                                                  linear_proj ours (overlap_tp.megatron.mla)
     OverlapSpecProvider                         the BackendSpecProvider behind it
 
 Use it where Megatron takes a layer spec, e.g. `GPTModel(config, transformer_layer_spec=
@@ -34,6 +36,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from overlap_tp.megatron.attention import core_attention_module
 from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+from overlap_tp.megatron.mla import mla_self_attention_spec
 from overlap_tp.megatron.moe_layer import OverlapGroupedMLP, OverlapMoELayer
 from overlap_tp.megatron.norm import OverlapRMSNorm
 from overlap_tp.megatron.transformer_layer import OverlapTransformerLayer
@@ -47,8 +50,9 @@ NO_EXPERTS_FOR_MEGATRON_MOE = (
 
 
 class OverlapQKRMSNorm(OverlapRMSNorm):
-    """OverlapRMSNorm for the q/k layernorm slots: its input is a strided view of the fused QKV output.
-    Megatron all-reduces these weights' grads over TP by name (q_layernorm / k_layernorm)."""
+    """OverlapRMSNorm for the q/k layernorm slots: its input is a strided view of the fused QKV output (or, in MLA's
+    q / kv latent norm slots, of the down projection's output). Megatron all-reduces these weights' grads over TP
+    (by name, q_layernorm / k_layernorm, or by the `sequence_parallel` attribute)."""
 
     def forward(self, x):
         return super().forward(x.contiguous())
@@ -126,8 +130,9 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
 
     fused_norms=False (--no-overlap-tp-fused-norms): the layer is Megatron's TransformerLayer, which runs the
     bias-dropout-adds and the norms as separate kernels (same submodules, same checkpoint keys)."""
-    if multi_latent_attention:
-        raise NotImplementedError("overlap_tp: multi-latent attention is not supported by the overlap spec")
+    if multi_latent_attention and qk_l2_norm:
+        raise NotImplementedError("overlap_tp: qk_l2_norm with multi-latent attention (Megatron does not support it "
+                                  "either)")
     if fp8 is not None:
         raise NotImplementedError("overlap_tp: FP8 is not supported by the overlap layers (bf16/fp16 GEMMs)")
     if normalization not in (None, "RMSNorm"):
@@ -138,21 +143,25 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
     qk_norm = L2Norm if qk_l2_norm else (
         (te_norm_module(transformer_impl) or backend.layer_norm(rms_norm=True, for_qk=True)) if qk_layernorm
         else IdentityOp)
+    if multi_latent_attention:   # overlap_tp.megatron.mla: the up-projections and linear_proj on our ops
+        self_attention = mla_self_attention_spec(qk_layernorm, backend.layer_norm(rms_norm=True, for_qk=True))
+    else:
+        self_attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=backend.column_parallel_linear(),
+                core_attention=backend.core_attention(),
+                linear_proj=backend.row_parallel_linear(),
+                q_layernorm=qk_norm,
+                k_layernorm=qk_norm,
+            ),
+        )
     return ModuleSpec(
         module=OverlapTransformerLayer if fused_norms else TransformerLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=layer_norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=backend.column_parallel_linear(),
-                    core_attention=backend.core_attention(),
-                    linear_proj=backend.row_parallel_linear(),
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
-            ),
+            self_attention=self_attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=layer_norm,
             mlp=ModuleSpec(
@@ -163,8 +172,9 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
             mlp_bda=get_bias_dropout_add,
             # checkpoints interchange with Megatron's local and TE specs (same key map as the local spec; an
             # MoE layer keeps its pre_mlp_layernorm keys, as Megatron's TE MoE spec, where no fc1 fuses it)
+            # (MLA: Megatron's MLA specs keep input_layernorm under its own key)
             sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                **({} if multi_latent_attention else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}),
                 **({"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"} if num_experts is None else {}),
             },
         ),

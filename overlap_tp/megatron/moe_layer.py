@@ -103,8 +103,9 @@ def check_moe_config(config, expert_tp_size: int = 1):
         refuse.append(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: the expert ops carry "
                       f"the alltoall dispatcher's all-to-all (--moe-token-dispatcher-type alltoall)")
     if expert_tp_size > 1 or (getattr(config, "expert_tensor_parallel_size", None) or 1) > 1:
-        refuse.append("expert tensor parallelism > 1: the expert ops run whole experts per rank "
-                      "(--expert-tensor-parallel-size 1)")
+        refuse.append("expert tensor parallelism > 1: the expert ops move whole tokens between the EP ranks and run "
+                      "each expert's whole fc1 / fc2 on one rank, with no AllGather / ReduceScatter inside an expert "
+                      "(--expert-tensor-parallel-size 1, or Megatron's MoE layer: --overlap-moe off)")
     if config.add_bias_linear:
         refuse.append("expert biases (add_bias_linear=True): the grouped expert GEMMs have none "
                       "(--disable-bias-linear)")
@@ -114,8 +115,9 @@ def check_moe_config(config, expert_tp_size: int = 1):
     if getattr(config, "moe_router_padding_for_quantization", False):
         refuse.append("moe_router_padding_for_quantization: that pads routes for FP8/FP4 GEMMs")
     if config.moe_shared_expert_overlap:
-        refuse.append("moe_shared_expert_overlap: it runs the shared experts inside Megatron's dispatcher; "
-                      "without it they run as in MoELayer, before routing (drop --moe-shared-expert-overlap)")
+        refuse.append("moe_shared_expert_overlap: it runs the shared experts inside Megatron's dispatcher, which "
+                      "this layer replaces; without it they run as in MoELayer, before routing, on overlap_tp's dense "
+                      "linears (drop --moe-shared-expert-overlap; validate_overlap_args turns it off with a warning)")
     if getattr(config, "moe_latent_size", None):
         refuse.append("moe_latent_size (MoE latent projections)")
     if getattr(config, "overlap_moe_expert_parallel_comm", False):

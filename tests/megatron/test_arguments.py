@@ -222,11 +222,9 @@ def test_overlap_tp_with_an_moe_model_keeps_megatrons_moe():
     ({"moe_token_dispatcher_type": "allgather"}, "--moe-token-dispatcher-type alltoall"),
     ({"expert_tensor_parallel_size": None}, "--expert-tensor-parallel-size 1"),   # Megatron's default: TP
     ({"add_bias_linear": True}, "--disable-bias-linear"),
-    ({"moe_shared_expert_overlap": True}, "Drop --moe-shared-expert-overlap"),
     ({"overlap_moe_expert_parallel_comm": True}, "Drop --overlap-moe-expert-parallel-comm"),
     ({"overlap_tp_comm_sms": 0}, "--overlap-tp-comm-sms >= 1"),
     ({"overlap_moe": "auto", "overlap_tp_comm_sms": 0}, "--overlap-tp-comm-sms >= 1"),   # auto tries signal
-    ({"moe_layer_freq": 2}, "--moe-layer-freq"),
     ({"sequence_parallel": False}, "--overlap-moe signal needs --sequence-parallel"),
     ({"spec": ["my.module", "my_spec"]}, "--overlap-moe off to keep your spec"),
     ({"overlap_moe": "fast"}, "expected one of"),
@@ -234,6 +232,20 @@ def test_overlap_tp_with_an_moe_model_keeps_megatrons_moe():
 def test_overlap_moe_conflicts_say_what_to_change(overrides, match):
     with pytest.raises(OverlapArgumentError, match=match):
         validate_overlap_args(moe_like(**overrides), warn=None)
+
+
+def test_shared_expert_overlap_is_turned_off_with_a_warning_that_says_where_the_shared_experts_run():
+    args = moe_like(moe_shared_expert_overlap=True, moe_shared_expert_intermediate_size=64)
+    given = validate_overlap_args(args, warn=None)
+    assert args.moe_shared_expert_overlap is False
+    assert len(given) == 1 and "--moe-shared-expert-overlap" in given[0] and "before routing" in given[0]
+    assert validate_overlap_args(moe_like(moe_shared_expert_intermediate_size=64), warn=None) == []
+
+
+def test_expert_tensor_parallel_error_says_why_and_what_to_use():
+    with pytest.raises(OverlapArgumentError, match="AllGather and a ReduceScatter inside them") as error:
+        validate_overlap_args(moe_like(expert_tensor_parallel_size=2), warn=None)
+    assert "--expert-tensor-parallel-size 1" in str(error.value) and "--overlap-moe off" in str(error.value)
 
 
 def test_tp1_warns_and_runs_off():
@@ -263,7 +275,6 @@ def test_transformer_engine_gets_a_precedence_note():
     ({"overlap_tp_comm_sms": -1}, ">= 0"),
     ({"overlap_tp_copy_lanes": 0}, "--overlap-tp-copy-lanes 0: expected an integer >= 1"),
     ({"overlap_tp_transport": "p2p", "overlap_tp_comm_sms": 16, "overlap_tp_copy_lanes": 2}, "give one of the two"),
-    ({"multi_latent_attention": True}, "--multi-latent-attention"),
 ])
 def test_conflicts_say_what_to_change(overrides, match):
     with pytest.raises(OverlapArgumentError, match=match):

@@ -971,7 +971,7 @@ def test_spec_and_provider():
     provider = OverlapSpecProvider()
     assert provider.fuse_layernorm_and_linear() is False and provider.column_parallel_layer_norm_linear() is None
     get_gpt_layer_overlap_spec(moe_grouped_gemm=True, normalization="RMSNorm", config=None, vp_stage=None)
-    for bad in (dict(normalization="LayerNorm"), dict(multi_latent_attention=True), dict(fp8="hybrid")):
+    for bad in (dict(normalization="LayerNorm"), dict(multi_latent_attention=True, qk_l2_norm=True), dict(fp8="hybrid")):
         with pytest.raises(NotImplementedError):
             get_gpt_layer_overlap_spec(**bad)
     with pytest.raises(NotImplementedError, match="MoE"):
