@@ -12,7 +12,7 @@ Run it from the clone's root (the checkout imports as the installed package does
 tests need one (two ranks on one GPU over CUDA IPC included) and skips the rest for want of GPUs; two or more
 GPUs run those too. Each chunk is one pytest process under a time limit; its results are written test by test as
 they come (a plugin), so a chunk cut by its limit still says what passed and what never ran. Chunks are planned
-from the per-file times of the machine size's latest summary (DEFAULT_FILE_S for a file without one).
+from the per-file times of the machine size's latest summary (a file without one is a chunk of its own).
 
 The summary (tests/gpu/results/<N>gpu.json and .md) names the commit, the cards, the versions and a hash of the
 sources the gate covers (GATED), and per file: passed, failed, errors, skipped (with reasons), not run, seconds.
@@ -37,8 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RESULTS = os.path.join(ROOT, "tests", "gpu", "results")
 GATED = ("kernels", "overlap_tp/ops", "overlap_tp/megatron", "overlap_tp/tune", "tests/gpu")
 CHUNK_BUDGET_S = 420     # planned seconds of tests per chunk
+UNTIMED_FILE_S = 120     # where a file the summary has not timed yet goes in the order chunks start
 CHUNK_LIMIT_S = 540      # a chunk's pytest is stopped here (stacks dumped first): inside a 10-minute command
-DEFAULT_FILE_S = 60      # a file's planned time where no summary of this machine size has it
 META = ("commit", "source_hash", "machine", "date", "command")   # what a chunk's record carries beside its tests
 RULE = ("A change to kernels/, overlap_tp/ops/, overlap_tp/megatron/ or overlap_tp/tune/ lands only after the whole "
         "GPU suite passed on the device at that commit, for the machine sizes lent (one GPU at least); the latest "
@@ -47,6 +47,9 @@ RULE = ("A change to kernels/, overlap_tp/ops/, overlap_tp/megatron/ or overlap_
 DEVICE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
               "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 NEEDS_GPUS = re.compile(r"needs (\d+) GPUs")
+# an optional dependency the device images lack; benchmarks/device/te_build.sh installs it, and the summary lists
+# every such skip with its reason
+WITHOUT_TE = re.compile(r"Transformer Engine")
 
 
 def test_files():
@@ -76,8 +79,10 @@ def summary_path(gpus: int, ext: str) -> str:
 
 
 def plan(gpus: int, files=None):
-    """Chunks of files (in name order), each planned at most CHUNK_BUDGET_S from the latest summary's per-file
-    seconds (DEFAULT_FILE_S where it has none); a file longer than the budget is a chunk of its own."""
+    """Chunks of files, each planned at most CHUNK_BUDGET_S from the latest summary's per-file seconds; a file
+    longer than the budget, or one the summary has not timed yet (a new file, whose time is unknown), is a chunk of
+    its own. Chunks come longest first (an untimed file counts UNTIMED_FILE_S), so that `run --jobs N` starts the
+    long ones first; within a chunk, files keep name order."""
     files = test_files() if files is None else files
     seconds = {}
     if os.path.exists(summary_path(gpus, "json")):
@@ -85,15 +90,18 @@ def plan(gpus: int, files=None):
             seconds = {name: row["seconds"] for name, row in json.load(f)["files"].items()}
     chunks, current, used = [], [], 0.0
     for name in files:
-        cost = seconds.get(name, DEFAULT_FILE_S) + 5   # + its import and collection
+        if name not in seconds:
+            chunks.append(([name], float(UNTIMED_FILE_S)))
+            continue
+        cost = seconds[name] + 5   # + its import and collection
         if current and used + cost > CHUNK_BUDGET_S:
-            chunks.append(current)
+            chunks.append((current, used))
             current, used = [], 0.0
         current.append(name)
         used += cost
     if current:
-        chunks.append(current)
-    return chunks
+        chunks.append((current, used))
+    return [names for names, _ in sorted(chunks, key=lambda chunk: -chunk[1])]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -251,7 +259,8 @@ def read_records(path: str) -> list:
 
 def problems(summary) -> list:
     """What keeps a summary from being a pass of the whole suite: a file not run, a test failed, errored or not
-    reached, or skipped for another reason than a machine with fewer GPUs than it needs."""
+    reached, or skipped for another reason than a machine with fewer GPUs than it needs or without Transformer
+    Engine installed."""
     found = []
     gpus = summary["machine"]["gpus"]
     for name, row in summary["files"].items():
@@ -262,6 +271,8 @@ def problems(summary) -> list:
                 found.append(f"{name}: {row[kind]} {kind.replace('_', ' ')}")
         for reason, count in row.get("skips", {}).items():
             needed = NEEDS_GPUS.search(reason)
+            if WITHOUT_TE.search(reason):
+                continue
             if needed is None or int(needed.group(1)) <= gpus:
                 found.append(f"{name}: {count} skipped ({reason})")
     return found
