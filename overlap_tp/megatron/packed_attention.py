@@ -98,22 +98,41 @@ def uses_varlen(query, packed, *, causal: bool, dropout_p: float, deterministic:
     if padded and not causal:
         return False
     try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401  pylint: disable=unused-import
+        parameters = _varlen_parameters()
     except ImportError:
         return False
-    return True
+    return "window_size" in parameters or "is_causal" in parameters
+
+
+def _varlen_parameters() -> frozenset:
+    """The keyword parameters of this torch's varlen_attn (they differ between releases: `is_causal` or
+    `window_size`, `enable_gqa` or none)."""
+    import inspect
+    from torch.nn.attention.varlen import varlen_attn
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def varlen_attention(query, key, value, packed, *, causal: bool, scale: Optional[float]) -> torch.Tensor:
-    """query [t, np, hn], key / value [t, ng, hn] -> [t, np, hn] through varlen_attn (ng divides np)."""
+    """query [t, np, hn], key / value [t, ng, hn] -> [t, np, hn] through varlen_attn (ng divides np; where this
+    torch's varlen_attn takes no `enable_gqa`, each key / value head is repeated for its np / ng query heads)."""
     from torch.nn.attention.varlen import varlen_attn
+    parameters = _varlen_parameters()
+    kwargs = {"scale": scale}
+    if "window_size" in parameters:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
+    if key.shape[1] != query.shape[1]:
+        if "enable_gqa" in parameters:
+            kwargs["enable_gqa"] = True
+        else:
+            repeats = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
     # the tokens after the last sequence as one more sequence (of length 0 where there are none), as the masked path
     starts_q = _closed(_bounds(packed, "q")[0], query.shape[0])
     starts_kv = _closed(_bounds(packed, "kv")[0], key.shape[0])
     return varlen_attn(query, key, value, starts_q, starts_kv, max_seqlen(packed, "q", query.shape[0]),
-                       max_seqlen(packed, "kv", key.shape[0]),
-                       scale=scale, window_size=(-1, 0) if causal else (-1, -1),
-                       enable_gqa=key.shape[1] != query.shape[1])
+                       max_seqlen(packed, "kv", key.shape[0]), **kwargs)
 
 
 def _closed(starts, tokens: int) -> torch.Tensor:

@@ -58,7 +58,7 @@ def _config():
         num_moe_experts=EXPERTS, moe_layer_freq=[0, 1], moe_ffn_hidden_size=1024,
         moe_shared_expert_intermediate_size=1024, moe_router_topk=2, moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=T, expert_tensor_parallel_size=1, moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=1e-2, bias_activation_fusion=True)
+        moe_aux_loss_coeff=1e-2, bias_activation_fusion=True, activation_func=torch.nn.functional.silu)
 
 
 def _block(ours, config, seed=1234):

@@ -63,7 +63,9 @@ def test_packed_row_is_each_sequence_alone(deterministic, lengths):
         alone = fwd_bwd(core, q[start:end, None], k[start:end, None], v[start:end, None], grad[start:end, None])
         for name, a, b in zip(("out", "dq", "dk", "dv"), got, alone):
             part = a[start:end]
-            assert rel_error(part, b.reshape(part.shape).float()) < 2e-2, f"{lengths}: {name} of tokens {start}:{end}"
+            ref = b.reshape(part.shape).float()   # dq of a one-token sequence is exactly zero: an absolute floor
+            assert float((part.float() - ref).norm()) <= 2e-2 * float(ref.norm()) + 1e-3, \
+                f"{lengths}: {name} of tokens {start}:{end}"
         start = end
     if deterministic:
         again = fwd_bwd(core, q, k, v, grad, packed_seq_params=packed)
