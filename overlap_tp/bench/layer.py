@@ -110,7 +110,7 @@ GPU_MS_SLACK = 1.02   # a GPU-only (queued) time above this times the span is fl
 def configurations(device_type):
     """name -> (spec 'ours' | 'megatron', overlap_config for our layers or None, counterfactual?)."""
     tiles = SMALL_TILES if device_type == "cpu" else {}
-    signal = OverlapConfig(method="signal", **tiles)
+    signal = OverlapConfig(method="signal", transport="nccl", **tiles)
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     decompose_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # chunks: the flag's default
     p2p_lanes2 = OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2)
@@ -124,7 +124,7 @@ def configurations(device_type):
         "nocomm": ("megatron", None, True),
         "off": ("ours", OverlapConfig(method="off"), False),
         "signal": ("ours", signal, False),
-        "decompose": ("ours", OverlapConfig(method="decompose", chunks=4), False),
+        "decompose": ("ours", OverlapConfig(method="decompose", transport="nccl", chunks=4), False),
         "signal-agp2p": ("ours", {"ag_gemm": p2p, "gemm_rs": signal, "gemm_ar": signal}, False),
         "signal-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
         "decompose-p2p": ("ours", {"ag_gemm": decompose_p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal}, False),

@@ -30,7 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.resolve import resolve
 from overlap_tp.tune import report
 from overlap_tp.bench.moe import ZIPF_S
 from overlap_tp.bench.ops import agree
@@ -139,15 +140,15 @@ def variant_config(name: str):
     '.'-separated changes to sweep: gN (groups=N), smN (comm_sms=N), e.g. signal.g4.sm8."""
     base, *changes = name.split(".")
     if base in ("signal-p2p", "decompose-p2p"):
-        config = dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=base.split("-")[0], transport="p2p", comm_sms=0)
+        config = OverlapConfig(method=base.split("-")[0], transport="p2p", comm_sms=0)
     else:
-        config = dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=base)
+        config = OverlapConfig(method=base)
     for change in changes:
         match = re.fullmatch(r"(g|sm)(\d+)", change)
         if match is None:
             raise ValueError(f"--methods {name}: '{change}' is not gN (groups) or smN (comm_sms)")
         config = dataclasses.replace(config, **{VARIANT_FIELDS[match[1]]: int(match[2])})
-    return config
+    return resolve(config, "a2a_gemm", device="cuda")   # the expert ops' defaults for the fields not named
 
 
 def bench_shape(tokens, routing, args, group):

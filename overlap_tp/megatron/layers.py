@@ -41,7 +41,8 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
                       "'megatron-core>=0.16')") from error
 
 from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
-from overlap_tp.ops.config import OverlapConfig, resolve_auto
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.resolve import resolve
 from overlap_tp.ops.ag_gemm import OwnGather, ag_gemm, ag_gemm_plan, gather_rows
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
@@ -628,7 +629,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
     sum_dgrad_in_norm = False
     gather_in_place = False
     wgrad_handoff = None    # a WgradHandoff to leave the wgrad to (OverlapTransformerLayer: linear_fc1 in place)
-    _auto_in_place = None   # ((auto config, m, dtype, device), the tuner's config for it): asked once per shape
+    _in_place_resolved = None   # ((config, m, dtype, device), its resolved config): asked once per shape
 
     def __init__(self, input_size, output_size, *, config, init_method: Callable, bias=True, gather_output=False,
                  stride=1, keep_master_weight_for_test=False, skip_bias_add=False,
@@ -731,18 +732,18 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         return own.claim().view(shape)
 
     def _in_place_config(self, m: int, dtype, device: torch.device) -> Optional[OverlapConfig]:
-        """The ag_gemm config this layer's forward runs on an [m, k] shard if it can gather in place
-        (OwnGather.supports), else None. 'auto' is resolved by the tuner for the gathered shape, as the ag_gemm call
-        will resolve it (the tuner keeps its decision: the same config). The answer is kept per shape, so a forward
-        asks the tuner only when the shape or the config changed."""
+        """The ag_gemm config this layer's forward runs on an [m, k] shard, resolved as the ag_gemm call will resolve it
+        (ops/resolve.py; 'auto' by the tuner for the gathered shape, which keeps its decision: the same config), if it
+        can gather in place (OwnGather.supports), else None. The answer is kept per shape, so a forward asks the
+        resolver only when the shape or the config changed."""
         config = _resolve_config(self.overlap_config, "ag_gemm")
-        if config.method == "auto" and device.type == "cuda":   # CPU tensors: the op runs auto as off
-            key = (config, m, dtype, device)
-            if self._auto_in_place is None or self._auto_in_place[0] != key:
-                self._auto_in_place = (key, resolve_auto("ag_gemm", m * get_pg_size(self.tp_group),
-                                                         self.output_size_per_partition, self.input_size, dtype,
-                                                         device, self.tp_group, config))
-            config = self._auto_in_place[1]
+        key = (config, m, dtype, device)
+        if self._in_place_resolved is None or self._in_place_resolved[0] != key:
+            t = get_pg_size(self.tp_group)
+            self._in_place_resolved = (key, resolve(config, "ag_gemm", device=device, t=t, group=self.tp_group,
+                                                    m=m * t, n=self.output_size_per_partition, k=self.input_size,
+                                                    dtype=dtype))
+        config = self._in_place_resolved[1]
         return config if OwnGather.supports(config, device) else None
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):

@@ -48,7 +48,8 @@ import torch.distributed as dist
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
 from overlap_tp.ops import comm, memops, replay
 from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, check_not_capturing, gemm_programs
-from overlap_tp.ops.config import OverlapConfig, chunk_by_for
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.resolve import fill_defaults
 from overlap_tp.ops.p2p import GatherBuffer
 from overlap_tp.ops.reduction import after_work, joined
 from overlap_tp.ops.tile_plan import ag_plan
@@ -147,10 +148,6 @@ class AgGemm(OpPlan):
         else:
             self._run = self._off
         self.out_shape = (t * m, n)
-
-    def _resolve(self, config: OverlapConfig) -> OverlapConfig:
-        """OpPlan's resolution, then chunk_by 'auto' for this group's size (config.chunk_by_for)."""
-        return chunk_by_for(super()._resolve(config), self.t)
 
     def _pull_into_gather_buffer(self):
         """The p2p transport's state: the shape's gathered buffer (shared with the other AllGathers of the shape) and
@@ -566,11 +563,13 @@ def row_gather(group, m: int, k: int, dtype, device) -> RowGather:
 
 def gather_rows(a_shard: torch.Tensor, group, config: Optional[OverlapConfig] = None) -> Pending:
     """all_gather(a_shard) along rows, issued now; wait() returns it. With config's transport 'p2p' (method 'signal'
-    or 'decompose') on CUDA: the copy engines (RowGather, whose result is the shape's shared buffer: valid until the
+    or 'decompose'; an unset transport resolved as for ag_gemm, ops/resolve.py) on CUDA: the copy engines (RowGather, whose result is the shape's shared buffer: valid until the
     next AllGather of the shape); otherwise torch.distributed's all-gather."""
     group = comm.resolve_group(group)
+    t = dist.get_world_size(group)
+    config = fill_defaults(config, "ag_gemm", a_shard.device, t) if config is not None else None
     if (config is not None and config.method in ("signal", "decompose") and config.transport == "p2p"
-            and a_shard.is_cuda and dist.get_world_size(group) > 1):
+            and a_shard.is_cuda and t > 1):
         return row_gather(group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype, a_shard.device)(a_shard,
                                                                                                   config.copy_lanes)
     gathered, work = comm.all_gather_rows(a_shard, group, async_op=True)

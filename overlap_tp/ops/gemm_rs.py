@@ -31,7 +31,7 @@ import torch
 from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
 from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, gemm_programs
-from overlap_tp.ops.config import OverlapConfig, rs_transfer_for
+from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.p2p import P2PReduceScatter
 from overlap_tp.ops.reduction import SignaledReduction, after_work, decomposed, joined, plus_bias
 from overlap_tp.ops.tile_plan import make_plan
@@ -74,10 +74,6 @@ class GemmRS(OpPlan):
             self.bounds = chunk_bounds(self.m_local, config.chunks)
         else:
             self.coll = comm.TorchCollectives(self.group)
-
-    def _resolve(self, config: OverlapConfig) -> OverlapConfig:
-        """OpPlan's resolution, then rs_transfer 'auto' for this group's size (config.rs_transfer_for)."""
-        return rs_transfer_for(super()._resolve(config), self.t)
 
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  async_op: bool = False):

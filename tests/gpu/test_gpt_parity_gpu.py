@@ -210,7 +210,7 @@ def _load(model, path):
 def _set_method(model, method):
     from overlap_tp import OverlapConfig
     from overlap_tp.megatron.layers import set_overlap_config
-    assert set_overlap_config(model, OverlapConfig(method=method)) == 4 * len(model.decoder.layers)
+    assert set_overlap_config(model, OverlapConfig(method=method, transport="nccl")) == 4 * len(model.decoder.layers)
 
 
 def check_gpt_parity(rank, world, device_type, sizes, methods, ckpt_root):

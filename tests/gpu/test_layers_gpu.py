@@ -65,15 +65,15 @@ P2P_METHODS = ("signal", "decompose")
 def _p2p_configs(method):
     """The layers' op configs with both sequence-parallel collectives on the p2p transports under `method`."""
     p2p = OverlapConfig(method=method, transport="p2p", comm_sms=0, chunks=2)
-    return {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")}
+    return {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal", transport="nccl")}
 
 
 def methods(device_type, p2p=False):
     tiles = SMALL_TILES if device_type == "cpu" else {}
     if p2p:   # the p2p transports under the signaled GEMM and under cuBLAS (decompose)
         return {f"{method}-p2p": _p2p_configs(method) for method in P2P_METHODS}
-    return {"off": OverlapConfig(method="off"), "signal": OverlapConfig(method="signal", **tiles),
-            "decompose": OverlapConfig(method="decompose", chunks=4)}
+    return {"off": OverlapConfig(method="off"), "signal": OverlapConfig(method="signal", transport="nccl", **tiles),
+            "decompose": OverlapConfig(method="decompose", transport="nccl", chunks=4)}
 
 
 def rel(got, ref):
@@ -571,7 +571,7 @@ def check_auto_gathers_in_place(rank, world):
     small pair, and then nothing gathers in place). The decisions are asked for where the
     layers ask the tuner (OverlapColumnParallelLinear._in_place_config, then the ag_gemm call) and kept per shape, as
     the tuner keeps them."""
-    from overlap_tp.ops import config as config_module
+    from overlap_tp.ops import tuner_hook as config_module
     qkv_n = _qkv_output_size("small") // world
     asked = []
 

@@ -986,11 +986,12 @@ def test_auto_gathers_in_place_where_the_tuner_picks_a_p2p_gather(monkeypatch):
     decompose on p2p; on CPU tensors auto runs off and the tuner is not asked; a fixed config asks nothing."""
     from types import SimpleNamespace
     from overlap_tp.megatron import layers
+    from overlap_tp.ops import resolve as resolver
     asked, picks = [], []
-    monkeypatch.setattr(layers, "resolve_auto", lambda op, m, n, k, dtype, device, group, base:
+    monkeypatch.setattr(resolver, "resolve_auto", lambda op, m, n, k, dtype, device, group, base:
                         asked.append((op, m, n, k, base.method)) or picks[-1])
     def new_linear():
-        return SimpleNamespace(overlap_config=OverlapConfig(method="auto"), tp_group=None, _auto_in_place=None,
+        return SimpleNamespace(overlap_config=OverlapConfig(method="auto"), tp_group=None, _in_place_resolved=None,
                                output_size_per_partition=768, input_size=1024)
     in_place_config = layers.OverlapColumnParallelLinear._in_place_config
     cuda = torch.device("cuda")   # a device object only: nothing is allocated
@@ -1000,12 +1001,14 @@ def test_auto_gathers_in_place_where_the_tuner_picks_a_p2p_gather(monkeypatch):
                            (OverlapConfig(method="off"), False)):
         picks.append(pick)
         linear = new_linear()
-        assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (pick if in_place else None), pick
+        resolved = resolver.fill_defaults(pick, "ag_gemm", cuda, 1)   # the tuner's pick, its unset fields filled
+        assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (resolved if in_place else None), pick
         # the next forward of the same shape asks nothing: the answer is kept
-        assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (pick if in_place else None), pick
+        assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (resolved if in_place else None), pick
     assert asked == [("ag_gemm", 2048, 768, 1024, "auto")] * 4   # no TP group here: t = 1, the gathered rows = m
     assert in_place_config(linear, 4096, torch.bfloat16, cuda) is None and asked[-1][1] == 4096   # a new shape asks
     asked.clear()
     assert in_place_config(linear, 2048, torch.bfloat16, torch.device("cpu")) is None and asked == []
     linear.overlap_config = {"ag_gemm": OverlapConfig(method="decompose", transport="p2p")}
-    assert in_place_config(linear, 2048, torch.bfloat16, cuda) == linear.overlap_config["ag_gemm"] and asked == []
+    assert in_place_config(linear, 2048, torch.bfloat16, cuda) == resolver.fill_defaults(
+        linear.overlap_config["ag_gemm"], "ag_gemm", cuda, 1) and asked == []
