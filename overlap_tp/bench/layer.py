@@ -35,11 +35,11 @@ process on the same inputs and the same weights:
                 AllGathers' copy-engine pulls over two streams; the AllGathers' pulls by a kernel on 16 SMs
   signal-p2p-inplace, decompose-p2p-inplace, auto-inplace
                 (not in the default list) signal-p2p / decompose-p2p / auto with the layer built under
-                set_gather_in_place(True) (`--overlap-tp-gather-in-place`): the norms write into linear_qkv's and
+                OverlapSettings.gather_in_place: the norms write into linear_qkv's and
                 linear_fc1's own gathered buffers, no staging copy, no re-gather in the backward (auto: where the
                 tuner picks signal or decompose on p2p for their AllGathers)
   signal-p2p-inplace-dw
-                (not in the default list) signal-p2p-inplace with set_defer_wgrad(True) (`--overlap-tp-defer-wgrad`):
+                (not in the default list) signal-p2p-inplace with OverlapSettings.defer_wgrad:
                 linear_fc1's wgrad GEMM runs inside linear_proj's backward, between its dgrad AllGather's start and
                 its GEMM (layers.WgradHandoff)
   signal-p2p-byrows-inplace-dw, signal-p2p-rsepilogue-inplace-dw
@@ -55,7 +55,7 @@ process on the same inputs and the same weights:
                 'decompose', rs_transfer 'copy')
   <any of ours>-split
                 (not in the default list; --micro-batch even) that configuration with the layer built under
-                set_token_split(True) (`--overlap-tp-token-split`): the micro-batch's sequences in two halves, run
+                OverlapSettings.token_split: the micro-batch's sequences in two halves, run
                 interleaved so that one half's transfers run beside the other half's compute
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
@@ -159,9 +159,9 @@ def configurations(device_type):
     }
 
 
-IN_PLACE_SUFFIX = "-inplace"   # a configuration whose layer is built with set_gather_in_place(True)
-DEFER_WGRAD_SUFFIX = "-inplace-dw"   # ... and with set_defer_wgrad(True)
-SPLIT_SUFFIX = "-split"   # after any of ours: the layer built with set_token_split(True) (needs --micro-batch 2, 4, ..)
+IN_PLACE_SUFFIX = "-inplace"   # a configuration whose layer gathers in place (OverlapSettings)
+DEFER_WGRAD_SUFFIX = "-inplace-dw"   # ... and defers fc1's wgrad
+SPLIT_SUFFIX = "-split"   # after any of ours: the layer runs the token split (needs --micro-batch 2, 4, ..)
 
 
 def parse_args(argv):
@@ -247,13 +247,17 @@ def layer_config(model, tp, device_type, fusions=None):
 
 def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgrad=False, token_split=False):
     """One TransformerLayer from our spec ('ours') or the Megatron reference spec ('megatron'); in_place: ours, its
-    norms writing into the column-parallel linears' own gathered buffers (set_gather_in_place); defer_wgrad: fc1's
-    wgrad inside proj's backward (set_defer_wgrad); token_split: the micro-batch as two interleaved halves
-    (set_token_split)."""
+    norms writing into the column-parallel linears' own gathered buffers (OverlapSettings.gather_in_place);
+    defer_wgrad: fc1's wgrad inside proj's backward (defer_wgrad); token_split: the micro-batch as two interleaved
+    halves (token_split). Ours is built with every op kind 'off' (the configuration sets its own: never 'auto' by
+    accident)."""
     from megatron.core.transformer.spec_utils import build_module
     if spec_kind == "ours":
         from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-        spec = get_gpt_layer_overlap_spec()
+        from overlap_tp.megatron.settings import OverlapSettings
+        settings = OverlapSettings(gather_in_place=in_place, defer_wgrad=defer_wgrad,
+                                   token_split=token_split).with_configs(OverlapConfig(method="off"))
+        spec = get_gpt_layer_overlap_spec(settings=settings)
     else:
         from overlap_tp.bench.reference_spec import get_gpt_layer_megatron_reference_spec
         spec = get_gpt_layer_megatron_reference_spec()
@@ -261,10 +265,7 @@ def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgra
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(seed)
-    from overlap_tp.megatron.layers import deferring_wgrad, gathering_in_place
-    from overlap_tp.megatron.transformer_layer import splitting_tokens
-    with gathering_in_place(in_place), deferring_wgrad(defer_wgrad), splitting_tokens(token_split):
-        return build_module(spec, config=config, layer_number=1).to(device)
+    return build_module(spec, config=config, layer_number=1).to(device)
 
 
 def rotary_embedding(config, seq, device):
@@ -661,13 +662,11 @@ def run(args, group=None, command=None):
     """The benchmark on an initialized process group (one rank per GPU, or gloo on the CPU). Returns the
     rows (every rank)."""
     from megatron.core import parallel_state as ps
-    from overlap_tp.megatron.layers import set_default_overlap_config
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    set_default_overlap_config(OverlapConfig(method="off"))   # op kinds a config does not name: never 'auto'
     command = command or f"torchrun --nproc-per-node {world} -m overlap_tp.bench layer"
     rows = []
     from overlap_tp.bench.reference_spec import megatron_sp_on_cpu

@@ -15,14 +15,14 @@ helpers, so equal weights for the same seed), tensor-parallel attributes, `shard
 
 Which method each op runs comes from an `OverlapConfig` per op kind ("ag_gemm", "gemm_rs", "gemm_ar"):
 the layer's `overlap_config` attribute (constructor keyword; one OverlapConfig for every op kind, or a
-dict by op kind) or, where it is None or names no config for the op kind, the module default set with
-`set_default_overlap_config`. Both are read at every call, so a training integration may set them after
-the model is built (`set_overlap_config(model, ...)` sets every layer of a model).
+dict by op kind) or, where it is None or names no config for the op kind, the layer's settings (constructor keyword
+`settings`, an OverlapSettings carried by the layer spec; megatron/settings.py). Both are read at every call, so a
+training integration may set them after the model is built (`set_overlap_config(model, ...)` sets every layer of a
+model). Fields a config leaves unset are filled per shape by the ops' resolver (ops/resolve.py).
 """
-import contextlib
 import math
 import warnings
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,7 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
 from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.resolve import resolve
+from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OP_KINDS, OverlapSettings
 from overlap_tp.ops.ag_gemm import OwnGather, ag_gemm, ag_gemm_plan, gather_rows
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
@@ -52,16 +53,10 @@ try:
 except ImportError:
     fused_weight_gradient_mlp_cuda = None
 
-__all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "get_default_overlap_config",
-           "defer_wgrad_default", "deferring_wgrad", "gather_in_place_default", "gathering_in_place",
-           "plan_instance", "set_default_overlap_config", "set_defer_wgrad", "set_gather_in_place",
-           "set_op_observer", "set_overlap_config", "WgradHandoff"]
+__all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "set_op_observer",
+           "set_overlap_config", "WgradHandoff"]
 
-OP_KINDS = ("ag_gemm", "gemm_rs", "gemm_ar")
 LayerOverlapConfig = Union[None, OverlapConfig, Mapping[str, OverlapConfig]]
-
-_default_configs: Dict[str, OverlapConfig] = {op: OverlapConfig() for op in OP_KINDS}
-
 
 def _check_overlap_config(value: LayerOverlapConfig) -> LayerOverlapConfig:
     if value is None or isinstance(value, OverlapConfig):
@@ -76,90 +71,6 @@ def _check_overlap_config(value: LayerOverlapConfig) -> LayerOverlapConfig:
         return dict(value)
     raise TypeError(f"overlap_config must be None, an OverlapConfig or a dict by op kind {OP_KINDS}; "
                     f"got {type(value).__name__}")
-
-
-def set_default_overlap_config(config: Optional[OverlapConfig] = None, **per_op: OverlapConfig):
-    """The configs layers use where their own `overlap_config` names none: `config` for every op kind,
-    then the keywords (ag_gemm=, gemm_rs=, gemm_ar=) for single op kinds."""
-    per_op = _check_overlap_config(per_op) or {}
-    if config is not None:
-        _check_overlap_config(config)
-        for op in OP_KINDS:
-            _default_configs[op] = config
-    for op, value in per_op.items():
-        if value is not None:
-            _default_configs[op] = value
-
-
-def get_default_overlap_config(op: str) -> OverlapConfig:
-    if op not in OP_KINDS:
-        raise ValueError(f"unknown op kind {op!r}; expected one of {OP_KINDS}")
-    return _default_configs[op]
-
-
-_gather_in_place = [False]
-
-
-def set_gather_in_place(on: bool):
-    """Whether OverlapTransformerLayers built from now on have their norms write straight into linear_qkv's and a
-    dense linear_fc1's own gathered buffers (OverlapColumnParallelLinear.gather_in_place; `--overlap-tp-gather-in-place`)."""
-    _gather_in_place[0] = bool(on)
-
-
-def gather_in_place_default() -> bool:
-    return _gather_in_place[0]
-
-
-@contextlib.contextmanager
-def _switched(setting: list, on: bool):
-    """setting[0] = on for the layers built inside the block; the previous value is back after it."""
-    previous = setting[0]
-    setting[0] = bool(on)
-    try:
-        yield
-    finally:
-        setting[0] = previous
-
-
-def gathering_in_place(on: bool = True):
-    """set_gather_in_place(on) for the layers built inside the block; the previous setting is back after it."""
-    return _switched(_gather_in_place, on)
-
-
-_defer_wgrad = [False]
-
-
-def set_defer_wgrad(on: bool):
-    """Whether OverlapTransformerLayers built from now on leave linear_fc1's weight gradient to linear_proj's backward,
-    to run while proj's dgrad AllGather pulls (WgradHandoff; `--overlap-tp-defer-wgrad`). Takes effect with gathering
-    in place (set_gather_in_place), where fc1's gathered input stays in its own buffer until the backward."""
-    _defer_wgrad[0] = bool(on)
-
-
-def defer_wgrad_default() -> bool:
-    return _defer_wgrad[0]
-
-
-def deferring_wgrad(on: bool = True):
-    """set_defer_wgrad(on) for the layers built inside the block; the previous setting is back after it."""
-    return _switched(_defer_wgrad, on)
-
-
-_plan_instance = [0]
-
-
-@contextlib.contextmanager
-def plan_instance(instance: int):
-    """The layers' overlapped ops called inside the block run the plans of `instance` (ops.common.cached_plan), and so
-    does the backward of what the block's forwards recorded; a layer gathering in place writes into a gathered buffer
-    of that instance. The token split (OverlapTransformerLayer) runs its second half in plan_instance(1), so that both
-    halves' calls of one shape can be in flight at once, each with its own buffers and synchronisation state."""
-    previous = _plan_instance[0]
-    _plan_instance[0] = instance
-    try:
-        yield
-    finally:
-        _plan_instance[0] = previous
 
 
 class WgradHandoff:
@@ -213,12 +124,14 @@ class WgradHandoff:
         return wgrad
 
 
-def _resolve_config(layer_config: LayerOverlapConfig, op: str) -> OverlapConfig:
+def _resolve_config(layer_config: LayerOverlapConfig, op: str, settings: OverlapSettings) -> OverlapConfig:
+    """The layer's own config for op kind `op` where it names one, else the settings' (unset fields are left to the
+    ops' resolver)."""
     if isinstance(layer_config, OverlapConfig):
         return layer_config
     if isinstance(layer_config, Mapping) and layer_config.get(op) is not None:
         return layer_config[op]
-    return _default_configs[op]
+    return settings.config(op)
 
 
 def set_overlap_config(model: torch.nn.Module, config: LayerOverlapConfig):
@@ -320,24 +233,27 @@ class _LinearArgs:
     """What a layer's autograd Function needs besides tensors."""
 
     __slots__ = ("group", "sequence_parallel", "allreduce_dgrad", "gradient_accumulation_fusion", "layer_config",
-                 "defer_sum", "deferred_sum", "dgrad_link", "own_gather", "wgrad_handoff", "instance")
+                 "settings", "defer_sum", "deferred_sum", "dgrad_link", "own_gather", "wgrad_handoff", "instance")
 
-    def __init__(self, group, sequence_parallel, allreduce_dgrad, gradient_accumulation_fusion, layer_config,
-                 defer_sum=False, dgrad_link=None, own_gather=None, wgrad_handoff=None):
-        self.group = group
-        self.sequence_parallel = sequence_parallel
+    def __init__(self, layer, allreduce_dgrad, defer_sum=False, dgrad_link=None, own_gather=None,
+                 wgrad_handoff=None):
+        """layer: the module calling (its group, sequence parallelism, wgrad fusion, configs, settings and plan
+        instance are read at this call)."""
+        self.group = layer.tp_group
+        self.sequence_parallel = layer.sequence_parallel
         self.allreduce_dgrad = allreduce_dgrad
-        self.gradient_accumulation_fusion = gradient_accumulation_fusion
-        self.layer_config = layer_config
+        self.gradient_accumulation_fusion = layer.gradient_accumulation_fusion
+        self.layer_config = layer.overlap_config
+        self.settings = layer.settings
         self.defer_sum = defer_sum      # row, SP: leave a p2p reduce-scatter's sum to the output's consumer
         self.deferred_sum = None        # ... and here is what it left (ops.p2p.DeferredSum), for the module
         self.dgrad_link = dgrad_link    # column, SP: the input norm's DeferredGrad (the dgrad's p2p sum left to it)
         self.own_gather = own_gather    # column, SP: the layer's OwnGather, whose claimed region is this input
         self.wgrad_handoff = wgrad_handoff   # column: where its wgrad may be left; row: where one may wait for it
-        self.instance = _plan_instance[0]    # the ops' plans, forward and backward (plan_instance)
+        self.instance = layer.plan_instance   # the ops' plans, forward and backward (plan_instance)
 
     def config(self, op):
-        return _resolve_config(self.layer_config, op)
+        return _resolve_config(self.layer_config, op, self.settings)
 
 
 def _save_common(ctx, weight, bias, args: _LinearArgs):
@@ -541,8 +457,13 @@ class _ScatterLastDim(torch.autograd.Function):
 
 class _OverlapLinearBase(torch.nn.Module):
     overlap_config: LayerOverlapConfig
+    # which plans of a shape the layer's ops run (ops.common.cached_plan's instance), forward and the backward of what
+    # the forward recorded; a layer gathering in place writes into a gathered buffer of that instance. The token split
+    # (OverlapTransformerLayer) runs its second half with 1, so that both halves' calls of one shape can be in flight
+    # at once, each with its own buffers and synchronisation state.
+    plan_instance = 0
 
-    def _init_common(self, config, is_expert, tp_group, overlap_config, layer):
+    def _init_common(self, config, is_expert, tp_group, overlap_config, settings, layer):
         _check_megatron_config(config, layer)
         self.config = config
         self.is_expert = is_expert
@@ -555,6 +476,9 @@ class _OverlapLinearBase(torch.nn.Module):
                                       f"implemented yet; use Megatron's expert layers")
         self.gradient_accumulation_fusion = config.gradient_accumulation_fusion
         self.overlap_config = _check_overlap_config(overlap_config)
+        if settings is not None and not isinstance(settings, OverlapSettings):
+            raise TypeError(f"{layer}: settings must be an OverlapSettings, got {type(settings).__name__}")
+        self.settings = settings if settings is not None else DEFAULT_SETTINGS
         # Megatron's hook adding a default empty _extra_state for state dict
         self._register_load_state_dict_pre_hook(
             lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
@@ -620,7 +544,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
     that is not an overlap_tp norm's output, or a norm output with a second consumer, runs the sum as before.
 
     gather_in_place: set by the module whose norm output is this layer's only input (OverlapTransformerLayer, with
-    set_gather_in_place(True)). The norm then writes its rows straight into this layer's own gathered buffer
+    OverlapSettings.gather_in_place). The norm then writes its rows straight into this layer's own gathered buffer
     (input_buffer, ops.ag_gemm.OwnGather): the forward's AllGather stages nothing, and the backward's wgrad reads the
     gathered input still in that buffer, with no re-gather. Only where the ag_gemm config is the p2p transport with
     method signal or decompose, on CUDA; elsewhere input_buffer returns None and the layer runs as before.
@@ -636,7 +560,8 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
                  skip_weight_param_allocation: bool = False, embedding_activation_buffer=None,
                  grad_output_buffer=None, is_expert: bool = False, tp_comm_buffer_name: Optional[str] = None,
                  disable_grad_reduce: bool = False, tp_group=None, name: Optional[str] = None,
-                 overlap_config: LayerOverlapConfig = None, **unused_kwargs):
+                 overlap_config: LayerOverlapConfig = None,
+                 settings: Optional[OverlapSettings] = None, **unused_kwargs):
         super().__init__()
         layer = type(self).__name__
         if embedding_activation_buffer is not None or grad_output_buffer is not None:
@@ -647,7 +572,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         self.skip_bias_add = skip_bias_add
         self.disable_grad_reduce = disable_grad_reduce
         self.tp_comm_buffer_name, self.name = tp_comm_buffer_name, name
-        world_size, rank = self._init_common(config, is_expert, tp_group, overlap_config, layer)
+        world_size, rank = self._init_common(config, is_expert, tp_group, overlap_config, settings, layer)
         self.output_size_per_partition = divide(output_size, world_size)
 
         if not skip_weight_param_allocation:
@@ -699,8 +624,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
                 and torch.is_grad_enabled() else None)
         own = (next((own for own in self._own_gathers.values() if own.holds(x2d)), None) if self.sequence_parallel
                else None)
-        args = _LinearArgs(self.tp_group, self.sequence_parallel, self.allreduce_dgrad,
-                           self.gradient_accumulation_fusion, self.overlap_config, dgrad_link=link, own_gather=own,
+        args = _LinearArgs(self, self.allreduce_dgrad, dgrad_link=link, own_gather=own,
                            wgrad_handoff=self.wgrad_handoff if own is not None else None)
         _check_main_grad(weight, self.gradient_accumulation_fusion)
         out2d = _ColumnParallelFn.apply(x2d, weight, bias, args)
@@ -724,7 +648,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         m = math.prod(shape) // self.input_size
         if self._in_place_config(m, dtype, device) is None:
             return None
-        instance = _plan_instance[0]
+        instance = self.plan_instance
         own = self._own_gathers.get(instance)
         if own is None or not own.fits(m, self.input_size, dtype, device):
             self._own_gathers[instance] = own = None   # a new shape: the old buffer goes (symmetric memory, freed)
@@ -736,7 +660,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         (ops/resolve.py; 'auto' by the tuner for the gathered shape, which keeps its decision: the same config), if it
         can gather in place (OwnGather.supports), else None. The answer is kept per shape, so a forward asks the
         resolver only when the shape or the config changed."""
-        config = _resolve_config(self.overlap_config, "ag_gemm")
+        config = _resolve_config(self.overlap_config, "ag_gemm", self.settings)
         key = (config, m, dtype, device)
         if self._in_place_resolved is None or self._in_place_resolved[0] != key:
             t = get_pg_size(self.tp_group)
@@ -777,7 +701,8 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
                  input_is_parallel: bool, skip_bias_add: bool, stride: int = 1,
                  keep_master_weight_for_test: bool = False, is_expert: bool = False,
                  tp_comm_buffer_name: Optional[str] = None, tp_group=None, name: Optional[str] = None,
-                 overlap_config: LayerOverlapConfig = None, **unused_kwargs):
+                 overlap_config: LayerOverlapConfig = None,
+                 settings: Optional[OverlapSettings] = None, **unused_kwargs):
         super().__init__()
         layer = type(self).__name__
         self.input_size, self.output_size = input_size, output_size
@@ -787,7 +712,7 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
         self.sequence_parallel = config.sequence_parallel
         if self.sequence_parallel and not input_is_parallel:
             raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
-        world_size, rank = self._init_common(config, is_expert, tp_group, overlap_config, layer)
+        world_size, rank = self._init_common(config, is_expert, tp_group, overlap_config, settings, layer)
         self.input_size_per_partition = divide(input_size, world_size)
 
         self.weight = self._new_param(self.output_size, self.input_size_per_partition)
@@ -815,8 +740,7 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
         handoff = self.wgrad_handoff
         # linear_fc1's weight, whose gradient our backward may return (WgradHandoff)
         handed = handoff.consumer_input(torch.is_grad_enabled()) if handoff is not None else None
-        args = _LinearArgs(self.tp_group, self.sequence_parallel, False, self.gradient_accumulation_fusion,
-                           self.overlap_config, defer_sum=defer_sum, wgrad_handoff=handoff)
+        args = _LinearArgs(self, False, defer_sum=defer_sum, wgrad_handoff=handoff)
         t = get_pg_size(self.tp_group)
         if self.sequence_parallel and input_.shape[0] % t:
             raise ValueError(f"OverlapRowParallelLinear: sequence length {input_.shape[0]} is not divisible by the "

@@ -59,9 +59,14 @@ def _close(got, ref, what, tol=1e-2):
 
 
 def _build(kind, ours, world, config, *, in_size, out_size, bias=True, skip_bias_add=False, **kw):
+    """Megatron's linear of `kind`, or ours (with every op kind 'off' unless the layer's own config or `settings`
+    say otherwise: never 'auto' by accident)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+    from overlap_tp.megatron.settings import OverlapSettings
     torch.manual_seed(1234)
+    if ours:
+        kw.setdefault("settings", OverlapSettings().with_configs(OFF))
     if kind == "column":
         cls = OverlapColumnParallelLinear if ours else ColumnParallelLinear
         kw.setdefault("gather_output", False)
@@ -145,8 +150,6 @@ def _sharded_summary(sd):
 def _check_linears(rank, world):
     _quiet()
     ps = _init_megatron(world)
-    from overlap_tp.megatron.layers import set_default_overlap_config
-    set_default_overlap_config(OFF)
     group = ps.get_tensor_model_parallel_group()
     metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     gen = torch.Generator().manual_seed(7)
@@ -405,6 +408,13 @@ def _sp_layer_case(world, seed):
     return ps, get_gpt_layer_overlap_spec(qk_layernorm=True), x, g
 
 
+def _spec_with(**switches):
+    """overlap_tp's layer spec (qk layernorm) whose modules are built with these OverlapSettings switches."""
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.settings import OverlapSettings
+    return get_gpt_layer_overlap_spec(qk_layernorm=True, settings=OverlapSettings(**switches))
+
+
 class _FakeDeferredSum:
     """The p2p transport's DeferredSum on the CPU: slots (out, 0), whose sum is the real reduce-scatter output."""
 
@@ -608,7 +618,7 @@ class _FakeOwnGather:
 
 
 def _check_gather_in_place(rank, world):
-    """set_gather_in_place(True) (faked OwnGather on gloo): two linked layers' four norms (the first layer's input
+    """OverlapSettings.gather_in_place (faked OwnGather on gloo): two linked layers' four norms (the first layer's input
     norm, each fused attention bda, the first layer's fused MLP bda for the second's input norm) write straight into
     linear_qkv's and linear_fc1's own buffers, whose forwards then gather through them, and whose backwards read the
     gathered inputs kept there (no re-gather); outputs, input grad and every parameter grad bit for bit those of the
@@ -629,9 +639,9 @@ def _check_gather_in_place(rank, world):
         _FakeOwnGather.built.clear()
         try:
             config = _layer_config(world, True)
-            with layers.gathering_in_place(in_place):
-                first = build_module(spec, config=config, layer_number=1)
-                second = build_module(spec, config=config, layer_number=2)
+            in_place_spec = _spec_with(gather_in_place=in_place)
+            first = build_module(in_place_spec, config=config, layer_number=1)
+            second = build_module(in_place_spec, config=config, layer_number=2)
             results = []
             for _ in range(steps):
                 regathers.clear()
@@ -660,14 +670,13 @@ def _check_gather_in_place(rank, world):
             assert torch.equal(a, b)
 
     # activation recomputation: off, with a warning naming it
-    with warnings.catch_warnings(record=True) as caught, layers.gathering_in_place():
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        layer = build_module(spec, config=_layer_config(world, True).__class__(
+        layer = build_module(_spec_with(gather_in_place=True), config=_layer_config(world, True).__class__(
             **{**_layer_config(world, True).__dict__, "recompute_granularity": "full", "recompute_method": "uniform",
                "recompute_num_layers": 1}), layer_number=1)
     assert not layer.self_attention.linear_qkv.gather_in_place and layer.input_layernorm.output_for is None
     assert any("gather-in-place is off because activations are recomputed" in str(w.message) for w in caught)
-    assert not layers.gather_in_place_default()   # the previous setting back after the block
     ps.destroy_model_parallel()
 
 
@@ -676,7 +685,7 @@ def test_norms_write_into_the_gathered_buffers_and_the_backward_reads_them_in_pl
 
 
 def _check_token_split(rank, world):
-    """set_token_split(True) (the p2p sums faked on gloo as in _check_deferred_proj_sum, gathering in place as in
+    """OverlapSettings.token_split (the p2p sums faked on gloo as in _check_deferred_proj_sum, gathering in place as in
     _check_gather_in_place): two linked layers run the micro-batch of 2 as two halves of one sequence, interleaved (the
     forward's ReduceScatters proj A, proj B, fc2 A, fc2 B, each half on its own plans: instance 0 / 1), the second layer
     taking the first's halves and their handed-over norms as they are. Outputs, input grad and every parameter grad
@@ -686,7 +695,7 @@ def _check_token_split(rank, world):
     _quiet()
     ps, spec, x, g = _sp_layer_case(world, 9)
     from megatron.core.transformer.spec_utils import build_module
-    from overlap_tp.megatron import layers, norm as norm_module, transformer_layer
+    from overlap_tp.megatron import layers, norm as norm_module
     real_gemm_rs, real_own, real_rmsnorm, consumed, calls, norms = (layers.gemm_rs, layers.OwnGather,
                                                                     norm_module.rmsnorm, [], [], [])
     deferring = _deferring(real_gemm_rs, consumed)
@@ -705,8 +714,8 @@ def _check_token_split(rank, world):
         _FakeOwnGather.built.clear()
         try:
             config = _layer_config(world, True)
-            with layers.gathering_in_place(), transformer_layer.splitting_tokens(split):
-                built = [build_module(spec, config=config, layer_number=n) for n in (1, 2)]
+            split_spec = _spec_with(gather_in_place=True, token_split=split)
+            built = [build_module(split_spec, config=config, layer_number=n) for n in (1, 2)]
             assert [layer.token_split for layer in built] == [split] * 2
             params = [p for layer in built for p in layer.parameters()]
             results = []
@@ -749,14 +758,13 @@ def _check_token_split(rank, world):
         warnings.simplefilter("always")
         run(True, steps=1, xs=x[:, :1].contiguous(), gs=g[:, :1].contiguous())
     assert any("the micro-batch has 1 sequences" in str(w.message) for w in caught)
-    with warnings.catch_warnings(record=True) as caught, transformer_layer.splitting_tokens():
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        layer = build_module(spec, config=_layer_config(world, True).__class__(
+        layer = build_module(_spec_with(token_split=True), config=_layer_config(world, True).__class__(
             **{**_layer_config(world, True).__dict__, "recompute_granularity": "full", "recompute_method": "uniform",
                "recompute_num_layers": 1}), layer_number=1)
     assert not layer.token_split
     assert any("token-split is off because activations are recomputed" in str(w.message) for w in caught)
-    assert not transformer_layer.token_split_default()
     ps.destroy_model_parallel()
 
 
@@ -765,7 +773,7 @@ def test_token_split_interleaves_two_halves_on_their_own_plans():
 
 
 def _check_defer_wgrad(rank, world):
-    """set_defer_wgrad(True) with gathering in place (faked OwnGather on gloo; proj's dgrad AllGather on the signaled
+    """OverlapSettings.defer_wgrad with gathering in place (faked OwnGather on gloo; proj's dgrad AllGather on the signaled
     op in the Triton interpreter, so AgGemm.start/finish run): each layer's linear_fc1 backward leaves its wgrad,
     which linear_proj's backward runs between its AllGather's start and its GEMM and returns through fc1's weight;
     outputs, input grad and every parameter grad bit for bit those of the same layers without it, over two steps,
@@ -791,8 +799,8 @@ def _check_defer_wgrad(rank, world):
         layers.OwnGather, layers._ag_gemm_around = _FakeOwnGather, around
         try:
             config = _layer_config(world, True)
-            with layers.gathering_in_place(in_place), layers.deferring_wgrad(defer):
-                built = [build_module(spec, config=config, layer_number=n) for n in (1, 2)]
+            defer_spec = _spec_with(gather_in_place=in_place, defer_wgrad=defer)
+            built = [build_module(defer_spec, config=config, layer_number=n) for n in (1, 2)]
             for layer in built:
                 layers.set_overlap_config(layer, signal)
                 shared = layer.mlp.linear_fc1.wgrad_handoff
@@ -842,7 +850,6 @@ def _check_defer_wgrad(rank, world):
             built[0](hidden_states=x.clone().requires_grad_(True), attention_mask=None)
         finally:
             layers.OwnGather = real_own
-    assert not layers.defer_wgrad_default()
     ps.destroy_model_parallel()
 
 
@@ -902,8 +909,6 @@ def _check_errors(rank, world):
     ps = _init_megatron(world)
     from overlap_tp.megatron.attention import SDPAttention
     from megatron.core.transformer.enums import AttnMaskType
-    from overlap_tp.megatron.layers import set_default_overlap_config
-    set_default_overlap_config(OFF)
 
     def build(kind="column", cfg=None, **kw):
         return _build(kind, True, world, cfg or _config(world), in_size=H, out_size=FFN if kind == "column" else H,
@@ -986,12 +991,14 @@ def test_auto_gathers_in_place_where_the_tuner_picks_a_p2p_gather(monkeypatch):
     decompose on p2p; on CPU tensors auto runs off and the tuner is not asked; a fixed config asks nothing."""
     from types import SimpleNamespace
     from overlap_tp.megatron import layers
+    from overlap_tp.megatron.settings import OverlapSettings
     from overlap_tp.ops import resolve as resolver
     asked, picks = [], []
     monkeypatch.setattr(resolver, "resolve_auto", lambda op, m, n, k, dtype, device, group, base:
                         asked.append((op, m, n, k, base.method)) or picks[-1])
     def new_linear():
-        return SimpleNamespace(overlap_config=OverlapConfig(method="auto"), tp_group=None, _in_place_resolved=None,
+        return SimpleNamespace(overlap_config=OverlapConfig(method="auto"), settings=OverlapSettings(), tp_group=None,
+                               _in_place_resolved=None,
                                output_size_per_partition=768, input_size=1024)
     in_place_config = layers.OverlapColumnParallelLinear._in_place_config
     cuda = torch.device("cuda")   # a device object only: nothing is allocated
