@@ -21,14 +21,14 @@ process on the same inputs and the same weights:
                 a count of torch.distributed calls during its check step must be 0)
   off           get_gpt_layer_overlap_spec (OverlapTransformerLayer, fused bda + pre-MLP norm), method off
   signal        the same, method signal with the default OverlapConfig (NCCL per-group collectives,
-                comm_sms 16; `--overlap-tp signal --overlap-tp-transport nccl`)
+                comm_sms 16; `--overlap-tp signal` with every op on nccl in the config file)
   decompose     the same, method decompose (chunks 4)
   signal-agp2p  signal with ag_gemm on the copy-engine p2p transport (comm_sms 0), gemm_rs on NCCL
   signal-p2p    signal with ag_gemm and gemm_rs both on the p2p transports (comm_sms 0; what
-                `--overlap-tp signal` runs: --overlap-tp-transport auto)
+                `--overlap-tp signal` runs on CUDA: the resolver's default transports)
   decompose-p2p cuBLAS over the same p2p transports: gemm_rs one GEMM per owner's region into its buffer,
                 ag_gemm the local rows' GEMM while the copy engines pull the peers' rows in 4 chunks (the
-                default; `--overlap-tp decompose --overlap-tp-transport p2p`)
+                default; what `--overlap-tp decompose` runs on CUDA)
   auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
   mixed-p2p, signal-p2p-lanes2, signal-p2p-sm16
                 (not in the default list) signal-p2p with, in turn: cuBLAS's regions for the ReduceScatters; the

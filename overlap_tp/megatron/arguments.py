@@ -94,6 +94,10 @@ def add_overlap_args(parser):
              "alone on the same shapes (measured once per shape, outside the logged step time) and logs "
              "exposed communication (ms per step beyond the GEMMs, >= 0) and communication hidden (0-1), "
              "in total and per op kind; left out, with the reason, for CUDA-graph replays and host-bound steps.")
+    # the user tier first in --help: Megatron adds its own groups before calling this provider
+    ours = [g for g in parser._action_groups if g.title in (GROUP_TITLE, EXPERT_GROUP_TITLE)]
+    rest = [g for g in parser._action_groups if g not in ours]
+    parser._action_groups[:] = rest[:2] + ours + rest[2:]   # after argparse's positional arguments and options
     return parser
 
 

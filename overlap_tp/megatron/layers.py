@@ -76,7 +76,7 @@ def _check_overlap_config(value: LayerOverlapConfig) -> LayerOverlapConfig:
 class WgradHandoff:
     """A column-parallel layer's weight-gradient GEMM left to a row-parallel layer's backward that autograd runs after
     it, to run between that backward's AllGather start and its GEMM (AgGemm.start/finish): one layer's linear_fc1 and
-    linear_proj (OverlapTransformerLayer, `--overlap-tp-defer-wgrad`).
+    linear_proj (OverlapTransformerLayer, OverlapSettings.defer_wgrad).
 
     Why: in a layer's backward, linear_proj's dgrad AllGather+GEMM waits for the pre-MLP norm's backward, which waits
     for fc1's dgrad; its pulls (at TP 4 longer than proj's short dgrad GEMM) would have nothing to run beside. fc1's
@@ -106,7 +106,8 @@ class WgradHandoff:
         autograd records nothing, or the weight needs no gradient); arms the handoff accordingly."""
         if self.pending is not None:
             raise RuntimeError("overlap_tp: linear_fc1's deferred weight gradient was never run (linear_proj's "
-                               "backward did not come after fc1's); turn --overlap-tp-defer-wgrad off")
+                               "backward did not come after fc1's); turn the deferred wgrad off (layers.defer_wgrad "
+                               "false in --overlap-tp-config)")
         weight = getattr(self.producer, "weight", None)
         self.armed = grad_enabled and weight is not None and weight.requires_grad
         return weight if self.armed else None

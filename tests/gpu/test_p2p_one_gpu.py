@@ -217,19 +217,19 @@ def _check_layer_captured(rank, world, method="signal", in_place=False):
     the p2p transports: no other collective) captured forward + backward in one CUDA graph and replayed with fresh
     inputs: output, input grad and every parameter grad bit for bit the eager step's on the same input (Megatron's
     deterministic mode), one rank late before some replays (the layer replayed at t = 2). in_place: the
-    layer built with set_gather_in_place(True) (its norms write into qkv's and fc1's own gathered buffers)."""
+    layer built with OverlapSettings.gather_in_place (its norms write into qkv's and fc1's own gathered buffers)."""
     import test_layers_gpu as L
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    from overlap_tp.megatron.layers import gathering_in_place, set_overlap_config
+    from overlap_tp.megatron.layers import set_overlap_config
     from overlap_tp.tune.timing import CapturedCalls
     L._quiet()
     L._deterministic()
     ps = L._setup(world, "cuda")
     config, p2p_configs = L._sp_p2p_config(world, num_layers=1, deterministic=True, method=method)
     L._seed(79, "cuda")
-    with gathering_in_place(in_place):
-        layer = build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=1).cuda()
+    layer = build_module(get_gpt_layer_overlap_spec(settings=L._settings(gather_in_place=in_place)), config=config,
+                         layer_number=1).cuda()
     assert layer.self_attention.linear_qkv.gather_in_place == in_place
     set_overlap_config(layer, p2p_configs)
     steps = list(L._fresh_steps(9 + rank, 2048 // world, config.hidden_size, 4))
