@@ -41,7 +41,7 @@ process on the same inputs and the same weights:
   signal-p2p-inplace-dw
                 (not in the default list) signal-p2p-inplace with OverlapSettings.defer_wgrad:
                 linear_fc1's wgrad GEMM runs inside linear_proj's backward, between its dgrad AllGather's start and
-                its GEMM (layers.WgradHandoff)
+                its GEMM (wgrad_handoff.WgradHandoff)
   signal-p2p-byrows-inplace-dw, signal-p2p-rsepilogue-inplace-dw
                 (not in the default list) signal-p2p-inplace-dw with, in turn: the AllGathers' pulls cut by rows at
                 any t (chunk_by 'rows'); the ReduceScatters' partials stored by the GEMM's epilogue at any t

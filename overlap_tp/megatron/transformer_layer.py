@@ -50,7 +50,7 @@ micro-batches' gathered inputs alive at once) or CPU offloading; the layer says 
 
 With gathering in place and OverlapSettings.defer_wgrad, linear_fc1's backward leaves its
 weight-gradient GEMM to linear_proj's backward, which runs it between its dgrad AllGather's start and its GEMM, so
-that proj's pulls run beside it (layers.WgradHandoff).
+that proj's pulls run beside it (wgrad_handoff.WgradHandoff).
 
 The token split (OverlapSettings.token_split, in the expert config file; as TokenWeave / Domino,
 docs/fused_block.md): a micro-batch of b >= 2 sequences (b even) runs as two halves of b/2 sequences, A and B, in an
@@ -81,9 +81,10 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 import torch
 
-from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear, WgradHandoff
+from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
 from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
 from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OverlapSettings
+from overlap_tp.megatron.wgrad_handoff import WgradHandoff
 
 __all__ = ["OverlapTransformerLayer"]
 

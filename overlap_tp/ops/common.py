@@ -10,7 +10,6 @@ Building one needs the host (collectives, allocations, copies): under capture it
 (or run one eager step) before capturing.
 """
 import contextlib
-import dataclasses
 import functools
 import warnings
 from collections import OrderedDict

@@ -518,19 +518,19 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
     which must run it (the handoffs empty after every step) with the same bits."""
     _quiet()
     _deterministic()
-    from overlap_tp.megatron import layers as layers_module
+    from overlap_tp.megatron import linear_functions as functions_module
     ps = _setup(world, "cuda")
     config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method, size=size)
     pairs = []
     for in_place in (True, False):
         pairs.append(_linked_pair(config, p2p_configs, 79, gather_in_place=in_place,
                                   defer_wgrad=defer_wgrad and in_place))
-    real_gather_rows, regathers = layers_module.gather_rows, []
+    real_gather_rows, regathers = functions_module.gather_rows, []
 
     def counted_gather_rows(*args, **kwargs):
         regathers.append(args[0].shape)
         return real_gather_rows(*args, **kwargs)
-    layers_module.gather_rows = counted_gather_rows
+    functions_module.gather_rows = counted_gather_rows
     try:
         for step, (x, g) in enumerate(_fresh_steps(7 + rank, seq // world, config.hidden_size, steps)):
             if late_every and step % late_every == 0 and rank == 1:
@@ -549,7 +549,7 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
                 assert torch.equal(a, b), f"step {step} rank {rank}: tensor {i} differs from the staged path"
             del got, want
     finally:
-        layers_module.gather_rows = real_gather_rows
+        functions_module.gather_rows = real_gather_rows
     for layer in pairs[0]:
         for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
             own = linear._in_place_config(seq // world, torch.bfloat16, torch.device("cuda")) is not None

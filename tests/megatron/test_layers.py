@@ -461,7 +461,8 @@ def _check_deferred_proj_sum(rank, world):
     ps, spec, x, g = _sp_layer_case(world, 4)
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers
-    real_gemm_rs, consumed = layers.gemm_rs, []
+    from overlap_tp.megatron import linear_functions as functions
+    real_gemm_rs, consumed = functions.gemm_rs, []
     deferring_gemm_rs = _deferring(real_gemm_rs, consumed)
 
     def run(fake, bda=None):
@@ -470,13 +471,13 @@ def _check_deferred_proj_sum(rank, world):
         layers.set_overlap_config(layer, OFF)
         if bda is not None:
             layer.self_attn_bda = bda
-        layers.gemm_rs = deferring_gemm_rs if fake else real_gemm_rs
+        functions.gemm_rs = deferring_gemm_rs if fake else real_gemm_rs
         try:
             xi = x.clone().requires_grad_(True)
             out, _ = layer(xi, attention_mask=None)
             out.backward(g)
         finally:
-            layers.gemm_rs = real_gemm_rs
+            functions.gemm_rs = real_gemm_rs
         return [out, xi.grad] + [p.grad for _, p in layer.named_parameters()]
 
     want = run(False)
@@ -509,7 +510,8 @@ def _check_mlp_boundary(rank, world):
     ps, spec, x, g = _sp_layer_case(world, 5)
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers, norm as norm_module
-    real_gemm_rs, real_rmsnorm, consumed, norms = layers.gemm_rs, norm_module.rmsnorm, [], []
+    from overlap_tp.megatron import linear_functions as functions
+    real_gemm_rs, real_rmsnorm, consumed, norms = functions.gemm_rs, norm_module.rmsnorm, [], []
     deferring_gemm_rs = _deferring(real_gemm_rs, consumed)
 
     def counted_rmsnorm(x, weight, **kwargs):
@@ -524,7 +526,7 @@ def _check_mlp_boundary(rank, world):
         for layer in (first, second):
             layers.set_overlap_config(layer, OFF)
         first.fused_mlp_boundary = link
-        layers.gemm_rs, norm_module.rmsnorm = (deferring_gemm_rs if fake else real_gemm_rs), counted_rmsnorm
+        functions.gemm_rs, norm_module.rmsnorm = (deferring_gemm_rs if fake else real_gemm_rs), counted_rmsnorm
         results = []
         try:
             for _ in range(steps):
@@ -539,7 +541,7 @@ def _check_mlp_boundary(rank, world):
                 assert len([w for w in norms if w is second.input_layernorm.weight]) == (0 if link else 1)
                 results.append([out, xi.grad] + [p.grad for p in list(first.parameters()) + list(second.parameters())])
         finally:
-            layers.gemm_rs, norm_module.rmsnorm = real_gemm_rs, real_rmsnorm
+            functions.gemm_rs, norm_module.rmsnorm = real_gemm_rs, real_rmsnorm
         assert first.next_input_norm is second.input_layernorm     # linked when built ...
         assert (first.linked_next_norm() is second.input_layernorm) == link   # ... and used unless turned off
         assert len(list(first.parameters())) == len(list(second.parameters()))   # no parameter of the other's
@@ -627,7 +629,8 @@ def _check_gather_in_place(rank, world):
     ps, spec, x, g = _sp_layer_case(world, 6)
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers
-    real_own, real_gather_rows, regathers = layers.OwnGather, layers.gather_rows, []
+    from overlap_tp.megatron import linear_functions as functions
+    real_own, real_gather_rows, regathers = layers.OwnGather, functions.gather_rows, []
 
     def counted_gather_rows(*args, **kwargs):
         regathers.append(args[0].shape)
@@ -635,7 +638,7 @@ def _check_gather_in_place(rank, world):
 
     def run(in_place, steps=2):
         torch.manual_seed(99)
-        layers.OwnGather, layers.gather_rows = _FakeOwnGather, counted_gather_rows
+        layers.OwnGather, functions.gather_rows = _FakeOwnGather, counted_gather_rows
         _FakeOwnGather.built.clear()
         try:
             config = _layer_config(world, True)
@@ -660,7 +663,7 @@ def _check_gather_in_place(rank, world):
                            second.mlp.linear_fc1):
                 assert linear.gather_in_place == in_place
         finally:
-            layers.OwnGather, layers.gather_rows = real_own, real_gather_rows
+            layers.OwnGather, functions.gather_rows = real_own, real_gather_rows
         return results
 
     want = run(False)
@@ -696,7 +699,8 @@ def _check_token_split(rank, world):
     ps, spec, x, g = _sp_layer_case(world, 9)
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers, norm as norm_module
-    real_gemm_rs, real_own, real_rmsnorm, consumed, calls, norms = (layers.gemm_rs, layers.OwnGather,
+    from overlap_tp.megatron import linear_functions as functions
+    real_gemm_rs, real_own, real_rmsnorm, consumed, calls, norms = (functions.gemm_rs, layers.OwnGather,
                                                                     norm_module.rmsnorm, [], [], [])
     deferring = _deferring(real_gemm_rs, consumed)
 
@@ -710,7 +714,7 @@ def _check_token_split(rank, world):
 
     def run(split, steps=2, xs=x, gs=g):
         torch.manual_seed(99)
-        layers.gemm_rs, layers.OwnGather, norm_module.rmsnorm = recorded_gemm_rs, _FakeOwnGather, counted_rmsnorm
+        functions.gemm_rs, layers.OwnGather, norm_module.rmsnorm = recorded_gemm_rs, _FakeOwnGather, counted_rmsnorm
         _FakeOwnGather.built.clear()
         try:
             config = _layer_config(world, True)
@@ -736,7 +740,7 @@ def _check_token_split(rank, world):
             halves = split and xs.shape[1] % 2 == 0
             assert sorted(own.instance for own in _FakeOwnGather.built) == ([0] * 4 + [1] * 4 if halves else [0] * 4)
         finally:
-            layers.gemm_rs, layers.OwnGather, norm_module.rmsnorm = real_gemm_rs, real_own, real_rmsnorm
+            functions.gemm_rs, layers.OwnGather, norm_module.rmsnorm = real_gemm_rs, real_own, real_rmsnorm
         for step in results[1:]:
             for a, b in zip(step, results[0]):
                 assert torch.equal(a, b)
@@ -784,7 +788,8 @@ def _check_defer_wgrad(rank, world):
     from megatron.core.transformer.spec_utils import build_module
     from problems import SMALL_TILES
     from overlap_tp.megatron import layers
-    real_own, real_around, events = layers.OwnGather, layers._ag_gemm_around, []
+    from overlap_tp.megatron import linear_functions as functions
+    real_own, real_around, events = layers.OwnGather, functions._ag_gemm_around, []
 
     def around(dz, wt, args, between):
         events.append("gather started")
@@ -796,7 +801,7 @@ def _check_defer_wgrad(rank, world):
 
     def run(defer, main_grad, in_place=True, steps=2):
         torch.manual_seed(99)
-        layers.OwnGather, layers._ag_gemm_around = _FakeOwnGather, around
+        layers.OwnGather, functions._ag_gemm_around = _FakeOwnGather, around
         try:
             config = _layer_config(world, True)
             defer_spec = _spec_with(gather_in_place=in_place, defer_wgrad=defer)
@@ -829,7 +834,7 @@ def _check_defer_wgrad(rank, world):
                 for layer in built:
                     assert layer.mlp.linear_fc1.wgrad_handoff is None or layer.mlp.linear_fc1.wgrad_handoff.pending is None
         finally:
-            layers.OwnGather, layers._ag_gemm_around = real_own, real_around
+            layers.OwnGather, functions._ag_gemm_around = real_own, real_around
         return results, built
 
     for main_grad, steps in ((False, 2), (True, 1)):   # two steps: the handoff, flags and buffers used again
