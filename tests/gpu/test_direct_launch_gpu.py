@@ -18,7 +18,7 @@ from overlap_tp.ops.tile_plan import make_plan
 pytestmark = pytest.mark.gpu
 
 DEV = torch.device("cuda", 0)
-CONFIG = OverlapConfig(method="signal")
+CONFIG = OverlapConfig(method="signal", transport="nccl")
 
 
 def dense_gemm(m, n, config=CONFIG, **kwargs):

@@ -18,12 +18,12 @@ CASES = [   # (op, config)
     ("rs", OverlapConfig(method="signal", transport="nccl", groups=4)),
     ("rs", OverlapConfig(method="signal", transport="nccl", schedule="tile_exact", groups=3)),
     ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0)),
-    ("rs", OverlapConfig(method="decompose", chunks=3)),
-    ("ar", OverlapConfig(method="signal", groups=4)),
-    ("ar", OverlapConfig(method="decompose", chunks=2)),
+    ("rs", OverlapConfig(method="decompose", transport="nccl", chunks=3)),
+    ("ar", OverlapConfig(method="signal", transport="nccl", groups=4)),
+    ("ar", OverlapConfig(method="decompose", transport="nccl", chunks=2)),
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=4)),
     ("ag", OverlapConfig(method="signal", transport="nccl", comm_sms=16, groups=2)),
-    ("ag", OverlapConfig(method="decompose", chunks=2)),
+    ("ag", OverlapConfig(method="decompose", transport="nccl", chunks=2)),
 ]
 SHAPES = [(4096, 4096, 2048), (1000, 1408, 1024)]   # (M, N, K); the second: no dimension a multiple of the tile
 
