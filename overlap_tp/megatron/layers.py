@@ -117,7 +117,7 @@ def _flatten_input(x: torch.Tensor, features: int, layer: str) -> torch.Tensor:
 
 class _OverlapLinearBase(torch.nn.Module):
     overlap_config: LayerOverlapConfig
-    # which plans of a shape the layer's ops run (ops.common.cached_plan's instance), forward and the backward of what
+    # which plans of a shape the layer's ops run (ops.plan_base.cached_plan's instance), forward and the backward of what
     # the forward recorded; a layer gathering in place writes into a gathered buffer of that instance. The token split
     # (OverlapTransformerLayer) runs its second half with 1, so that both halves' calls of one shape can be in flight
     # at once, each with its own buffers and synchronisation state.
@@ -350,7 +350,7 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
     defer_sum_next: set by the module that consumes this layer's next output (OverlapTransformerLayer, for
     linear_proj under its fused bias-dropout-add + norm), cleared by the next forward. When that forward's
     reduce-scatter runs on the p2p transport, its sum is left to the consumer's kernel: the output is then
-    unwritten and carries `overlap_tp_deferred_sum` (ops.p2p.DeferredSum), which the consumer must run.
+    unwritten and carries `overlap_tp_deferred_sum` (ops.p2p_reduction.DeferredSum), which the consumer must run.
     """
 
     defer_sum_next = False

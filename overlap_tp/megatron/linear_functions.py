@@ -103,7 +103,7 @@ class _LinearArgs:
         self.layer_config = layer.overlap_config
         self.settings = layer.settings
         self.defer_sum = defer_sum      # row, SP: leave a p2p reduce-scatter's sum to the output's consumer
-        self.deferred_sum = None        # ... and here is what it left (ops.p2p.DeferredSum), for the module
+        self.deferred_sum = None        # ... and here is what it left (ops.p2p_reduction.DeferredSum), for the module
         self.dgrad_link = dgrad_link    # column, SP: the input norm's DeferredGrad (the dgrad's p2p sum left to it)
         self.own_gather = own_gather    # column, SP: the layer's OwnGather, whose claimed region is this input
         self.wgrad_handoff = wgrad_handoff   # column: where its wgrad may be left; row: where one may wait for it

@@ -73,7 +73,7 @@ class OverlapConfig:
     rs_transfer: how gemm_rs on the p2p transport moves the peers' partial sums into their owners' receive
                  buffers. 'epilogue': the GEMM's epilogue stores them over NVLink as it computes them (the SMs
                  move the bytes). 'copy': the GEMM stores them locally, the peers' regions in ring order and its
-                 own last, and the copy engines push each region as soon as it is stored (ops/p2p.py
+                 own last, and the copy engines push each region as soon as it is stored (ops/p2p_reduction.py
                  P2PReduceScatter; `groups` counts pushes per peer): the SMs stay with the GEMM and with what
                  follows it on the stream (the backward's wgrad). 'signal' leaves one SM to the comm stream's
                  waits; 'decompose' runs one cuBLAS GEMM per push. Unset (resolve.rs_transfer_for): 'copy' for 'signal'

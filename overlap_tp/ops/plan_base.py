@@ -44,6 +44,9 @@ def gemm_programs(device: torch.device, config: OverlapConfig, spare_sms: int = 
     program)."""
     if device.type != "cuda":
         return 4
+    if config.comm_sms is None:
+        raise ValueError("gemm_programs: config.comm_sms is unset; resolve the config first (ops/resolve.py "
+                         "fill_defaults or resolve)")
     return max(1, device_properties(device).multi_processor_count - max(config.comm_sms, spare_sms))
 
 

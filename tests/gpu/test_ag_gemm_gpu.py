@@ -17,7 +17,7 @@ from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, ag_gemm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.plan_base import gemm_programs
-from overlap_tp.ops.resolve import chunk_by_for
+from overlap_tp.ops.resolve import chunk_by_for, fill_defaults
 from overlap_tp.ops.tile_rule import tile_for_shape
 from overlap_tp.ops.tile_plan import ag_plan
 
@@ -52,6 +52,7 @@ def after_full_gather(gathered, w, config, rank, world):
     """The same kernel over the same tiles, with no waits, once every row is in place (the tile the op's plan
     resolves for the shape: tile_for_shape)."""
     m, k = gathered.shape
+    config = fill_defaults(config, "ag_gemm", gathered.device, world)   # unset fields as the op resolves them
     config = chunk_by_for(tile_for_shape(config, m, w.shape[0], gemm_programs(gathered.device, config)), world)
     tiles = ag_plan(m, w.shape[0], k, world, rank, config.block_m, config.block_n, config.groups,
                     chunk_by=config.chunk_by).tiles.cuda()

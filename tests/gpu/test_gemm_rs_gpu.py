@@ -22,6 +22,7 @@ from overlap_tp import OverlapConfig, gemm_ar, gemm_rs
 from overlap_tp.ops import comm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.plan_base import gemm_programs
+from overlap_tp.ops.resolve import fill_defaults
 from overlap_tp.ops.tile_rule import tile_for_shape
 from overlap_tp.ops.collective_reduction import device_plan
 
@@ -42,6 +43,7 @@ def sequential_signaled(a, w, group, config, op):
     (compared against the default tile, gemm_ar 4096x2048x4096 at t = 4 differs on millions of elements)."""
     t = dist.get_world_size(group)
     m, n = a.shape[0], w.shape[0]
+    config = fill_defaults(config, "gemm_rs" if op == "rs" else "gemm_ar", a.device, t)   # unset fields as the op's
     config = tile_for_shape(config, m, n, gemm_programs(a.device, config))
     world = t if op == "rs" else 1
     state = device_plan(config.schedule, m, n, world, config, a.element_size(), a.device)
@@ -65,8 +67,9 @@ def sequential_signaled(a, w, group, config, op):
 
 def _check_shapes(rank, world, shapes, op):
     group = dist.group.WORLD
-    configs = [OverlapConfig(method="signal", transport="nccl", schedule="row_slice"),
-               OverlapConfig(method="signal", transport="nccl", schedule="tile_exact")]
+    kind = "gemm_rs" if op == "rs" else "gemm_ar"   # the configs as the op resolves their unset fields
+    configs = [fill_defaults(OverlapConfig(method="signal", transport="nccl", schedule=schedule), kind, "cuda", world)
+               for schedule in ("row_slice", "tile_exact")]
     for s, k, n in shapes:
         torch.manual_seed(1000 * s + k + n + rank)      # different inputs per rank and per shape
         a = torch.randn(s, k, device="cuda", dtype=torch.bfloat16)

@@ -607,7 +607,7 @@ def _qkv_output_size(size):
 
 
 def test_auto_gathers_in_place_where_the_tuner_picks_p2p_bitwise():
-    """--overlap-tp auto with --overlap-tp-gather-in-place: in place where the tuner's config for linear_qkv's /
+    """--overlap-tp auto, gathering in place: in place where the tuner's config for linear_qkv's /
     linear_fc1's AllGather is signal or decompose on p2p, staged elsewhere (here: qkv in place, fc1 staged), bit for
     bit the staged pair."""
     run_distributed(_gpu_world(), check_auto_gathers_in_place, backend="nccl")
@@ -622,7 +622,7 @@ def test_gather_in_place_at_the_8b_layer_shape_and_200_steps_with_a_late_peer(me
 
 @pytest.mark.parametrize("method", P2P_METHODS)
 def test_deferred_fc1_wgrad_bitwise(method):
-    """--overlap-tp-defer-wgrad: each fc1 wgrad run inside proj's backward (signal: between its AllGather's start and
+    """The deferred wgrad (OverlapSettings.defer_wgrad): each fc1 wgrad run inside proj's backward (signal: between its AllGather's start and
     its GEMM; decompose: before the call), 8B layers at s 8192, 3 steps, then the small pair 20 steps with a late peer:
     bit for bit the staged pair."""
     run_distributed(_gpu_world(), check_gather_in_place, method, "l8b", 8192, 3, 0, True, backend="nccl")

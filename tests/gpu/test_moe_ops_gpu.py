@@ -31,6 +31,7 @@ from overlap_tp.ops.expert import all_to_all_rows, expert_mm, expert_wgrad
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout, parts_per_peer
 from overlap_tp.ops.plan_base import gemm_programs
+from overlap_tp.ops.resolve import fill_defaults
 
 pytestmark = pytest.mark.gpu
 
@@ -111,6 +112,7 @@ def _check_case(rank, world, case):
         if config.method != "signal":
             continue
         y = a2a_gemm(x, counts, w1, group, config=config)
+        config = fill_defaults(config, "a2a_gemm", x.device, 1)   # the tile and groups the op resolved
         parts = parts_per_peer(counts, config.groups, hidden * x.element_size())
         plan = dispatch_plan(layout(counts, rank), 2 * ffn, config.block_m, config.block_n, parts)
         after = torch.empty_like(y)

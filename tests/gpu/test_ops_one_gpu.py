@@ -11,6 +11,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from gpu_checks import poison_allocator, rel_error
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
+from overlap_tp.ops.tile_rule import DEFAULT_TILE
 
 pytestmark = pytest.mark.gpu
 
@@ -44,7 +45,8 @@ def _check(rank, world):
 
     for m, n, k in SHAPES:
         for op, config in CASES:
-            if config.schedule == "tile_exact" and (m % config.block_m or n % config.block_n):
+            block_m, block_n = (config.block_m or DEFAULT_TILE["block_m"]), (config.block_n or DEFAULT_TILE["block_n"])
+            if config.schedule == "tile_exact" and (m % block_m or n % block_n):
                 continue
             for call in range(3):   # the plan's first call and later ones (every word back where it started)
                 a, w, bias = operands(m, n, k)

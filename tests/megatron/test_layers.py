@@ -372,7 +372,7 @@ def _check_transformer_layer(rank, world):
                 continue
             _close(grad, grads_ref[n], f"{what} grad {n}", 3e-2)
 
-    # --no-overlap-tp-fused-norms: Megatron's TransformerLayer around the same linears and norms, the same
+    # layers.fused_norms false: Megatron's TransformerLayer around the same linears and norms, the same
     # numbers within bf16 rounding (separate bias-dropout-add and norm kernels, summed reduce-scatters)
     from megatron.core.transformer.transformer_layer import TransformerLayer
     for sp in (False, True):
@@ -991,7 +991,7 @@ def test_spec_and_provider():
 
 
 def test_auto_gathers_in_place_where_the_tuner_picks_a_p2p_gather(monkeypatch):
-    """--overlap-tp auto with --overlap-tp-gather-in-place: a column-parallel layer asks the tuner for its AllGather's
+    """--overlap-tp auto, gathering in place: a column-parallel layer asks the tuner for its AllGather's
     config at the gathered shape (as its ag_gemm call will) and gathers in place only where that is signal or
     decompose on p2p; on CPU tensors auto runs off and the tuner is not asked; a fixed config asks nothing."""
     from types import SimpleNamespace

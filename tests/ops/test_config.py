@@ -132,3 +132,5 @@ def test_gemm_programs_leave_the_collectives_sms_and_at_least_the_spare_ones(mon
     assert plan_base.gemm_programs(gpu, OverlapConfig(comm_sms=16), spare_sms=1) == 116
     assert plan_base.gemm_programs(gpu, OverlapConfig(comm_sms=200)) == 1
     assert plan_base.gemm_programs(torch.device("cpu"), OverlapConfig(), spare_sms=1) == 4
+    with pytest.raises(ValueError, match="comm_sms is unset; resolve the config first"):
+        plan_base.gemm_programs(gpu, OverlapConfig())   # a config the resolver has not filled

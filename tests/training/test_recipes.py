@@ -17,6 +17,7 @@ from overlap_tp.megatron.validation import validate_overlap_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = ("smoke", "llama3-8b", "llama3-70b-proxy", "mixtral-proxy")
+MOE_PROXIES = ("mixtral-proxy", "deepseek-v3-proxy", "qwen3-moe-proxy")   # they pass OVERLAP to --overlap-moe too
 LLAMA_FLAGS = ("--normalization", "--swiglu", "--disable-bias-linear", "--group-query-attention",
                "--position-embedding-type", "--bf16", "--log-throughput", "--wandb-project", "--tensorboard-dir",
                "--sequence-parallel", "--untie-embeddings-and-output-weights")
@@ -180,23 +181,25 @@ def megatron_namespace(argv):
     return args
 
 
-@pytest.mark.parametrize("name", RECIPES)
+@pytest.mark.parametrize("name", RECIPES + tuple(name for name in MOE_PROXIES if name not in RECIPES))
 def test_recipes_pass_one_overlap_flag_and_nothing_else_of_ours(name, recipe_argv):
-    """--overlap-tp auto (and --overlap-moe auto for the MoE recipe) is all of overlap_tp's a recipe passes, at every
+    """--overlap-tp auto (and --overlap-moe auto for the MoE recipes) is all of overlap_tp's a recipe passes, at every
     TP and graph mode; what the recipes used to hand-pick (gathering in place in the llama3 recipes, fc1's wgrad beside
     proj's AllGather at TP >= 4 under graphs) auto decides for the run."""
     for env in ({}, dict(TP="4", NPROC="4"), dict(GRAPHS="none"), dict(TP="4", NPROC="4", GRAPHS="local")):
         argv = recipe_argv(name, **env)
         ours = [word for word in argv if OURS.match(word)]
-        assert ours == (["--overlap-tp", "--overlap-moe"] if name == "mixtral-proxy" else ["--overlap-tp"]), (env, ours)
+        assert ours == (["--overlap-tp", "--overlap-moe"] if name in MOE_PROXIES else ["--overlap-tp"]), (env, ours)
         assert flag(argv, "--overlap-tp") == "auto"
+        if name in MOE_PROXIES:
+            assert flag(argv, "--overlap-moe") == "auto"
         settings = settings_from_args(megatron_namespace(argv))
         assert settings.gather_in_place, env
         graphs = "--cuda-graph-impl" in argv
         assert settings.defer_wgrad == (env.get("TP") == "4" and graphs), env
         assert not settings.token_split
     assert [w for w in recipe_argv(name, OVERLAP="off") if OURS.match(w) and w != "--overlap-tp-layers"] == (
-        ["--overlap-tp", "--overlap-moe"] if name == "mixtral-proxy" else ["--overlap-tp"])
+        ["--overlap-tp", "--overlap-moe"] if name in MOE_PROXIES else ["--overlap-tp"])
 
 
 def test_auto_keeps_its_tune_cache_with_the_run(fakes):
