@@ -9,7 +9,7 @@
 # experts 352 M params -> 6.3 GB, its attention and shared expert ~130 M -> 2.3 GB; the dense layer ~300 M -> 5.4 GB;
 # embedding and output layer 229 M -> 4.1 GB; NUM_LAYERS 4 (1 dense + 3 MoE) -> ~35 GB before activations.
 # The pattern follows NUM_LAYERS: --moe-layer-freq "([0]*1+[1]*(NUM_LAYERS-1))".
-#   bash recipes/deepseek-v3-proxy.sh              overlap on (--overlap-tp signal --overlap-moe signal)
+#   bash recipes/deepseek-v3-proxy.sh              overlap on (--overlap-tp auto --overlap-moe auto)
 #   OVERLAP=off bash recipes/deepseek-v3-proxy.sh  baseline: Megatron's layers, overlap off
 #   TP=1 EP=1 NUM_LAYERS=2 bash recipes/deepseek-v3-proxy.sh   one GPU: Megatron's layers (nothing to overlap)
 set -euo pipefail

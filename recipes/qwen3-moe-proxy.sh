@@ -6,7 +6,7 @@
 # Estimate per GPU (bf16 params + fp32 grads + fp32 master + Adam = 18 B/param, DP = 1): a layer's 64 local experts
 # 302 M params -> 5.4 GB, its attention 10 M -> 0.2 GB; embedding and output layer 311 M -> 5.6 GB; NUM_LAYERS 6 ->
 # ~39 GB before activations (2048 tokens per rank, 16384 routed rows).
-#   bash recipes/qwen3-moe-proxy.sh              overlap on (--overlap-tp signal --overlap-moe signal)
+#   bash recipes/qwen3-moe-proxy.sh              overlap on (--overlap-tp auto --overlap-moe auto)
 #   OVERLAP=off bash recipes/qwen3-moe-proxy.sh  baseline: Megatron's layers, overlap off
 #   TP=1 EP=1 NUM_LAYERS=2 bash recipes/qwen3-moe-proxy.sh   one GPU: Megatron's layers (nothing to overlap)
 set -euo pipefail

@@ -21,27 +21,27 @@ process on the same inputs and the same weights:
                 a count of torch.distributed calls during its check step must be 0)
   off           get_gpt_layer_overlap_spec (OverlapTransformerLayer, fused bda + pre-MLP norm), method off
   signal        the same, method signal with the default OverlapConfig (NCCL per-group collectives,
-                comm_sms 16; `--overlap-tp signal --overlap-tp-transport nccl`)
+                comm_sms 16; `--overlap-tp signal` with every op on nccl in the config file)
   decompose     the same, method decompose (chunks 4)
   signal-agp2p  signal with ag_gemm on the copy-engine p2p transport (comm_sms 0), gemm_rs on NCCL
   signal-p2p    signal with ag_gemm and gemm_rs both on the p2p transports (comm_sms 0; what
-                `--overlap-tp signal` runs: --overlap-tp-transport auto)
+                `--overlap-tp signal` runs on CUDA: the resolver's default transports)
   decompose-p2p cuBLAS over the same p2p transports: gemm_rs one GEMM per owner's region into its buffer,
                 ag_gemm the local rows' GEMM while the copy engines pull the peers' rows in 4 chunks (the
-                default; `--overlap-tp decompose --overlap-tp-transport p2p`)
+                default; what `--overlap-tp decompose` runs on CUDA)
   auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
   mixed-p2p, signal-p2p-lanes2, signal-p2p-sm16
                 (not in the default list) signal-p2p with, in turn: cuBLAS's regions for the ReduceScatters; the
                 AllGathers' copy-engine pulls over two streams; the AllGathers' pulls by a kernel on 16 SMs
   signal-p2p-inplace, decompose-p2p-inplace, auto-inplace
                 (not in the default list) signal-p2p / decompose-p2p / auto with the layer built under
-                set_gather_in_place(True) (`--overlap-tp-gather-in-place`): the norms write into linear_qkv's and
+                OverlapSettings.gather_in_place: the norms write into linear_qkv's and
                 linear_fc1's own gathered buffers, no staging copy, no re-gather in the backward (auto: where the
                 tuner picks signal or decompose on p2p for their AllGathers)
   signal-p2p-inplace-dw
-                (not in the default list) signal-p2p-inplace with set_defer_wgrad(True) (`--overlap-tp-defer-wgrad`):
+                (not in the default list) signal-p2p-inplace with OverlapSettings.defer_wgrad:
                 linear_fc1's wgrad GEMM runs inside linear_proj's backward, between its dgrad AllGather's start and
-                its GEMM (layers.WgradHandoff)
+                its GEMM (wgrad_handoff.WgradHandoff)
   signal-p2p-byrows-inplace-dw, signal-p2p-rsepilogue-inplace-dw
                 (not in the default list) signal-p2p-inplace-dw with, in turn: the AllGathers' pulls cut by rows at
                 any t (chunk_by 'rows'); the ReduceScatters' partials stored by the GEMM's epilogue at any t
@@ -62,7 +62,7 @@ process on the same inputs and the same weights:
                 and no linear on them (column 'UB linears' counts those that are; te_baselines.py)
   <any of ours>-split
                 (not in the default list; --micro-batch even) that configuration with the layer built under
-                set_token_split(True) (`--overlap-tp-token-split`): the micro-batch's sequences in two halves, run
+                OverlapSettings.token_split: the micro-batch's sequences in two halves, run
                 interleaved so that one half's transfers run beside the other half's compute
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
@@ -117,7 +117,7 @@ GPU_MS_SLACK = 1.02   # a GPU-only (queued) time above this times the span is fl
 def configurations(device_type):
     """name -> (spec 'ours' | 'megatron', overlap_config for our layers or None, counterfactual?)."""
     tiles = SMALL_TILES if device_type == "cpu" else {}
-    signal = OverlapConfig(method="signal", **tiles)
+    signal = OverlapConfig(method="signal", transport="nccl", **tiles)
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     decompose_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # chunks: the flag's default
     p2p_lanes2 = OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2)
@@ -133,7 +133,7 @@ def configurations(device_type):
         "te-ub": ("te-ub", None, False),
         "off": ("ours", OverlapConfig(method="off"), False),
         "signal": ("ours", signal, False),
-        "decompose": ("ours", OverlapConfig(method="decompose", chunks=4), False),
+        "decompose": ("ours", OverlapConfig(method="decompose", transport="nccl", chunks=4), False),
         "signal-agp2p": ("ours", {"ag_gemm": p2p, "gemm_rs": signal, "gemm_ar": signal}, False),
         "signal-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
         "decompose-p2p": ("ours", {"ag_gemm": decompose_p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal}, False),
@@ -168,9 +168,9 @@ def configurations(device_type):
     }
 
 
-IN_PLACE_SUFFIX = "-inplace"   # a configuration whose layer is built with set_gather_in_place(True)
-DEFER_WGRAD_SUFFIX = "-inplace-dw"   # ... and with set_defer_wgrad(True)
-SPLIT_SUFFIX = "-split"   # after any of ours: the layer built with set_token_split(True) (needs --micro-batch 2, 4, ..)
+IN_PLACE_SUFFIX = "-inplace"   # a configuration whose layer gathers in place (OverlapSettings)
+DEFER_WGRAD_SUFFIX = "-inplace-dw"   # ... and defers fc1's wgrad
+SPLIT_SUFFIX = "-split"   # after any of ours: the layer runs the token split (needs --micro-batch 2, 4, ..)
 
 
 def parse_args(argv):
@@ -264,8 +264,9 @@ def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgra
                 tokens=None):
     """One TransformerLayer from our spec ('ours'), the Megatron reference spec ('megatron') or Megatron's TE spec
     ('te', 'te-ub': with userbuffers for `tokens` rows, te_baselines); in_place: ours, its norms writing into the
-    column-parallel linears' own gathered buffers (set_gather_in_place); defer_wgrad: fc1's wgrad inside proj's
-    backward (set_defer_wgrad); token_split: the micro-batch as two interleaved halves (set_token_split)."""
+    column-parallel linears' own gathered buffers (OverlapSettings.gather_in_place); defer_wgrad: fc1's wgrad inside
+    proj's backward (defer_wgrad); token_split: the micro-batch as two interleaved halves (token_split). Ours is built
+    with every op kind 'off' (the configuration sets its own: never 'auto' by accident)."""
     from megatron.core.transformer.spec_utils import build_module
     if spec_kind in te_baselines.TE_SPECS:
         if spec_kind == "te-ub":
@@ -276,7 +277,10 @@ def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgra
         return te_baselines.build_te_layer(spec_kind, config).to(device)
     if spec_kind == "ours":
         from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-        spec = get_gpt_layer_overlap_spec()
+        from overlap_tp.megatron.settings import OverlapSettings
+        settings = OverlapSettings(gather_in_place=in_place, defer_wgrad=defer_wgrad,
+                                   token_split=token_split).with_configs(OverlapConfig(method="off"))
+        spec = get_gpt_layer_overlap_spec(settings=settings)
     else:
         from overlap_tp.bench.reference_spec import get_gpt_layer_megatron_reference_spec
         spec = get_gpt_layer_megatron_reference_spec()
@@ -284,10 +288,7 @@ def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgra
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(seed)
-    from overlap_tp.megatron.layers import deferring_wgrad, gathering_in_place
-    from overlap_tp.megatron.transformer_layer import splitting_tokens
-    with gathering_in_place(in_place), deferring_wgrad(defer_wgrad), splitting_tokens(token_split):
-        return build_module(spec, config=config, layer_number=1).to(device)
+    return build_module(spec, config=config, layer_number=1).to(device)
 
 
 def rotary_embedding(config, seq, device):
@@ -699,13 +700,11 @@ def run(args, group=None, command=None):
     """The benchmark on an initialized process group (one rank per GPU, or gloo on the CPU). Returns the
     rows (every rank)."""
     from megatron.core import parallel_state as ps
-    from overlap_tp.megatron.layers import set_default_overlap_config
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    set_default_overlap_config(OverlapConfig(method="off"))   # op kinds a config does not name: never 'auto'
     command = command or f"torchrun --nproc-per-node {world} -m overlap_tp.bench layer"
     rows = []
     from overlap_tp.bench.reference_spec import megatron_sp_on_cpu

@@ -49,22 +49,24 @@ def mla_down_projection() -> type:
     return TELinear
 
 
-def mla_self_attention_spec(qk_layernorm: bool, latent_norm: type) -> ModuleSpec:
+def mla_self_attention_spec(qk_layernorm: bool, latent_norm: type, column=OverlapColumnParallelLinear,
+                            row=OverlapRowParallelLinear) -> ModuleSpec:
     """The self_attention ModuleSpec of an MLA layer (module docstring); `latent_norm` builds the q / kv latent
-    norms where qk_layernorm is set."""
+    norms where qk_layernorm is set; `column` / `row`: the spec entries of the column- and row-parallel linears
+    (layer_spec passes them with the model's OverlapSettings as ModuleSpec params)."""
     down = mla_down_projection()
     norm = latent_norm if qk_layernorm else IdentityOp
     return ModuleSpec(
         module=MLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=MLASelfAttentionSubmodules(
-            linear_q_proj=OverlapColumnParallelLinear,
+            linear_q_proj=column,
             linear_q_down_proj=down,
-            linear_q_up_proj=OverlapColumnParallelLinear,
+            linear_q_up_proj=column,
             linear_kv_down_proj=down,
-            linear_kv_up_proj=OverlapColumnParallelLinear,
+            linear_kv_up_proj=column,
             core_attention=core_attention_module(),
-            linear_proj=OverlapRowParallelLinear,
+            linear_proj=row,
             q_layernorm=norm,
             kv_layernorm=norm,
         ),

@@ -52,10 +52,11 @@ import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
 from overlap_tp.ops import comm, memops, replay
-from overlap_tp.ops.config import OverlapConfig, chunk_by_for
+from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.p2p_gather import GatherBuffer
 from overlap_tp.ops.plan_base import (OpPlan, Pending, after_work, cached_plan, check_not_capturing, chunk_bounds,
                                        gemm_programs, joined)
+from overlap_tp.ops.resolve import fill_defaults
 from overlap_tp.ops.tile_plan import ag_plan
 from overlap_tp.ops.watchdog import Watched
 
@@ -71,10 +72,6 @@ class AgGemm(OpPlan):
     shape's shared one. Only the p2p transport's strategies (signal or decompose, CUDA) pull into a buffer."""
 
     op = "ag_gemm"
-
-    def _resolve(self, config: OverlapConfig) -> OverlapConfig:
-        """OpPlan's resolution, then chunk_by 'auto' for this group's size (config.chunk_by_for)."""
-        return chunk_by_for(super()._resolve(config), self.t)
 
     def strategy_for(self, gather: Optional[GatherBuffer] = None) -> type:
         """The strategy of the resolved config's method, transport and pulls; a ValueError where none runs it here."""
@@ -655,11 +652,14 @@ def row_gather(group, m: int, k: int, dtype, device) -> RowGather:
 
 def gather_rows(a_shard: torch.Tensor, group, config: Optional[OverlapConfig] = None) -> Pending:
     """all_gather(a_shard) along rows, issued now; wait() returns it. With config's transport 'p2p' (method 'signal'
-    or 'decompose') on CUDA: the copy engines (RowGather, whose result is the shape's shared buffer: valid until the
-    next AllGather of the shape); otherwise torch.distributed's all-gather."""
+    or 'decompose'; an unset transport resolved as for ag_gemm, ops/resolve.py) on CUDA: the copy engines (RowGather,
+    whose result is the shape's shared buffer: valid until the next AllGather of the shape); otherwise
+    torch.distributed's all-gather."""
     group = comm.resolve_group(group)
+    t = dist.get_world_size(group)
+    config = fill_defaults(config, "ag_gemm", a_shard.device, t) if config is not None else None
     if (config is not None and config.method in ("signal", "decompose") and config.transport == "p2p"
-            and a_shard.is_cuda and dist.get_world_size(group) > 1):
+            and a_shard.is_cuda and t > 1):
         return row_gather(group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype, a_shard.device)(a_shard,
                                                                                                   config.copy_lanes)
     gathered, work = comm.all_gather_rows(a_shard, group, async_op=True)

@@ -27,7 +27,7 @@ import torch
 from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
 from overlap_tp.ops.collective_reduction import SignaledReduction, decomposed
-from overlap_tp.ops.config import OverlapConfig, rs_transfer_for
+from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.p2p_reduction import P2PAllReduce
 from overlap_tp.ops.plan_base import (OpPlan, Pending, after_work, cached_plan, chunk_bounds, gemm_programs, joined,
                                        plus_bias)
@@ -40,10 +40,6 @@ class GemmAR(OpPlan):
     all-reduced [M, N], or with async_op=True a Pending whose wait() returns it."""
 
     op = "gemm_ar"
-
-    def _resolve(self, config: OverlapConfig) -> OverlapConfig:
-        """OpPlan's resolution, then rs_transfer 'auto' for this group's size (the p2p transport's ReduceScatter)."""
-        return rs_transfer_for(super()._resolve(config), self.t)
 
     def strategy_for(self) -> type:
         """The strategy of the resolved config's method and transport; a ValueError where it cannot run here."""

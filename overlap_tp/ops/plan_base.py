@@ -10,7 +10,6 @@ Building one needs the host (collectives, allocations, copies): under capture it
 one eager step) before capturing.
 """
 import contextlib
-import dataclasses
 import functools
 import warnings
 from collections import OrderedDict
@@ -21,10 +20,10 @@ import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import check_operands, tma_unsupported_reason, weight_layout
 from overlap_tp.ops import comm
-from overlap_tp.ops.config import OverlapConfig, resolve_auto, tile_for_shape
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.resolve import resolve
 from overlap_tp.ops.watchdog import Watched
 
-DEFAULT_CONFIG = OverlapConfig()
 _warned = set()
 
 
@@ -45,6 +44,9 @@ def gemm_programs(device: torch.device, config: OverlapConfig, spare_sms: int = 
     program)."""
     if device.type != "cuda":
         return 4
+    if config.comm_sms is None:
+        raise ValueError("gemm_programs: config.comm_sms is unset; resolve the config first (ops/resolve.py "
+                         "fill_defaults or resolve)")
     return max(1, device_properties(device).multi_processor_count - max(config.comm_sms, spare_sms))
 
 
@@ -159,13 +161,13 @@ class OpPlan:
         self.group = comm.resolve_group(group)
         self.t, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.m, self.n, self.k, self.dtype, self.device = m, n, k, dtype, device
-        config = config or DEFAULT_CONFIG
+        config = config or OverlapConfig()
         if not isinstance(config, OverlapConfig):
             raise TypeError(f"overlap_tp {self.op}: config must be an OverlapConfig, got {type(config).__name__}")
         if self.rows_split and m % self.t:
             raise ValueError(f"{self.op}: M={m} is not divisible by the group size t={self.t}")
         comm.agree(self.group, dict(op=self.op, m=m, n=n, k=k, dtype=dtype, config=config),
-                   self._describe(config.method))
+                   self._describe(config.method or "auto"))   # unset: as given
         self.config = self._resolve(config)
         self.method = self.config.method
         # what check_call compares per call, made once: the operands' shapes, and whether TMA must address them
@@ -191,23 +193,12 @@ class OpPlan:
         return f"{self.op}(M={self.m}, N={self.n}, K={self.k}, t={self.t}, {how})"
 
     def _resolve(self, config: OverlapConfig) -> OverlapConfig:
-        """config.method resolved ('auto' through the tuner; 'off' where the result is empty or on CPU tensors
-        for 'auto') and checked to be runnable."""
-        if self.m == 0 or self.n == 0 or self.k == 0:
-            if config.method != "off":
-                warn_once(f"overlap_tp {self.op}: an empty operand (M={self.m}, N={self.n}, K={self.k}) runs "
-                          f"method 'off' (nothing to overlap)")
-            return dataclasses.replace(config, method="off")
-        if config.method == "auto" and self.device.type != "cuda":
-            warn_once(f"overlap_tp {self.op}: method='auto' runs 'off' on CPU tensors (the tuner measures on "
-                      f"GPUs only)")
-            return dataclasses.replace(config, method="off")
+        """config with every field resolved (ops/resolve.py: 'auto' through the tuner, 'off' where the result is empty
+        or on CPU tensors for 'auto', the tile by shape) and checked to be runnable."""
         rows = self.m * self.t if self.op == "ag_gemm" else self.m   # the GEMM's rows (ag_gemm: gathered)
-        if config.method == "auto":
-            config = resolve_auto(self.op, rows, self.n, self.k, self.dtype, self.device, self.group, config)
+        config = resolve(config, self.op, device=self.device, t=self.t, group=self.group, m=rows, n=self.n, k=self.k,
+                         dtype=self.dtype, programs=lambda c: gemm_programs(self.device, c))
         if config.method == "signal":
-            if self.device.type == "cuda":   # the rule counts a GPU's waves (a CPU's 'programs' are not SMs)
-                config = tile_for_shape(config, rows, self.n, gemm_programs(self.device, config))
             reason = self._signal_unsupported_reason(config)
             if reason is not None:
                 raise ValueError(f"{self.op}: method='signal' cannot run: {reason}")

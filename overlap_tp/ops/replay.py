@@ -34,7 +34,7 @@ MAX_SEEN = 4096    # first-seen keys remembered per plan (forgotten all at once 
 
 def from_env() -> bool:
     """OVERLAP_TP_EAGER_GRAPHS: 1, empty or unset (the default) replays, 0 issues every call one by one; another value
-    is a ValueError (megatron.arguments.validate_overlap_env raises it at start)."""
+    is a ValueError (megatron.validation.validate_overlap_env raises it at start)."""
     raw = os.environ.get(ENV, "")
     if raw not in ("", "0", "1"):
         raise ValueError(f"{ENV}={raw!r}: expected 1 (eager calls replayed from CUDA graphs, the default) or 0 "

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.resolve import common_defaults
 from overlap_tp.ops.tile_plan import split_units
 from overlap_tp.tune.candidates import Layout, Shape, label, layout, wave_tiles
 
@@ -282,6 +283,7 @@ def predict(shape: Shape, config: OverlapConfig, meas: Measurements, progress: s
     name = label(config)
     if name in meas.direct:
         return meas.direct[name]
+    config = common_defaults(config)   # unset schedule, chunks, tile: the ops' defaults
     if config.method == "off":
         curve = meas.curve(comm_kind(shape, config), 0)
         if meas.cublas is None or curve is None:

@@ -62,15 +62,18 @@ def _config():
 
 
 def _block(ours, config, seed=1234):
+    import test_layers_gpu as L
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
     from overlap_tp.bench.reference_spec import get_gpt_layer_megatron_reference_spec
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.norm import OverlapRMSNorm
     from overlap_tp.megatron_patches.apply import megatron_moe_spec
-    if ours:
-        specs = [get_gpt_layer_overlap_spec(multi_latent_attention=True, qk_layernorm=True),
-                 get_gpt_layer_overlap_spec(num_experts=EXPERTS, multi_latent_attention=True, qk_layernorm=True)]
+    if ours:   # every op kind 'off' until the test sets its configs (never 'auto' by accident)
+        settings = L._settings()
+        specs = [get_gpt_layer_overlap_spec(multi_latent_attention=True, qk_layernorm=True, settings=settings),
+                 get_gpt_layer_overlap_spec(num_experts=EXPERTS, multi_latent_attention=True, qk_layernorm=True,
+                                            settings=settings)]
     else:
         specs = [get_gpt_layer_megatron_reference_spec(multi_latent_attention=True, qk_layernorm=True)
                  for _ in range(2)]
@@ -112,14 +115,12 @@ def _check_block(rank, world):
     from test_mla_gpu import megatron_collectives_through_host
     from test_p2p_one_gpu import EXPERT_P2P
     from megatron.core import parallel_state as ps
-    from overlap_tp import OverlapConfig
     from overlap_tp.bench.moe_layer import force_routing, routing_offsets
-    from overlap_tp.megatron.layers import set_default_overlap_config, set_overlap_config
+    from overlap_tp.megatron.layers import set_overlap_config
     from overlap_tp.megatron.moe_layer import set_moe_overlap_config
     L._quiet()
     ps.initialize_model_parallel(tensor_model_parallel_size=world, expert_model_parallel_size=world,
                                  expert_tensor_parallel_size=1)
-    set_default_overlap_config(OverlapConfig(method="off"))
     config = _config()
     offsets = routing_offsets(SEQ // world * BATCH, EXPERTS, world, "zipf", rank)
     x, g = next(L._fresh_steps(5 + rank, SEQ // world, HIDDEN, 1, batch=BATCH))

@@ -12,13 +12,14 @@ from overlap_tp.kernels import direct_launch
 from overlap_tp.kernels import signaled_gemm as S
 from overlap_tp.kernels.sum_slots import SumSlots, reference_sum_slots
 from overlap_tp.ops.plan_base import gemm_programs
+from overlap_tp.ops.resolve import fill_defaults
 from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout
 from overlap_tp.ops.tile_plan import make_plan
 
 pytestmark = pytest.mark.gpu
 
 DEV = torch.device("cuda", 0)
-CONFIG = OverlapConfig(method="signal")
+CONFIG = fill_defaults(OverlapConfig(method="signal", transport="nccl"), "gemm_rs", DEV, 1)   # every field set
 
 
 def dense_gemm(m, n, config=CONFIG, **kwargs):

@@ -16,8 +16,9 @@ from overlap_tp.ops.tile_plan import ag_plan, make_plan
 pytestmark = pytest.mark.gpu
 
 # FP8 tiles: 128 x 256 x 128 (the wide tile) and 128 x 128 x 128; blockwise needs block_k = 128
-WIDE = OverlapConfig(block_m=128, block_n=256, block_k=128, num_stages=3, num_warps=8)
-NARROW = OverlapConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8)
+# comm_sms: the grid the dense ops leave NCCL (gemm_programs reads it)
+WIDE = OverlapConfig(block_m=128, block_n=256, block_k=128, num_stages=3, num_warps=8, comm_sms=16)
+NARROW = OverlapConfig(block_m=128, block_n=128, block_k=128, num_stages=4, num_warps=8, comm_sms=16)
 # (M, N, K): layer-like shapes, M not a multiple of the tile, N not a multiple of 256, K of several sizes
 SHAPES = [(4096, 3072, 4096), (8192, 1536, 2048), (2000, 1000, 1024), (1040, 4096, 640), (256, 128, 128),
           (3000, 2560, 8192)]

@@ -74,10 +74,7 @@ def _quiet():
 
 def _init_megatron(world):
     from megatron.core import parallel_state as ps
-    from overlap_tp import OverlapConfig
-    from overlap_tp.megatron.layers import set_default_overlap_config
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    set_default_overlap_config(OverlapConfig(method="off"))   # every model sets its own; never 'auto' by accident
     return ps
 
 
@@ -105,8 +102,11 @@ def _layer_spec(kind):
     if kind == "megatron":
         from overlap_tp.bench.reference_spec import get_gpt_layer_megatron_reference_spec
         return get_gpt_layer_megatron_reference_spec()
+    from overlap_tp import OverlapConfig
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    return get_gpt_layer_overlap_spec()
+    from overlap_tp.megatron.settings import OverlapSettings
+    # every op kind 'off' until the model sets its own (_set_method): never 'auto' by accident
+    return get_gpt_layer_overlap_spec(settings=OverlapSettings().with_configs(OverlapConfig(method="off")))
 
 
 def build_gpt(kind, sizes, world, device, seed=1234):
@@ -210,7 +210,7 @@ def _load(model, path):
 def _set_method(model, method):
     from overlap_tp import OverlapConfig
     from overlap_tp.megatron.layers import set_overlap_config
-    assert set_overlap_config(model, OverlapConfig(method=method)) == 4 * len(model.decoder.layers)
+    assert set_overlap_config(model, OverlapConfig(method=method, transport="nccl")) == 4 * len(model.decoder.layers)
 
 
 def check_gpt_parity(rank, world, device_type, sizes, methods, ckpt_root):

@@ -92,8 +92,9 @@ def _build(ours, config, seed=77):
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     make = get_gpt_layer_overlap_spec if ours else get_gpt_layer_megatron_reference_spec
     L._seed(seed, "cuda")
-    return build_module(make(multi_latent_attention=True, qk_layernorm=config.qk_layernorm), config=config,
-                        layer_number=1).cuda()
+    settings = {"settings": L._settings()} if ours else {}   # ours: every op kind 'off' until the test sets its own
+    return build_module(make(multi_latent_attention=True, qk_layernorm=config.qk_layernorm, **settings),
+                        config=config, layer_number=1).cuda()
 
 
 def _fwd_bwd(layer, x, g, **kwargs):

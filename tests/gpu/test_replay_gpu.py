@@ -28,8 +28,8 @@ from overlap_tp.ops.gemm_rs import GemmRS
 pytestmark = pytest.mark.gpu
 
 RS_CONFIGS = {
-    "p2p": OverlapConfig(method="signal", transport="p2p"),
-    "p2p/copy": OverlapConfig(method="signal", transport="p2p", rs_transfer="copy"),
+    "p2p": OverlapConfig(method="signal", comm_sms=16, transport="p2p"),
+    "p2p/copy": OverlapConfig(method="signal", comm_sms=16, transport="p2p", rs_transfer="copy"),
     "cublas-p2p": OverlapConfig(method="decompose", transport="p2p"),
 }
 AG_CONFIGS = {

@@ -114,17 +114,15 @@ def _check_our_spec_against_te_spec(rank, world):
     from megatron.core import parallel_state as ps
     from megatron.core.extensions.transformer_engine import TEDotProductAttention, TENorm
     from megatron.core.transformer.spec_utils import build_module
-    from overlap_tp import OverlapConfig
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    from overlap_tp.megatron.layers import set_default_overlap_config, set_overlap_config
-    from test_layers_gpu import _p2p_configs
+    from overlap_tp.megatron.layers import set_overlap_config
+    from test_layers_gpu import _p2p_configs, _settings
 
     weights, x, g, out_ref, dx_ref, grads_ref = _te_spec_layer_at_t1(ps)
 
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    set_default_overlap_config(OverlapConfig(method="off"))
     _seed(4321)
-    spec = get_gpt_layer_overlap_spec(qk_layernorm=True, transformer_impl="transformer_engine")
+    spec = get_gpt_layer_overlap_spec(qk_layernorm=True, transformer_impl="transformer_engine", settings=_settings())
     layer = build_module(spec, config=_config(world), layer_number=1).cuda()
     attention = layer.self_attention
     assert isinstance(attention.core_attention, TEDotProductAttention), type(attention.core_attention)

@@ -44,9 +44,11 @@ def _block(ours, config):
     from overlap_tp.megatron.layers import set_overlap_config
     from overlap_tp.megatron.moe_layer import set_moe_overlap_config
     from overlap_tp.megatron.norm import OverlapRMSNorm
+    from overlap_tp.megatron.settings import OverlapSettings
     from overlap_tp.megatron_patches import apply as patches
     if ours:   # what apply() builds with --overlap-tp / --overlap-moe on
-        patches._STATE["moe_config"] = OverlapConfig(method="off")
+        patches._APPLIED["settings"] = OverlapSettings(moe=OverlapConfig(method="off")).with_configs(
+            OverlapConfig(method="off"))
         try:
             block_spec = patches.overlap_layer_spec(config)
         finally:

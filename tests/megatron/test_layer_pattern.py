@@ -18,9 +18,10 @@ from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from overlap_tp import OverlapConfig  # noqa: E402
-from overlap_tp.megatron.arguments import validate_overlap_args  # noqa: E402
+from overlap_tp.megatron.validation import validate_overlap_args  # noqa: E402
 from overlap_tp.megatron.layer_pattern import moe_layer_pattern  # noqa: E402
 from overlap_tp.megatron.moe_layer import OverlapMoELayer  # noqa: E402
+from overlap_tp.megatron.settings import OverlapSettings  # noqa: E402
 from overlap_tp.megatron.transformer_layer import OverlapTransformerLayer  # noqa: E402
 from overlap_tp.megatron_patches import apply as patches  # noqa: E402
 
@@ -62,10 +63,11 @@ PATTERNS = [
 
 @pytest.fixture
 def moe_on():
-    """apply's state as --overlap-moe signal leaves it (OverlapMoELayer in the MoE slots)."""
+    """apply's state as --overlap-moe signal leaves it (OverlapMoELayer in the MoE slots); yields its settings."""
     patches.reset()
-    patches._STATE["moe_config"] = OverlapConfig(method="signal")
-    yield
+    settings = OverlapSettings(moe=OverlapConfig(method="signal"))
+    patches._APPLIED["settings"] = settings
+    yield settings
     patches.reset()
 
 
@@ -92,7 +94,8 @@ def test_block_spec_puts_our_moe_and_dense_layers_where_megatron_puts_its(num_la
         else:
             assert _module(our.submodules.mlp) is MLP, layer
             fc1 = our.submodules.mlp.submodules.linear_fc1
-            assert fc1.__module__ == "overlap_tp.megatron.layers"
+            assert _module(fc1).__module__ == "overlap_tp.megatron.layers"
+            assert fc1.params["settings"] is moe_on   # the dense layers are built with apply's settings too
             # a dense layer keeps the dense spec's checkpoint key map (interchangeable with Megatron's)
             assert our.submodules.sharded_state_dict_keys_map["pre_mlp_layernorm."] == "mlp.linear_fc1.layer_norm_"
 

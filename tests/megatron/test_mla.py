@@ -51,6 +51,19 @@ def test_mla_spec_slots():
         get_gpt_layer_overlap_spec(multi_latent_attention=True, qk_l2_norm=True)
 
 
+def test_mla_linears_are_built_with_the_specs_settings():
+    """Given OverlapSettings, every overlap_tp linear of the MLA slot is built with them (ModuleSpec params)."""
+    from overlap_tp import OverlapConfig
+    from overlap_tp.megatron.settings import OverlapSettings
+    settings = OverlapSettings().with_configs(OverlapConfig(method="off"))
+    sub = get_gpt_layer_overlap_spec(multi_latent_attention=True, qk_layernorm=True,
+                                     settings=settings).submodules.self_attention.submodules
+    for name, cls in (("linear_q_proj", OverlapColumnParallelLinear), ("linear_q_up_proj", OverlapColumnParallelLinear),
+                      ("linear_kv_up_proj", OverlapColumnParallelLinear), ("linear_proj", OverlapRowParallelLinear)):
+        entry = getattr(sub, name)
+        assert entry.module is cls and entry.params["settings"] is settings, name
+
+
 def _mla_config(world, q_lora_rank, qk_layernorm):
     from megatron.core.transformer.transformer_config import MLATransformerConfig
     with warnings.catch_warnings():
@@ -138,7 +151,7 @@ def test_mla_layer_matches_megatrons(q_lora_rank, qk_layernorm, packed):
 def test_multi_latent_attention_flag_is_accepted():
     from types import SimpleNamespace
 
-    from overlap_tp.megatron.arguments import validate_overlap_args
+    from overlap_tp.megatron.validation import validate_overlap_args
     args = SimpleNamespace(overlap_tp="signal", tensor_model_parallel_size=2, sequence_parallel=True,
                            normalization="RMSNorm", transformer_impl="local", multi_latent_attention=True,
                            qk_layernorm=True)

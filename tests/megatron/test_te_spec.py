@@ -94,7 +94,8 @@ def test_tp_comm_overlap_with_ours_stays_an_error_with_te(with_te, overrides, fl
     """Transformer Engine importable and --transformer-impl transformer_engine: --tp-comm-overlap (TE's userbuffers)
     and overlap_tp's layers overlap the same communication, so together they are refused, naming both; the TE
     baseline alone (--tp-comm-overlap, --overlap-tp off) is accepted."""
-    from overlap_tp.megatron.arguments import OverlapArgumentError, validate_overlap_args
+    from overlap_tp.megatron.arguments import OverlapArgumentError
+    from overlap_tp.megatron.validation import validate_overlap_args
     from test_arguments import megatron_like
     with pytest.raises(OverlapArgumentError, match=f"{flag} with --tp-comm-overlap: both overlap the same TP "
                                                    "communication .* Pick one"):

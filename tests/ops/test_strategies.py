@@ -10,6 +10,7 @@ from overlap_tp.ops import ag_gemm as ag
 from overlap_tp.ops import gemm_ar as ar
 from overlap_tp.ops import gemm_rs as rs
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.resolve import common_defaults
 from distributed import run_distributed
 from problems import SMALL_TILES
 
@@ -26,7 +27,11 @@ def _resolved(cls, config, device=CUDA, m=64, n=64, k=32, t=2):
 
 
 def _config(**fields):
-    return OverlapConfig(**{"chunk_by": "rows", "rs_transfer": "epilogue", **fields})
+    """A config as a plan holds it resolved: the fields given, transport / comm_sms / groups / copy_lanes / chunk_by /
+    rs_transfer fixed (nccl, 16, auto, 1, rows, epilogue: what each case below assumes unless it names the field) and
+    the rest resolve.common_defaults."""
+    return common_defaults(OverlapConfig(**{"transport": "nccl", "comm_sms": 16, "groups": "auto", "copy_lanes": 1,
+                                            "chunk_by": "rows", "rs_transfer": "epilogue", **fields}))
 
 
 AG_CASES = [   # (config, device, the strategy or a ValueError's message)

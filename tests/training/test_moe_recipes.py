@@ -36,7 +36,7 @@ def test_deepseek_v3_proxy_shapes(recipe_argv):
     assert flag(recipe_argv("deepseek-v3-proxy", NUM_LAYERS="6"), "--moe-layer-freq") == "([0]*1+[1]*5)"
     assert "--moe-shared-expert-overlap" not in argv
     args, _ = build_parser().parse_known_args(argv)
-    assert (args.overlap_tp, args.overlap_moe) == ("signal", "signal")
+    assert (args.overlap_tp, args.overlap_moe) == ("auto", "auto")   # the recipes' default OVERLAP
     assert "--cuda-graph-impl" not in argv   # dropless MoE: eager unless GRAPHS says otherwise
 
 
@@ -113,9 +113,10 @@ def test_deepseek_v3_proxy_builds_mla_a_dense_first_layer_and_moe_layers_with_a_
     for spec in specs:
         attention = spec.submodules.self_attention
         assert attention.module is MLASelfAttention
-        assert attention.submodules.linear_kv_up_proj is OverlapColumnParallelLinear
+        assert _module(attention.submodules.linear_kv_up_proj) is OverlapColumnParallelLinear
+        assert attention.submodules.linear_kv_up_proj.params["settings"].moe is not None   # apply's settings
     shared = specs[1].submodules.mlp.submodules.shared_experts
-    assert shared.submodules.linear_fc1 is OverlapColumnParallelLinear
+    assert _module(shared.submodules.linear_fc1) is OverlapColumnParallelLinear
 
 
 def test_qwen3_moe_proxy_builds_every_layer_moe(recipe_argv, monkeypatch):

@@ -136,9 +136,9 @@ def test_candidates_counts_and_validity():
     assert sorted(label(c) for c in cublas4) == ["decompose-p2p/c1", "decompose-p2p/c1/copy"]
     assert predict(Shape("rs", 8192, 4096, 1024, 4), cublas4[-1], meas) is None
     assert [c.rs_transfer for c in candidates(Shape("rs", 8192, 4096, 2048, 2), 132)
-            if c.method == "decompose" and c.transport == "p2p"] == ["auto"]
+            if c.method == "decompose" and c.transport == "p2p"] == [None]   # unset: the ops' rule
     rs2 = [c for c in candidates(Shape("rs", 8192, 4096, 2048, 2), 132) if c.method == "signal" and c.transport == "p2p"]
-    assert [c.rs_transfer for c in rs2] == ["auto"]
+    assert [c.rs_transfer for c in rs2] == [None]
     # gemm_ar's p2p transport: the signaled GEMM and cuBLAS per region, measured end to end
     ar_p2p = [c for c in candidates(Shape("ar", 8192, 4096, 2048, 2), 132) if c.transport == "p2p"]
     assert sorted(label(c) for c in ar_p2p) == ["decompose-p2p/c1", "p2p/sm0"]
