@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap_tp.kernels.launch import DirectKernel
+from overlap_tp.kernels.direct_launch import DirectKernel
 from overlap_tp.kernels.signaled_gemm import INTERPRET, load_acquire
 
 GRACE_NS = tl.constexpr(2_000_000_000)   # from the mailbox record to the trap: the host's watchdog polls every <= 0.5 s

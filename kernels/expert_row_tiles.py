@@ -2,8 +2,8 @@
 the token counts on the GPU.
 
 With a new routing every step the table is needed right after the counts arrive, while the GPU waits for the first
-expert GEMM: built on the host it cost ~0.3 ms per step on the H200 hosts (numpy over the segments, then a copy),
-built here it costs one launch, queued behind the counts without the host reading them.
+expert GEMM: built on the host it would sit on that path (numpy over the segments, then a copy); built here it costs
+one launch, queued behind the counts without the host reading them.
 
 Notation as in moe_tile_plan.py: ep ranks, L local experts, this rank r, counts[s, r*L + l] the rows source s routes
 to local expert l. The received rows xr are source-major, expert-minor; block s (the rows from source s) starts at
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap_tp.kernels.launch import DirectKernel
+from overlap_tp.kernels.direct_launch import DirectKernel
 from overlap_tp.kernels.signaled_gemm import (COL, DST_BUF, DST_COL, DST_ROW, EXPERT, GROUP, INTERPRET, NO_WAIT,
                                               SRC_ROW, SRC_ROW_END, TILE_FIELDS, WAIT, RowTiles)
 

@@ -23,6 +23,12 @@ launch), regenerated in backward, never stored.
 The seed is drawn from torch's generator of the tensor's device, on the device (no host sync), so runs
 repeat under `torch.manual_seed`, activation recomputation and Megatron's RNG tracker.
 
+FP8 output (`launch_forward(..., fp8=NormFp8Out)`, kernels/fp8_quant.py's rules): besides y, the kernel quantizes
+the rounded y it stored, so the result is bit-equal to a quantizer applied to y afterwards:
+    1x128     q [M, N] FP8 and one dequantizing scale per row per 128 columns (stored [N/128, M]), in this pass;
+    amax      the amax of y, atomic-maxed into an fp32 word (one atomic per row) for per-tensor current scaling,
+              whose quantizing pass (fp8_quant.quantize_tensorwise(y, amax=...)) then skips its own amax pass.
+
 Backward (the row's upstream gradients: dy for y, d_res for s; x_hat = s * rstd):
 
     dw    = sum over rows of dy * x_hat                         (per-program partial rows, then summed)
@@ -39,7 +45,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from overlap_tp.kernels.launch import JitLauncher
+from overlap_tp.kernels.direct_launch import JitLauncher
+from overlap_tp.kernels.fp8_quant import (BLOCK as FP8_BLOCK, FP8_MAX, abs_or_inf, cast_fp8, scales_from_amax,
+                                          triton_dtype)
 from overlap_tp.kernels.tile_order import TileOrder  # noqa: F401  (the layout contract; re-exported for callers)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -94,10 +102,14 @@ def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed
                     row_lo, N, eps, weight_offset, dropout_p, slot_stride,
                     X_BLOCK_M: tl.constexpr, X_BLOCK_N: tl.constexpr, X_ORDERED: tl.constexpr,
                     X_SLOTS: tl.constexpr, TILE_N: tl.constexpr, N_TILES: tl.constexpr,
-                    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+                    HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    q_ptr=None, q_scale_ptr=None, q_scale_stride=0, amax_ptr=None,
+                    FP8: tl.constexpr = 0, FP8_MAX: tl.constexpr = 448.0, FP8_TYPE: tl.constexpr = None):
     """One program per row: s = residual + dropout(x + bias) (stored), y = s * rstd * g. With X_SLOTS = t > 0,
     x is the sum of t slots slot_stride elements apart (a p2p reduce-scatter's received partials), added in
-    fp32 in slot order and rounded to x's dtype once: the bits kernels/sum_slots.py would have stored."""
+    fp32 in slot order and rounded to x's dtype once: the bits kernels/sum_slots.py would have stored.
+    FP8 = 1: also q (FP8_TYPE) of the stored y in 1x128 blocks, their dequantizing scales at q_scale_ptr + block *
+    q_scale_stride + row; FP8 = 2: also the amax of the stored y, atomic-maxed into amax_ptr[0]."""
     row = (row_lo + tl.program_id(0)).to(tl.int64)
     cols = tl.arange(0, N_TILES)[:, None] * TILE_N + tl.arange(0, TILE_N)[None, :]
     mask = cols < N
@@ -122,8 +134,20 @@ def _forward_kernel(x_ptr, x_order_ptr, bias_ptr, residual_ptr, weight_ptr, seed
 
     rstd = tl.rsqrt(tl.sum(s * s) / N + eps)
     g = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32) + weight_offset
-    tl.store(y_ptr + offs, (s * rstd * g).to(y_ptr.dtype.element_ty), mask=mask)
+    y = (s * rstd * g).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + offs, y, mask=mask)
     tl.store(rstd_ptr + row, rstd)
+    if FP8 == 1:   # the row's [N_TILES, TILE_N] block seen as runs of 128 columns (column order is kept)
+        BLOCKS: tl.constexpr = N_TILES * TILE_N // 128
+        y_blocks = tl.reshape(y.to(tl.float32), (BLOCKS, 128))
+        block_cols = tl.reshape(cols, (BLOCKS, 128))
+        qs, ds = scales_from_amax(tl.max(abs_or_inf(y_blocks), 1), FP8_MAX)
+        tl.store(q_ptr + row * N + block_cols, cast_fp8(y_blocks, qs[:, None], FP8_MAX, FP8_TYPE),
+                 mask=block_cols < N)
+        blocks = tl.arange(0, BLOCKS)
+        tl.store(q_scale_ptr + blocks * q_scale_stride + row, ds, mask=blocks * 128 < N)
+    if FP8 == 2:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.where(mask, abs_or_inf(y), 0.0), 1), 0))
 
 
 @triton.jit
@@ -140,8 +164,8 @@ def _backward_kernel(dy_ptr, dy_order_ptr, d_residual_out_ptr, s_ptr, rstd_ptr, 
     slots dy_slot_stride elements apart (the next column-parallel layer's p2p dgrad reduce-scatter, left unsummed to
     this kernel). At t = 2 both slots are prefetched and summed at the row's use, so their loads stay in flight as
     dy's would (summed at the prefetch they waited out their latency there: no gain over a separate sum). For t > 2
-    they are summed at the prefetch: four slots prefetched as four loads measured 12 us slower than the separate sum
-    at 2048 x 4096, summed at the prefetch 6 us faster (docs/perf/s18, probe_norm_slots.py).
+    they are summed at the prefetch: prefetched as t separate loads they measured slower than a separate sum, summed
+    at the prefetch faster (docs/performance.md).
 
     The loads of row i + 1 are issued before row i's reduction and stores (software pipelining by
     hand): without it each program has one row's reads in flight and waits out the full memory latency
@@ -279,8 +303,8 @@ def _has_pdl(device_index):
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
-# Launched through their compiled kernels (kernels/launch.py): Triton's JIT launch costs ~50 us of host per call,
-# and an eager layer runs several of these per step.
+# Launched through their compiled kernels (kernels/direct_launch.py): Triton's JIT launch costs tens of microseconds of
+# host time per call, and an eager layer runs several of these per step.
 _forward = JitLauncher(_forward_kernel)
 _backward = JitLauncher(_backward_kernel)
 _sum_partials = JitLauncher(_sum_partials_kernel)
@@ -329,8 +353,18 @@ def check_y_out(y_out, x, residual):
                          f"{_describe(y_out) if isinstance(y_out, torch.Tensor) else type(y_out).__name__}")
 
 
+class NormFp8Out(NamedTuple):
+    """Where launch_forward writes its FP8 output (kernels/fp8_quant.py's rules): scaling "1x128": q [M, N] (fp8)
+    and scales [N/128, M] fp32, in the forward's pass; scaling "amax": amax, an fp32 [1] word the rows' amax is
+    atomic-maxed into (zero it first), for per-tensor current scaling (q and scales unused)."""
+    scaling: str
+    q: torch.Tensor = None
+    scales: torch.Tensor = None
+    amax: torch.Tensor = None
+
+
 def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=False, dropout_p=0.0, seed=None,
-                   x_order=None, x_slots=None, row_lo=0, row_hi=None, num_warps=None):
+                   x_order=None, x_slots=None, row_lo=0, row_hi=None, num_warps=None, fp8=None):
     """Write rows [row_lo, row_hi) of `out` (a ForwardOutputs). No checks: call `check_forward` once.
 
     residual None = plain RMSNorm of x (no bias, dropout or order). dropout_p > 0 needs `seed`.
@@ -338,6 +372,7 @@ def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=F
     is then not read; the standard layout only).
     Per-group use: launch on the stream where a group's rows became complete, with that group's rows.
     num_warps: per program (one row); None = `_block`'s rule (the benchmark sweeps it).
+    fp8: a NormFp8Out (checked by check_fp8_out), or None.
     """
     n = weight.shape[0]
     row_hi = out.rstd.shape[0] if row_hi is None else row_hi
@@ -353,17 +388,46 @@ def launch_forward(x, residual, weight, bias, out, *, eps, zero_centered_gamma=F
         row_lo, n, eps, 1.0 if zero_centered_gamma else 0.0, dropout_p, x.numel(),
         X_BLOCK_M=x_block_m, X_BLOCK_N=x_block_n, X_ORDERED=x_ordered, X_SLOTS=slots, TILE_N=tile_n, N_TILES=n_tiles,
         HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0,
-        num_warps=num_warps)
+        num_warps=num_warps, **({} if fp8 is None else _fp8_args(fp8, out.rstd.shape[0])))
+
+
+def _fp8_args(fp8, rows):
+    """The forward kernel's FP8 arguments of a NormFp8Out."""
+    if fp8.scaling == "amax":
+        return dict(amax_ptr=fp8.amax, FP8=2)
+    return dict(q_ptr=fp8.q, q_scale_ptr=fp8.scales, q_scale_stride=rows, FP8=1, FP8_MAX=FP8_MAX[fp8.q.dtype],
+                FP8_TYPE=triton_dtype(fp8.q.dtype))
+
+
+def check_fp8_out(fp8, y):
+    """Raise ValueError unless `fp8` (a NormFp8Out) fits the normalized output y [.., N]."""
+    rows, n = y.numel() // y.shape[-1], y.shape[-1]
+    if fp8.scaling == "amax":
+        if fp8.amax is None or fp8.amax.shape != (1,) or fp8.amax.dtype != torch.float32 or fp8.amax.device != y.device:
+            raise ValueError(f"amax must be an fp32 [1] tensor on {y.device}; got {_describe(fp8.amax)}")
+        return
+    if fp8.scaling != "1x128":
+        raise ValueError(f"NormFp8Out.scaling must be '1x128' or 'amax'; got {fp8.scaling!r}")
+    if n % FP8_BLOCK:
+        raise ValueError(f"1x128 FP8 output needs the hidden size to be a multiple of {FP8_BLOCK}; got {n}")
+    q, scales = fp8.q, fp8.scales
+    if (not isinstance(q, torch.Tensor) or q.dtype not in FP8_MAX or q.shape != (rows, n) or not q.is_contiguous()
+            or q.device != y.device):
+        raise ValueError(f"q must be a contiguous ({rows}, {n}) float8 tensor on {y.device}; got {_describe(q)}")
+    if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.shape != (n // FP8_BLOCK, rows)
+            or not scales.is_contiguous() or scales.device != y.device):
+        raise ValueError(f"scales must be a contiguous ({n // FP8_BLOCK}, {rows}) fp32 tensor on {y.device}; "
+                         f"got {_describe(scales)}")
 
 
 def backward_grid(m, n, device, programs_per_sm=None, num_warps=None, orders=()):
     """(programs, rows_per_program, TILE_N, N_TILES, num_warps) of the backward launch for m rows of n.
 
-    Defaults, from the launch grid sweep on H200 (docs/perf/norm_sweep.md, `--sweep`): 32 fp32
+    Defaults, from the launch grid sweep (`python -m overlap_tp.bench norm --sweep`; docs/performance.md): 32 fp32
     elements per thread per row (num_warps = row block / 1024) and about 256 threads per SM (2 programs
-    per SM at 4096 columns, 1 at 8192). More warps per row or more programs per SM measured 5-25% slower:
+    per SM at 4096 columns, 1 at 8192). More warps per row or more programs per SM measured slower:
     each program already keeps two rows of loads in flight, and more programs add partial rows to write
-    and sum. Fewer warps spill registers (4 warps at 8192 columns: 15x slower)."""
+    and sum. Fewer warps spill registers (4 warps at 8192 columns: many times slower)."""
     tile_n, n_tiles, _ = _block(n, *orders)
     block = tile_n * n_tiles
     num_warps = num_warps or min(32, max(4, block // 1024))
@@ -384,8 +448,8 @@ def launch_backward(dy, d_residual_out, s, rstd, weight, ds, dx, *, zero_centere
     Reads dy (in dy_order), d_residual_out (or None: zero), the saved s and rstd. Writes ds (the grad of
     s: the residual's, or x's for the plain norm, standard layout) and dx (x's grad, in dx_order) unless
     `dx` is None, which means dx is ds (no dropout, standard layout, same dtype). Each program writes one
-    partial row (programs x N fp32) that a second kernel sums (`_sum_partials_kernel`; at 2048 x 4096
-    torch's `sum(0)` took 4 us longer, git show 27bec54:docs/perf/s9/README.md). pdl: launch that kernel with
+    partial row (programs x N fp32) that a second kernel sums (`_sum_partials_kernel`, faster than torch's `sum(0)`
+    there, and deterministic: docs/performance.md). pdl: launch that kernel with
     programmatic dependent launch, so it is resident and waiting when the backward ends (None: where the
     GPU has it, Hopper on). programs_per_sm, num_warps: the benchmark sweeps them; it also times pdl=False.
     dy_slots: a contiguous [t, ...] tensor, t stacked tensors of dy's elements whose sum is dy (dy itself is then not
@@ -568,7 +632,7 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     x_order: layout of x (and so of its gradient); grad_order: layout in which y's gradient will
     arrive (the next layer's dgrad ReduceScatter); None = standard.
     x_sum: x is not computed yet but is the sum of t slots (a peer-to-peer reduce-scatter's partials, not yet
-    summed: overlap_tp/ops/p2p.py, DeferredSum); x_sum.consume(fn) calls fn(slots [t, ...]) where the slots
+    summed: overlap_tp/ops/p2p_reduction.py, DeferredSum); x_sum.consume(fn) calls fn(slots [t, ...]) where the slots
     are readable, and the kernel sums them itself: one pass over the activation less. x then only stands for
     the input in autograd (its gradient is the reduce-scatter output's, as without x_sum)."""
 

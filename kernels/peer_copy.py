@@ -1,16 +1,16 @@
 """The p2p AllGather's pulls done by SMs, with the handshakes inside the kernel: one launch per call.
 
-ops/p2p.py GatherBuffer keeps a gathered [t * m, k] buffer on every rank; rank p's own rows are region p of its
+ops/p2p_gather.py GatherBuffer keeps a gathered [t * m, k] buffer on every rank; rank p's own rows are region p of its
 buffer. A call pulls, for every peer p and every chunk c = rows [lo_c, hi_c),
 
     ours[p * m + i, :] = peer_p's buffer[p * m + i, :]          lo_c <= i < hi_c
 
 with `programs` CTAs on the SMs a persistent GEMM beside it leaves free (comm_sms): each peer's buffer is mapped
-into our address space, so a plain load reads it over NVLink. Alone the SMs move what the copy engines move (180-300
-GB/s per rank at t = 2 and 4, docs/perf/s23/README.md). What the kernel removes is the fixed cost around the data:
-inside a CUDA graph a stream memory operation takes ~6 us per cross-GPU hop and a flag written behind a copy ~2.7 us,
-where a store and a spin in a kernel take ~1-2 us (docs/perf/s34/README.md). The copy-engine path has three per
-call (the READY exchange, a flag per chunk, PULLED); here they are stores and spins of the kernel itself:
+into our address space, so a plain load reads it over NVLink. Alone the SMs move no more bytes per second than the
+copy engines. What the kernel removes is the fixed cost around the data: inside a CUDA graph a stream memory
+operation's cross-GPU hop, and a flag written behind a copy, each cost several times a kernel's store and spin
+(docs/performance.md). The copy-engine path has three such per call (the READY exchange, a flag per chunk,
+PULLED); here they are stores and spins of the kernel itself:
 
     program 0:        READY -> every peer (release, system scope: our staged shard is visible to it)
     every program:    spin until every peer's READY reached us (acquire, system scope)
@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from overlap_tp.kernels.deadline_wait import globaltimer_after, report_then_trap
-from overlap_tp.kernels.launch import INTERPRET, DirectKernel
+from overlap_tp.kernels.direct_launch import INTERPRET, DirectKernel
 
 BLOCK = 16384     # elements per program per step: 64 per thread at 8 warps (eight 16-byte loads in flight)
 NUM_WARPS = 8
@@ -111,8 +111,8 @@ def reference_pull(buf: torch.Tensor, sources, dst_offsets, chunks, row_elems: i
 class SignaledPull:
     """One gathered buffer's pulls and handshakes on `programs` CTAs, for a fixed list of chunks: every table on the
     device, made once, the kernel compiled at construction (a first launch inside a capture, or beside a persistent
-    GEMM spinning on the flags it raises, could not load its module: session 23's deadlock). __call__(stream) is one
-    launch.
+    GEMM spinning on the flags it raises, could not load its module: CUDA's lazy loading may wait for the running
+    kernels, a deadlock). __call__(stream) is one launch.
 
     src_offsets / dst_offsets: the peers' regions (in the order they are read: ring order) and ours, in elements from
     buf; words: our int32 signal words; ready_in / ready_out / pulled_out: word offsets from words (see the kernel);

@@ -12,7 +12,7 @@ wait-value that precedes a kernel launch) observes the whole tile. FlashOverlap'
 barrier: a fast warp could signal before a slow warp's stores land. The barrier is inline PTX rather
 than `tl.debug_barrier()`, because Triton 3.6 refuses to software-pipeline a flattened persistent loop
 that contains the latter (the TTGIR then holds one shared-memory stage instead of `num_stages`, and
-the kernel ran at ~30% of cuBLAS on an H200).
+the kernel runs at a fraction of cuBLAS's speed).
 
 Counters count one call's tiles: each call raises counter g from 0 to group_tiles[g], and the waiter writes
 0 back after its wait (overlap_tp/ops/comm.py), so every call and every CUDA graph replay waits for the same
@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from overlap_tp.kernels.launch import INTERPRET, DirectKernel
+from overlap_tp.kernels.direct_launch import INTERPRET, DirectKernel
 
 
 # The plan table (built by overlap_tp/ops/tile_plan.py), one row per tile in execution order: source rows
@@ -116,7 +116,7 @@ class RowTiles:
         return torch.from_numpy(np.concatenate(parts) if parts else np.zeros((0, TILE_FIELDS), np.int32))
 
 
-# Under the CPU interpreter (INTERPRET, kernels/launch.py) the kernel upcasts its dot operands (the interpreter's
+# Under the CPU interpreter (INTERPRET, kernels/direct_launch.py) the kernel upcasts its dot operands (the interpreter's
 # tl.dot mishandles bf16/fp16; the upcast is exact, a product of two bf16 values is exact in fp32) and uses
 # tl.debug_barrier (it has no inline PTX). The compiled GPU kernel is untouched by either.
 
@@ -159,8 +159,8 @@ def wait_flag_then(flags_ptr, flag, target, value, INTERPRETED: tl.constexpr):
 
 
 # The integers a routing changes (the expert ops build a plan per routing, every step) are not specialized: Triton
-# would compile a new variant whenever one of them became 1 or a multiple of 16 (session 27: a Zipf routing's first
-# step compiled one, ~0.2-0.45 s of the step, in every expert-op variant).
+# would compile a new variant whenever one of them became 1 or a multiple of 16, a compile of a large fraction of a
+# second inside the step of the routing that first did (a Zipf routing's first step, in every expert-op variant).
 ROUTING_INTS = ("bias_row_lo", "bias_row_hi", "num_tiles", "num_groups", "wait_target")
 
 
@@ -214,7 +214,7 @@ def signaled_gemm_kernel(
         group = tl.load(entry + 5)
         # Other buffers (peers' receive buffers mapped into this GPU's address space) are addressed as
         # offsets from dst_ptr: one flat address space, no integer-to-pointer casts. Their owner
-        # (overlap_tp/ops/p2p.py) checks that each offset is a multiple of 16 elements: 16-byte stores stay.
+        # (overlap_tp/ops/p2p_reduction.py) checks that each offset is a multiple of 16 elements: 16-byte stores stay.
         dst_base = dst_ptr + tl.multiple_of(tl.load(dst_offsets_ptr + tl.load(entry + 6)), 16)
         expert = tl.load(entry + 8)
 
@@ -389,10 +389,10 @@ def signaled_gemm(a, w, dst, tiles, counters, num_programs, config, bias=None, b
 
 
 class SignaledGemm:
-    """The signaled GEMM of one plan, launched without Triton's launch path (kernels/launch.py).
+    """The signaled GEMM of one plan, launched without Triton's launch path (kernels/direct_launch.py).
 
-    Triton's JIT binds and specializes every argument and looks the kernel up by that key on every call (~25 us of
-    host time per launch on the H200 hosts, docs/perf/host_cost.md), and its launcher re-encodes both TMA
+    Triton's JIT binds and specializes every argument and looks the kernel up by that key on every call (tens of
+    microseconds of host time per launch), and its launcher re-encodes both TMA
     descriptors per launch. A plan's launches differ only in their tensors, so this keeps, per variant (bias or not,
     weight layout, the destination's 16-byte alignment and row stride: what Triton specializes on that a call can
     change), the compiled kernel as a DirectKernel and the launcher's arguments with every plan-owned tensor already
@@ -492,9 +492,8 @@ def _kn_rows(w):
 MAX_CACHED_LAUNCHES = 256
 
 # Compiled kernels by their arguments' specialization, shared by every SignaledGemm of the process: the expert ops
-# make a SignaledGemm per routing (every step), whose first launch would otherwise go through the JIT (~180 us of host
-# time on the H200 hosts, on the critical path after the routing arrives; docs/perf/s15), and their weights'
-# descriptors stay in the shared kernel's cache.
+# make a SignaledGemm per routing (every step), whose first launch would otherwise go through the JIT's slow lookup
+# on the critical path after the routing arrives, and their weights' descriptors stay in the shared kernel's cache.
 _shared = {}
 
 

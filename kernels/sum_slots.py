@@ -1,20 +1,20 @@
 """The sum of a reduce-scatter's received partials: out = slots[0] + slots[1] + ... + slots[t-1], and, for the
 peer-to-peer protocol, the signal that the slots may be written again.
 
-The peer-to-peer GEMM+ReduceScatter (overlap_tp/ops/p2p.py) leaves t partials of this rank's rows in a
+The peer-to-peer GEMM+ReduceScatter (overlap_tp/ops/p2p_reduction.py) leaves t partials of this rank's rows in a
 [t, M/t, N] receive buffer (slot s: rank s's partial). One pass reads them and writes the sum:
 
     out[i] = round(sum over s of float(slots[s, i]))      s in order 0, 1, ..., t-1; fp32, rounded once
 
 At t = 2 that is the correctly rounded a + b, the bits NCCL's bf16 reduce-scatter gives. The pass moves
-(t + 1) * M/t * N elements, so it should run at HBM speed: torch's `slots.sum(0)` reached ~1.4 TB/s on an
-H200 for [2, 4096, 4096] bf16 (67 us, docs/perf/s11/README.md); this kernel streams 16-byte vectors.
+(t + 1) * M/t * N elements, so it should run at HBM speed, as torch's `slots.sum(0)` does; this kernel streams
+16-byte vectors, and being ours it can end the protocol (below).
 
 Built with `summed` (SlotsSummed), the kernel ends the protocol's reduce half itself: its last program (the last to
 count itself in a done counter, so every program's loads of the slots are complete) resets the counter, raises the
-SUMMED word in every peer's memory (release, system scope: as the stream write-value it replaces, which was one more
-driver call per gemm_rs call) and, eagerly, writes the call's number into the plan's progress word in pinned host
-memory (what the watchdog polls instead of an event record: one driver call less again).
+SUMMED word in every peer's memory (release, system scope, as a stream write-value would, without its driver call)
+and, eagerly, writes the call's number into the plan's progress word in pinned host memory (what the watchdog polls
+instead of an event record: one driver call less).
 """
 from typing import NamedTuple, Sequence
 
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overlap_tp.kernels.launch import DirectKernel
+from overlap_tp.kernels.direct_launch import DirectKernel
 from overlap_tp.kernels.signaled_gemm import INTERPRET
 
 BLOCK = 4096      # elements per program: 16 per thread at 8 warps (two 16-byte loads per slot)

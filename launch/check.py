@@ -88,7 +88,7 @@ def _validated(argv, defaults):
     from megatron.training import arguments
 
     from overlap_tp.launch.pretrain import extra_args_provider
-    from overlap_tp.megatron.arguments import validate_overlap_args
+    from overlap_tp.megatron.validation import validate_overlap_args
 
     def provider(parser):
         parser = extra_args_provider(parser)

@@ -290,7 +290,7 @@ def _main():
     from megatron.training import arguments as megatron_arguments
     from megatron.training import print_rank_0, training
 
-    from overlap_tp.megatron.arguments import validate_overlap_args
+    from overlap_tp.megatron.validation import validate_overlap_args
     from overlap_tp.megatron_patches.apply import apply
     from overlap_tp.training.throughput import install_training_log_hook
 
@@ -352,7 +352,7 @@ def release_full_iteration_graphs():
 
 def _pretrain_legacy(training, ModelType, defaults):
     from megatron.training import get_args
-    from overlap_tp.megatron.arguments import validate_overlap_args
+    from overlap_tp.megatron.validation import validate_overlap_args
     from overlap_tp.megatron_patches.apply import apply
     from overlap_tp.training.throughput import install_training_log_hook
 

@@ -96,7 +96,7 @@ class Launch:
     """
 
     def __init__(self, script, *, validate=None, apply=None, is_overlap_module=None, training_hooks=True):
-        from overlap_tp.megatron.arguments import validate_overlap_args
+        from overlap_tp.megatron.validation import validate_overlap_args
         from overlap_tp.megatron_patches import apply as patches
         self.script = script
         self.name = os.path.basename(script)

@@ -9,20 +9,13 @@ What it changes (only when `--overlap-tp` or `--overlap-moe` is not off, or `--o
   both (megatron_patches/spec.py), so either way the model is built with `overlap_layer_spec`, which asks
   `overlap_tp.megatron.layer_spec.get_gpt_layer_overlap_spec` for the TransformerLayer spec. No Megatron
   function is patched.
-- the process-wide OverlapConfig per op kind the layers use: `overlap_tp.megatron.layers.set_default_overlap_config`
-  with `overlap_tp.megatron.arguments.layer_configs(args)` (gemm_ar keeps transport nccl, p2p being gemm_rs/ag_gemm
-  only; `--overlap-tp-transport auto` puts ag_gemm and gemm_rs on p2p), also readable as `get_overlap_config(op)`.
-- MoE models: with `--overlap-moe` on, every layer's MLP is overlap_tp's OverlapMoELayer and its
-  OverlapConfig (`overlap_tp.megatron.moe_layer.set_default_moe_overlap_config`, `get_moe_overlap_config()`) comes
-  from `--overlap-moe` and `--overlap-tp-comm-sms`; with it off, the MLP slot of overlap_tp's layer spec
-  holds the MoE module Megatron's own spec would build (its MoELayer, untouched).
-- the layer: OverlapTransformerLayer (bias-dropout-add and norm in one kernel, which also sums the p2p
-  reduce-scatters and normalizes the next layer's input), or with `--no-overlap-tp-fused-norms` Megatron's own
-  TransformerLayer around the same linears and norms; with `--overlap-tp-gather-in-place` its
-  norms write into linear_qkv's and linear_fc1's own gathered buffers (`overlap_tp.megatron.layers.
-  set_gather_in_place`), and with `--overlap-tp-defer-wgrad` too linear_fc1's wgrad runs inside linear_proj's
-  backward (`set_defer_wgrad`); with `--overlap-tp-token-split` each micro-batch runs as two interleaved halves
-  (`overlap_tp.megatron.transformer_layer.set_token_split`).
+- the layers' OverlapSettings (`overlap_tp.megatron.settings_from_args.settings_from_args`: the configs per op kind
+  from `--overlap-tp` and `--overlap-tp-config`, the MoE layers' from `--overlap-moe`, the layer switches), readable
+  as `get_settings()`: the spec built from `--spec` carries them to every overlap_tp module (ModuleSpec params).
+  MoE models: with `--overlap-moe` on, every MoE layer's MLP (every layer, or those `--moe-layer-freq` makes MoE;
+  the others get the dense MLP, on the same settings) is overlap_tp's OverlapMoELayer; with it off, the MLP slot
+  of overlap_tp's layer spec holds the MoE module Megatron's own spec would build (its MoELayer, untouched). The
+  layer is OverlapTransformerLayer, or Megatron's TransformerLayer with the file's layers.fused_norms false.
 - `OVERLAP_TP_TUNE_CACHE` in the environment: `--overlap-tp-tune-cache`, else the variable as the user
   set it, else `overlap_tp_tune.json` in Megatron's `--save` folder
   (`overlap_tp.megatron.arguments.tune_cache_path`); with none of them it stays unset and the tuner
@@ -37,8 +30,9 @@ import dataclasses
 import inspect
 import os
 
-from overlap_tp.megatron.arguments import TUNE_CACHE_ENV, layer_configs, moe_overlap_config_kwargs, tune_cache_path
-from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.megatron.arguments import TUNE_CACHE_ENV, tune_cache_path
+from overlap_tp.megatron.settings import LAYER_SWITCHES, OP_KINDS
+from overlap_tp.megatron.settings_from_args import settings_from_args
 from overlap_tp.tune import timing as tune_timing
 
 # What apply() puts into --spec: overlap_tp.megatron_patches.spec's `flags`, a block spec that Megatron's
@@ -56,59 +50,67 @@ def is_overlap_spec(spec):
     return spec == [__name__, "overlap_layer_spec"] or (
         len(spec) == 2 and spec[0] == SPEC_MODULE and spec[1] in SPEC_ATTRIBUTES)
 
-_STATE = {"configs": None, "moe_config": None, "fused_norms": True, "gather_in_place": False, "defer_wgrad": False,
-          "token_split": False}
+# The settings the last apply() built, for the block spec Megatron's builders get by name from --spec
+# (megatron_patches.spec): the one registry between the flags and the model build.
+_APPLIED = {"settings": None}
 
 
 @dataclasses.dataclass
 class ApplyReport:
-    """What `apply` did. `active`: overlap_tp's layers are in use; `changed`: what this call changed."""
+    """What `apply` did. `active`: overlap_tp's layers are in use; `settings`: the OverlapSettings the layers are
+    built with; `changed`: what this call changed."""
 
     active: bool
-    overlap_configs: object = None    # {op kind: OverlapConfig}
-    moe_config: object = None
+    settings: object = None
     changed: list = dataclasses.field(default_factory=list)
 
     def __str__(self):
         if not self.active:
             return "[overlap_tp] --overlap-tp off: Megatron's own layers, nothing changed"
-        head = f"[overlap_tp] layers on, {_describe(self.overlap_configs)}"
-        if self.moe_config is not None:
-            head += f"; MoE layers on, {self.moe_config}"
+        head = f"[overlap_tp] layers on, {_describe(self.settings)}"
         if not self.changed:
             return head + "; already applied, nothing changed"
         return head + "".join(f"\n[overlap_tp]   {line}" for line in self.changed)
 
 
-def _describe(configs):
-    """gemm_rs's config, then what the other op kinds run differently."""
-    base = configs["gemm_rs"]
-    fields = [f.name for f in dataclasses.fields(OverlapConfig)]
-    extra = []
+def _describe(settings):
+    """gemm_rs's config, what the other op kinds set differently, the MoE config and the layer switches on."""
+    base = settings.gemm_rs
+    fields = [f.name for f in dataclasses.fields(base)]
+    parts = [f"{base}"]
     for op in ("ag_gemm", "gemm_ar"):
-        diff = {f: getattr(configs[op], f) for f in fields if getattr(configs[op], f) != getattr(base, f)}
+        diff = {f: getattr(settings.config(op), f) for f in fields
+                if getattr(settings.config(op), f) != getattr(base, f)}
         if diff:
-            extra.append(f"{op}: " + ", ".join(f"{k}={v!r}" for k, v in diff.items()))
-    return f"{base}" + "".join(f"; {e}" for e in extra)
+            parts.append(f"{op}: " + ", ".join(f"{k}={v!r}" for k, v in diff.items()))
+    if settings.moe is not None:
+        parts.append(f"MoE layers on, {settings.moe}")
+    switches = [name for name in LAYER_SWITCHES if getattr(settings, name) and name != "fused_norms"]
+    if not settings.fused_norms:
+        switches.append("Megatron's TransformerLayer (fused_norms false)")
+    return "; ".join(parts + ([", ".join(switches)] if switches else []))
+
+
+def get_settings():
+    """The OverlapSettings `apply` built (None before, or when overlap_tp's layers are off)."""
+    return _APPLIED["settings"]
 
 
 def get_overlap_config(op: str = "gemm_rs"):
     """The OverlapConfig that `apply` set for op kind `op` (None before, or when overlap_tp's layers are off)."""
-    configs = _STATE["configs"]
-    return None if configs is None else configs[op]
+    settings = _APPLIED["settings"]
+    return None if settings is None else settings.config(op)
 
 
 def get_moe_overlap_config():
     """The MoE layers' OverlapConfig set by `apply` (None before, or when --overlap-moe is off)."""
-    return _STATE["moe_config"]
+    settings = _APPLIED["settings"]
+    return None if settings is None else settings.moe
 
 
 def reset():
-    """Forget the process-wide state (tests)."""
-    _STATE["configs"] = _STATE["moe_config"] = None
-    _STATE["fused_norms"] = True
-    _STATE["gather_in_place"] = _STATE["defer_wgrad"] = _STATE["token_split"] = False
-    _set_gather_in_place(False, False, False)
+    """Forget what apply() set (tests)."""
+    _APPLIED["settings"] = None
     tune_timing.set_regime("eager")
 
 
@@ -126,39 +128,17 @@ def apply(args, *, log=None):
         log(str(report))
         return report
 
-    configs = layer_configs(args)
-    moe = getattr(args, "overlap_moe", "off")
-    moe_config = OverlapConfig(**moe_overlap_config_kwargs(args)) if moe != "off" else None
-    report = ApplyReport(active=True, overlap_configs=configs, moe_config=moe_config)
-
-    for key, value, what in (("configs", configs, "the layers"), ("moe_config", moe_config, "the MoE layers")):
-        if _STATE[key] != value:
-            old = _describe(_STATE[key]) if key == "configs" and _STATE[key] else _STATE[key]
-            new = _describe(value) if key == "configs" else value
-            report.changed.append(f"OverlapConfig for {what}: {old} -> {new}")
-            _STATE[key] = value
-    _set_layer_defaults(configs, moe_config)
-    fused_norms = bool(getattr(args, "overlap_tp_fused_norms", True))
-    if _STATE["fused_norms"] != fused_norms:
-        report.changed.append("the layer: " + ("overlap_tp's, fused bias-dropout-add + norm" if fused_norms else
-                                               "Megatron's TransformerLayer (--no-overlap-tp-fused-norms)"))
-        _STATE["fused_norms"] = fused_norms
-    in_place = bool(getattr(args, "overlap_tp_gather_in_place", False))
-    if _STATE["gather_in_place"] != in_place:
-        report.changed.append("the norms before linear_qkv and linear_fc1 write into those layers' own gathered "
-                              "buffers" if in_place else "the AllGathers stage their inputs (no gathering in place)")
-        _STATE["gather_in_place"] = in_place
-    defer = bool(getattr(args, "overlap_tp_defer_wgrad", False))
-    if _STATE["defer_wgrad"] != defer:
-        report.changed.append("linear_fc1's wgrad runs inside linear_proj's backward, beside its AllGather" if defer
-                              else "every linear's wgrad runs in its own backward")
-        _STATE["defer_wgrad"] = defer
-    split = bool(getattr(args, "overlap_tp_token_split", False))
-    if _STATE["token_split"] != split:
-        report.changed.append("each micro-batch runs as two interleaved halves of its sequences (token split)" if split
-                              else "each micro-batch runs whole (no token split)")
-        _STATE["token_split"] = split
-    _set_gather_in_place(in_place, defer, split)
+    settings = settings_from_args(args)
+    report = ApplyReport(active=True, settings=settings)
+    previous = _APPLIED["settings"]
+    if previous != settings:
+        if previous is None:
+            report.changed.append(f"the layers' settings: {_describe(settings)}")
+        else:
+            for name in OP_KINDS + ("moe",) + LAYER_SWITCHES:
+                if getattr(previous, name) != getattr(settings, name):
+                    report.changed.append(f"{name}: {getattr(previous, name)} -> {getattr(settings, name)}")
+        _APPLIED["settings"] = settings
 
     spec = getattr(args, "spec", None)
     if not is_overlap_spec(spec):
@@ -184,58 +164,50 @@ def apply(args, *, log=None):
     return report
 
 
-def _set_layer_defaults(configs, moe_config):
-    try:
-        from overlap_tp.megatron import layers, moe_layer
-    except ImportError:  # no megatron-core: nothing can be built anyway; the spec says why when asked
-        return
-    layers.set_default_overlap_config(**configs)
-    if moe_config is not None:
-        moe_layer.set_default_moe_overlap_config(moe_config)
-
-
-def _set_gather_in_place(on, defer_wgrad, token_split):
-    try:
-        from overlap_tp.megatron import layers, transformer_layer
-    except ImportError:  # no megatron-core: no layer to build
-        return
-    layers.set_gather_in_place(on)
-    layers.set_defer_wgrad(defer_wgrad)
-    transformer_layer.set_token_split(token_split)
-
-
 def overlap_layer_spec(config, vp_stage=None):
     """The decoder block spec with overlap_tp's layers, for a GPTModelConfig (0.19+) or a
     TransformerConfig: every layer is `get_gpt_layer_overlap_spec` with the TransformerConfig's values
     for the keywords it names (num_experts, moe_grouped_gemm, qk_layernorm, multi_latent_attention,
-    qk_l2_norm, normalization, transformer_impl; config and vp_stage if it takes them), and the block's final
+    qk_l2_norm, normalization, transformer_impl; config and vp_stage if it takes them), an MoE model's layers
+    dense or MoE as moe_layer_freq says (overlap_tp.megatron.layer_pattern, Megatron's reading and pipeline
+    slice of it), and the block's final
     norm is OverlapRMSNorm (TENorm with transformer_impl "transformer_engine" where TE imports). A block spec
     rather than a layer spec: given a layer spec, Megatron picks the final norm itself, and without TE or
     Apex that is WrappedTorchNorm, which refuses sequence parallel."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+    from overlap_tp.megatron.layer_pattern import moe_layer_pattern, stage_layer_ids
     from overlap_tp.megatron.layer_spec import te_norm_module
     from overlap_tp.megatron.norm import OverlapRMSNorm
     transformer = getattr(config, "transformer", config)
+    # the final norm carries no TP communication: Transformer Engine's with --transformer-impl transformer_engine
+    final_norm = te_norm_module(getattr(transformer, "transformer_impl", None)) or OverlapRMSNorm
+    pattern = moe_layer_pattern(transformer)
+    if pattern is not None and not all(pattern):   # --moe-layer-freq: dense layers between MoE layers
+        dense, moe = (overlap_transformer_layer_spec(config, vp_stage, dense=True),
+                      overlap_transformer_layer_spec(config, vp_stage))
+        return TransformerBlockSubmodules(
+            layer_specs=[moe if pattern[i] else dense for i in stage_layer_ids(transformer, vp_stage)],
+            layer_norm=final_norm)
     if "vp_stage" in inspect.signature(get_num_layers_to_build).parameters:
         layers = get_num_layers_to_build(transformer, vp_stage=vp_stage)
     else:
         layers = get_num_layers_to_build(transformer)
-    # the final norm carries no TP communication: Transformer Engine's with --transformer-impl transformer_engine
-    final_norm = te_norm_module(getattr(transformer, "transformer_impl", None)) or OverlapRMSNorm
     return TransformerBlockSubmodules(layer_specs=[overlap_transformer_layer_spec(config, vp_stage)] * layers,
                                       layer_norm=final_norm)
 
 
-def overlap_transformer_layer_spec(config, vp_stage=None):
-    """One TransformerLayer ModuleSpec with overlap_tp's linears and norms (see overlap_layer_spec); for an
-    MoE model its MLP is OverlapMoELayer with --overlap-moe on, else Megatron's own MoE module. The layer is
-    OverlapTransformerLayer, or Megatron's TransformerLayer with --no-overlap-tp-fused-norms."""
+def overlap_transformer_layer_spec(config, vp_stage=None, dense=False):
+    """One TransformerLayer ModuleSpec with overlap_tp's linears and norms (see overlap_layer_spec), built with the
+    settings apply() built; for an MoE model its MLP is OverlapMoELayer with --overlap-moe on, else Megatron's own MoE
+    module, and with `dense` (the dense layers of a --moe-layer-freq pattern) the dense MLP of ffn_hidden_size. The
+    layer is OverlapTransformerLayer, or Megatron's TransformerLayer with layers.fused_norms false."""
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
 
     transformer = getattr(config, "transformer", config)
+    settings = _APPLIED["settings"]
     offered = {
-        "num_experts": getattr(transformer, "num_moe_experts", None),
+        "num_experts": None if dense else getattr(transformer, "num_moe_experts", None),
         "moe_grouped_gemm": getattr(transformer, "moe_grouped_gemm", False),
         "qk_layernorm": getattr(transformer, "qk_layernorm", False),
         "multi_latent_attention": getattr(transformer, "multi_latent_attention", False),
@@ -244,12 +216,12 @@ def overlap_transformer_layer_spec(config, vp_stage=None):
         "transformer_impl": getattr(transformer, "transformer_impl", None),
         "config": transformer,
         "vp_stage": vp_stage,
-        "fused_norms": _STATE["fused_norms"],
+        "settings": settings,
     }
     parameters = inspect.signature(get_gpt_layer_overlap_spec).parameters
     kwargs = {name: value for name, value in offered.items() if name in parameters}
     spec = get_gpt_layer_overlap_spec(**kwargs)
-    if offered["num_experts"] and _STATE["moe_config"] is None:   # --overlap-moe off: Megatron's MoE layer
+    if offered["num_experts"] and (settings is None or settings.moe is None):   # --overlap-moe off: Megatron's
         spec.submodules.mlp = megatron_moe_spec(transformer)
     return spec
 

@@ -7,8 +7,8 @@ The attributes of this module work with both: each is an `OverlapBlockSpec`, a
 `TransformerBlockSubmodules` (what a decoder block takes) whose layer list is built when the model is
 built, and which is also callable like `apply.overlap_layer_spec`.
 
-    signal | decompose | auto   overlap_tp's layers with that --overlap-tp method (default transport auto,
-                                 default comm SMs)
+    signal | decompose | auto   overlap_tp's layers with that --overlap-tp mode (the rest decided as the
+                                 flags decide it)
     off                          overlap_tp's layers with the overlap off (--overlap-tp-layers)
     flags                        the method of --overlap-tp & co. (what `megatron_patches.apply` sets when
                                  overlap_tp's flags are in the parser, e.g. under overlap-tp-run)
@@ -70,7 +70,7 @@ class OverlapBlockSpec(TransformerBlockSubmodules):
         from megatron.training import get_args
         args = get_args()
         if self.method is None:
-            if patches.get_overlap_config() is None:
+            if patches.get_settings() is None:
                 raise ValueError(
                     f"--spec {MODULE} flags: overlap_tp's flags were not applied (megatron_patches.apply did not "
                     f"run). Name the method instead (--spec {MODULE} signal), or run the script through "
@@ -82,7 +82,7 @@ class OverlapBlockSpec(TransformerBlockSubmodules):
         chosen.overlap_tp = "off" if self.method == "off" else self.method
         chosen.overlap_tp_layers = self.method == "off"
         chosen.spec = list(spec_of(self.method))
-        from overlap_tp.megatron.arguments import validate_overlap_args
+        from overlap_tp.megatron.validation import validate_overlap_args
         validate_overlap_args(chosen)
         if not patches.wanted(chosen):   # validation turned it off: TP 1
             raise ValueError(f"--spec {MODULE} {self.attribute} with --tensor-model-parallel-size 1: there is no "

@@ -1,15 +1,16 @@
 # Shared by the recipes (sourced, not run). A recipe sets RECIPE, MODEL_ARGS and TRAIN_ARGS, then
 # calls run_recipe "$@". Environment knobs (all optional; recipes/README.md lists each recipe's defaults):
-#   OVERLAP=signal|decompose|auto|off   --overlap-tp (off = the baseline)
-#   TRANSPORT=auto|nccl|p2p  COMM_SMS=N --overlap-tp-transport / --overlap-tp-comm-sms (default auto)
-#   GATHER_IN_PLACE=1|0                 --overlap-tp-gather-in-place where OVERLAP is signal or decompose and
-#                                       TRANSPORT is not nccl
-#   DEFER_WGRAD=1|0                     --overlap-tp-defer-wgrad with gathering in place: fc1's wgrad runs beside
-#                                       proj's backward AllGather
-#   TOKEN_SPLIT=1|0                     --overlap-tp-token-split: each micro-batch as two interleaved halves of its
-#                                       sequences (needs an even micro-batch: MBS=2 in the llama3 recipes)
-#   TUNE_CACHE=PATH                     with OVERLAP=auto: --overlap-tp-tune-cache (default $OUT_DIR/overlap_tp_tune.json:
-#                                       a second run into the same OUT_DIR tunes nothing)
+#   OVERLAP=auto|off|signal|decompose  --overlap-tp (default auto: everything else decided per op and per run;
+#                                       off = the baseline); the MoE recipes pass the same to --overlap-moe
+#   OVERLAP=te|te-ub                    the Transformer Engine baselines: Megatron's own TE layers (--transformer-impl
+#                                       transformer_engine, --overlap-tp off), te-ub with --tp-comm-overlap (TE's
+#                                       userbuffers, UB_SKIPMC=1: no NVLink multicast; TP >= 2); same model, batch and
+#                                       graphs as the other modes (docs/te.md)
+#   TUNE_CACHE=PATH                     with OVERLAP=auto: where the tuner keeps its decisions (exported as
+#                                       OVERLAP_TP_TUNE_CACHE; default $OUT_DIR/overlap_tp_tune.json: a second run into
+#                                       the same OUT_DIR tunes nothing)
+#   Anything else of overlap_tp's (transports, SMs, the layer switches) goes in an expert config file given after the
+#   recipe's name: --overlap-tp-config FILE (docs/config.md).
 #   TP=2  NPROC=$TP (ranks per node)  NNODES=1  NODE_RANK=0  MASTER_ADDR=localhost  MASTER_PORT=29500 (static
 #                                       rendezvous); NPROC x NNODES must be a multiple of TP
 #   RDZV_ENDPOINT=host:port  RDZV_ID=job  torchrun's c10d rendezvous instead (multi-node, SLURM)
@@ -22,7 +23,9 @@
 #   CHECK=1                             check the flags with Megatron's and overlap_tp's validation, on the CPU
 # Arguments given to the recipe are appended to the Megatron command line (they win).
 
-OVERLAP=${OVERLAP:-signal}
+OVERLAP=${OVERLAP:-auto}
+# overlap_tp's method: OVERLAP itself, or off for the Transformer Engine baselines
+case $OVERLAP in te|te-ub) OVERLAP_METHOD=off ;; *) OVERLAP_METHOD=$OVERLAP ;; esac
 TP=${TP:-2}
 NPROC=${NPROC:-$TP}
 PYTHON=${PYTHON:-python3}
@@ -68,27 +71,33 @@ run_recipe() {
   if [[ -z $impl ]]; then
     if _imports transformer_engine; then impl=transformer_engine; else impl=local; fi
   fi
-  local overlap_args=(--overlap-tp "$OVERLAP")
-  [[ -n ${TRANSPORT:-} ]] && overlap_args+=(--overlap-tp-transport "$TRANSPORT")
-  [[ -n ${COMM_SMS:-} ]] && overlap_args+=(--overlap-tp-comm-sms "$COMM_SMS")
-  if [[ $OVERLAP == auto ]]; then
-    # the tuner's decisions kept with the run (keyed by device and software versions), so that running the recipe
-    # again into the same OUT_DIR measures nothing before its first step; without it they would go to --save, which
-    # the recipes do not set
-    overlap_args+=(--overlap-tp-tune-cache "${TUNE_CACHE:-$out_dir/overlap_tp_tune.json}")
+  local te_args=() te_env=()
+  if [[ $OVERLAP_METHOD != "$OVERLAP" ]]; then   # te, te-ub: Megatron's own Transformer Engine layers
+    if ! _imports transformer_engine; then
+      echo "[recipe] OVERLAP=$OVERLAP runs Megatron's Transformer Engine layers: transformer_engine does not import" \
+           "here (docs/te.md: how to install it)" >&2
+      return 2
+    fi
+    if [[ $impl != transformer_engine ]]; then
+      echo "[recipe] OVERLAP=$OVERLAP runs Megatron's Transformer Engine layers: not with TRANSFORMER_IMPL=$impl" >&2
+      return 2
+    fi
+    if [[ $OVERLAP == te-ub ]]; then
+      if (( TP < 2 )); then
+        echo "[recipe] OVERLAP=te-ub: --tp-comm-overlap needs TP >= 2 (Megatron runs it with sequence parallelism" \
+             "only); OVERLAP=te runs Megatron's TE layers at TP=$TP" >&2
+        return 2
+      fi
+      te_args=(--tp-comm-overlap)
+      te_env=(UB_SKIPMC=1)   # userbuffers through CUDA IPC, not NVLink multicast
+    fi
   fi
-  if [[ ${GATHER_IN_PLACE:-0} == 1 && ( $OVERLAP == signal || $OVERLAP == decompose ) && ${TRANSPORT:-auto} != nccl ]]
-  then
-    overlap_args+=(--overlap-tp-gather-in-place)   # the norms write into qkv's / fc1's own gathered buffers
-    [[ ${DEFER_WGRAD:-0} == 1 ]] && overlap_args+=(--overlap-tp-defer-wgrad)   # fc1's wgrad beside proj's AllGather
-  fi
-  # two interleaved halves of each micro-batch (needs an even --micro-batch-size: MBS=2)
-  [[ ${TOKEN_SPLIT:-0} == 1 && $OVERLAP != off ]] && overlap_args+=(--overlap-tp-token-split)
+  local overlap_args=(--overlap-tp "$OVERLAP_METHOD")   # the one flag of ours: auto decides the rest
   local env_args=()
   if ! _imports transformer_engine && ! _imports fused_weight_gradient_mlp_cuda; then
     # Megatron's fused wgrad accumulation needs Apex or TE, its RoPE fusion TE.
     env_args+=(--no-gradient-accumulation-fusion --no-rope-fusion)
-    if [[ $OVERLAP == off ]] && ! _imports apex; then
+    if [[ $OVERLAP_METHOD == off ]] && ! _imports apex; then
       # Megatron's local spec has no sequence-parallel norm without TE or Apex (WrappedTorchNorm
       # refuses SP): run the baseline on overlap_tp's modules with the overlap off (cuBLAS, then the
       # collective, on one stream).
@@ -111,7 +120,13 @@ run_recipe() {
   esac
   # the run's environment: NVLink multicast off, and what Megatron's sequence parallelism asks for
   local run_env=(NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-                 "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}")
+                 "CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}" "${te_env[@]}")
+  if [[ $OVERLAP_METHOD == auto ]]; then
+    # the tuner's decisions kept with the run (keyed by device and software versions), so that running the recipe
+    # again into the same OUT_DIR measures nothing before its first step; without it they would go to --save, which
+    # the recipes do not set
+    run_env+=("OVERLAP_TP_TUNE_CACHE=${TUNE_CACHE:-$out_dir/overlap_tp_tune.json}")
+  fi
   local log_args=(--log-interval "${LOG_INTERVAL:-5}" --log-throughput --log-timers-to-tensorboard
                   --tensorboard-dir "$out_dir/tensorboard" --eval-iters 0 --eval-interval 1000000)
   local project=${WANDB_PROJECT-overlap_tp}
@@ -129,8 +144,8 @@ run_recipe() {
     rendezvous=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-overlap_tp}")
   fi
   local args=(--tensor-model-parallel-size "$TP" --sequence-parallel --transformer-impl "$impl"
-              "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${log_args[@]}" "${overlap_args[@]}" "${env_args[@]}"
-              "${graph_args[@]}" "$@")
+              "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${log_args[@]}" "${overlap_args[@]}" "${te_args[@]}"
+              "${env_args[@]}" "${graph_args[@]}" "$@")
   local cmd=(torchrun --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" "${rendezvous[@]}"
              -m overlap_tp.launch.pretrain "${args[@]}")
   # the launch's arguments as Megatron and overlap_tp validate them, for the whole job's ranks (launch/check.py)

@@ -6,23 +6,11 @@
 # output layer 2.1 B params -> 19 GB; so ~10 layers in ~130 GB. NUM_LAYERS defaults to 8 to leave room
 # for NCCL/allocator overhead. Measured (no TE, GBS 4): 8 layers peak at 94 GB per GPU at TP=2;
 # 16 layers at TP=4 (TP=4 NPROC=4) peak at 83 GB.
-#   bash recipes/llama3-70b-proxy.sh              overlap on (--overlap-tp decompose at TP 2: cuBLAS over the p2p
-#                                                 transports; signal at TP >= 4)
+#   bash recipes/llama3-70b-proxy.sh              overlap on (--overlap-tp auto: at these shapes the long row-parallel
+#                                                 GEMMs measured faster under cuBLAS than under the signaled kernel at
+#                                                 TP 2, and auto times both per shape)
 #   OVERLAP=off bash recipes/llama3-70b-proxy.sh  baseline: Megatron's path, overlap off
-# The default mode is decompose at TP 2 (signal elsewhere): at these shapes the long row-parallel GEMMs run faster
-# under cuBLAS than under the signaled kernel (8 layers, gathering in place: 1.033x of off against signal's 1.021x,
-# benchmarks/e2e-tp2_h200x2_2026-11-28.md). At TP 4 and above it is signal, whose layer gathering in place measured
-# faster than decompose's there.
 set -euo pipefail
-if (( ${TP:-2} >= 4 )); then OVERLAP=${OVERLAP:-signal}; else OVERLAP=${OVERLAP:-decompose}; fi
-# The norms write into linear_qkv's and linear_fc1's own gathered buffers (--overlap-tp-gather-in-place: +64 MB of
-# symmetric memory per linear and layer here): 1.033x of off against 1.029x without it, local graphs, 8 layers
-# (benchmarks/e2e-tp2_h200x2_2026-11-28.md). GATHER_IN_PLACE=0 turns it off.
-GATHER_IN_PLACE=${GATHER_IN_PLACE:-1}
-# At TP >= 4 under graphs linear_fc1's wgrad also runs beside linear_proj's backward AllGather
-# (--overlap-tp-defer-wgrad): it hides that AllGather's pulls, which at TP >= 4 outlast the dgrad GEMM beside them
-# (measured faster end to end there; a tie at TP 2). DEFER_WGRAD=0/1 overrides.
-if (( ${TP:-2} >= 4 )) && [[ ${GRAPHS:-local} != none ]]; then DEFER_WGRAD=${DEFER_WGRAD:-1}; fi
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=llama3-70b-proxy
 MODEL_ARGS=("${LLAMA_ARGS[@]}"

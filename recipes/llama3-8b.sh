@@ -2,18 +2,10 @@
 # Llama-3-8B shapes (32 layers, hidden 4096, FFN 14336, 32 heads / 8 KV groups, vocab 128256,
 # RoPE base 500000), sequence 8192, TP=2 with sequence parallelism on 2 GPUs (H200 141 GB: the
 # distributed optimizer state of 8B over TP=2 is ~72 GB per GPU). Mock data unless --data-path is given.
-#   bash recipes/llama3-8b.sh             overlap on (--overlap-tp signal)
+#   bash recipes/llama3-8b.sh             overlap on (--overlap-tp auto)
 #   OVERLAP=off bash recipes/llama3-8b.sh baseline: Megatron's path, overlap off
 # Add flags after the script name, e.g. `--recompute-granularity selective` where attention is not fused.
 set -euo pipefail
-# The norms write into linear_qkv's and linear_fc1's own gathered buffers (--overlap-tp-gather-in-place: +32 MB of
-# symmetric memory per linear and layer, 2 GB per GPU): no stage copy per AllGather, measured faster end to end.
-# GATHER_IN_PLACE=0 turns it off.
-GATHER_IN_PLACE=${GATHER_IN_PLACE:-1}
-# At TP >= 4 under graphs linear_fc1's wgrad also runs beside linear_proj's backward AllGather
-# (--overlap-tp-defer-wgrad): it hides that AllGather's pulls, which at TP >= 4 outlast the dgrad GEMM beside them
-# (-0.9% per iteration at TP 4; a tie at TP 2). DEFER_WGRAD=0/1 overrides.
-if (( ${TP:-2} >= 4 )) && [[ ${GRAPHS:-local} != none ]]; then DEFER_WGRAD=${DEFER_WGRAD:-1}; fi
 # At TP 2 two sequences per micro-batch (same global batch): off 4794.1 -> 4759.6 / 4767.8 ms per iteration, signal
 # 4670.9 -> 4595.4 / 4582.9 (1.026x of off -> 1.036x / 1.040x; benchmarks/e2e-tp2_h200x2_2026-11-28.md): the layers'
 # fixed per-op costs are amortised over GEMMs twice as long. The peak is off's, 136 GiB reserved of an H200's 140

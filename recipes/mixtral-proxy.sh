@@ -7,9 +7,9 @@
 # (2048 tokens per rank, 4096 routed rows); embedding and output layer 131 M -> 2.4 GB; so ~9 layers in
 # ~130 GB. NUM_LAYERS defaults to 8 to leave room for NCCL/allocator overhead (measured on 2 x H200: max
 # allocated 123.5 GB per GPU, either mode).
-#   bash recipes/mixtral-proxy.sh              overlap on (--overlap-tp signal --overlap-moe signal)
+#   bash recipes/mixtral-proxy.sh              overlap on (--overlap-tp auto --overlap-moe auto)
 #   OVERLAP=off bash recipes/mixtral-proxy.sh  baseline: Megatron's MoE layer (alltoall dispatcher), overlap off
-# Only the MoE overlap against the baseline: OVERLAP=off bash recipes/mixtral-proxy.sh --overlap-moe signal
+# Only the MoE overlap against the baseline: OVERLAP=off bash recipes/mixtral-proxy.sh --overlap-moe auto
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=mixtral-proxy
@@ -36,4 +36,4 @@ TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "
 GRAPHS=${GRAPHS:-none}
 GRAPH_SCOPE=()
 if [[ $GRAPHS == local ]]; then GRAPH_SCOPE=(--cuda-graph-modules attn); fi
-run_recipe --overlap-moe "$OVERLAP" "${GRAPH_SCOPE[@]}" "$@"
+run_recipe --overlap-moe "$OVERLAP_METHOD" "${GRAPH_SCOPE[@]}" "$@"

@@ -6,12 +6,11 @@
 #   OVERLAP=off bash recipes/smoke.sh     the same run, overlap off (baseline)
 # Both under Megatron's full-iteration CUDA graphs unless GRAPHS=local|none says otherwise.
 # Then: python -m overlap_tp.training.report runs/smoke-off/train.log runs/smoke-auto/train.log --out runs/report
-# The default mode is auto here (signal elsewhere): at these shapes every collective outlasts its GEMM, and the tuner's
-# per-op choices (the reduce-scatters on p2p, the AllGathers decompose-p2p, signal or off by shape) beat signal in all
-# four rounds that ran both, by 1-8%. It measures its candidates once per shape before the first
-# step (~10 s; the first run on a machine, with its compiles, ~1.5 min in all).
+# At these shapes every collective outlasts its GEMM, and auto's per-op choices (the reduce-scatters on p2p, the
+# AllGathers decompose-p2p, signal or off by shape) beat signal in all four rounds that ran both, by 1-8%. It measures
+# its candidates once per shape before the first step (~10 s; the first run on a machine, with its compiles, ~1.5 min
+# in all).
 set -euo pipefail
-OVERLAP=${OVERLAP:-auto}
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 RECIPE=smoke
 GRAPHS=${GRAPHS:-full_iteration}   # measured fastest here, for off and signal alike

@@ -3,7 +3,7 @@ import torch
 
 
 class FakeDeferredSum:
-    """ops.p2p.DeferredSum's contract on plain tensors: consume(kernel) runs kernel(slots) once."""
+    """ops.p2p_reduction.DeferredSum's contract on plain tensors: consume(kernel) runs kernel(slots) once."""
 
     def __init__(self, slots):
         self.slots, self.calls = slots, 0

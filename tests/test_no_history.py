@@ -24,12 +24,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCOPE = (("overlap_tp", (".py", ".md")), ("kernels", (".py", ".md")), ("launch", (".py", ".md", ".sh")),
          ("megatron_patches", (".py", ".md")), ("docs", (".py", ".md")), ("README.md", (".md",)))
 
-# The GPU-gated folders (tests/gpu/gpu_suite.py GATED) change only with a run of the whole GPU suite: their prose is
-# read once the commit that rewrites it lands with such a run (test_the_folders_awaiting_the_gpu_gate_still_need_it
-# fails as soon as they are clean, so that this exclusion goes with it).
-AWAITING_GPU_GATE = ("kernels", os.path.join("overlap_tp", "ops"), os.path.join("overlap_tp", "megatron"),
-                     os.path.join("overlap_tp", "tune"))
-
 ORDINALS = "first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|\\d+(?:st|nd|rd|th)"
 PATTERNS = (
     ("a session number", re.compile(r"\bsessions?\s+\d+", re.IGNORECASE)),
@@ -44,7 +38,7 @@ PATTERNS = (
 
 
 
-def _files_in_scope():
+def files():
     found = []
     for entry, extensions in SCOPE:
         path = os.path.join(ROOT, entry)
@@ -55,11 +49,6 @@ def _files_in_scope():
             dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
             found += [os.path.relpath(os.path.join(dirpath, n), ROOT) for n in sorted(names) if n.endswith(extensions)]
     return found
-
-
-def files():
-    """The files read, but those of the folders awaiting the GPU gate."""
-    return [f for f in _files_in_scope() if not f.startswith(tuple(a + os.sep for a in AWAITING_GPU_GATE))]
 
 
 def prose(relpath):
@@ -89,12 +78,6 @@ def test_no_references_to_past_runs(relpath):
     found = history(relpath)
     assert not found, "references to past runs (say what is true now and why; figures go to docs/performance.md's " \
                       "results table):\n" + "\n".join(found)
-
-
-def test_the_folders_awaiting_the_gpu_gate_still_need_it():
-    awaiting = [f for f in _files_in_scope() if f not in files()]
-    assert awaiting and any(history(f) for f in awaiting), \
-        "the GPU-gated folders read clean: drop AWAITING_GPU_GATE (their prose is then checked like the rest)"
 
 
 @pytest.mark.parametrize("text", [

@@ -10,6 +10,7 @@ SUBCOMMANDS = {
     "layer": "overlap_tp.bench.layer",
     "moe": "overlap_tp.bench.moe",
     "moe_layer": "overlap_tp.bench.moe_layer",
+    "te_gemm": "overlap_tp.bench.te_gemm",
 }
 DESCRIPTIONS = {   # one line each, for --help
     "ops": "GEMM+ReduceScatter, GEMM+AllReduce, AllGather+GEMM against cuBLAS + NCCL and async-TP (torchrun)",
@@ -18,6 +19,7 @@ DESCRIPTIONS = {   # one line each, for --help
     "layer": "one TransformerLayer fwd+bwd: overlap_tp's against Megatron's and against no communication (torchrun)",
     "moe": "MoE a2a_gemm / gemm_a2a against all_to_all + cuBLAS (torchrun)",
     "moe_layer": "OverlapMoELayer against Megatron's MoELayer, fwd+bwd (torchrun)",
+    "te_gemm": "the FP8 GEMM anchor: Transformer Engine's FP8 forward beside torch._scaled_mm and bf16 (one GPU)",
 }
 
 

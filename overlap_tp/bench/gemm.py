@@ -11,7 +11,7 @@ each with the tile plan of its op (ag_gemm: local rows first; gemm_rs: row-slice
 the grid the op gives it (--comm-sms: the SMs the collective keeps; 0 = every SM, as the p2p transports run),
 no communication and no waits. cuBLAS: torch.matmul on the same operands (it transposes for free).
 `ratio` = cuBLAS time / ours (above 1: ours is faster); `rule's tile` marks the tile that OverlapConfig's
-tile_by_shape rule (ops/config.py tile_for_shape) gives the plan of that GEMM with the default config. --configs adds tile configurations
+tile_by_shape rule (ops/tile_rule.py tile_for_shape) gives the plan of that GEMM with the default config. --configs adds tile configurations
 (BMxBNxBK/stages/warps; one that does not fit the GPU's resources is named and left out). Every configuration's output is checked against cuBLAS before it is timed.
 Times: cuBLAS and every variant of a GEMM are timed in --rounds interleaved rounds of --reps calls each, replayed
 from one CUDA graph per variant (CUDA events per replay of 4 x --input-sets calls; inputs rotated over the sets,
@@ -32,13 +32,14 @@ from overlap_tp.tune import report
 from overlap_tp.tune.shapes import AG_SHAPES, SHAPES, SMOKE_AG_SHAPES, SMOKE_SHAPES, at_tp
 from overlap_tp.tune.timing import CapturedCalls, event_times
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.common import gemm_programs
-from overlap_tp.ops.config import tile_for_shape
-from overlap_tp.ops.reduction import device_plan
+from overlap_tp.ops.plan_base import gemm_programs
+from overlap_tp.ops.tile_rule import DEFAULT_TILE, tile_for_shape
+from overlap_tp.ops.collective_reduction import device_plan
 from overlap_tp.ops.tile_plan import ag_plan
 
-DEFAULT = OverlapConfig(method="signal", tile_by_shape=False)   # every config runs the tile as given
-BY_SHAPE = OverlapConfig(method="signal")                        # what the ops' plans start from
+# every config runs the tile as given
+DEFAULT = OverlapConfig(method="signal", transport="nccl", tile_by_shape=False, **DEFAULT_TILE)
+BY_SHAPE = OverlapConfig(method="signal", transport="nccl", **DEFAULT_TILE)   # what the ops' plans start from
 
 
 def parse_args(argv):
@@ -64,8 +65,8 @@ def parse_config(text):
     """'128x256x64/3/8' -> OverlapConfig with that tile and pipelining."""
     tile, stages, warps = text.split("/")
     bm, bn, bk = (int(v) for v in tile.split("x"))
-    return OverlapConfig(method="signal", block_m=bm, block_n=bn, block_k=bk, num_stages=int(stages),
-                         num_warps=int(warps), tile_by_shape=False)
+    return OverlapConfig(method="signal", transport="nccl", block_m=bm, block_n=bn, block_k=bk,
+                         num_stages=int(stages), num_warps=int(warps), tile_by_shape=False)
 
 
 def label(config):

@@ -21,27 +21,27 @@ process on the same inputs and the same weights:
                 a count of torch.distributed calls during its check step must be 0)
   off           get_gpt_layer_overlap_spec (OverlapTransformerLayer, fused bda + pre-MLP norm), method off
   signal        the same, method signal with the default OverlapConfig (NCCL per-group collectives,
-                comm_sms 16; `--overlap-tp signal --overlap-tp-transport nccl`)
+                comm_sms 16; `--overlap-tp signal` with every op on nccl in the config file)
   decompose     the same, method decompose (chunks 4)
   signal-agp2p  signal with ag_gemm on the copy-engine p2p transport (comm_sms 0), gemm_rs on NCCL
   signal-p2p    signal with ag_gemm and gemm_rs both on the p2p transports (comm_sms 0; what
-                `--overlap-tp signal` runs: --overlap-tp-transport auto)
+                `--overlap-tp signal` runs on CUDA: the resolver's default transports)
   decompose-p2p cuBLAS over the same p2p transports: gemm_rs one GEMM per owner's region into its buffer,
                 ag_gemm the local rows' GEMM while the copy engines pull the peers' rows in 4 chunks (the
-                default; `--overlap-tp decompose --overlap-tp-transport p2p`)
+                default; what `--overlap-tp decompose` runs on CUDA)
   auto          (not in the default list) method auto: the tuner's pick per op shape (measures on first use)
   mixed-p2p, signal-p2p-lanes2, signal-p2p-sm16
                 (not in the default list) signal-p2p with, in turn: cuBLAS's regions for the ReduceScatters; the
                 AllGathers' copy-engine pulls over two streams; the AllGathers' pulls by a kernel on 16 SMs
   signal-p2p-inplace, decompose-p2p-inplace, auto-inplace
                 (not in the default list) signal-p2p / decompose-p2p / auto with the layer built under
-                set_gather_in_place(True) (`--overlap-tp-gather-in-place`): the norms write into linear_qkv's and
+                OverlapSettings.gather_in_place: the norms write into linear_qkv's and
                 linear_fc1's own gathered buffers, no staging copy, no re-gather in the backward (auto: where the
                 tuner picks signal or decompose on p2p for their AllGathers)
   signal-p2p-inplace-dw
-                (not in the default list) signal-p2p-inplace with set_defer_wgrad(True) (`--overlap-tp-defer-wgrad`):
+                (not in the default list) signal-p2p-inplace with OverlapSettings.defer_wgrad:
                 linear_fc1's wgrad GEMM runs inside linear_proj's backward, between its dgrad AllGather's start and
-                its GEMM (layers.WgradHandoff)
+                its GEMM (wgrad_handoff.WgradHandoff)
   signal-p2p-byrows-inplace-dw, signal-p2p-rsepilogue-inplace-dw
                 (not in the default list) signal-p2p-inplace-dw with, in turn: the AllGathers' pulls cut by rows at
                 any t (chunk_by 'rows'); the ReduceScatters' partials stored by the GEMM's epilogue at any t
@@ -53,15 +53,22 @@ process on the same inputs and the same weights:
                 (not in the default list) signal-p2p-inplace-dw with the ReduceScatters' GEMMs by cuBLAS, one per
                 region into a local staging matrix, each region pushed by the copy engines after its GEMM (method
                 'decompose', rs_transfer 'copy')
+  te, te-ub     (not in the default list; Transformer Engine installed, --device cuda) Megatron's own TE layer
+                (get_gpt_layer_with_transformer_engine_spec: TE's fused RMSNorm+Linear for qkv and fc1, TE's row
+                linears, TEDotProductAttention; SP through TE's NCCL collectives), and the same with
+                `--tp-comm-overlap`: TE's userbuffers, initialised as Megatron does (initialize_ub, shape
+                [s * b, h], bf16, TE's default overlap methods, NCCL bootstrap) with UB_SKIPMC=1 (no NVLink
+                multicast). TE's linears overlap only with SP: at t = 1 te-ub runs with userbuffers initialised
+                and no linear on them (column 'UB linears' counts those that are; te_baselines.py)
   <any of ours>-split
                 (not in the default list; --micro-batch even) that configuration with the layer built under
-                set_token_split(True) (`--overlap-tp-token-split`): the micro-batch's sequences in two halves, run
+                OverlapSettings.token_split: the micro-batch's sequences in two halves, run
                 interleaved so that one half's transfers run beside the other half's compute
 
 Every configuration except nocomm is checked against `megatron` on the first input set before it is
-timed (output, input grad and every parameter grad, max relative error <= --check-tol); every layer that
-passed is kept. Times: CUDA events around each forward + backward, inputs rotated over --input-sets sets;
-the --reps steps of each configuration are spread over --rounds interleaved rounds (each round times every
+timed (output, input grad and every parameter grad, max relative error <= --check-tol; the TE layers' fused norm
+weights compared as the norms'); every layer that passed is kept. Times: CUDA events around each forward +
+backward, inputs rotated over --input-sets sets; the --reps steps of each configuration are spread over --rounds interleaved rounds (each round times every
 configuration in turn, --warmup untimed steps and a barrier before each block), so a drift of the machine
 during the run falls on all configurations alike; ms is the median of all its steps, the slowest rank's;
 "t/megatron per round" gives the range of the ratio over the rounds (the noise of the comparison). Ratios:
@@ -74,7 +81,6 @@ import contextlib
 import functools
 import gc
 import gzip
-import importlib.util
 import json
 import os
 import shutil
@@ -85,6 +91,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from overlap_tp.bench import te_baselines
 from overlap_tp.tune import report
 from overlap_tp.tune.timing import CapturedCalls, queued_ms, slowest_median, timed_samples
 from overlap_tp.ops import symmetric
@@ -110,7 +117,7 @@ GPU_MS_SLACK = 1.02   # a GPU-only (queued) time above this times the span is fl
 def configurations(device_type):
     """name -> (spec 'ours' | 'megatron', overlap_config for our layers or None, counterfactual?)."""
     tiles = SMALL_TILES if device_type == "cpu" else {}
-    signal = OverlapConfig(method="signal", **tiles)
+    signal = OverlapConfig(method="signal", transport="nccl", **tiles)
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
     decompose_p2p = OverlapConfig(method="decompose", transport="p2p", comm_sms=0)   # chunks: the flag's default
     p2p_lanes2 = OverlapConfig(method="signal", transport="p2p", comm_sms=0, copy_lanes=2)
@@ -122,9 +129,11 @@ def configurations(device_type):
     return {
         "megatron": ("megatron", None, False),
         "nocomm": ("megatron", None, True),
+        "te": ("te", None, False),
+        "te-ub": ("te-ub", None, False),
         "off": ("ours", OverlapConfig(method="off"), False),
         "signal": ("ours", signal, False),
-        "decompose": ("ours", OverlapConfig(method="decompose", chunks=4), False),
+        "decompose": ("ours", OverlapConfig(method="decompose", transport="nccl", chunks=4), False),
         "signal-agp2p": ("ours", {"ag_gemm": p2p, "gemm_rs": signal, "gemm_ar": signal}, False),
         "signal-p2p": ("ours", {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": signal}, False),
         "decompose-p2p": ("ours", {"ag_gemm": decompose_p2p, "gemm_rs": decompose_p2p, "gemm_ar": signal}, False),
@@ -159,9 +168,9 @@ def configurations(device_type):
     }
 
 
-IN_PLACE_SUFFIX = "-inplace"   # a configuration whose layer is built with set_gather_in_place(True)
-DEFER_WGRAD_SUFFIX = "-inplace-dw"   # ... and with set_defer_wgrad(True)
-SPLIT_SUFFIX = "-split"   # after any of ours: the layer built with set_token_split(True) (needs --micro-batch 2, 4, ..)
+IN_PLACE_SUFFIX = "-inplace"   # a configuration whose layer gathers in place (OverlapSettings)
+DEFER_WGRAD_SUFFIX = "-inplace-dw"   # ... and defers fc1's wgrad
+SPLIT_SUFFIX = "-split"   # after any of ours: the layer runs the token split (needs --micro-batch 2, 4, ..)
 
 
 def parse_args(argv):
@@ -170,7 +179,8 @@ def parse_args(argv):
     p.add_argument("--models", default="l8b,l70b", help="comma list of " + ",".join(MODELS))
     p.add_argument("--configs", default=None,
                    help=f"comma list, in order (megatron first); default {DEFAULT_CONFIGS} "
-                        f"(CPU: {CPU_CONFIGS}); also: auto")
+                        f"(CPU: {CPU_CONFIGS}); also: auto, and Transformer Engine's layer: te, te-ub "
+                        "(--tp-comm-overlap)")
     p.add_argument("--seq", type=int, default=8192, help="sequence length s (the layer sees s/t rows per rank)")
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--reps", type=int, default=50, help="timed forward+backward steps (median)")
@@ -218,6 +228,11 @@ def parse_args(argv):
                 f"must be even")
     if configs[0] != "megatron":
         p.error("--configs must start with megatron (the reference every other configuration is checked against)")
+    te_configs = [name for name in configs if name in te_baselines.TE_SPECS]
+    if te_configs and args.device != "cuda":
+        p.error(f"{','.join(te_configs)}: Transformer Engine's layer needs --device cuda")
+    if te_configs and (problem := te_baselines.te_problem()):
+        p.error(f"{','.join(te_configs)}: {problem}")
     if args.rounds < 1 or args.reps < args.rounds:
         p.error(f"--rounds {args.rounds} with --reps {args.reps}: need 1 <= rounds <= reps")
     unknown = set(args.models.split(",")) - set(MODELS)
@@ -245,15 +260,27 @@ def layer_config(model, tp, device_type, fusions=None):
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1, use_cpu_initialization=device_type == "cpu")
 
 
-def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgrad=False, token_split=False):
-    """One TransformerLayer from our spec ('ours') or the Megatron reference spec ('megatron'); in_place: ours, its
-    norms writing into the column-parallel linears' own gathered buffers (set_gather_in_place); defer_wgrad: fc1's
-    wgrad inside proj's backward (set_defer_wgrad); token_split: the micro-batch as two interleaved halves
-    (set_token_split)."""
+def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgrad=False, token_split=False,
+                tokens=None):
+    """One TransformerLayer from our spec ('ours'), the Megatron reference spec ('megatron') or Megatron's TE spec
+    ('te', 'te-ub': with userbuffers for `tokens` rows, te_baselines); in_place: ours, its norms writing into the
+    column-parallel linears' own gathered buffers (OverlapSettings.gather_in_place); defer_wgrad: fc1's wgrad inside
+    proj's backward (defer_wgrad); token_split: the micro-batch as two interleaved halves (token_split). Ours is built
+    with every op kind 'off' (the configuration sets its own: never 'auto' by accident)."""
     from megatron.core.transformer.spec_utils import build_module
+    if spec_kind in te_baselines.TE_SPECS:
+        if spec_kind == "te-ub":
+            te_baselines.initialize_userbuffers(tokens, config.hidden_size, config.tensor_model_parallel_size)
+        torch.manual_seed(seed)
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(seed)
+        return te_baselines.build_te_layer(spec_kind, config).to(device)
     if spec_kind == "ours":
         from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-        spec = get_gpt_layer_overlap_spec()
+        from overlap_tp.megatron.settings import OverlapSettings
+        settings = OverlapSettings(gather_in_place=in_place, defer_wgrad=defer_wgrad,
+                                   token_split=token_split).with_configs(OverlapConfig(method="off"))
+        spec = get_gpt_layer_overlap_spec(settings=settings)
     else:
         from overlap_tp.bench.reference_spec import get_gpt_layer_megatron_reference_spec
         spec = get_gpt_layer_megatron_reference_spec()
@@ -261,10 +288,7 @@ def build_layer(spec_kind, config, device, seed=1234, in_place=False, defer_wgra
     if device.type == "cuda":
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         model_parallel_cuda_manual_seed(seed)
-    from overlap_tp.megatron.layers import deferring_wgrad, gathering_in_place
-    from overlap_tp.megatron.transformer_layer import splitting_tokens
-    with gathering_in_place(in_place), deferring_wgrad(defer_wgrad), splitting_tokens(token_split):
-        return build_module(spec, config=config, layer_number=1).to(device)
+    return build_module(spec, config=config, layer_number=1).to(device)
 
 
 def rotary_embedding(config, seq, device):
@@ -304,9 +328,10 @@ def rel_error(got, ref):
     return float((got.float() - ref).norm() / max(float(ref.norm()), 1e-30))
 
 
-def _capture(layer, x, g, rope):
+def _capture(layer, x, g, rope, rename=str):
+    """One step's output, input grad and parameter grads (keyed by rename(parameter name))."""
     out, dx = step(layer, x, g, rope)
-    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    grads = {rename(n): p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
     return out.detach().clone(), dx.detach().clone(), grads
 
 
@@ -358,7 +383,7 @@ COLUMNS = [
     ("gpu_ms", "GPU ms", "{:.3f}"), ("gpu_vs_megatron", "GPU/megatron", "{:.3f}"), ("gpu_note", "GPU ms note", "{}"),
     ("host_ms", "host ms", "{:.3f}"),
     ("check_err", "check err", "{:.1e}"), ("check_worst", "worst", "{}"), ("same_init", "init = megatron's", "{}"),
-    ("collectives", "dist calls", "{}"),
+    ("collectives", "dist calls", "{}"), ("userbuffers", "UB linears", "{}"),
     ("peak_gib", "peak GiB", "{:.1f}"), ("symmetric_gib", "symmetric GiB", "{:.2f}"), ("error", "error", "{}"),
 ]
 
@@ -370,7 +395,8 @@ def _versions():
         out["megatron_core"] = megatron.core.__version__
     except (ImportError, AttributeError):
         out["megatron_core"] = None
-    out["transformer_engine"] = importlib.util.find_spec("transformer_engine") is not None
+    out["transformer_engine"] = te_baselines.te_version()
+    out["UB_SKIPMC"] = os.environ.get("UB_SKIPMC")
     return out
 
 
@@ -379,7 +405,7 @@ def summarize(rows):
     lines, summary = [], {}
     for model in dict.fromkeys(r["model"] for r in rows):
         timed_rows = {r["config"]: r for r in rows if r["model"] == model and r.get("ms")}
-        ours = {k: v for k, v in timed_rows.items() if k not in ("megatron", "nocomm")}
+        ours = {k: v for k, v in timed_rows.items() if k not in ("megatron", "nocomm", *te_baselines.TE_SPECS)}
         entry = {}
         if "nocomm" in timed_rows and "megatron" in timed_rows:
             # the best t/megatron that hiding all of Megatron's exposed communication could reach
@@ -398,6 +424,11 @@ def summarize(rows):
                 entry["best_vs_megatron"] = ours[best]["vs_megatron"]
             if "nocomm" in timed_rows:
                 entry["best_vs_nocomm"] = ours[best]["vs_nocomm"]
+        for te in te_baselines.TE_SPECS:   # Transformer Engine's layer, without and with its userbuffers overlap
+            if te in timed_rows and "megatron" in timed_rows:
+                entry[f"{te}_vs_megatron"] = timed_rows[te]["vs_megatron"]
+            if te in timed_rows and ours:
+                entry[f"best_vs_{te}"] = ours[entry["best_ours"]]["ms"] / timed_rows[te]["ms"]
         gpu_ours = {k: v["gpu_vs_megatron"] for k, v in ours.items() if v.get("gpu_vs_megatron")}
         if gpu_ours:   # the same comparison with launch gaps removed (GPU ms): what a faster host would see
             entry["best_gpu_ours"] = min(gpu_ours, key=gpu_ours.get)
@@ -434,7 +465,10 @@ def write_report(args, rows, command, group):
              f"streams its GPU ms has exceeded the span; a GPU ms above {GPU_MS_SLACK} x ms is flagged in 'GPU ms "
              "note' and left out of the ratios (and Megatron's flagged leaves every ratio out). peak GiB: torch's "
              "allocator; symmetric GiB: the symmetric memory the configuration allocated, outside it (a shape's "
-             "shared buffers count where first built).\n\n"
+             "shared buffers count where first built). te, te-ub: Megatron's Transformer Engine layer, without and "
+             "with --tp-comm-overlap (userbuffers); UB linears: how many of its linears run a GEMM on userbuffers (0 at "
+             "t = 1: TE overlaps only with sequence parallelism); best_vs_te / best_vs_te-ub in the summary: the best "
+             "of ours over that layer's time.\n\n"
              "Settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()) + "\n\n" + "\n".join(lines))
     report.write(args.out, args.name, f"One Llama TransformerLayer forward + backward, TP = {settings['tp']}, "
                  f"{'SP' if settings['tp'] > 1 else 'no SP'}, s = {args.seq}", rows, COLUMNS, notes, command=command)
@@ -474,13 +508,18 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
     symmetric_before = symmetric.total()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    rename = te_baselines.reference_name if spec_kind in te_baselines.TE_SPECS else str
     try:
+        x = sets[0][0]
         layer = build_layer(spec_kind, config, device, in_place=base.endswith((IN_PLACE_SUFFIX, DEFER_WGRAD_SUFFIX)),
-                            defer_wgrad=base.endswith(DEFER_WGRAD_SUFFIX), token_split=base != name)
+                            defer_wgrad=base.endswith(DEFER_WGRAD_SUFFIX), token_split=base != name,
+                            tokens=x.shape[0] * x.shape[1] * dist.get_world_size(group))
         if base != name and not layer.token_split:
             raise RuntimeError("the layer does not split (a warning said why)")
+        if spec_kind in te_baselines.TE_SPECS:
+            row["userbuffers"] = te_baselines.active_userbuffers(layer)
         if weights is not None:
-            params = dict(layer.named_parameters())
+            params = {rename(n): p for n, p in layer.named_parameters()}
             if sorted(params) != sorted(weights):
                 raise RuntimeError(f"parameter names differ from megatron's: {sorted(set(params) ^ set(weights))}")
             row["same_init"] = all(torch.equal(params[n], w) for n, w in weights.items())
@@ -489,7 +528,7 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
                     params[n].copy_(w)
         _apply_overlap(layer, overlap)
         with count_collectives() as counts, _communication(nocomm):
-            result = _capture(layer, *sets[0], rope)
+            result = _capture(layer, *sets[0], rope, rename)
         row["collectives"] = sum(counts.values())
         if nocomm and row["collectives"]:
             raise RuntimeError(f"the counterfactual still communicates: {counts}")
@@ -661,13 +700,11 @@ def run(args, group=None, command=None):
     """The benchmark on an initialized process group (one rank per GPU, or gloo on the CPU). Returns the
     rows (every rank)."""
     from megatron.core import parallel_state as ps
-    from overlap_tp.megatron.layers import set_default_overlap_config
     warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
     group = group or dist.group.WORLD
     world = dist.get_world_size(group)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    set_default_overlap_config(OverlapConfig(method="off"))   # op kinds a config does not name: never 'auto'
     command = command or f"torchrun --nproc-per-node {world} -m overlap_tp.bench layer"
     rows = []
     from overlap_tp.bench.reference_spec import megatron_sp_on_cpu
@@ -676,6 +713,7 @@ def run(args, group=None, command=None):
             for model in args.models.split(","):
                 bench_model(model, args, ps.get_tensor_model_parallel_group(), device, rows, command)
     finally:
+        te_baselines.release_userbuffers()
         ps.destroy_model_parallel()
     if dist.get_rank() == 0:
         print(report.markdown_table(rows, COLUMNS))

@@ -21,7 +21,6 @@ against `seq` before it is timed. Plans are rebuilt on every call (as in trainin
 change every step), so their host cost is inside the times.
 """
 import argparse
-import dataclasses
 import os
 
 import torch
@@ -31,11 +30,11 @@ from overlap_tp import OverlapConfig, a2a_gemm, gemm_a2a
 from overlap_tp.tune import report
 from overlap_tp.bench import ops
 from overlap_tp.tune.timing import timed
-from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG
+from overlap_tp.ops.resolve import resolve
 from overlap_tp.ops.expert import all_to_all_rows, expert_mm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout
-from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.plan_base import gemm_programs
 
 INPUT_SETS = 3
 ZIPF_S = 1.2
@@ -82,7 +81,7 @@ def parse_args(argv):
 
 
 def ours_variants(sweep):
-    variants = {"ours": dataclasses.replace(DEFAULT_EXPERT_CONFIG, method="signal")}
+    variants = {"ours": resolve(OverlapConfig(method="signal"), "a2a_gemm", device="cuda")}   # the ops' defaults
     if sweep:
         for groups in (2, 4, 8):
             for comm_sms in (2, 4, 8, 16):
@@ -116,7 +115,7 @@ def bench_shape(op, tokens, routing, args, group):
     gemm_in = torch.randn(lay.rows, k, device="cuda", dtype=torch.bfloat16)
     gemm_out = torch.empty(lay.rows, n, device="cuda", dtype=torch.bfloat16)
     row["gemm"] = timed(lambda a, w: expert_mm(gemm_in, w, lay.segments, (gemm_out,)), sets, args.reps, group)
-    full_grid = OverlapConfig(method="signal", comm_sms=0)
+    full_grid = OverlapConfig(method="signal", groups="auto", comm_sms=0)
     plan = dispatch_plan(layout(counts, rank), n, full_grid.block_m, full_grid.block_n, 1)
     tiles, programs = plan.tiles.to(torch.Tensor.cuda), gemm_programs(gemm_in.device, full_grid)
 
@@ -136,7 +135,7 @@ def bench_shape(op, tokens, routing, args, group):
 
     decomp = {}
     for groups in (2, 4, 8):
-        config = OverlapConfig(method="decompose", groups=groups)
+        config = OverlapConfig(method="decompose", comm_sms=16, groups=groups)
         agree(call(config)(*sets[0]), seq_out, f"{op} decompose groups={groups}")
         decomp[groups] = timed(call(config), sets, args.reps, group)
     row["decomp_g"], row["decomp"] = min(decomp.items(), key=lambda kv: kv[1])

@@ -30,7 +30,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.resolve import resolve
 from overlap_tp.tune import report
 from overlap_tp.bench.moe import ZIPF_S
 from overlap_tp.bench.ops import agree
@@ -47,7 +48,8 @@ def parse_args(argv):
     p.add_argument("--routing", default="uniform,zipf", help="comma list of " + ",".join(ROUTINGS))
     p.add_argument("--methods", default="signal,off",
                    help="OverlapMoELayer methods to time (signal, off, decompose, auto; signal-p2p / decompose-p2p: "
-                        "the method with the expert ops on the p2p transport, --overlap-moe-transport p2p; a suffix "
+                        "the method with the expert ops on the p2p transport, expert.transport p2p in --overlap-tp-config; a "
+                        "suffix "
                         ".gN / .smN sets groups / comm_sms, e.g. signal.g4.sm8)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=14336, help="expert FFN size (fc1 is 2 x ffn: SwiGLU)")
@@ -135,19 +137,19 @@ VARIANT_FIELDS = {"g": "groups", "sm": "comm_sms"}   # a --methods entry's chang
 
 def variant_config(name: str):
     """The expert ops' config of a --methods entry: a method, or signal-p2p / decompose-p2p (the method on the p2p
-    transport, whose GEMMs get every SM: comm_sms 0, as --overlap-moe-transport p2p sets); then optional
+    transport, whose GEMMs get every SM: comm_sms 0, as the resolver sets on p2p); then optional
     '.'-separated changes to sweep: gN (groups=N), smN (comm_sms=N), e.g. signal.g4.sm8."""
     base, *changes = name.split(".")
     if base in ("signal-p2p", "decompose-p2p"):
-        config = dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=base.split("-")[0], transport="p2p", comm_sms=0)
+        config = OverlapConfig(method=base.split("-")[0], transport="p2p", comm_sms=0)
     else:
-        config = dataclasses.replace(DEFAULT_EXPERT_CONFIG, method=base)
+        config = OverlapConfig(method=base)
     for change in changes:
         match = re.fullmatch(r"(g|sm)(\d+)", change)
         if match is None:
             raise ValueError(f"--methods {name}: '{change}' is not gN (groups) or smN (comm_sms)")
         config = dataclasses.replace(config, **{VARIANT_FIELDS[match[1]]: int(match[2])})
-    return config
+    return resolve(config, "a2a_gemm", device="cuda")   # the expert ops' defaults for the fields not named
 
 
 def bench_shape(tokens, routing, args, group):

@@ -28,8 +28,8 @@ from overlap_tp.ops.gemm_rs import GemmRS
 from overlap_tp.tune.timing import enqueue_us, graph_timed, queued_ms
 from overlap_tp.tune.timing import timed as eager_timed
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.common import gemm_programs
-from overlap_tp.ops.reduction import device_plan
+from overlap_tp.ops.plan_base import gemm_programs
+from overlap_tp.ops.collective_reduction import device_plan
 from overlap_tp.ops.tile_plan import ag_plan
 
 INPUT_SETS = 3
@@ -97,10 +97,11 @@ def ours_variants(op, sweep):
             for groups in (2, 4, 8):
                 variants[f"p2p/g{groups}"] = OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=groups)
             for groups, comm_sms in ((2, 16), (4, 16), (4, 8)):
-                variants[f"nccl/g{groups}/sm{comm_sms}"] = OverlapConfig(method="signal", groups=groups,
+                variants[f"nccl/g{groups}/sm{comm_sms}"] = OverlapConfig(method="signal", transport="nccl",
+                                                                         groups=groups,
                                                                          comm_sms=comm_sms)
         return variants
-    variants = {"ours": p2p, "nccl": OverlapConfig(method="signal"), "cublas-p2p": cublas_p2p,
+    variants = {"ours": p2p, "nccl": OverlapConfig(method="signal", transport="nccl"), "cublas-p2p": cublas_p2p,
                 # the peers' partials stored by the GEMM's epilogue over NVLink (`ours` at t = 2) and stored locally,
                 # then pushed by the copy engines region by region (`ours` where t > 2: rs_transfer 'auto')
                 "p2p/epilogue": OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue"),
@@ -108,12 +109,13 @@ def ours_variants(op, sweep):
                 # cuBLAS per region into the staging matrix, each pushed by the copy engines after its GEMM
                 "cublas-p2p/copy": OverlapConfig(method="decompose", transport="p2p", comm_sms=0,
                                                  rs_transfer="copy")} \
-        if op == "rs" else {"ours": OverlapConfig(method="signal"), "p2p": p2p, "cublas-p2p": cublas_p2p}
+        if op == "rs" else {"ours": OverlapConfig(method="signal", transport="nccl"), "p2p": p2p,
+                            "cublas-p2p": cublas_p2p}
     if sweep:
         for schedule, groups, comm_sms in (("row_slice", 2, 0), ("row_slice", 4, 0), ("row_slice", 2, 16),
                                            ("tile_exact", 8, 0)):
             variants[f"{schedule}/g{groups}/sm{comm_sms}"] = OverlapConfig(
-                method="signal", schedule=schedule, groups=groups, comm_sms=comm_sms)
+                method="signal", transport="nccl", schedule=schedule, groups=groups, comm_sms=comm_sms)
     return variants
 
 
@@ -145,7 +147,7 @@ def bench_shape(op, name, m, k, n, args, group):
     row["S_ideal"] = row["seq"] / max(row["gemm"], row["comm"])
 
     # the signaled GEMM alone (full grid, no communication, no waits) against cuBLAS
-    full_grid = OverlapConfig(method="signal", comm_sms=0)
+    full_grid = OverlapConfig(method="signal", transport="nccl", comm_sms=0)
     programs = gemm_programs(sets[0][0].device, full_grid)
     if op == "ag":
         tiles = ag_plan(m, n, k, t, dist.get_rank(group), full_grid.block_m, full_grid.block_n).tiles.cuda()
@@ -162,7 +164,7 @@ def bench_shape(op, name, m, k, n, args, group):
 
     decomp = {}
     for chunks in (2, 4, 8):
-        config = OverlapConfig(method="decompose", chunks=chunks)
+        config = OverlapConfig(method="decompose", transport="nccl", chunks=chunks)
         agree(run(*sets[0], group, config=config), seq_out, f"{op} decompose c={chunks}")
         decomp[chunks] = timed(lambda a, w: run(a, w, group, config=config), sets, args.reps, group)
     row["decomp_c"], row["decomp"] = min(decomp.items(), key=lambda kv: kv[1])
@@ -225,7 +227,7 @@ def bench_shape(op, name, m, k, n, args, group):
         return row
     # FlashOverlap's bound: the GEMM plus the last group's collective when the GEMM dominates, else the
     # first wave of the GEMM plus the whole collective.
-    default = OverlapConfig(method="signal")
+    default = OverlapConfig(method="signal", transport="nccl")
     plan = device_plan(default.schedule, m, n, t if op == "rs" else 1, default, 2, sets[0][0].device).plan
     last = plan.collectives[-1]
     if row["gemm"] >= row["comm"]:

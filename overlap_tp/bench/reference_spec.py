@@ -49,11 +49,13 @@ __all__ = ["count_collectives", "get_gpt_layer_megatron_reference_spec", "gpt_bl
            "no_tp_communication"]
 
 
-def get_gpt_layer_megatron_reference_spec(qk_layernorm: bool = False, qk_l2_norm: bool = False, **unused_kwargs):
+def get_gpt_layer_megatron_reference_spec(qk_layernorm: bool = False, qk_l2_norm: bool = False,
+                                          multi_latent_attention: bool = False, **unused_kwargs):
     """Megatron's local TransformerLayer spec with RMSNorm, made runnable with sequence parallel and
-    without Transformer Engine / Apex: the norms become OverlapRMSNorm (OverlapQKRMSNorm for q/k) and the
-    core attention overlap_tp's (SDPAttention, or TEDotProductAttention where TE imports). The linears,
-    the layer class and everything else stay Megatron's (module docstring)."""
+    without Transformer Engine / Apex: the norms become OverlapRMSNorm (OverlapQKRMSNorm for q/k, and for
+    MLA's q / kv latent norms) and the core attention overlap_tp's (SDPAttention, or TEDotProductAttention
+    where TE imports). The linears, the layer class and everything else stay Megatron's (module docstring);
+    with multi_latent_attention, Megatron's MLASelfAttention on its ColumnParallelLinear / RowParallelLinear."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.torch_norm import L2Norm
@@ -62,7 +64,8 @@ def get_gpt_layer_megatron_reference_spec(qk_layernorm: bool = False, qk_l2_norm
     from overlap_tp.megatron.layer_spec import OverlapQKRMSNorm
     from overlap_tp.megatron.norm import OverlapRMSNorm
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", qk_l2_norm=qk_l2_norm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm", qk_l2_norm=qk_l2_norm,
+                                    multi_latent_attention=multi_latent_attention)
     spec = copy.copy(spec)
     sub = spec.submodules = copy.copy(spec.submodules)
     sub.input_layernorm = OverlapRMSNorm
@@ -70,8 +73,8 @@ def get_gpt_layer_megatron_reference_spec(qk_layernorm: bool = False, qk_l2_norm
     attention = sub.self_attention = copy.copy(sub.self_attention)
     attn = attention.submodules = copy.copy(attention.submodules)
     attn.core_attention = core_attention_module()
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attn, name) not in (IdentityOp, L2Norm, None):
+    for name in ("q_layernorm", "k_layernorm", "kv_layernorm"):
+        if getattr(attn, name, None) not in (IdentityOp, L2Norm, None):
             setattr(attn, name, OverlapQKRMSNorm)
     return spec
 

@@ -11,12 +11,14 @@
         core_attention                         -> TEDotProductAttention if Transformer Engine is
                                                   importable, else overlap_tp.megatron.attention.SDPAttention
         mlp with num_experts                   -> OverlapMoELayer (get_moe_overlap_module_spec)
+        self_attention with multi_latent_attention -> Megatron's MLASelfAttention, its up-projections and
+                                                  linear_proj ours (overlap_tp.megatron.mla)
     OverlapSpecProvider                         the BackendSpecProvider behind it
 
 Use it where Megatron takes a layer spec, e.g. `GPTModel(config, transformer_layer_spec=
 get_gpt_layer_overlap_spec(qk_layernorm=True), ...)`, with config.normalization = "RMSNorm" and
-bf16/fp16 params. The overlap methods come from `overlap_tp.megatron.layers.set_default_overlap_config` /
-`set_overlap_config(model, ...)`.
+bf16/fp16 params. How the overlap runs comes from the `settings` given (an OverlapSettings, carried to every
+overlap_tp module through ModuleSpec params) or later `overlap_tp.megatron.layers.set_overlap_config(model, ...)`.
 """
 from typing import Optional
 
@@ -34,8 +36,10 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from overlap_tp.megatron.attention import core_attention_module
 from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+from overlap_tp.megatron.mla import mla_self_attention_spec
 from overlap_tp.megatron.moe_layer import OverlapGroupedMLP, OverlapMoELayer
 from overlap_tp.megatron.norm import OverlapRMSNorm
+from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OverlapSettings
 from overlap_tp.megatron.transformer_layer import OverlapTransformerLayer
 
 __all__ = ["OverlapQKRMSNorm", "OverlapSpecProvider", "get_gpt_layer_overlap_spec", "get_moe_overlap_module_spec"]
@@ -47,8 +51,9 @@ NO_EXPERTS_FOR_MEGATRON_MOE = (
 
 
 class OverlapQKRMSNorm(OverlapRMSNorm):
-    """OverlapRMSNorm for the q/k layernorm slots: its input is a strided view of the fused QKV output.
-    Megatron all-reduces these weights' grads over TP by name (q_layernorm / k_layernorm)."""
+    """OverlapRMSNorm for the q/k layernorm slots: its input is a strided view of the fused QKV output (or, in MLA's
+    q / kv latent norm slots, of the down projection's output). Megatron all-reduces these weights' grads over TP
+    (by name, q_layernorm / k_layernorm, or by the `sequence_parallel` attribute)."""
 
     def forward(self, x):
         return super().forward(x.contiguous())
@@ -87,13 +92,21 @@ class OverlapSpecProvider(BackendSpecProvider):
         return None
 
 
-def get_moe_overlap_module_spec() -> ModuleSpec:
+def _with_settings(module: type, settings: Optional[OverlapSettings]):
+    """`module` as a spec entry that builds it with `settings` (ModuleSpec params), or the class itself where there
+    are none to pass."""
+    return module if settings is None else ModuleSpec(module=module, params={"settings": settings})
+
+
+def get_moe_overlap_module_spec(settings: Optional[OverlapSettings] = None) -> ModuleSpec:
     """The MoE `mlp` slot: OverlapMoELayer with OverlapGroupedMLP experts (always one grouped GEMM per op,
-    so moe_grouped_gemm changes nothing) and Megatron's SharedExpertMLP on overlap_tp's linears."""
+    so moe_grouped_gemm changes nothing) and Megatron's SharedExpertMLP on overlap_tp's linears; settings (an
+    OverlapSettings) reach the experts and the shared experts' linears."""
     backend = OverlapSpecProvider()
-    shared = MLPSubmodules(linear_fc1=backend.column_parallel_linear(), linear_fc2=backend.row_parallel_linear())
+    shared = MLPSubmodules(linear_fc1=_with_settings(backend.column_parallel_linear(), settings),
+                           linear_fc2=_with_settings(backend.row_parallel_linear(), settings))
     return ModuleSpec(module=OverlapMoELayer,
-                      submodules=MoESubmodules(experts=OverlapGroupedMLP,
+                      submodules=MoESubmodules(experts=_with_settings(OverlapGroupedMLP, settings),
                                                shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=shared)))
 
 
@@ -114,8 +127,8 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
                                qk_layernorm: Optional[bool] = False, multi_latent_attention: Optional[bool] = False,
                                fp8: Optional[str] = None, moe_use_legacy_grouped_gemm: Optional[bool] = False,
                                normalization: Optional[str] = None, qk_l2_norm: Optional[bool] = False,
-                               transformer_impl: Optional[str] = None, fused_norms: bool = True,
-                               **unused_kwargs) -> ModuleSpec:
+                               transformer_impl: Optional[str] = None, fused_norms: Optional[bool] = None,
+                               settings: Optional[OverlapSettings] = None, **unused_kwargs) -> ModuleSpec:
     """A TransformerLayer spec (the arguments of get_gpt_layer_local_spec) on overlap_tp's layers; with
     num_experts the MLP is OverlapMoELayer (moe_grouped_gemm and moe_use_legacy_grouped_gemm change nothing).
 
@@ -124,10 +137,15 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
     (OverlapTransformerLayer), and TE's LayerNorm+Linear fusion would take the norm into qkv / fc1, whose
     AllGather+GEMM is overlap_tp's. Core attention: TEDotProductAttention where TE imports, else SDPA.
 
-    fused_norms=False (--no-overlap-tp-fused-norms): the layer is Megatron's TransformerLayer, which runs the
+    settings: the OverlapSettings every overlap_tp module of the spec is built with (ModuleSpec params): the linears'
+    configs per op kind, the MoE experts' config, the layer's switches. None: the defaults (OverlapSettings()).
+    fused_norms (default: settings.fused_norms) False: the layer is Megatron's TransformerLayer, which runs the
     bias-dropout-adds and the norms as separate kernels (same submodules, same checkpoint keys)."""
-    if multi_latent_attention:
-        raise NotImplementedError("overlap_tp: multi-latent attention is not supported by the overlap spec")
+    if fused_norms is None:
+        fused_norms = (settings or DEFAULT_SETTINGS).fused_norms
+    if multi_latent_attention and qk_l2_norm:
+        raise NotImplementedError("overlap_tp: qk_l2_norm with multi-latent attention (Megatron does not support it "
+                                  "either)")
     if fp8 is not None:
         raise NotImplementedError("overlap_tp: FP8 is not supported by the overlap layers (bf16/fp16 GEMMs)")
     if normalization not in (None, "RMSNorm"):
@@ -138,33 +156,41 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
     qk_norm = L2Norm if qk_l2_norm else (
         (te_norm_module(transformer_impl) or backend.layer_norm(rms_norm=True, for_qk=True)) if qk_layernorm
         else IdentityOp)
+    column, row = (_with_settings(backend.column_parallel_linear(), settings),
+                   _with_settings(backend.row_parallel_linear(), settings))
+    if multi_latent_attention:   # overlap_tp.megatron.mla: the up-projections and linear_proj on our ops
+        self_attention = mla_self_attention_spec(qk_layernorm, backend.layer_norm(rms_norm=True, for_qk=True),
+                                                 column=column, row=row)
+    else:
+        self_attention = ModuleSpec(
+            module=SelfAttention,
+            params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(
+                linear_qkv=column,
+                core_attention=backend.core_attention(),
+                linear_proj=row,
+                q_layernorm=qk_norm,
+                k_layernorm=qk_norm,
+            ),
+        )
     return ModuleSpec(
         module=OverlapTransformerLayer if fused_norms else TransformerLayer,
+        params={"settings": settings} if fused_norms and settings is not None else {},
         submodules=TransformerLayerSubmodules(
             input_layernorm=layer_norm,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=backend.column_parallel_linear(),
-                    core_attention=backend.core_attention(),
-                    linear_proj=backend.row_parallel_linear(),
-                    q_layernorm=qk_norm,
-                    k_layernorm=qk_norm,
-                ),
-            ),
+            self_attention=self_attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=layer_norm,
             mlp=ModuleSpec(
                 module=MLP,
-                submodules=MLPSubmodules(linear_fc1=backend.column_parallel_linear(),
-                                         linear_fc2=backend.row_parallel_linear()),
-            ) if num_experts is None else get_moe_overlap_module_spec(),
+                submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row),
+            ) if num_experts is None else get_moe_overlap_module_spec(settings),
             mlp_bda=get_bias_dropout_add,
             # checkpoints interchange with Megatron's local and TE specs (same key map as the local spec; an
             # MoE layer keeps its pre_mlp_layernorm keys, as Megatron's TE MoE spec, where no fc1 fuses it)
+            # (MLA: Megatron's MLA specs keep input_layernorm under its own key)
             sharded_state_dict_keys_map={
-                "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+                **({} if multi_latent_attention else {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}),
                 **({"pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"} if num_experts is None else {}),
             },
         ),

@@ -1,9 +1,9 @@
 """method='auto' for one MoE layer's expert ops: try each method, keep the fastest, agree over the EP group.
 
 The dense ops' tuner measures a shape once before training; an MoE layer's sizes change with the routing every
-step, and whether the overlap pays depends on the interconnect (at EP 2 over NVLink the all-to-all is 3-10% of the
-grouped GEMMs and `signal` ran 0.96-0.97x of Megatron's MoELayer; on the cross-node proxy 1.12-1.16x,
-docs/perf/s13/README.md). So `auto` measures in training itself, as Tutel switches its parallelism online: the
+step, and whether the overlap pays depends on the interconnect (at EP 2 over NVLink the all-to-all is a small share
+of the grouped GEMMs and the overlap does not pay; where the all-to-all is slow it does: docs/performance.md). So
+`auto` measures in training itself, as Tutel switches its parallelism online: the
 layer's first calls take `off`, `signal` and `decompose` in turn (WARMUP untimed calls each, then TRIALS timed ones
 each; both overlapped methods on the layer's transport), each timed on the GPU by CUDA events around the experts'
 forward (fc1 + dispatch, activation, fc2 + combine). At the call after the last trial every rank waits for its events
@@ -29,8 +29,8 @@ METHODS = ("off", "signal", "decompose")   # off first: the baseline the others 
 WARMUP = 1   # per method: plan builds, Triton compiles
 TRIALS = 5   # per method
 # an overlapped method is kept only if its median beats off's by this fraction: off is Megatron's path, and two trials
-# of the same method differ by a few percent from call to call (at EP 1, where signal cannot win, a 3-call trial once
-# kept it: docs/perf/s15/README.md)
+# of the same method differ by a few percent from call to call (without a margin, a short trial can keep a method
+# that cannot win, as signal at EP 1)
 MARGIN = 0.02
 
 

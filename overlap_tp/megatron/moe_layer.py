@@ -17,7 +17,8 @@ What runs (alltoall-dispatcher semantics, expert TP = 1, EP >= 1):
                               probability-weighted combine; moe_apply_probs_on_input scales the input instead)
 
 The methods (off, signal, ...) come from an OverlapConfig: the experts' `overlap_config` attribute, or where
-it is None the module default set with `set_default_moe_overlap_config` (read at every call).
+it is None their settings' (OverlapSettings.moe, carried by the layer spec; unset: every field left to the expert
+ops' resolver, ops/resolve.py), read at every call.
 
 Expert weights (OverlapGroupedMLP): weight1 [L, N, H] (N = 2F with a gated linear unit, gate rows first, as
 Megatron's fc1) and weight2 [L, H, F]: expert l's slice is the nn.Linear weight of Megatron's
@@ -48,28 +49,16 @@ try:
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_object_for_checkpoint
     from megatron.core.utils import get_pg_rank, get_pg_size
 except ImportError as error:  # pragma: no cover - exercised only without megatron-core
-    raise ImportError("overlap_tp.megatron.moe_layer needs megatron-core (pip install 'overlap_tp[megatron]' or "
+    raise ImportError("overlap_tp.megatron.moe_layer needs megatron-core (pip install -e '.[megatron]' in the checkout, or "
                       "'megatron-core>=0.16')") from error
 
 from overlap_tp.megatron.moe_auto import MethodTrial
 from overlap_tp.ops import comm
-from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OverlapSettings
 from overlap_tp.ops.expert import a2a_gemm, gemm_a2a
 
-__all__ = ["OverlapGroupedMLP", "OverlapMoELayer", "check_moe_config", "get_default_moe_overlap_config",
-           "set_default_moe_overlap_config", "set_moe_overlap_config"]
-
-_default = {"config": DEFAULT_EXPERT_CONFIG}
-
-
-def set_default_moe_overlap_config(config: OverlapConfig):
-    """The OverlapConfig of every OverlapMoELayer whose experts' `overlap_config` is None."""
-    _default["config"] = _check_overlap_config(config, "config")
-
-
-def get_default_moe_overlap_config() -> OverlapConfig:
-    return _default["config"]
-
+__all__ = ["OverlapGroupedMLP", "OverlapMoELayer", "check_moe_config", "set_moe_overlap_config"]
 
 def set_moe_overlap_config(model: torch.nn.Module, config: Optional[OverlapConfig]) -> int:
     """Set `overlap_config` on the experts of every OverlapMoELayer of `model`; returns how many were set."""
@@ -103,8 +92,9 @@ def check_moe_config(config, expert_tp_size: int = 1):
         refuse.append(f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: the expert ops carry "
                       f"the alltoall dispatcher's all-to-all (--moe-token-dispatcher-type alltoall)")
     if expert_tp_size > 1 or (getattr(config, "expert_tensor_parallel_size", None) or 1) > 1:
-        refuse.append("expert tensor parallelism > 1: the expert ops run whole experts per rank "
-                      "(--expert-tensor-parallel-size 1)")
+        refuse.append("expert tensor parallelism > 1: the expert ops move whole tokens between the EP ranks and run "
+                      "each expert's whole fc1 / fc2 on one rank, with no AllGather / ReduceScatter inside an expert "
+                      "(--expert-tensor-parallel-size 1, or Megatron's MoE layer: --overlap-moe off)")
     if config.add_bias_linear:
         refuse.append("expert biases (add_bias_linear=True): the grouped expert GEMMs have none "
                       "(--disable-bias-linear)")
@@ -114,8 +104,9 @@ def check_moe_config(config, expert_tp_size: int = 1):
     if getattr(config, "moe_router_padding_for_quantization", False):
         refuse.append("moe_router_padding_for_quantization: that pads routes for FP8/FP4 GEMMs")
     if config.moe_shared_expert_overlap:
-        refuse.append("moe_shared_expert_overlap: it runs the shared experts inside Megatron's dispatcher; "
-                      "without it they run as in MoELayer, before routing (drop --moe-shared-expert-overlap)")
+        refuse.append("moe_shared_expert_overlap: it runs the shared experts inside Megatron's dispatcher, which "
+                      "this layer replaces; without it they run as in MoELayer, before routing, on overlap_tp's dense "
+                      "linears (drop --moe-shared-expert-overlap; validate_overlap_args turns it off with a warning)")
     if getattr(config, "moe_latent_size", None):
         refuse.append("moe_latent_size (MoE latent projections)")
     if getattr(config, "overlap_moe_expert_parallel_comm", False):
@@ -154,8 +145,9 @@ class OverlapGroupedMLP(MegatronModule):
     """
 
     def __init__(self, num_local_experts: int, config, pg_collection=None, name: Optional[str] = None,
-                 overlap_config: Optional[OverlapConfig] = None):
-        """Built by MoELayer like Megatron's experts (megatron-core >= 0.19 also passes `name`, unused)."""
+                 overlap_config: Optional[OverlapConfig] = None, settings: Optional[OverlapSettings] = None):
+        """Built by MoELayer like Megatron's experts (megatron-core >= 0.19 also passes `name`, unused); settings: the
+        layer spec's OverlapSettings (its `moe` config where overlap_config is None)."""
         super().__init__(config=config)
         if pg_collection is None:
             raise ValueError("OverlapGroupedMLP needs the MoE layer's pg_collection (ep, expt_tp, expt_dp groups)")
@@ -166,6 +158,9 @@ class OverlapGroupedMLP(MegatronModule):
             raise ValueError(f"OverlapGroupedMLP: config.params_dtype={config.params_dtype}: the expert ops run "
                              f"bf16 or fp16 GEMMs (train with --bf16 or --fp16)")
         self.overlap_config = overlap_config
+        if settings is not None and not isinstance(settings, OverlapSettings):
+            raise TypeError(f"OverlapGroupedMLP: settings must be an OverlapSettings, got {type(settings).__name__}")
+        self.settings = settings if settings is not None else DEFAULT_SETTINGS
         self.layer_name = name or "MoE experts"   # in method auto's messages; OverlapMoELayer names its layer
         self._trial = None   # method 'auto': its MethodTrial, made at the first call
         hidden, ffn = config.hidden_size, config.moe_ffn_hidden_size
@@ -211,9 +206,11 @@ class OverlapGroupedMLP(MegatronModule):
                 device_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
         """tokens [T, H] permuted by global expert, counts [ep, E] (host) -> expert outputs [T, H], same order.
         device_counts: the same counts on the GPU (OverlapMoELayer's), for the expert ops' tile tables."""
-        config = self.overlap_config if self.overlap_config is not None else _default["config"]
+        config = (self.overlap_config if self.overlap_config is not None else self.settings.moe
+                  if self.settings.moe is not None else OverlapConfig())
         timer = None
-        if config.method == "auto":   # off, signal, decompose tried in the first calls, the fastest kept (moe_auto.py)
+        if config.method in (None, "auto"):   # unset is auto: off, signal, decompose tried in the first calls, the
+            # fastest kept (moe_auto.py)
             if self._trial is None:
                 self._trial = MethodTrial(self.ep_group, tokens.device, what=self.layer_name)
             method, timer = self._trial.next_call()

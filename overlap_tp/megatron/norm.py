@@ -50,7 +50,7 @@ def fused_add_rmsnorm(x, residual, weight, bias=None, *, eps=1e-5, zero_centered
     tile-exact buffer of the same element count. grad_order: the TileOrder in which the gradient of
     `normalized` will arrive (the next column-parallel layer's dgrad ReduceScatter), None = standard.
     Every output is in the standard layout; x's gradient is in x's layout.
-    x_sum: x is the not yet summed output of a peer-to-peer reduce-scatter (overlap_tp/ops/p2p.py, DeferredSum):
+    x_sum: x is the not yet summed output of a peer-to-peer reduce-scatter (ops/p2p_reduction.py, DeferredSum):
     the kernel reads its slots and sums them itself (FusedAddRMSNormFunction says more).
     y_out: where `normalized` goes instead of a new tensor (residual's shape, x's dtype, contiguous): the next
     column-parallel layer's own gathered buffer (OverlapRMSNorm.output_for).

@@ -8,7 +8,7 @@ the sequence shards under SP):
 
 `OverlapTransformerLayer` computes both in one kernel (overlap_tp.megatron.norm.fused_add_rmsnorm): one read of
 x and residual, one write of each output, and in backward one kernel instead of two. When linear_proj's
-reduce-scatter runs on the p2p transport (overlap_tp/ops/p2p.py), x itself is never written: the kernel reads the
+reduce-scatter runs on the p2p transport (ops/p2p_reduction.py), x itself is never written: the kernel reads the
 t received partials and sums them (one pass over the activation and one launch less): the layer asks linear_proj
 to defer its sum (OverlapRowParallelLinear.defer_sum_next) for the span of its attention block, and the fused bda
 runs the deferred sum it finds on x. Everything else is
@@ -41,18 +41,18 @@ only input, so their dgrad reduce-scatter on the p2p transport leaves its t part
 which sums them as it reads them (OverlapColumnParallelLinear.sum_dgrad_in_norm; the norm checks that what reaches it
 is the unsummed placeholder, so a second consumer of the norm's output is an error, never a silent read).
 
-Gathered in place (`set_gather_in_place(True)`, `--overlap-tp-gather-in-place`): the same two linears own their
+Gathered in place (OverlapSettings.gather_in_place): the same two linears own their
 gathered input buffers, and every producer of their input (the input norm, the fused attention bda's pre-MLP norm, the
 previous layer's fused MLP bda) writes the normalized rows straight into this rank's region there
 (OverlapRMSNorm.output_for -> OverlapColumnParallelLinear.input_buffer): no staging copy before the forward's
 AllGather+GEMM, and no re-gather in the backward. Not with activation recomputation, pipeline parallelism (several
 micro-batches' gathered inputs alive at once) or CPU offloading; the layer says why once (a warning).
 
-With gathering in place and `set_defer_wgrad(True)` (`--overlap-tp-defer-wgrad`), linear_fc1's backward leaves its
+With gathering in place and OverlapSettings.defer_wgrad, linear_fc1's backward leaves its
 weight-gradient GEMM to linear_proj's backward, which runs it between its dgrad AllGather's start and its GEMM, so
-that proj's pulls run beside it (layers.WgradHandoff).
+that proj's pulls run beside it (wgrad_handoff.WgradHandoff).
 
-The token split (`set_token_split(True)`, `--overlap-tp-token-split`; issue 22's second route, TokenWeave / Domino,
+The token split (OverlapSettings.token_split, in the expert config file; as TokenWeave / Domino,
 docs/fused_block.md): a micro-batch of b >= 2 sequences (b even) runs as two halves of b/2 sequences, A and B, in an
 order that puts one half's transfers beside the other half's compute:
 
@@ -62,7 +62,7 @@ order that puts one half's transfers beside the other half's compute:
     MLP A, MLP B                        (B's MLP runs while A's fc2 partials are pushed)
     MLP bda A, then B                   (linked: the next layer's input norms)
 
-Each half's ops run their own plans (layers.plan_instance), so both halves' calls of one shape can be in flight.
+Each half's ops run their own plans (the linears' plan_instance), so both halves' calls of one shape can be in flight.
 Autograd runs the backward in the reverse order of the forward's records, so the backward interleaves the same way:
 MLP B, MLP A (fc1 B's dgrad partials pushed beside MLP A's backward), the bdas, attention B, attention A. Splitting
 the batch keeps every half exact (attention never mixes sequences), so the split layer computes what the unsplit
@@ -81,35 +81,14 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 import torch
 
-from overlap_tp.megatron.layers import (OverlapColumnParallelLinear, OverlapRowParallelLinear, WgradHandoff,
-                                        defer_wgrad_default, gather_in_place_default, plan_instance)
+from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
 from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
+from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OverlapSettings
+from overlap_tp.megatron.wgrad_handoff import WgradHandoff
 
-__all__ = ["OverlapTransformerLayer", "set_token_split", "splitting_tokens", "token_split_default"]
+__all__ = ["OverlapTransformerLayer"]
 
 _warned = set()
-_token_split = [False]
-
-
-def set_token_split(on: bool):
-    """Whether OverlapTransformerLayers built from now on split each micro-batch into two halves of sequences, run
-    interleaved (the module docstring; `--overlap-tp-token-split`)."""
-    _token_split[0] = bool(on)
-
-
-def token_split_default() -> bool:
-    return _token_split[0]
-
-
-@contextlib.contextmanager
-def splitting_tokens(on: bool = True):
-    """set_token_split(on) for the layers built inside the block; the previous setting is back after it."""
-    previous = _token_split[0]
-    _token_split[0] = bool(on)
-    try:
-        yield
-    finally:
-        _token_split[0] = previous
 
 
 def _warn_once(message: str):
@@ -165,8 +144,14 @@ def captured_per_layer(config) -> bool:
 class OverlapTransformerLayer(TransformerLayer):
     """TransformerLayer whose self-attention bias-dropout-add and pre-MLP RMSNorm run as one kernel."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, settings: Optional[OverlapSettings] = None, **kwargs):
+        """settings: gather_in_place, defer_wgrad and token_split are read here (the layer spec passes the same
+        OverlapSettings to the layer and to its linears)."""
         super().__init__(*args, **kwargs)
+        if settings is not None and not isinstance(settings, OverlapSettings):
+            raise TypeError(f"OverlapTransformerLayer: settings must be an OverlapSettings, got "
+                            f"{type(settings).__name__}")
+        self.settings = settings = settings if settings is not None else DEFAULT_SETTINGS
         reason = self._unfusable_reason()
         self.fused_attn_norm = reason is None
         proj = getattr(self.self_attention, "linear_proj", None)
@@ -199,15 +184,15 @@ class OverlapTransformerLayer(TransformerLayer):
                        getattr(self.mlp, "linear_fc1", None) if type(self.mlp) is MLP else None):
             if isinstance(linear, OverlapColumnParallelLinear):
                 linear.sum_dgrad_in_norm = True
-        if gather_in_place_default():
+        if settings.gather_in_place:
             self._gather_inputs_in_place()
         self.token_split = False
-        if token_split_default():
+        if settings.token_split:
             reason = self._unsplittable_reason()
             if reason is None:
                 self.token_split = True
             else:
-                _warn_once(f"OverlapTransformerLayer: --overlap-tp-token-split is off because {reason}; the layer "
+                _warn_once(f"OverlapTransformerLayer: token-split is off because {reason}; the layer "
                            f"runs each micro-batch whole")
 
     def _unsplittable_reason(self) -> Optional[str]:
@@ -245,7 +230,7 @@ class OverlapTransformerLayer(TransformerLayer):
         if reason is not None:
             if reason not in _warned:
                 _warned.add(reason)
-                warnings.warn(f"OverlapTransformerLayer: --overlap-tp-gather-in-place is off because {reason}; the "
+                warnings.warn(f"OverlapTransformerLayer: gather-in-place is off because {reason}; the "
                               f"AllGathers stage their inputs and the backward re-gathers them")
             return
         pairs = ((self.input_layernorm, getattr(self.self_attention, "linear_qkv", None)),
@@ -255,7 +240,7 @@ class OverlapTransformerLayer(TransformerLayer):
                 linear.gather_in_place = True
                 norm.output_for = linear.input_buffer
         fc1, proj = pairs[1][1], getattr(self.self_attention, "linear_proj", None)
-        if (defer_wgrad_default() and fc1 is not None and fc1.gather_in_place
+        if (self.settings.defer_wgrad and fc1 is not None and fc1.gather_in_place
                 and isinstance(proj, OverlapRowParallelLinear) and proj.sequence_parallel):
             # fc1's wgrad runs beside proj's dgrad AllGather (WgradHandoff): fc1's backward leaves it, proj's takes it
             fc1.wgrad_handoff = proj.wgrad_handoff = WgradHandoff(fc1)
@@ -352,23 +337,23 @@ class OverlapTransformerLayer(TransformerLayer):
         fp32_residual = self.config.fp32_residual_connection
         normed = []
         for i, h in enumerate(halves):
-            with plan_instance(i):
+            with self._half(i):
                 normed.append(self.input_layernorm(h))
         attention = []   # (output with bias, what linear_proj left to the bda)
         for i in range(2):
-            with plan_instance(i):
+            with self._half(i):
                 attention.append(_sum_deferred(proj, lambda: self.self_attention(
                     normed[i], attention_mask=masks[i], rotary_pos_emb=rotary_pos_emb), self.fused_proj_sum))
         mids = []
         for i, h in enumerate(halves):
-            with plan_instance(i), self.bias_dropout_add_exec_handler():
+            with self._half(i), self.bias_dropout_add_exec_handler():
                 residual = h.float() if fp32_residual else h
                 mids.append(self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
                     attention[i][0], residual, self.hidden_dropout))
             _check_summed(attention[i][1], "linear_proj", "the fused bias-dropout-add + norm")
         mlp = []   # (output with bias, what linear_fc2 left to the MLP bda)
         for i in range(2):
-            with plan_instance(i):
+            with self._half(i):
                 mlp.append(_sum_deferred(fc2, lambda: self.mlp(self.pre_mlp_layernorm(mids[i])), defer_fc2))
         outs = []
         for i in range(2):
@@ -377,7 +362,7 @@ class OverlapTransformerLayer(TransformerLayer):
                 del x.overlap_tp_deferred_sum
                 with torch.no_grad():   # the values of fc2's output in autograd, written by the kernel, not recorded
                     deferred.into(x.view(-1, x.shape[-1]))
-            with plan_instance(i), self.bias_dropout_add_exec_handler():
+            with self._half(i), self.bias_dropout_add_exec_handler():
                 residual = mids[i].float() if fp32_residual else mids[i]
                 outs.append(self.mlp_bda(self.training, self.config.bias_dropout_fusion)(
                     mlp[i][0], residual, self.hidden_dropout))
@@ -386,6 +371,23 @@ class OverlapTransformerLayer(TransformerLayer):
         if not captured_per_layer(self.config):
             output.overlap_tp_halves = tuple(outs)   # for the next split layer (_halves)
         return output
+
+    @contextlib.contextmanager
+    def _half(self, i: int):
+        """The block runs half i's ops on plan instance i (OverlapColumnParallelLinear.plan_instance): this layer's
+        linears and the linear whose gathered buffer the linked next input norm writes (the MLP bda hands half i's
+        rows over into the next layer's buffer of instance i). Instance 0 is back after the block."""
+        linears = [m for m in self.modules() if isinstance(m, (OverlapColumnParallelLinear, OverlapRowParallelLinear))]
+        consumer = getattr(getattr(self.linked_next_norm(), "output_for", None), "__self__", None)
+        if isinstance(consumer, OverlapColumnParallelLinear):
+            linears.append(consumer)
+        for linear in linears:
+            linear.plan_instance = i
+        try:
+            yield
+        finally:
+            for linear in linears:
+                linear.plan_instance = 0
 
     def _link_to_previous_built(self):
         """Links the layer built just before this one to this layer's input norm when both are consecutive layers

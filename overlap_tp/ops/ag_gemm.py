@@ -9,33 +9,38 @@
                                                             # until the next AllGather of the shape (GatherBuffer)
     out = ag_gemm(a_shard, w, group, bias=..., config=...)  # the same through a cached plan
 
-Methods (OverlapConfig.method):
-  off        torch.distributed's all-gather, then cuBLAS (Megatron's path; the reference under gloo).
-  decompose  the local rows' GEMM first, while the comm stream gathers the peers' rows in `chunks`
-             row ranges; each chunk's cuBLAS GEMM waits for its chunk only. Transports: `nccl` (in-place
-             broadcasts, as below) or `p2p` (the copy engines' pulls, as below; the local GEMM reads the shard
-             itself, so it waits for no copy, and no SM or Triton GEMM is involved).
-  signal     one persistent Triton GEMM (kernels/signaled_gemm.py) over a tile plan (tile_plan.ag_plan) that
-             computes the local rows first, with no wait, then every chunk of the peers' rows; before a
-             chunk's first load a CTA spins (acquire) on the chunk's ready flag, which the comm stream
-             raises (to 1) once the chunk's transfer completed; after the GEMM the caller's stream lowers the
-             flags again (0), so every call and every graph replay waits for the same value. Transports:
-               nccl  per chunk, one ncclBroadcast per rank in a group call, straight into place (two
-                     alternatives measured slower: nccl.Communicator.all_gather_rows_at); the GEMM
-                     leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it).
-               p2p   copy-engine pulls from the peers' regions of their symmetric gathered buffers into ours
-                     (ops/p2p.py GatherBuffer, one per shard shape): no SM spent on communication (ConCCL/FiCCO),
-                     and the shard is copied once, into our region, where the GEMM and the peers read it. With
-                     comm_sms > 0 the same pulls run as a kernel of comm_sms CTAs on the SMs the GEMM's grid
-                     leaves free (kernels/peer_copy.py: loads over NVLink). Measured no faster than the copy
-                     engines (session 23: the kernel alone moves what they move, 180-300 GB/s per rank), but it
-                     does the handshakes too: the READY exchange, each chunk's flag and PULLED are its own stores
-                     and spins, where the copy engines' path has stream memory operations (~6 us per cross-GPU hop
-                     inside a graph against ~1-2, session 34): one launch per call (GatherBuffer.signaled_pull).
-                     chunk_by 'peer' (copy engines, one lane) cuts the chunks by peer instead of by rows: one
-                     copy per chunk, each chunk's tiles waiting for that peer's rows only (OverlapConfig.chunk_by;
-                     its default 'auto' takes it where t > 2).
-  auto       the tuner's choice for the shape, resolved when the plan is built (`off` on CPU tensors).
+AgGemm(...) returns the plan of the strategy that runs the resolved config (AgGemm.strategy_for), one class each:
+  AgGemmOff               method `off`: torch.distributed's all-gather, then cuBLAS (Megatron's path; the reference
+                          under gloo).
+  AgGemmDecomposedNccl    method `decompose`, transport `nccl`: the local rows' GEMM first, while the comm stream
+                          gathers the peers' rows in `chunks` row ranges (in-place broadcasts); each chunk's cuBLAS GEMM
+                          waits for its chunk only.
+  AgGemmDecomposedP2P     method `decompose`, transport `p2p`: the same with the copy engines' pulls (as below); the
+                          local GEMM reads the shard itself, so it waits for no copy, and no SM or Triton GEMM is
+                          involved.
+  AgGemmSignaled...       method `signal`: one persistent Triton GEMM (kernels/signaled_gemm.py) over a tile plan
+                          (tile_plan.ag_plan) that computes the local rows first, with no wait, then every chunk of the
+                          peers' rows; before a chunk's first load a CTA spins (acquire) on the chunk's ready flag,
+                          which the comm stream raises (to 1) once the chunk's transfer completed; after the GEMM the
+                          caller's stream lowers the flags again (0), so every call and every graph replay waits for
+                          the same value (AgGemmSignaled). The transfers:
+    AgGemmSignaledNccl         transport `nccl`: per chunk, one ncclBroadcast per rank in a group call, straight into
+                               place (two alternatives measured slower: nccl.Communicator.all_gather_rows_at); the GEMM
+                               leaves `comm_sms` SMs to NCCL (a spinning GEMM on every SM would starve it).
+    AgGemmSignaledCopyEngines  transport `p2p`, comm_sms 0: copy-engine pulls from the peers' regions of their
+                               symmetric gathered buffers into ours (ops/p2p_gather.py GatherBuffer, one per shard
+                               shape): no SM spent on communication (ConCCL/FiCCO), and the shard is copied once, into
+                               our region, where the GEMM and the peers read it. chunk_by 'peer' cuts the chunks by
+                               peer instead of by rows: one copy per chunk, each chunk's tiles waiting for that peer's
+                               rows only (OverlapConfig.chunk_by; its default 'auto' takes it where t > 2).
+    AgGemmSignaledCopyLanes    the same pulls split over `copy_lanes` streams.
+    AgGemmSignaledSMPulls      transport `p2p`, comm_sms > 0: the same pulls as a kernel of comm_sms CTAs on the SMs
+                               the GEMM's grid leaves free (kernels/peer_copy.py: loads over NVLink). It moves no more
+                               bytes per second than the copy engines, but it does the handshakes too: the READY
+                               exchange, each chunk's flag and PULLED are its own stores and spins, where the copy
+                               engines' path has stream memory operations, each several times a kernel's store and spin
+                               inside a graph (docs/performance.md): one launch per call (GatherBuffer.signaled_pull).
+Method `auto` is the tuner's choice, resolved when the plan is built (`off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer. Eagerly, a signal call on the
 p2p transport whose operand addresses the plan has seen before launches as one CUDA graph (ops/replay.py).
 """
@@ -47,10 +52,11 @@ import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
 from overlap_tp.ops import comm, memops, replay
-from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, check_not_capturing, gemm_programs
-from overlap_tp.ops.config import OverlapConfig, chunk_by_for
-from overlap_tp.ops.p2p import GatherBuffer
-from overlap_tp.ops.reduction import after_work, joined
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.p2p_gather import GatherBuffer
+from overlap_tp.ops.plan_base import (OpPlan, Pending, after_work, cached_plan, check_not_capturing, chunk_bounds,
+                                       gemm_programs, joined)
+from overlap_tp.ops.resolve import fill_defaults
 from overlap_tp.ops.tile_plan import ag_plan
 from overlap_tp.ops.watchdog import Watched
 
@@ -58,120 +64,229 @@ READY = 1   # the value a chunk's flag is raised to; the GEMM's tiles wait for i
 
 
 class AgGemm(OpPlan):
-    """all_gather(a_shard) @ w.T + bias for shards a_shard[m, k] (m: this rank's rows), w[n, k]."""
+    """all_gather(a_shard) @ w.T + bias for shards a_shard[m, k] (m: this rank's rows), w[n, k]. AgGemm(...) is the
+    factory of its strategies (the module's docstring); each one's plan(a_shard, w, bias) returns out [t * m, n] (and
+    the gathered input with return_gathered=True).
+
+    gather (an option of the constructor): the GatherBuffer to pull into (OwnGather's, a consumer's own); None = the
+    shape's shared one. Only the p2p transport's strategies (signal or decompose, CUDA) pull into a buffer."""
 
     op = "ag_gemm"
 
-    def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
-                 config: Optional[OverlapConfig] = None, gather: Optional[GatherBuffer] = None, instance: int = 0):
-        """gather: the GatherBuffer to pull into (OwnGather's, a consumer's own); None = the shape's shared one."""
-        super().__init__(group, m, n, k, dtype, device, config, instance)
-        config, device, t = self.config, self.device, self.t
+    def strategy_for(self, gather: Optional[GatherBuffer] = None) -> type:
+        """The strategy of the resolved config's method, transport and pulls; a ValueError where none runs it here."""
+        config, device, method = self.config, self.device, self.method
         if gather is not None and not OwnGather.supports(config, device):
             raise ValueError(f"ag_gemm: a gather buffer of its own is for the p2p transport (method signal or "
-                             f"decompose, CUDA); this plan runs method={self.method!r}, transport={config.transport!r} "
+                             f"decompose, CUDA); this plan runs method={method!r}, transport={config.transport!r} "
                              f"on {device}")
-        self._own_buffer = gather
-        if config.chunk_by == "peer" and self.method in ("signal", "decompose") and (
-                config.transport != "p2p" or config.copy_lanes != 1 or (self.method == "signal" and config.comm_sms)):
+        if method == "off":
+            return AgGemmOff
+        if config.chunk_by == "peer" and (config.transport != "p2p" or config.copy_lanes != 1
+                                          or (method == "signal" and config.comm_sms)):
             raise ValueError(f"ag_gemm: chunk_by='peer' pulls one peer's rows per chunk with one copy-engine copy: "
                              f"it needs transport='p2p', copy_lanes=1 and (method signal) comm_sms=0; this plan has "
-                             f"method={self.method!r}, transport={config.transport!r}, copy_lanes={config.copy_lanes}, "
+                             f"method={method!r}, transport={config.transport!r}, copy_lanes={config.copy_lanes}, "
                              f"comm_sms={config.comm_sms}")
-        if self.method == "signal":
-            if config.transport == "p2p" and config.comm_sms > 0 and config.copy_lanes > 1:
+        if method == "decompose":
+            if config.transport != "p2p":
+                return AgGemmDecomposedNccl
+            if device.type != "cuda":
+                raise ValueError("ag_gemm: transport='p2p' needs CUDA tensors (symmetric memory)")
+            return AgGemmDecomposedP2P
+        if config.transport == "p2p":
+            if config.comm_sms > 0 and config.copy_lanes > 1:
                 raise ValueError(f"ag_gemm: copy_lanes={config.copy_lanes} splits the copy engines' pulls; with "
                                  f"comm_sms={config.comm_sms} the pulls run on SMs (one kernel per chunk): use "
                                  f"copy_lanes=1 or comm_sms=0")
-            if config.transport == "p2p" and device.type != "cuda":   # symmetric memory (any backend's group)
+            if device.type != "cuda":   # symmetric memory (any backend's group)
                 raise ValueError("ag_gemm: transport='p2p' needs CUDA tensors (symmetric memory)")
-            if config.transport == "nccl" and device.type == "cuda" and config.comm_sms < 1:
-                raise ValueError("ag_gemm: method='signal' with transport='nccl' needs comm_sms >= 1: the GEMM spins "
-                                 "on ready flags that NCCL kernels raise, so NCCL must have SMs the GEMM does not "
-                                 "hold (transport='p2p' spends no SM and runs with comm_sms=0)")
-            plan = ag_plan(t * m, n, k, t, self.rank, config.block_m, config.block_n, config.groups,
-                           torch.finfo(dtype).bits // 8, config.chunk_by)
-            self.chunks = tuple((c.src_lo, c.src_hi) for c in plan.collectives)
-            self.chunk_peers = plan.chunk_peers   # chunk_by 'peer': each chunk's one peer (None: every peer)
-            self.tiles = plan.tiles.to(device)
-            self.flags = torch.zeros(max(1, len(self.chunks)), dtype=torch.int32, device=device)
-            self.gemm = SignaledGemm(self.tiles, gemm_programs(device, config), config, bias_rows=(0, t * m),
-                                     flags=self.flags, wait_target=READY)
-            self.ready = comm.ReadyFlags(self.flags)
-            if self.watched is not None:
-                self.watched.words = (("ready flags", self.flags),)
-            self.engine = comm.comm_engine(device, self.instance)
-            self._started = None   # the call start() issued and finish() has not launched (StartedAgGemm)
-            if device.type == "cuda":
-                default_offsets(device)
-                # start(): recorded behind this plan's transfers, so that finish() waits for them alone (one event per
-                # capture state: an event waited on inside a capture must have been recorded inside it); eagerly the
-                # plan's watched event, which the watchdog then watches (no record of its own)
-                self._transfers_done = {False: self.watched.event, True: memops.Event()}
-            if config.transport == "p2p":
-                self._pull_into_gather_buffer()
-                self._run = self._pulled
-                if replay.enabled(device):   # eager calls replayed from graphs (ops/replay.py)
-                    self.graphs = replay.CallGraphs(device, self.watched)
-                    self._run = self._pulled_replayed
-                if config.comm_sms > 0:   # one kernel on the SMs the GEMM's grid leaves free, handshakes included
-                    self.puller = self.gather.signaled_pull(config.comm_sms, self.chunks, self.flags, self.describe())
-                    self._transfers = self._pull_signaled
-                elif self.lanes is None:   # the copy engines, one lane
-                    self._list_pulls()
-                    self._transfers = self._pull_listed
-                else:
-                    self._transfers = self._pull_lanes
-            else:
-                self.coll = comm.collectives(self.group, device, config.comm_sms)
-                self._run = self._run_signaled
-                # a raw NCCL communicator takes addresses: per chunk, every root's rows of the gathered buffer as
-                # (byte offset, elements), made once (no region or row views per call)
-                self._broadcasts = None
-                if hasattr(self.coll, "all_gather_rows_at"):
-                    from overlap_tp.ops.nccl import gather_spans   # as comm.collectives: NCCL's module on CUDA only
-                    self._broadcasts = tuple(gather_spans(t, m, k, torch.finfo(dtype).bits // 8, lo, hi)
-                                             for lo, hi in self.chunks)
-        elif self.method == "decompose":
-            if config.transport == "p2p":
-                if device.type != "cuda":
-                    raise ValueError("ag_gemm: transport='p2p' needs CUDA tensors (symmetric memory)")
-                self._pull_into_gather_buffer()
-                self._run = self._pulled_decomposed
-            else:
-                self.coll = comm.collectives(self.group, device, config.comm_sms)
-                self._run = self._run_decomposed
-            self.bounds = chunk_bounds(m, config.chunks)
-            self.by_peer = config.chunk_by == "peer"   # p2p: each peer's rows pulled and multiplied in turn
-            self.engine = comm.comm_engine(device, self.instance)
-        else:
-            self._run = self._off
-        self.out_shape = (t * m, n)
+            if config.comm_sms > 0:
+                return AgGemmSignaledSMPulls
+            return AgGemmSignaledCopyEngines if config.copy_lanes == 1 else AgGemmSignaledCopyLanes
+        if device.type == "cuda" and config.comm_sms < 1:
+            raise ValueError("ag_gemm: method='signal' with transport='nccl' needs comm_sms >= 1: the GEMM spins "
+                             "on ready flags that NCCL kernels raise, so NCCL must have SMs the GEMM does not "
+                             "hold (transport='p2p' spends no SM and runs with comm_sms=0)")
+        return AgGemmSignaledNccl
 
-    def _resolve(self, config: OverlapConfig) -> OverlapConfig:
-        """OpPlan's resolution, then chunk_by 'auto' for this group's size (config.chunk_by_for)."""
-        return chunk_by_for(super()._resolve(config), self.t)
-
-    def _pull_into_gather_buffer(self):
-        """The p2p transport's state: the shape's gathered buffer (shared with the other AllGathers of the shape) and
-        the streams its pulls are split over (config.copy_lanes; None: the comm stream alone)."""
-        self.gather = (self._own_buffer if self._own_buffer is not None else
-                       row_gather(self.group, self.m, self.k, self.dtype, self.device).buffer)
-        self.lanes = comm.comm_engine(self.device, self.instance).copy_lanes(self.config.copy_lanes)
-        if self.watched is not None:   # a stuck call names the stage's and the pulls' signals too
-            self.watched.words += (("peer signals [PULLED, READY] x rank", self.gather.signals.words),)
+    def build(self, gather: Optional[GatherBuffer] = None):
+        self.out_shape = (self.t * self.m, self.n)
 
     def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  return_gathered: bool = False):
         self.check_call(a_shard, w, bias)
         out = torch.empty(self.out_shape, dtype=a_shard.dtype, device=a_shard.device)
-        gathered = self._run(a_shard, w, bias, out)   # the method's runner, picked when the plan was built
+        gathered = self._run(a_shard, w, bias, out)
         return (out, gathered) if return_gathered else out
+
+    def _run(self, a_shard, w, bias, out) -> torch.Tensor:
+        """The strategy's call: fills `out` (bias included) and returns the gathered input."""
+        raise NotImplementedError(f"overlap_tp {self.op}: a strategy defines _run")
+
+    def start(self, a_shard: torch.Tensor) -> "StartedAgGemm":
+        """Phase one of a call split in two (AgGemmSignaled.start): the signaled strategies only."""
+        raise ValueError(f"{self.describe()}: start()/finish() split the signaled AllGather+GEMM; this plan runs "
+                         f"method={self.method!r} (call the plan instead)")
+
+    def _pull_into_gather_buffer(self, gather: Optional[GatherBuffer]):
+        """The p2p transport's state: the gathered buffer to pull into (`gather`, or the shape's, shared with the other
+        AllGathers of the shape) and the streams its pulls are split over (config.copy_lanes; None: the comm stream
+        alone)."""
+        self.gather = (gather if gather is not None else
+                       row_gather(self.group, self.m, self.k, self.dtype, self.device).buffer)
+        self.lanes = comm.comm_engine(self.device, self.instance).copy_lanes(self.config.copy_lanes)
+        if self.watched is not None:   # a stuck call names the stage's and the pulls' signals too
+            self.watched.words += (("peer signals [PULLED, READY] x rank", self.gather.signals.words),)
+
+
+class AgGemmOff(AgGemm):
+    """Method 'off': torch.distributed's all-gather of the shards, then one cuBLAS GEMM over the gathered rows, the
+    bias added after. No comm stream and no synchronisation state of its own: Megatron's path, and the reference."""
+
+    variant = "off"
+
+    def _run(self, a_shard, w, bias, out):
+        gathered, _ = comm.all_gather_rows(a_shard, self.group)
+        torch.mm(gathered, w.t(), out=out)
+        if bias is not None:
+            out += bias
+        return gathered
+
+
+class AgGemmDecomposedNccl(AgGemm):
+    """Method 'decompose' on the NCCL transport: the shard copied into its rows of a new gathered buffer, the local
+    rows' cuBLAS GEMM at once, and chunk c of the peers' rows gathered on the comm stream (in-place broadcasts), then
+    its GEMMs on the caller's stream behind a join. One fork, after the local shard's copy (the in-place broadcasts send
+    this rank's rows from `gathered`) and before the local GEMM: no gather waits for a GEMM (a fork per chunk made
+    chunk c's gather wait for chunk c-1's GEMM: no overlap at all). The bias is added after."""
+
+    variant = "decompose"
+
+    def build(self, gather=None):
+        super().build()
+        self.coll = comm.collectives(self.group, self.device, self.config.comm_sms)
+        self.bounds = chunk_bounds(self.m, self.config.chunks)
+        self.engine = comm.comm_engine(self.device, self.instance)
+
+    def _run(self, a_shard, w, bias, out):
+        gathered = torch.empty(self.t * self.m, self.k, dtype=a_shard.dtype, device=a_shard.device)
+        self._chunked(a_shard, w, gathered, out)
+        if bias is not None:
+            out += bias
+        return gathered
+
+    def _chunked(self, a_shard, w, gathered, out):
+        """The local rows' GEMM at once; chunk c's rows gathered on the comm stream, then its GEMM (the class's
+        docstring)."""
+        t, rank, engine = self.t, self.rank, self.engine
+        regions, out_regions = gathered.chunk(t), out.chunk(t)
+        cuda = engine.stream is not None
+        capturing = comm.capturing(self.device)
+        wt = w.t()
+        regions[rank].copy_(a_shard)
+        if cuda:
+            current = engine.current()
+            engine.fork(current, capturing)
+        torch.mm(a_shard, wt, out=out_regions[rank])
+        for lo, hi in self.bounds:
+            if cuda:
+                self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=engine.raw)
+                engine.join(current, capturing)
+            else:
+                self.coll.all_gather_rows(gathered, a_shard, lo, hi)
+            for p in range(t):
+                if p != rank:
+                    torch.mm(regions[p][lo:hi], wt, out=out_regions[p][lo:hi])
+
+
+class AgGemmDecomposedP2P(AgGemm):
+    """Method 'decompose' on the p2p transport (CUDA): cuBLAS over the copy engines' pulls into the gathered buffer
+    (GatherBuffer's protocol: stage, READY exchange, pulls, PULLED; its order argument in ops/p2p_gather.py). The local
+    rows' GEMM from the shard itself, enqueued first (with one hardware queue a wait enqueued ahead of it would hold its
+    launch: CommEngine.transfers_then_gemm), then on the comm stream the shard's copy into its region of the gathered
+    buffer (where the peers pull it from; beside the GEMM, on the copy engines) and each chunk of the peers' rows
+    pulled; each chunk's GEMMs once the caller's stream joined that far. chunk_by 'peer': each peer's rows pulled and
+    multiplied in turn (ring order). Returns the gathered buffer."""
+
+    variant = "decompose/p2p"
+
+    def build(self, gather=None):
+        super().build()
+        self._pull_into_gather_buffer(gather)
+        self.bounds = chunk_bounds(self.m, self.config.chunks)
+        self.by_peer = self.config.chunk_by == "peer"
+        self.engine = comm.comm_engine(self.device, self.instance)
+
+    def _run(self, a_shard, w, bias, out):
+        engine, gather, t, rank = self.engine, self.gather, self.t, self.rank
+        capturing = engine.capturing()
+        current, raw = engine.current(), engine.raw
+        engine.fork(current, capturing)   # the shard is ready
+        wt = w.t()
+        out_regions = out.chunk(t)
+        _mm(a_shard, wt, out_regions[rank], bias)
+        gather.stage(raw, a_shard, capturing)
+        gathered = gather.gathered()
+        regions = gathered.chunk(t)
+        gather.ready(raw, capturing)
+        if self.by_peer:   # peer by peer (ring order), each region's rows in `chunks`
+            for p in gather.peers:
+                for lo, hi in self.bounds:
+                    gather.pull_peer(raw, p, lo, hi)
+                    engine.join(current, capturing)
+                    _mm(regions[p][lo:hi], wt, out_regions[p][lo:hi], bias)
+        else:
+            for lo, hi in self.bounds:
+                gather.pull(raw, lo, hi, self.lanes, capturing)
+                engine.join(current, capturing)
+                for p in range(t):
+                    if p != rank:
+                        _mm(regions[p][lo:hi], wt, out_regions[p][lo:hi], bias)
+        gather.finish(raw)
+        engine.join_watched(current, capturing, self.watched)   # the comm stream's last work (PULLED) joins too
+        return gathered
+
+
+class AgGemmSignaled(AgGemm):
+    """Method 'signal': one persistent Triton GEMM over tile_plan.ag_plan, the local rows first (no wait), then each
+    chunk of the peers' rows behind its ready flag, which the comm stream raises (to READY) once the chunk's transfer
+    completed; the caller's stream lowers the flags after the GEMM (comm.ReadyFlags), so every call and every replay
+    waits for the same value. The transfers are the subclass's (one per transport and pull mechanism). A call can be
+    split in two (start() issues the transfers, finish() launches the GEMM)."""
+
+    def build(self, gather=None):
+        super().build()
+        config, device, t, m = self.config, self.device, self.t, self.m
+        plan = ag_plan(t * m, self.n, self.k, t, self.rank, config.block_m, config.block_n, config.groups,
+                       torch.finfo(self.dtype).bits // 8, config.chunk_by)
+        self.chunks = tuple((c.src_lo, c.src_hi) for c in plan.collectives)
+        self.chunk_peers = plan.chunk_peers   # chunk_by 'peer': each chunk's one peer (None: every peer)
+        self.tiles = plan.tiles.to(device)
+        self.flags = torch.zeros(max(1, len(self.chunks)), dtype=torch.int32, device=device)
+        self.gemm = SignaledGemm(self.tiles, gemm_programs(device, config), config, bias_rows=(0, t * m),
+                                 flags=self.flags, wait_target=READY)
+        self.ready = comm.ReadyFlags(self.flags)
+        if self.watched is not None:
+            self.watched.words = (("ready flags", self.flags),)
+        self.engine = comm.comm_engine(device, self.instance)
+        self._started = None   # the call start() issued and finish() has not launched (StartedAgGemm)
+        if device.type == "cuda":
+            default_offsets(device)
+            # start(): recorded behind this plan's transfers, so that finish() waits for them alone (one event per
+            # capture state: an event waited on inside a capture must have been recorded inside it); eagerly the
+            # plan's watched event, which the watchdog then watches (no record of its own)
+            self._transfers_done = {False: self.watched.event, True: memops.Event()}
+
+    def _start_transfers(self, a_shard):
+        """The shard staged on the caller's stream and the transfers as a function of the comm stream: (the gathered
+        input, transfers, the caller's stream or None on CPU, whether it is being captured)."""
+        raise NotImplementedError(f"overlap_tp {self.op}: a signaled strategy defines _start_transfers")
 
     def start(self, a_shard: torch.Tensor) -> "StartedAgGemm":
         """Phase one of a call split in two: the shard staged and the transfers issued on the comm stream now;
         finish() launches the GEMM. For a schedule that runs other work between an AllGather's transfers and its
-        GEMM: issue 22's token split issues half B's transfers ahead of half A's compute (docs/fused_block.md, Token
+        GEMM: the token split issues half B's transfers ahead of half A's compute (docs/fused_block.md, Token
         split), each half through a plan with a gathered buffer of its own (`gather`), so that both can be in flight.
         finish() makes the caller's stream wait for this plan's transfers only, not for those issued on the comm
         stream after them.
@@ -179,9 +294,6 @@ class AgGemm(OpPlan):
         with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1), that work is dispatched behind the transfers'
         stream waits, as CommEngine.transfers_then_gemm explains: the split is for captured graphs. Method 'signal'
         (either transport); one call of a plan in flight at a time."""
-        if self.method != "signal":
-            raise ValueError(f"{self.describe()}: start()/finish() split the signaled AllGather+GEMM; this plan runs "
-                             f"method={self.method!r} (call the plan instead)")
         engine = self.engine
         if self._started is not None and self._started.capturing and not engine.capturing():
             self._started = None   # started in a capture that ended before its finish(): it failed, nothing of it ran
@@ -192,12 +304,7 @@ class AgGemm(OpPlan):
                 or not a_shard.is_contiguous()):
             raise ValueError(f"{self.describe()}: start() with a contiguous [{self.m}, {self.k}] {self.dtype} shard on "
                              f"{self.device}; got {tuple(a_shard.shape)} {a_shard.dtype} on {a_shard.device}")
-        if self.config.transport == "p2p":
-            gathered, transfers, current, capturing = self._pulled_transfers(a_shard)
-        else:
-            gathered = torch.empty(self.t * self.m, self.k, dtype=a_shard.dtype, device=a_shard.device)
-            transfers, current = self._signaled_transfers(a_shard, gathered)
-            capturing = engine.capturing()
+        gathered, transfers, current, capturing = self._start_transfers(a_shard)
         done = None if engine.stream is None else self._transfers_done[capturing]
         engine.transfers_ahead(transfers, current, capturing, done)
         self._started = StartedAgGemm(a_shard, gathered, current, capturing, done)
@@ -227,69 +334,49 @@ class AgGemm(OpPlan):
                                     started.capturing, started.done)
         return (out, gathered) if return_gathered else out
 
-    # The runners: each fills `out` (bias included) and returns the gathered input.
 
-    def _off(self, a_shard, w, bias, out):
-        gathered, _ = comm.all_gather_rows(a_shard, self.group)
-        torch.mm(gathered, w.t(), out=out)
-        if bias is not None:
-            out += bias
-        return gathered
+class AgGemmSignaledNccl(AgGemmSignaled):
+    """Method 'signal' on the NCCL transport: the shard copied into its rows of a new gathered buffer on the caller's
+    stream; per chunk, on the comm stream, one broadcast per rank in a group call straight into place, then the chunk's
+    flag. The GEMM leaves `comm_sms` SMs to NCCL and is enqueued first where it has them (a spinning GEMM on every SM
+    would starve NCCL's kernels). Under gloo (CPU tensors): torch.distributed's broadcasts, the kernel in the Triton
+    interpreter."""
 
-    def _run_decomposed(self, a_shard, w, bias, out):
+    variant = "signal/nccl"
+
+    def build(self, gather=None):
+        super().build()
+        t, m = self.t, self.m
+        self.coll = comm.collectives(self.group, self.device, self.config.comm_sms)
+        # a raw NCCL communicator takes addresses: per chunk, every root's rows of the gathered buffer as
+        # (byte offset, elements), made once (no region or row views per call)
+        self._broadcasts = None
+        if hasattr(self.coll, "all_gather_rows_at"):
+            from overlap_tp.ops.nccl import gather_spans   # as comm.collectives: NCCL's module on CUDA only
+            self._broadcasts = tuple(gather_spans(t, m, self.k, torch.finfo(self.dtype).bits // 8, lo, hi)
+                                     for lo, hi in self.chunks)
+
+    def _run(self, a_shard, w, bias, out):
         gathered = torch.empty(self.t * self.m, self.k, dtype=a_shard.dtype, device=a_shard.device)
-        self._decomposed(a_shard, w, gathered, out)
-        if bias is not None:
-            out += bias
-        return gathered
-
-    def _run_signaled(self, a_shard, w, bias, out):
-        gathered = torch.empty(self.t * self.m, self.k, dtype=a_shard.dtype, device=a_shard.device)
-        self._signaled(a_shard, w, bias, gathered, out)   # the bias in the GEMM's epilogue
-        return gathered
-
-    def _decomposed(self, a_shard, w, gathered, out):
-        """The local rows' cuBLAS GEMM at once; chunk c's rows gathered on the comm stream, then its GEMM.
-        One fork, after the local shard's copy (the in-place broadcasts send this rank's rows from `gathered`)
-        and before the local GEMM: no gather waits for a GEMM (a fork per chunk made chunk c's gather wait for
-        chunk c-1's GEMM: no overlap at all)."""
-        t, rank, engine = self.t, self.rank, self.engine
-        regions, out_regions = gathered.chunk(t), out.chunk(t)
-        cuda = engine.stream is not None
-        capturing = comm.capturing(self.device)
-        wt = w.t()
-        regions[rank].copy_(a_shard)
-        if cuda:
-            current = engine.current()
-            engine.fork(current, capturing)
-        torch.mm(a_shard, wt, out=out_regions[rank])
-        for lo, hi in self.bounds:
-            if cuda:
-                self.coll.all_gather_rows(gathered, a_shard, lo, hi, stream=engine.raw)
-                engine.join(current, capturing)
-            else:
-                self.coll.all_gather_rows(gathered, a_shard, lo, hi)
-            for p in range(t):
-                if p != rank:
-                    torch.mm(regions[p][lo:hi], wt, out=out_regions[p][lo:hi])
-
-    def _signaled(self, a_shard, w, bias, gathered, out):
-        """The persistent GEMM over the plan: local rows at once, each peer chunk behind its ready flag, which
-        the comm stream raises after the chunk's NCCL broadcasts."""
-        transfers, current = self._signaled_transfers(a_shard, gathered)
-        # NCCL needs SMs left free by the GEMM's grid (comm_sms) to run beside it
-        gemm = self.gemm.launch_checked
+        transfers, current = self._transfers(a_shard, gathered)
+        gemm = self.gemm.launch_checked   # the bias in the GEMM's epilogue
         self.engine.transfers_then_gemm(transfers, lambda: gemm(gathered, w, out, bias), self.ready, self.watched,
                                         gemm_first=self.config.comm_sms > 0, current=current)
+        return gathered
 
-    def _signaled_transfers(self, a_shard, gathered):
-        """The shard copied into its rows of `gathered` on the caller's stream, and the NCCL transport's transfers
-        (each chunk's broadcasts, then its flag) as a function of the comm stream. Returns (transfers, the caller's
-        stream or None on CPU)."""
+    def _start_transfers(self, a_shard):
+        gathered = torch.empty(self.t * self.m, self.k, dtype=a_shard.dtype, device=a_shard.device)
+        transfers, current = self._transfers(a_shard, gathered)
+        return gathered, transfers, current, self.engine.capturing()
+
+    def _transfers(self, a_shard, gathered):
+        """The shard copied into its rows of `gathered` on the caller's stream, and the transfers (each chunk's
+        broadcasts, then its flag) as a function of the comm stream. Returns (transfers, the caller's stream or None on
+        CPU)."""
         engine, current = self.engine, None
         if engine.stream is None:
             gathered.narrow(0, self.rank * self.m, self.m).copy_(a_shard)
-        else:   # a copy-engine copy through the driver: a fraction of copy_'s host time (docs/perf/s17)
+        else:   # a copy-engine copy through the driver: a fraction of copy_'s host time
             nbytes = a_shard.numel() * a_shard.element_size()
             current = engine.current()
             memops.copy(current, gathered.data_ptr() + self.rank * nbytes, a_shard.data_ptr(), nbytes)
@@ -308,24 +395,32 @@ class AgGemm(OpPlan):
                     engine.raise_flag(self.ready, c)
         return transfers, current
 
-    def _pulled(self, a_shard, w, bias, out):
-        """The signaled GEMM on the p2p transport: the shard staged into its region of the shape's gathered buffer
-        on the caller's stream (the GEMM's local rows read it there), each peer chunk pulled on the comm stream
-        behind the peers' READY, raising its flag: by the copy engines, or by the pull kernel on the comm_sms SMs
-        the GEMM's grid leaves free; the GEMM enqueued first (the pulls need no SM it holds). Returns the gathered
-        buffer."""
-        gathered, transfers, current, capturing = self._pulled_transfers(a_shard)
-        gemm = self.gemm.launch_checked
-        self.engine.transfers_then_gemm(transfers, lambda: gemm(gathered, w, out, bias), self.ready, self.watched,
-                                        gemm_first=True, current=current, capturing=capturing)
-        return gathered
 
-    def _pulled_replayed(self, a_shard, w, bias, out):
+class AgGemmSignaledP2P(AgGemmSignaled):
+    """Method 'signal' on the p2p transport (CUDA): the shard staged into its region of the gathered buffer on the
+    caller's stream (the GEMM's local rows read it there), each peer chunk pulled on the comm stream behind the peers'
+    READY, raising its flag, PULLED after the last (GatherBuffer's protocol and order argument: ops/p2p_gather.py); the
+    GEMM enqueued first (the pulls need no SM it holds). Returns the gathered buffer. Eagerly, a call is replayed from
+    the CUDA graph of its operands' addresses where the plan has one (ops/replay.py; `graphs`, None where replays are
+    off). How the chunks are pulled (`_transfers`) is the subclass's."""
+
+    variant = "signal/p2p"
+
+    def build(self, gather=None):
+        super().build()
+        self._pull_into_gather_buffer(gather)
+        self.graphs = replay.CallGraphs(self.device, self.watched) if replay.enabled(self.device) else None
+
+    def _transfers(self, stream, capturing: bool):
+        """The pulls of every chunk on `stream` (the comm stream), the READY exchange before and PULLED after."""
+        raise NotImplementedError(f"overlap_tp {self.op}: a p2p signaled strategy defines _transfers")
+
+    def _run(self, a_shard, w, bias, out):
         """_pulled, eagerly replayed from the graph of the operands' addresses where it has one (ops/replay.py), the
         key also saying whether the stage finds our region claimed (OwnGather: the producer wrote the shard in place,
         and the stage waits for nothing)."""
         gather, engine = self.gather, self.engine
-        if engine.capturing():
+        if self.graphs is None or engine.capturing():
             return self._pulled(a_shard, w, bias, out)
         claimed = gather.claim_in_force()
         if not self.graphs.replayed((claimed,) + replay.operands_key(a_shard, w, out, bias), engine.current(),
@@ -335,30 +430,43 @@ class AgGemm(OpPlan):
             gather.claimed = None   # the claim is used up, as the stage a replay stands for leaves it
         return gather.gathered()
 
-    def _pulled_transfers(self, a_shard):
-        """The shard staged on the caller's stream, and the p2p transport's transfers as a function of the comm
-        stream. Returns (the gathered buffer, transfers, the caller's stream, whether it is being captured)."""
+    def _pulled(self, a_shard, w, bias, out):
+        """One call issued: the stage, the transfers on the comm stream, the GEMM first on the caller's stream."""
+        gathered, transfers, current, capturing = self._start_transfers(a_shard)
+        gemm = self.gemm.launch_checked
+        self.engine.transfers_then_gemm(transfers, lambda: gemm(gathered, w, out, bias), self.ready, self.watched,
+                                        gemm_first=True, current=current, capturing=capturing)
+        return gathered
+
+    def _start_transfers(self, a_shard):
         engine, gather = self.engine, self.gather
         capturing, current = engine.capturing(), engine.current()   # asked once per call
         gather.stage(current, a_shard, capturing)
         transfers = self._transfers
         return gather.gathered(), lambda stream: transfers(stream, capturing), current, capturing
 
+
+class AgGemmSignaledCopyEngines(AgGemmSignaledP2P):
+    """AgGemmSignaledP2P with one lane of copy-engine pulls (comm_sms 0, copy_lanes 1): every chunk's copies (one per
+    peer; chunk_by 'peer': its one peer's) and its flag's address listed once when the plan is built, so a call walks a
+    list; the last chunk's flag and the PULLED signal to the peers go out in one driver call."""
+
+    def build(self, gather=None):
+        super().build(gather)
+        self._list_pulls()
+
     def _list_pulls(self):
-        """One lane of copy-engine pulls: every chunk's copies (one per peer; chunk_by 'peer': its one peer's) and its
-        flag's address, made once (the buffer's and the flags' addresses are the plan's), so a call walks a list; the
-        last chunk's flag and the PULLED signal to the peers (gather.finish) go out in one driver call. A group of one
-        rank has no chunk (nothing to pull) and no peer to signal: an empty batch."""
+        """The pull list (the buffer's and the flags' addresses are the plan's). A group of one rank has no chunk
+        (nothing to pull) and no peer to signal: an empty batch."""
         gather, peers = self.gather, self.chunk_peers or (None,) * len(self.chunks)
         self._pulls = tuple((tuple(gather.copies(lo, hi)) if peer is None else (gather.peer_copy(peer, lo, hi),), flag)
                             for (lo, hi), peer, flag in zip(self.chunks, peers, self.ready.addresses))
         last_flag = [("write", self._pulls[-1][1], READY)] if self._pulls else []
         self._last_flag_pulled = memops.MemOps(last_flag + self.gather.signals.signal_ops(self.gather.PULLED))
 
-    def _pull_listed(self, stream, capturing):
-        """The transfers of _pulled with one lane of copy-engine pulls: behind the peers' READY, each chunk's copies
-        from every peer and its ready flag (the lists made when the plan was built), then PULLED (batched with the
-        last chunk's flag)."""
+    def _transfers(self, stream, capturing):
+        """Behind the peers' READY, each chunk's copies from every peer and its ready flag (the list made when the plan
+        was built), then PULLED (batched with the last chunk's flag)."""
         self.gather.ready(stream, capturing)
         pulls = self._pulls
         for c, (copies, flag) in enumerate(pulls, 1):
@@ -368,8 +476,12 @@ class AgGemm(OpPlan):
                 memops.write_value(stream, flag, READY)   # engine.raise_flag, the address looked up once
         self._last_flag_pulled.issue(stream)   # the last flag, then gather.finish (PULLED)
 
-    def _pull_lanes(self, stream, capturing):
-        """The transfers of _pulled with the copy engines' pulls split over copy lanes."""
+
+class AgGemmSignaledCopyLanes(AgGemmSignaledP2P):
+    """AgGemmSignaledP2P with the copy engines' pulls split over `copy_lanes` streams (comm_sms 0): each chunk's rows in
+    near-equal parts, one per lane, forked from the comm stream and joined back before the chunk's flag."""
+
+    def _transfers(self, stream, capturing):
         engine, gather = self.engine, self.gather
         gather.ready(stream, capturing)
         for c, (lo, hi) in enumerate(self.chunks):
@@ -377,44 +489,18 @@ class AgGemm(OpPlan):
             engine.raise_flag(self.ready, c)
         gather.finish(stream)
 
-    def _pull_signaled(self, stream, capturing):
-        """The transfers of _pulled on SMs: the READY exchange, every chunk's pulls and flag, and PULLED, as one kernel
-        (GatherBuffer.signaled_pull)."""
-        self.puller(stream)
 
-    def _pulled_decomposed(self, a_shard, w, bias, out):
-        """cuBLAS over the p2p transport: the local rows' GEMM from the shard itself, enqueued first (with one hardware
-        queue a wait enqueued ahead of it would hold its launch: CommEngine.transfers_then_gemm), then on the comm
-        stream the shard's copy into its region of the gathered buffer (where the peers pull it from; beside the
-        GEMM, on the copy engines) and each chunk of the peers' rows pulled; each chunk's GEMMs once the caller's
-        stream joined that far. Returns the gathered buffer."""
-        engine, gather, t, rank = self.engine, self.gather, self.t, self.rank
-        capturing = engine.capturing()
-        current, raw = engine.current(), engine.raw
-        engine.fork(current, capturing)   # the shard is ready
-        wt = w.t()
-        out_regions = out.chunk(t)
-        _mm(a_shard, wt, out_regions[rank], bias)
-        gather.stage(raw, a_shard, capturing)
-        gathered = gather.gathered()
-        regions = gathered.chunk(t)
-        gather.ready(raw, capturing)
-        if self.by_peer:   # peer by peer (ring order), each region's rows in `chunks`
-            for p in gather.peers:
-                for lo, hi in self.bounds:
-                    gather.pull_peer(raw, p, lo, hi)
-                    engine.join(current, capturing)
-                    _mm(regions[p][lo:hi], wt, out_regions[p][lo:hi], bias)
-        else:
-            for lo, hi in self.bounds:
-                gather.pull(raw, lo, hi, self.lanes, capturing)
-                engine.join(current, capturing)
-                for p in range(t):
-                    if p != rank:
-                        _mm(regions[p][lo:hi], wt, out_regions[p][lo:hi], bias)
-        gather.finish(raw)
-        engine.join_watched(current, capturing, self.watched)   # the comm stream's last work (PULLED) joins too
-        return gathered
+class AgGemmSignaledSMPulls(AgGemmSignaledP2P):
+    """AgGemmSignaledP2P with the pulls on SMs (comm_sms > 0): the READY exchange, every chunk's pulls and flag, and
+    PULLED as one kernel of comm_sms CTAs on the SMs the GEMM's grid leaves free (GatherBuffer.signaled_pull,
+    kernels/peer_copy.py)."""
+
+    def build(self, gather=None):
+        super().build(gather)
+        self.puller = self.gather.signaled_pull(self.config.comm_sms, self.chunks, self.flags, self.describe())
+
+    def _transfers(self, stream, capturing):
+        self.puller(stream)
 
 
 class StartedAgGemm:
@@ -453,8 +539,8 @@ def ag_gemm_plan(a_shard: torch.Tensor, w: torch.Tensor, group=None, config: Opt
 
 
 class OwnGather:
-    """A column-parallel layer's own gathered input buffer, written in place by the producer of its input: issue 22's
-    fused block, the pull variant. The norm before the GEMM writes its rows straight into this rank's region
+    """A column-parallel layer's own gathered input buffer, written in place by the producer of its input: the fused
+    block's pull variant (docs/fused_block.md). The norm before the GEMM writes its rows straight into this rank's region
     (claim()), the AllGather+GEMM then stages nothing (no copy on the critical path, where CUDA graphs run it as an SM
     kernel) and the peers pull the rows from there; the buffer is the layer's alone, so the whole gathered input is
     still in it at the backward, whose wgrad reads it with no re-gather (no copies or pulls beside the dgrad GEMM).
@@ -566,11 +652,14 @@ def row_gather(group, m: int, k: int, dtype, device) -> RowGather:
 
 def gather_rows(a_shard: torch.Tensor, group, config: Optional[OverlapConfig] = None) -> Pending:
     """all_gather(a_shard) along rows, issued now; wait() returns it. With config's transport 'p2p' (method 'signal'
-    or 'decompose') on CUDA: the copy engines (RowGather, whose result is the shape's shared buffer: valid until the
-    next AllGather of the shape); otherwise torch.distributed's all-gather."""
+    or 'decompose'; an unset transport resolved as for ag_gemm, ops/resolve.py) on CUDA: the copy engines (RowGather,
+    whose result is the shape's shared buffer: valid until the next AllGather of the shape); otherwise
+    torch.distributed's all-gather."""
     group = comm.resolve_group(group)
+    t = dist.get_world_size(group)
+    config = fill_defaults(config, "ag_gemm", a_shard.device, t) if config is not None else None
     if (config is not None and config.method in ("signal", "decompose") and config.transport == "p2p"
-            and a_shard.is_cuda and dist.get_world_size(group) > 1):
+            and a_shard.is_cuda and t > 1):
         return row_gather(group, a_shard.shape[0], a_shard.shape[1], a_shard.dtype, a_shard.device)(a_shard,
                                                                                                   config.copy_lanes)
     gathered, work = comm.all_gather_rows(a_shard, group, async_op=True)

@@ -309,8 +309,8 @@ class CommEngine:
         chunk before its transfer.
         The enqueue order matters in eager mode with one hardware queue (CUDA_DEVICE_MAX_CONNECTIONS=1, Megatron's
         setting): the queue dispatches in order and stops at the first item whose dependency is pending, so the
-        comm stream's chain (transfer, flag, transfer, ...) enqueued first held the GEMM's launch until the last
-        transfer had completed (session 13: a2a_gemm at EP 2 ran its exchange, then its GEMM, 1.1 ms of 6.7).
+        comm stream's chain (transfer, flag, transfer, ...) enqueued first would hold the GEMM's launch until the last
+        transfer had completed: the exchange, then the GEMM, no overlap.
         gemm_first: the GEMM is enqueued first and the transfers run beside it; the caller says so only where the
         transfers need no SM that the persistent GEMM holds (copy-engine pulls, or NCCL capped at the comm_sms
         SMs the GEMM's grid leaves free). Otherwise the transfers go first, so that their CTAs are resident
@@ -360,7 +360,7 @@ class CommEngine:
         done.wait(current)
         self.lower_flags(flags, current)
         if not capturing and watched is not None:
-            watched.watch()   # eagerly `done` is the plan's watched event (AgGemm._transfers_done)
+            watched.watch()   # eagerly `done` is the plan's watched event (AgGemmSignaled._transfers_done)
 
     def prepare_graph_waits(self):
         """Compile the capture-time wait kernel now, eagerly (a compile inside a capture could load a module
@@ -471,9 +471,8 @@ _engines = {}
 
 def comm_engine(device: torch.device, instance: int = 0) -> CommEngine:
     """The device's CommEngine for plans of `instance` (OpPlan.instance): each instance has its own comm stream, so
-    that the token split's two halves' transfers do not queue behind each other (half B's pulls behind half A's pushes
-    left B's GEMM waiting for both: session 37, one 8B layer at t = 4 1.007 -> 1.094 of the counterfactual on one
-    stream)."""
+    that the token split's two halves' transfers do not queue behind each other (on one stream half B's pulls would
+    queue behind half A's pushes, and B's GEMM would wait for both)."""
     key = (device.type, device.index, instance)
     if key not in _engines:
         _engines[key] = CommEngine(device)

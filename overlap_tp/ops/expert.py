@@ -31,7 +31,7 @@ Methods (OverlapConfig.method):
              have SMs that the spinning GEMM does not hold). Transport `nccl`: the capped communicator of
              overlap_tp/ops/nccl.py; under gloo, torch.distributed's batch_isend_irecv, with the kernel in
              the Triton CPU interpreter. Transport `p2p` (CUDA): the copy engines, no SM and no NCCL
-             (overlap_tp/ops/p2p.py): a2a_gemm pulls each chunk from the peers' symmetric copies of their x
+             (overlap_tp/ops/p2p_expert.py): a2a_gemm pulls each chunk from the peers' symmetric copies of their x
              (RowPull), gemm_a2a pushes each group's staged rows into the peers' receive buffers, which
              each rank copies into z after the join (RowPush); the buffers belong to the op, sized for the
              most tokens a rank has had (regrown, collectively, when a routing needs more).
@@ -39,7 +39,8 @@ Methods (OverlapConfig.method):
              interconnect. The MoE layer (overlap_tp/megatron/moe_auto.py) resolves `auto` itself: it times
              off, signal and decompose in its first calls and keeps the fastest.
 `groups` is the number of parts per peer (an int, or "auto": about 16 MB per group on the busiest
-rank); `schedule` does not apply. The backward runs the mirrored op with each expert's weight
+rank); `schedule` does not apply. Unset fields are resolved for the expert ops (ops/resolve.py: groups 2, transport
+nccl, comm_sms 4 on nccl and 0 on p2p). The backward runs the mirrored op with each expert's weight
 transposed as a view (`transposed`: the kernel reads it in place, no copy) and the grouped wgrad with
 cuBLAS, accumulated per (source, expert) segment in place.
 """
@@ -52,11 +53,12 @@ import torch.distributed as dist
 from overlap_tp.kernels.expert_row_tiles import dispatch_row_tiles
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, tma_unsupported_reason, weight_layout
 from overlap_tp.ops import comm
-from overlap_tp.ops.common import check_not_capturing, device_properties, gemm_programs, warn_once
-from overlap_tp.ops.config import DEFAULT_EXPERT_CONFIG, OverlapConfig
+from overlap_tp.ops.plan_base import check_not_capturing, device_properties, gemm_programs, warn_once
+from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.moe_tile_plan import (EXPERT_RASTER_M, Layout, combine_plan, dispatch_plan, layout, parts_per_peer,
                                           pulled_rows, pushed_rows)
-from overlap_tp.ops.p2p import RowPull, RowPush
+from overlap_tp.ops.p2p_expert import RowPull, RowPush
+from overlap_tp.ops.resolve import resolve
 from overlap_tp.ops.tile_plan import MAX_AUTO_GROUPS
 from overlap_tp.ops.watchdog import Watched
 
@@ -293,7 +295,7 @@ class _ExpertState:
             if config.transport == "p2p" else None
         if kind == "a2a_gemm" and device.type == "cuda":
             # the dispatch's table is needed at once (the GPU waits for its GEMM): built on the GPU from the counts,
-            # one small copy and one launch, where the host's numpy build and the table's copy took ~0.3 ms
+            # one small copy and one launch, cheaper than the host's numpy build and the table's copy
             n_tiles = -(-plan.n // plan.block_n)
             if device_counts is None or device_counts.device != device:
                 device_counts = host_table_to(counts, device)
@@ -314,7 +316,7 @@ class PinnedStaging:
     """Host-built tables on their way to the GPU without a host synchronisation and without pinning fresh memory
     per table. A copy from pageable memory waits for the stream to drain (dynamic routing builds tables every
     step); `Tensor.pin_memory()` queues the copy but takes a new page-locked block whenever the earlier ones
-    still wait for their copies, 0.5-2.9 ms each on the H200 hosts (docs/perf/s12). Here a few pinned slots
+    still wait for their copies, and page-locking costs milliseconds of host time. Here a few pinned slots
     are reused in turn: a slot is written only once the GPU has run the copy that last read it (its event), else
     the next slot is tried, and a new one added when every slot is in flight."""
 
@@ -742,8 +744,8 @@ def a2a_gemm(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None,
     device_counts: the caller guarantees these equal counts, on the GPU (OverlapMoELayer has them there first):
     the signaled method builds its tile table from them without copying counts up (one copy less on the host's
     path from the routing to the first expert GEMM)."""
-    y, xr = _A2AGemm.apply(x, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG, counts_agreed,
-                           device_counts)
+    y, xr = _A2AGemm.apply(x, w, counts, comm.resolve_ep_group(group), resolve(config, "a2a_gemm", device=x.device),
+                           counts_agreed, device_counts)
     return (y, xr) if return_received else y
 
 
@@ -752,5 +754,5 @@ def gemm_a2a(h: torch.Tensor, counts: torch.Tensor, w: torch.Tensor, group=None,
              device_counts: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Apply fc2 to the received rows and send each back to its token's rank: z[T, H] in x's row order.
     counts_agreed, device_counts: as for a2a_gemm (the device counts serve its backward's dispatch)."""
-    return _GemmA2A.apply(h, w, counts, comm.resolve_ep_group(group), config or DEFAULT_EXPERT_CONFIG, counts_agreed,
-                          device_counts)
+    return _GemmA2A.apply(h, w, counts, comm.resolve_ep_group(group), resolve(config, "gemm_a2a", device=h.device),
+                          counts_agreed, device_counts)

@@ -4,17 +4,21 @@
     out = plan(a[M, K_local], w[N, K_local], bias)           # [M/t, N]: rank k gets rows [k*M/t, (k+1)*M/t)
     out = gemm_rs(a, w, group, bias=..., config=...)        # the same through a cached plan
 
-Methods (OverlapConfig.method): `signal` (persistent Triton GEMM + per-group collectives on the comm stream,
-ops/reduction.py; or, with transport 'p2p', epilogue stores into the owners' symmetric buffers, or with
-rs_transfer 'copy' (the default where t > 2) local stores that the copy engines push to the owners group by group,
-ops/p2p.py), `decompose` (M-chunked cuBLAS + chunked collectives on the comm stream; or, with transport 'p2p',
-one cuBLAS GEMM per owner's region writing straight into that owner's symmetric buffer, ops/p2p.py RegionGemms, or
-with rs_transfer 'copy' into a local staging matrix, each pushed by the copy engines after its GEMM),
-the collectives through a raw NCCL communicator (ops/nccl.py); `off` (cuBLAS then torch.distributed's
-reduce-scatter: Megatron's path and, on CPU tensors under gloo, the reference); `auto` (the tuner's choice, resolved
-when the plan is built).
-On CPU tensors `signal` runs its Triton kernel in the interpreter and the same per-group collectives, so the
-whole signaled data path is tested without a GPU.
+GemmRS(...) returns the plan of the strategy that runs the resolved config (GemmRS.strategy_for), one class each:
+  GemmRSOff             method `off`: cuBLAS then torch.distributed's reduce-scatter (Megatron's path and, on CPU
+                        tensors under gloo, the reference).
+  GemmRSDecomposedNccl  method `decompose`, transport `nccl`: M-chunked cuBLAS + chunked collectives on the comm
+                        stream.
+  GemmRSSignaledNccl    method `signal`, transport `nccl`: the persistent Triton GEMM + per-group collectives on the
+                        comm stream behind its counters (ops/collective_reduction.py SignaledReduction).
+  GemmRSOverP2P         method `signal` or `decompose`, transport `p2p` (CUDA): the partial sums go into the owners'
+                        symmetric receive slots, by the signaled GEMM's epilogue stores or by one cuBLAS GEMM per
+                        owner's region (ops/p2p_reduction.py RegionGemms), or with rs_transfer 'copy' (the default
+                        where t > 2) into a local staging matrix that the copy engines push to the owners group by
+                        group; each rank then sums its t slots (ops/p2p_reduction.py P2PReduceScatter).
+The NCCL transport's collectives go through a raw NCCL communicator (ops/nccl.py) on CUDA; method `auto` is the
+tuner's choice, resolved when the plan is built. On CPU tensors `signal` runs its Triton kernel in the interpreter and
+the same per-group collectives, so the whole signaled data path is tested without a GPU.
 
 bias: added once, after the reduction (Megatron's semantics). The signaled kernel adds it in fp32 to the
 rows this rank will own, which equals adding it after the sum without another pass over the output.
@@ -30,99 +34,162 @@ import torch
 
 from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
-from overlap_tp.ops.common import OpPlan, Pending, cached_plan, chunk_bounds, gemm_programs
-from overlap_tp.ops.config import OverlapConfig, rs_transfer_for
-from overlap_tp.ops.p2p import P2PReduceScatter
-from overlap_tp.ops.reduction import SignaledReduction, after_work, decomposed, joined, plus_bias
+from overlap_tp.ops.collective_reduction import SignaledReduction, decomposed
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.p2p_reduction import P2PReduceScatter
+from overlap_tp.ops.plan_base import (OpPlan, Pending, after_work, cached_plan, chunk_bounds, gemm_programs, joined,
+                                       plus_bias)
 from overlap_tp.ops.tile_plan import make_plan
 
 
 class GemmRS(OpPlan):
-    """reduce_scatter(a @ w.T + bias) for a[m, k], w[n, k] on `group`: built once, called per step."""
+    """reduce_scatter(a @ w.T + bias) for a[m, k], w[n, k] on `group`: built once, called per step. GemmRS(...) is
+    the factory of its strategies (the module's docstring); each one's plan(a, w, bias, async_op=False) returns the
+    reduce-scattered [M/t, N], or with async_op=True a Pending whose wait() returns it."""
 
     op = "gemm_rs"
     rows_split = True
 
-    def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
-                 config: Optional[OverlapConfig] = None, instance: int = 0):
-        super().__init__(group, m, n, k, dtype, device, config, instance)
-        config, device, t = self.config, self.device, self.t
-        self.m_local = m // t
-        self.p2p = None   # the p2p transport's state (a call tests for it, not for the method and transport)
-        if self.method in ("signal", "decompose") and config.transport == "p2p":
-            if device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
+    def strategy_for(self) -> type:
+        """The strategy of the resolved config's method and transport; a ValueError where it cannot run here."""
+        config = self.config
+        if self.method == "off":
+            return GemmRSOff
+        if config.transport == "p2p":
+            if self.device.type != "cuda":   # symmetric memory, rendezvoused over the group's store (any backend)
                 raise ValueError("gemm_rs: transport='p2p' needs CUDA tensors (symmetric memory)")
-            # rs_transfer 'copy': one SM left to the comm stream's waits, which a captured graph runs as one-thread
-            # kernels
-            programs = gemm_programs(device, config, spare_sms=int(self.method == "signal"
-                                                                   and config.rs_transfer == "copy"))
-            self.p2p = P2PReduceScatter(self.group, self.rank, t, m, n, dtype, device, config, programs,
-                                        self.watched, self.instance)
-        elif self.method == "signal":
-            if config.schedule == "tile_exact" and (self.m_local % config.block_m or n % config.block_n):
-                raise ValueError(f"gemm_rs: method='signal' cannot run: schedule 'tile_exact' needs M/t={self.m_local} "
-                                 f"% block_m={config.block_m} == 0 and N={n} % block_n={config.block_n} == 0")
-            plan = make_plan(config.schedule, m, n, t, config.block_m, config.block_n, config.groups,
-                             torch.finfo(dtype).bits // 8)
-            self.signaled = SignaledReduction(plan, device, config, gemm_programs(device, config),
-                                              (self.rank * self.m_local, (self.rank + 1) * self.m_local),
-                                              comm.collectives(self.group, device, config.comm_sms), "reduce_scatter")
-            if self.watched is not None:
-                self.watched.words = (("counters", self.signaled.counters),)
-        elif self.method == "decompose":
-            self.coll = comm.collectives(self.group, device, config.comm_sms)
-            self.bounds = chunk_bounds(self.m_local, config.chunks)
-        else:
-            self.coll = comm.TorchCollectives(self.group)
+            return GemmRSOverP2P
+        if self.method == "signal":
+            m_local = self.m // self.t
+            if config.schedule == "tile_exact" and (m_local % config.block_m or self.n % config.block_n):
+                raise ValueError(f"gemm_rs: method='signal' cannot run: schedule 'tile_exact' needs M/t={m_local} "
+                                 f"% block_m={config.block_m} == 0 and N={self.n} % block_n={config.block_n} == 0")
+            return GemmRSSignaledNccl
+        return GemmRSDecomposedNccl
 
-    def _resolve(self, config: OverlapConfig) -> OverlapConfig:
-        """OpPlan's resolution, then rs_transfer 'auto' for this group's size (config.rs_transfer_for)."""
-        return rs_transfer_for(super()._resolve(config), self.t)
+    def build(self):
+        self.m_local = self.m // self.t
 
-    def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-                 async_op: bool = False):
+
+class GemmRSOff(GemmRS):
+    """Method 'off': the whole GEMM (cuBLAS), then torch.distributed's reduce-scatter of it (async with async_op), the
+    bias added after. No comm stream and no synchronisation state of its own: Megatron's path, and the reference."""
+
+    variant = "off"
+
+    def build(self):
+        super().build()
+        self.coll = comm.TorchCollectives(self.group)
+
+    def __call__(self, a, w, bias=None, *, async_op=False):
         self.check_call(a, w, bias)
-        n, m_local = self.n, self.m_local
-        if self.p2p is not None:
-            # the sum (after the wait for every peer's stores) runs on the stream current at wait(): with
-            # async_op, work queued before wait() hides the wait for the slowest peer. pending.deferred_sum lets
-            # the kernel that reads the output sum the slots itself instead (the fused add + RMSNorm).
-            if not async_op:   # summed at once, on this stream
-                return self.p2p.summed(a, w, bias)
-            deferred = self.p2p(a, w, bias)
-            pending = Pending(deferred, deferred_sum=deferred)
-        elif self.method == "signal":
-            signaled = self.signaled
-            order = signaled.order
-            out = torch.empty(m_local, n, dtype=a.dtype, device=a.device)
-            received = out if order is None else torch.empty(signaled.plan.out_shape, dtype=a.dtype, device=a.device)
-            staging = torch.empty(signaled.plan.staging_shape, dtype=a.dtype, device=a.device)
-            join = signaled.run(a, w, bias, received, staging, self.watched)
-
-            def finish():
-                join()
-                return out if order is None else order.undo(received)
-            if not async_op:   # joined at once: no Pending to hold the buffers
-                return finish()
-            pending = Pending(finish, staging, received)
-        elif self.method == "decompose":
-            out = torch.empty(m_local, n, dtype=a.dtype, device=a.device)
-            a3, wt, t = a.view(self.t, m_local, -1), w.t(), self.t
-
-            def chunk(lo, hi):
-                return torch.matmul(a3[:, lo:hi], wt).view(t * (hi - lo), n)
-
-            def collective(dst, src, stream):
-                self.coll.reduce_scatter(dst, src, stream=stream)
-
-            staged = decomposed(a.device, out, chunk, collective, self.bounds)
-            pending = Pending(joined(a.device, plus_bias(out, bias)), staged)
-        else:
-            out = torch.empty(m_local, n, dtype=a.dtype, device=a.device)
-            partial = a @ w.t()
-            pending = Pending(after_work(self.coll.reduce_scatter(out, partial, async_op=async_op),
-                                         plus_bias(out, bias)), partial)
+        out = torch.empty(self.m_local, self.n, dtype=a.dtype, device=a.device)
+        partial = a @ w.t()
+        pending = Pending(after_work(self.coll.reduce_scatter(out, partial, async_op=async_op), plus_bias(out, bias)),
+                          partial)
         return pending if async_op else pending.wait()
+
+
+class GemmRSDecomposedNccl(GemmRS):
+    """Method 'decompose' on the NCCL transport: the rows of every rank's region in `chunks` M-chunks; chunk i's cuBLAS
+    GEMM on the caller's stream, its reduce-scatter on the comm stream behind a fork after the GEMM
+    (collective_reduction.decomposed), so chunk i's collective runs beside chunk i+1's GEMM. The caller's stream joins
+    the comm stream (at once, or in Pending.wait()), then the bias is added."""
+
+    variant = "decompose"
+
+    def build(self):
+        super().build()
+        self.coll = comm.collectives(self.group, self.device, self.config.comm_sms)
+        self.bounds = chunk_bounds(self.m_local, self.config.chunks)
+
+    def __call__(self, a, w, bias=None, *, async_op=False):
+        self.check_call(a, w, bias)
+        n, m_local, t = self.n, self.m_local, self.t
+        out = torch.empty(m_local, n, dtype=a.dtype, device=a.device)
+        a3, wt = a.view(t, m_local, -1), w.t()
+
+        def chunk(lo, hi):
+            return torch.matmul(a3[:, lo:hi], wt).view(t * (hi - lo), n)
+
+        def collective(dst, src, stream):
+            self.coll.reduce_scatter(dst, src, stream=stream)
+
+        staged = decomposed(a.device, out, chunk, collective, self.bounds)
+        pending = Pending(joined(a.device, plus_bias(out, bias)), staged)
+        return pending if async_op else pending.wait()
+
+
+class GemmRSSignaledNccl(GemmRS):
+    """Method 'signal' on the NCCL transport: one persistent Triton GEMM over a tile plan (tile_plan.make_plan: the
+    row-slice or tile-exact schedule) stores group g's tiles into a staging matrix and raises counter g once per tile
+    (release); the comm stream waits for each counter's tile count, resets it and reduce-scatters the group's rows
+    (SignaledReduction: the protocol and why the counters need no memset). The GEMM leaves `comm_sms` SMs to NCCL. The
+    tile-exact schedule's rows are put back in order after the join (TileOrder.undo). The bias goes in the epilogue of
+    the rows this rank owns."""
+
+    variant = "signal/nccl"
+
+    def build(self):
+        super().build()
+        config, device = self.config, self.device
+        plan = make_plan(config.schedule, self.m, self.n, self.t, config.block_m, config.block_n, config.groups,
+                         torch.finfo(self.dtype).bits // 8)
+        self.signaled = SignaledReduction(plan, device, config, gemm_programs(device, config),
+                                          (self.rank * self.m_local, (self.rank + 1) * self.m_local),
+                                          comm.collectives(self.group, device, config.comm_sms), "reduce_scatter")
+        if self.watched is not None:
+            self.watched.words = (("counters", self.signaled.counters),)
+
+    def __call__(self, a, w, bias=None, *, async_op=False):
+        self.check_call(a, w, bias)
+        signaled = self.signaled
+        order = signaled.order
+        out = torch.empty(self.m_local, self.n, dtype=a.dtype, device=a.device)
+        received = out if order is None else torch.empty(signaled.plan.out_shape, dtype=a.dtype, device=a.device)
+        staging = torch.empty(signaled.plan.staging_shape, dtype=a.dtype, device=a.device)
+        join = signaled.run(a, w, bias, received, staging, self.watched)
+
+        def finish():
+            join()
+            return out if order is None else order.undo(received)
+        if not async_op:   # joined at once: no Pending to hold the buffers
+            return finish()
+        return Pending(finish, staging, received)
+
+
+class GemmRSOverP2P(GemmRS):
+    """Methods 'signal' and 'decompose' on the p2p transport (CUDA): no collective and no SM on communication. The
+    call's store half puts each region's partial sum into its owner's symmetric receive slot (the signaled GEMM's
+    epilogue stores, cuBLAS per region, or with rs_transfer 'copy' local stores that the copy engines push), its
+    reduce half sums this rank's t slots; the SUMMED / ARRIVED peer signals and their order argument are
+    P2PReduceScatter's. With async_op the reduce half is the Pending's DeferredSum (pending.deferred_sum), which the
+    kernel that reads the output may run itself (the fused add + RMSNorm); without it, the whole call at once, eagerly
+    replayed from a CUDA graph where the plan has one for the operands' addresses."""
+
+    @property
+    def variant(self) -> str:
+        # rs_transfer 'copy': the copy engines push the partials (OverlapConfig.rs_transfer)
+        return f"{self.method}/p2p" + ("/copy" if self.config.rs_transfer == "copy" else "")
+
+    def build(self):
+        super().build()
+        config = self.config
+        # rs_transfer 'copy': one SM left to the comm stream's waits, which a captured graph runs as one-thread kernels
+        programs = gemm_programs(self.device, config, spare_sms=int(self.method == "signal"
+                                                                    and config.rs_transfer == "copy"))
+        self.p2p = P2PReduceScatter(self.group, self.rank, self.t, self.m, self.n, self.dtype, self.device, config,
+                                    programs, self.watched, self.instance)
+
+    def __call__(self, a, w, bias=None, *, async_op=False):
+        self.check_call(a, w, bias)
+        # the sum (after the wait for every peer's stores) runs on the stream current at wait(): with async_op, work
+        # queued before wait() hides the wait for the slowest peer. pending.deferred_sum lets the kernel that reads
+        # the output sum the slots itself instead (the fused add + RMSNorm).
+        if not async_op:   # summed at once, on this stream
+            return self.p2p.summed(a, w, bias)
+        deferred = self.p2p(a, w, bias)
+        return Pending(deferred, deferred_sum=deferred)
 
 
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,

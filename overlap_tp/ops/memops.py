@@ -3,9 +3,9 @@
 The comm stream waits on a tile counter or a peer's ready word without spending an SM (cuStreamWaitValue32:
 the stream's front end polls the word) and raises ready words (cuStreamWriteValue32). Both, and the events
 that fork the comm stream from the caller's stream and join it back, are captured into CUDA graphs as
-memory-operation and event nodes. ctypes on the driver costs about a microsecond per call, where the Python
-wrappers (cuda-bindings objects, torch.cuda.Event, `with torch.cuda.stream`) cost 4-11 us on the H200 hosts
-(docs/perf/host_cost.md). Streams are raw handles (`torch.cuda.Stream.cuda_stream`,
+memory-operation and event nodes. ctypes on the driver costs about a microsecond per call, several times less
+than the Python wrappers (cuda-bindings objects, torch.cuda.Event, `with torch.cuda.stream`). Streams are raw
+handles (`torch.cuda.Stream.cuda_stream`,
 `torch._C._cuda_getCurrentRawStream`), words are device addresses (local, or a peer's mapped through
 symmetric memory).
 """

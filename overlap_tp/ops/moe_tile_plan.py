@@ -44,9 +44,9 @@ from overlap_tp.ops.tile_plan import (COL, DST_BUF, DST_COL, DST_ROW, EXPERT, GR
 
 # gemm_a2a's destination buffers (the tiles' DST_BUF): the staging matrix and the output z
 STAGING, OUTPUT = 0, 1
-# The grouped GEMMs' raster run (RowTiles.raster_m: row tiles per run, the N-tile outer within it). At Mixtral's
-# per-rank shapes runs of 32 beat the dense plans' 8 by 2-4% on fc1 and fc2, uniform and zipf routing alike, and
-# 128 loses 3-7% (docs/perf/s15/README.md, scripts/probe_expert_gemm_tiles.py)
+# The grouped GEMMs' raster run (RowTiles.raster_m: row tiles per run, the N-tile outer within it): at Mixtral's
+# per-rank shapes runs of 32 measured faster than the dense plans' 8 and than 128 on fc1 and fc2, uniform and zipf
+# routing alike (docs/performance.md).
 EXPERT_RASTER_M = 32
 
 
@@ -192,7 +192,7 @@ class ReceivedTiles(NamedTuple):
 def received_tiles(lay: Layout, block_m: int, parts: int) -> ReceivedTiles:
     """The row tiles of lay's received rows (see ReceivedTiles), computed with numpy over the [ep, L] segments: the
     plans are rebuilt for every routing (every step), on the host, while the GPU waits for the first expert GEMM,
-    and a Python loop per tile or per piece cost ~1 ms per plan at EP 8 with 64 experts even on a fast host."""
+    and a Python loop per tile or per piece costs too much host time per plan at EP 8 with 64 experts."""
     ep, experts = lay.ep, lay.experts
     seg_rows = np.array([lay.expert_rows(s, lay.rank) for s in range(ep)], dtype=np.int64).reshape(-1)
     seg_start = np.cumsum(seg_rows) - seg_rows

@@ -1,11 +1,10 @@
 """A raw NCCL communicator, called through ctypes, for the overlapped ops' per-group collectives.
 
-Why not torch.distributed for these: on the H200 pair one `dist.reduce_scatter_tensor` call cost
-~90-100 us of host time (torch 2.11: work objects, events, `record_param_comms`), while a 16 MB
-reduce-scatter takes ~80 us on the GPU. A signaled GEMM issues one collective per group behind the
-GEMM launch, so the host, not the GPU, set the pace (`git show 27bec54:docs/perf/gemm_rs_ar.md`). ncclReduceScatter
-itself costs a few microseconds to enqueue. The collectives are still NCCL's (communication
-agnosticism); only the Python/C++ wrapper is skipped.
+Why not torch.distributed for these: one `dist.reduce_scatter_tensor` call costs about as much host time
+(work objects, events, `record_param_comms`) as a mid-size reduce-scatter takes on the GPU, and a signaled
+GEMM issues one collective per group behind the GEMM launch, so through torch.distributed the host would set
+the pace (docs/performance.md). ncclReduceScatter itself costs a few microseconds to enqueue. The
+collectives are still NCCL's (communication agnosticism); only the Python/C++ wrapper is skipped.
 
 The communicator is created over the ranks of a torch process group (the unique id travels through
 that group) with `maxCTAs` set, which is how the collective is confined to the SMs the GEMM leaves.
@@ -95,7 +94,7 @@ class Communicator:
         # No thread-block clusters: NCCL's default on Hopper launches clusters of CTAs, which must be
         # co-scheduled within one GPC. Next to a persistent GEMM that holds all but `max_ctas` SMs, the
         # free SMs are scattered over GPCs and a cluster may never fit; an AllGather+GEMM whose CTAs
-        # spin on the broadcast's ready flags then hangs (seen on the H200 pair: docs/perf/README.md, earlier records: ag_gemm).
+        # spin on the broadcast's ready flags then hangs.
         config.cgaClusterSize = 1
         self.comm = ctypes.c_void_p()
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -110,8 +109,8 @@ class Communicator:
         """Make NCCL's send/receive connections to every peer now, with one element each way and a wait, once per
         communicator; every rank of the group calls it at the same point (its first MoE exchange). NCCL connects a
         peer pair at its first send/receive, and that setup waits for the device: at the first signaled dispatch,
-        beside a persistent GEMM whose tiles spin until the exchange raises their flags, it never returned (session
-        23: mixtral-proxy with the overlap on hung in ncclGroupEnd at its first iteration)."""
+        beside a persistent GEMM whose tiles spin until the exchange raises their flags, it can never return (the
+        first signaled dispatch would hang in ncclGroupEnd)."""
         if self._peers_connected:
             return
         if torch.cuda.is_current_stream_capturing():
@@ -127,7 +126,7 @@ class Communicator:
 
     def _stream(self, stream):
         """`stream` (a raw handle), or the current stream's, without building a torch.cuda.Stream (a signaled
-        call issues one collective per group: docs/perf/host_cost.md)."""
+        call issues one collective per group, on the host's hot path)."""
         return torch._C._cuda_getCurrentRawStream(self.device_index) if stream is None else stream
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, stream=None):
@@ -165,12 +164,11 @@ class Communicator:
         the gathered buffer, broadcast in place from root, one NCCL group call (AgGemm's chunks: the spans are made
         once per plan, no region or row view per call).
 
-        NCCL runs a group's broadcasts one after the other (session 26's trace at the cross-node proxy, NCCL's SHM
-        transport: each as long as Megatron's AllGather of twice the rows). Two replacements were measured against
-        them in session 27, both slower on the mid-size layer at the proxy: sends and receives per peer in one group
-        call (NCCL's point-to-point channels; 1.056x of Megatron's layer, H100 pair, against 0.996x), and one
+        NCCL runs a group's broadcasts one after the other (on its SHM transport each takes about as long as
+        Megatron's AllGather of twice the rows). Broadcasts stay because the two alternatives measured slower on
+        the mid-size layer at the cross-node proxy: sends and receives per peer in one group call, and one
         in-place ncclAllGather per chunk into a chunk-major buffer that the GEMM's tiles read where the rows lie
-        (1.020x against 0.999x in the same call, H200 pair; docs/perf/s27/README.md)."""
+        (docs/performance.md)."""
         lib, nccl_dtype = library(), NCCL_DTYPES[dtype]
         _check(lib.ncclGroupStart(), "ncclGroupStart")
         for root, (offset, count) in enumerate(spans):

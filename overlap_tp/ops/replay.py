@@ -1,6 +1,6 @@
 """Eager calls replayed from CUDA graphs: a plan's call captured once per set of operand addresses, then launched
 whole with one driver call (cudaGraphLaunch), where the eager path issues its launches, copies, events and stream
-memory operations one by one, with Python around each (issue 20: host time per call; docs/perf/s41).
+memory operations one by one, with Python around each: the eager host time per call (docs/performance.md).
 
 Why a replay does what the eager call would. At a plan's fixed shape, what one call issues depends on the operands'
 addresses and w's layout (CallGraphs' key) and on the plan's state: its buffers, device words and tables, all fixed
@@ -34,7 +34,7 @@ MAX_SEEN = 4096    # first-seen keys remembered per plan (forgotten all at once 
 
 def from_env() -> bool:
     """OVERLAP_TP_EAGER_GRAPHS: 1, empty or unset (the default) replays, 0 issues every call one by one; another value
-    is a ValueError (megatron.arguments.validate_overlap_env raises it at start)."""
+    is a ValueError (megatron.validation.validate_overlap_env raises it at start)."""
     raw = os.environ.get(ENV, "")
     if raw not in ("", "0", "1"):
         raise ValueError(f"{ENV}={raw!r}: expected 1 (eager calls replayed from CUDA graphs, the default) or 0 "

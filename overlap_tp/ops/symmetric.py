@@ -4,7 +4,7 @@ comes through `empty`, which tallies its bytes by what the buffer is for.
 Why count: symmetric memory is mapped by its own allocator (cuMemCreate), outside torch's caching allocator, so
 torch.cuda.memory_allocated(), Megatron's memory report and its `max allocated` do not include it. `allocated()`
 says how much this process holds (the training log prints it once: overlap_tp/training/throughput.py); the
-largest user is `--overlap-tp-gather-in-place` (a gathered buffer per column-parallel layer)."""
+largest user is gathering in place (OverlapSettings.gather_in_place: a gathered buffer per column-parallel layer)."""
 import weakref
 from collections import Counter
 

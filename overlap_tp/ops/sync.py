@@ -3,9 +3,9 @@
 Every word goes 0 -> 1 (raised by the producer) -> 0 (reset by the consumer right after its wait), so each
 call of an op starts from the same state and waits for the same fixed values. That is what a CUDA graph
 needs: a captured wait-value replays with the value it was captured with, so targets that grew with a
-host-side call count (the earlier design) would be satisfied by a stale count on the second replay. The
-reset is safe because of the order argument written next to each protocol (overlap_tp/ops/p2p.py): a
-producer raises a word again only after something that the consumer does after its reset.
+host-side call count would be satisfied by a stale count on the second replay. The
+reset is safe because of the order argument written next to each protocol (overlap_tp/ops/p2p_*.py):
+a producer raises a word again only after something that the consumer does after its reset.
 
 The words live in symmetric memory: rank r's word (slot, p) is raised by peer p, written over NVLink with a
 stream write-value (no SM), and waited on and reset by r with stream memory operations on its own stream;

@@ -34,8 +34,8 @@ from overlap_tp.kernels.signaled_gemm import (COL, DST_BUF, DST_COL, DST_ROW, EX
                                               SRC_ROW_END, TILE_FIELDS, WAIT)
 from overlap_tp.kernels.tile_order import TileOrder
 
-# Output bytes per group the first partition rule aims at: NCCL reaches ~130 GB/s bus bandwidth at
-# 16 MB on the H200 pair (shared/DEVICE.md) while smaller messages are latency-bound.
+# Output bytes per group the first partition rule aims at: NCCL nears its bus bandwidth around 16 MB over
+# NVLink, while smaller messages are latency-bound.
 TARGET_GROUP_BYTES = 16 << 20
 MAX_AUTO_GROUPS = 8
 RASTER_GROUP_M = 8
@@ -187,9 +187,9 @@ def p2p_plan(m: int, n: int, world: int, rank: int, block_m: int, block_n: int) 
 
     Tile order: row-major while N has at most P2P_ROW_MAJOR_MAX_N_TILES tiles (a wave of ~132 programs
     then spans ~8 tile rows, the reuse of a raster of 8, and each tile row's stores go to one owner at a
-    time, which measured faster than the rastered order's interleaving on the 8B shapes: earlier records,
-    gemm_rs_p2p_order). Wider N is rastered in groups of 8 tile rows: row-major, a wave there spans only
-    132 / n_tiles rows and streams all of W from HBM (70B fc2: 235 MB per wave of ~125 us).
+    time, which measured faster than the rastered order's interleaving on the 8B shapes: docs/performance.md).
+    Wider N is rastered in groups of 8 tile rows: row-major, a wave there spans only 132 / n_tiles rows and
+    streams all of W from HBM in every wave (70B fc2: 235 MB of W per wave).
 
     The row-slice plan visits each slice's regions 0, 1, ..., t-1; here position k of every slice takes region
     (rank + 1 + k) % t instead: the owners in ring order, our own last (as RegionGemms). With every rank at the same

@@ -110,8 +110,8 @@ class Watchdog:
         self.watched = []
         # Items the poll found complete, let go by the next record() on the recording thread: the last reference
         # to a plan (and to its symmetric memory) must never drop on this thread, where freeing symmetric
-        # memory while the main thread captures a CUDA graph aborts the process (seen in session 13: an evicted
-        # plan's buffers freed by the poll during `bench ops --graphs`).
+        # memory while the main thread captures a CUDA graph aborts the process (an evicted plan's buffers freed by
+        # the poll during a capture: `operation not permitted when stream is capturing`).
         self.reached = []
         self.lock = threading.Lock()
         self.thread = None

@@ -2,7 +2,7 @@
 call against its GEMM alone and its collective alone on the same shapes (the figures:
 overlap_tp.training.throughput, "Overlap statistics").
 
-    SAMPLER.install()         (once: the Megatron layers' op observer, overlap_tp.megatron.layers.set_op_observer)
+    SAMPLER.install()         (once: the Megatron layers' op observer, overlap_tp.megatron.linear_functions.set_op_observer)
     SAMPLER.armed = True      (the train_step hook, for the iteration whose end is logged)
     the layers' gemm_rs / gemm_ar / ag_gemm calls -> a start and an end stamp around each synchronous call
     SAMPLER.collect(stats)    (the training_log hook, on every rank) -> stats.record(kind, op, gemm, comm,
@@ -149,7 +149,7 @@ class OpSampler:
         """Observe the Megatron layers' synchronous op calls (idempotent). Without megatron-core there are no
         layers to observe: returns False."""
         try:
-            from overlap_tp.megatron.layers import set_op_observer
+            from overlap_tp.megatron.linear_functions import set_op_observer
         except ImportError:
             return False
         set_op_observer(self.observe)

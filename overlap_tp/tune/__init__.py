@@ -1,4 +1,4 @@
-"""Per-shape tuner: which OverlapConfig an op should run for a shape (issue 4; docs/tuner.md).
+"""Per-shape tuner: which OverlapConfig an op should run for a shape (docs/tuner.md).
 
     config = choose("rs", a, w, group)            # gemm_rs / gemm_ar / ag_gemm operands as the op gets them
 
@@ -23,7 +23,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from overlap_tp.ops.config import OverlapConfig, set_auto_resolver
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.tile_rule import given_tile
+from overlap_tp.ops.tuner_hook import set_auto_resolver
 from overlap_tp.tune.cache import (ENV_VAR, TuneCache, cache_key, config_from_dict, config_to_dict, default_path,
                                    software_stamp)
 from overlap_tp.tune.candidates import Shape, candidates, label, op_name
@@ -46,11 +48,6 @@ def shape_of(op: str, a: torch.Tensor, w: torch.Tensor, t: int) -> Shape:
     return Shape(op, m, w.shape[0], a.shape[1], t, str(a.dtype).replace("torch.", ""))
 
 
-def _fixed(base: OverlapConfig) -> dict:
-    return dict(block_m=base.block_m, block_n=base.block_n, block_k=base.block_k, num_stages=base.num_stages,
-                num_warps=base.num_warps)
-
-
 def decide(shape: Shape, meas: Measurements, base: OverlapConfig = OverlapConfig(), *, margin: float = DEFAULT_MARGIN,
            progress: str = DEFAULT_PROGRESS, verify=None, verify_count: int = DEFAULT_VERIFY):
     """(config, label, times): the decision from `meas` (same result for the same numbers).
@@ -67,7 +64,7 @@ def decide(shape: Shape, meas: Measurements, base: OverlapConfig = OverlapConfig
         if todo:
             measured.update(verify(todo))
             verified = True
-    off = OverlapConfig(method="off", **_fixed(base))
+    off = OverlapConfig(method="off", **given_tile(base))
     times = {name: ms for ms, name, _ in ranked}
     times.update(measured)
     by_label = {name: c for _, name, c in ranked}
@@ -124,7 +121,7 @@ def choose(op: str, a: torch.Tensor, w: torch.Tensor, group=None, *, cache=None,
     """The OverlapConfig to run `op` ("rs"/"gemm_rs", "ar"/"gemm_ar", "ag"/"ag_gemm") with these operands
     (choose_shape on their shape). On CPU tensors: 'off', with no measurement and no group needed."""
     if not a.is_cuda and measure is None:
-        return OverlapConfig(method="off", **_fixed(base))
+        return OverlapConfig(method="off", **given_tile(base))
     from overlap_tp.ops import comm
     group = comm.resolve_group(group)
     return choose_shape(shape_of(op, a, w, dist.get_world_size(group)), group, a.device, cache=cache, base=base,
@@ -144,7 +141,7 @@ def choose_shape(shape: Shape, group, device: torch.device, *, cache=None, base:
     run the decision path on CPU).
     """
     if device.type != "cuda" and measure is None:
-        return OverlapConfig(method="off", **_fixed(base))
+        return OverlapConfig(method="off", **given_tile(base))
     t = shape.t
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     cache = _cache_location(cache)

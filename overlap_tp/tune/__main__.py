@@ -2,7 +2,7 @@
 
     torchrun --nproc-per-node 2 -m overlap_tp.tune --op rs --shapes l8b.proj.s8192,l70b.proj.s8192
     torchrun --nproc-per-node 2 -m overlap_tp.tune --op ar --mnk 8192,4096,2048 --exhaustive --cache tune.json
-    torchrun --nproc-per-node 2 -m overlap_tp.tune --op rs --shapes ... --validate docs/perf --points 30 --reps 10
+    torchrun --nproc-per-node 2 -m overlap_tp.tune --op rs --shapes ... --validate OUT_DIR --points 30 --reps 10
 
 Shapes: NAME.sTOKENS with NAME from overlap_tp.bench.ops.SHAPES (rs, ar) or AG_SHAPES (ag), TP = 2 shards
 scaled to the run's t like the ops benchmark does (bench.ops.at_tp), or

@@ -24,12 +24,15 @@ wave finish together: a boundary inside a wave only delays the group. Limits:
   boundaries are thinned to every s-th wave (smallest s that fits), deterministically.
 Sizes of the space at the BENCHMARKS.md shapes: docs/tuner.md (`space_size` prints them).
 """
+import dataclasses
 import math
 from dataclasses import dataclass
 from itertools import combinations
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.resolve import common_defaults
+from overlap_tp.ops.tile_rule import tile_of
 
 OPS = ("rs", "ar", "ag")
 OP_ALIASES = {"rs": "rs", "gemm_rs": "rs", "ar": "ar", "gemm_ar": "ar", "ag": "ag", "ag_gemm": "ag"}
@@ -39,7 +42,7 @@ DECOMPOSE_CHUNKS = (2, 4, 8)
 DECOMPOSE_COMM_SMS = (0, 16)
 DECOMPOSE_P2P_CHUNKS = (1, 2, 4)   # ag_gemm's pulls per peer region (gemm_rs over p2p: one GEMM per region)
 # ag_gemm's pulls by a kernel on the SMs the signaled GEMM leaves (handshakes inside it): the fixed cost per call is
-# what it saves, so it pays where the op is short (the smoke's shapes, session 34)
+# what it saves, so it pays where the op is short (the smoke recipe's shapes)
 AG_SM_PULL_SMS = (16, 32)
 MAX_GROUPS = 8
 FIRST_WAVES = 2
@@ -210,13 +213,14 @@ def partitions(units: int, wave_units: float, *, first_waves: Optional[float] = 
 
 def label(config: OverlapConfig) -> str:
     """A short, unique, stable name of a candidate (used as a key in measurements and reports)."""
+    config = common_defaults(config)   # unset schedule, chunks, ...: the ops' defaults
     if config.method == "off":
         return "off"
     if config.method == "decompose" and config.transport == "p2p":
         return f"decompose-p2p/c{config.chunks}" + ("/copy" if config.rs_transfer == "copy" else "")
     if config.method == "decompose":
         return f"decompose/c{config.chunks}/sm{config.comm_sms}"
-    groups = config.groups
+    groups = "auto" if config.groups is None else config.groups   # unset: the ops' 'auto'
     g = "-".join(map(str, groups)) if isinstance(groups, tuple) else str(groups)
     if config.chunk_by == "peer":
         return "p2p/by-peer" + ("" if groups == "auto" else f"/g{g}")
@@ -236,13 +240,20 @@ def config_from_label(name: str) -> OverlapConfig:
 
 def candidates(shape: Shape, sms: int, base: OverlapConfig = OverlapConfig(), *,
                comm_sms: Sequence[int] = COMM_SMS, max_partitions: int = MAX_PARTITIONS) -> List[OverlapConfig]:
-    """Every candidate config for `shape` on a GPU with `sms` SMs; block sizes and stages from `base`."""
-    fix = dict(block_m=base.block_m, block_n=base.block_n, block_k=base.block_k,
-               num_stages=base.num_stages, num_warps=base.num_warps)
-    out = [OverlapConfig(method="off", **fix)]
+    """Every candidate config for `shape` on a GPU with `sms` SMs; block sizes and stages from `base`. Each names its
+    method, transport and comm_sms and has the op-independent defaults filled (groups 'auto' where it has no
+    partition); chunk_by and rs_transfer are left to the ops' rules where a candidate does not set them."""
+    return [dataclasses.replace(common_defaults(c), groups="auto") if c.groups is None else common_defaults(c)
+            for c in _candidates(shape, sms, base, comm_sms, max_partitions)]
+
+
+def _candidates(shape: Shape, sms: int, base: OverlapConfig, comm_sms: Sequence[int], max_partitions: int):
+    fix = tile_of(base)   # the base's tile (unset: the default tile, as the ops resolve it)
+    base = OverlapConfig(**fix)
+    out = [OverlapConfig(method="off", transport="nccl", **fix)]
     for cs in DECOMPOSE_COMM_SMS:
         for chunks in DECOMPOSE_CHUNKS:
-            out.append(OverlapConfig(method="decompose", chunks=chunks, comm_sms=cs, **fix))
+            out.append(OverlapConfig(method="decompose", transport="nccl", chunks=chunks, comm_sms=cs, **fix))
     out += measured_only(shape, fix)
     if shape.op == "ag":
         lay = layout(shape, "row_slice", base.block_m, base.block_n)
@@ -302,8 +313,8 @@ def rs_transfers(shape: Shape, fix) -> List[OverlapConfig]:
     """gemm_rs over p2p with the transfer rs_transfer 'auto' does not pick for its GEMM, where t > 2 (at t = 2 both
     GEMMs store into the owners): the signaled GEMM's partials stored by its epilogue (the p2p candidate pushes them
     with the copy engines there), and cuBLAS per region into a local staging matrix, each region pushed by the copy
-    engines after its GEMM (the decompose-p2p candidate stores into the owners; session 37 on four H200s: l8b.fc2
-    0.346 ms against 0.365 for the signaled copy, faster on three of the four s 8192 shapes). Measured end to end (no
+    engines after its GEMM (the decompose-p2p candidate stores into the owners; cuBLAS's speed beside the copy
+    engines makes it the fastest op on some of the s 8192 shapes: docs/performance.md). Measured end to end (no
     model); none for the other ops."""
     if shape.op != "rs" or shape.t <= 2:
         return []
@@ -312,10 +323,10 @@ def rs_transfers(shape: Shape, fix) -> List[OverlapConfig]:
 
 
 def ar_p2p(shape: Shape, fix) -> List[OverlapConfig]:
-    """gemm_ar over p2p (ops/p2p.py P2PAllReduce: the p2p ReduceScatter, then the copy engines' pulls of the summed
-    regions), with the signaled GEMM's epilogue stores and with cuBLAS per region: measured end to end (no model);
-    none for the other ops. Session 41 at t = 2: 0.370 ms against the NCCL signal's 0.470 at l8b.proj s 8192, slower
-    at l70b.proj (1.06 against 1.01)."""
+    """gemm_ar over p2p (ops/p2p_reduction.py P2PAllReduce: the p2p ReduceScatter, then the copy engines' pulls of
+    the summed regions), with the signaled GEMM's epilogue stores and with cuBLAS per region: measured end to end (no
+    model); none for the other ops. Faster than the NCCL signal where the GEMM is short, slower where it is long (8B /
+    70B proj at t = 2: docs/performance.md), so the tuner measures it per shape."""
     if shape.op != "ar":
         return []
     return [OverlapConfig(method="signal", transport="p2p", comm_sms=0, **fix),

@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from overlap_tp.ops import comm
 from overlap_tp.ops.ag_gemm import ag_gemm
-from overlap_tp.ops.common import transient_plans, warn_once
+from overlap_tp.ops.plan_base import transient_plans, warn_once
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.tile_rule import given_tile, tile_of
 from overlap_tp.ops.gemm_ar import gemm_ar
 from overlap_tp.ops.gemm_rs import gemm_rs
 from overlap_tp.tune.candidates import (COMM_SMS, DECOMPOSE_CHUNKS, DECOMPOSE_COMM_SMS, Shape, label, layout,
@@ -114,8 +115,8 @@ def _end_to_end(shape, configs, group, device, reps, sets, errors, run):
 def _gemm_alone(shape: Shape, schedule: str, base: OverlapConfig, comm_sms: Sequence[int], a, w, reps, group):
     """{comm_sms: ms} of the signaled GEMM with (SMs - comm_sms) programs, no communication."""
     from overlap_tp.kernels.signaled_gemm import signaled_gemm
-    from overlap_tp.ops.common import gemm_programs
-    from overlap_tp.ops.reduction import device_plan
+    from overlap_tp.ops.plan_base import gemm_programs
+    from overlap_tp.ops.collective_reduction import device_plan
     world = shape.t if shape.op == "rs" else 1
     out = {}
     for cs in comm_sms:
@@ -186,7 +187,8 @@ def curves(shape: Shape, group, device, base: OverlapConfig = OverlapConfig(), *
            comm_sms: Sequence[int] = COMM_SMS, points: int = CURVE_POINTS, direct: bool = True) -> Measurements:
     """Everything predict() needs for `shape`; identical on every rank."""
     with _rng_left_as_found(device):
-        return _curves(shape, group, device, base, reps, comm_sms, points, direct)
+        return _curves(shape, group, device, dataclasses.replace(base, **tile_of(base)), reps, comm_sms, points,
+                       direct)
 
 
 def _curves(shape, group, device, base, reps, comm_sms, points, direct):
@@ -201,7 +203,7 @@ def _curves(shape, group, device, base, reps, comm_sms, points, direct):
     for schedule in schedules:
         meas.gemm[schedule] = _gemm_alone(shape, schedule, base, comm_sms, full, w, reps, group)
     if "tile_exact" in schedules:   # the reorder gemm_rs / gemm_ar run after the collectives
-        from overlap_tp.ops.reduction import device_plan
+        from overlap_tp.ops.collective_reduction import device_plan
         world = shape.t if shape.op == "rs" else 1
         state = device_plan("tile_exact", shape.m, shape.n, world, dataclasses.replace(base, groups=1),
                            shape.elem_bytes, device)
@@ -222,10 +224,9 @@ def _curves(shape, group, device, base, reps, comm_sms, points, direct):
             if _all_ok(ok, group, device) and pts:
                 meas.comm.setdefault(kind, {})[cap] = pts
     if direct:
-        fix = dict(block_m=base.block_m, block_n=base.block_n, block_k=base.block_k, num_stages=base.num_stages,
-                   num_warps=base.num_warps)
+        fix = given_tile(base)
         configs = [OverlapConfig(method="off", **fix)]
-        configs += [OverlapConfig(method="decompose", chunks=c, comm_sms=cs, **fix)
+        configs += [OverlapConfig(method="decompose", transport="nccl", chunks=c, comm_sms=cs, **fix)
                     for cs in DECOMPOSE_COMM_SMS for c in DECOMPOSE_CHUNKS]
         if shape.op == "rs":
             configs.append(OverlapConfig(method="signal", transport="p2p", comm_sms=0, **fix))

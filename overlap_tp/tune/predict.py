@@ -12,7 +12,7 @@ its alone speed (x = `comm_slowdown_sm0` when comm_sms = 0: the persistent GEMM 
 NCCL's CTAs find little room; `comm_slowdown` otherwise: shared HBM / L2); while it moves at speed s,
 the GEMM runs at 1 / (1 + c * s) of its alone speed (c = `gemm_slowdown`); every group's collective
 starts `group_overhead_ms` late (stream wait + kernel launch; no bandwidth used). All zero = the
-recurrence above. The fitted values come from docs/perf/tune_refit.md (`python -m overlap_tp.tune.refit`).
+recurrence above. The fitted values come from `python -m overlap_tp.tune.refit` (docs/tuner.md).
 
 finish(): `linear` is the brief's  t_gemm(sms) * tiles / T;  `wave` rounds up to the end of the wave
 that holds the group's last tile,  t_gemm * ceil(tiles / W) / ceil(T / W)  (W = tiles per wave): a
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.resolve import common_defaults
 from overlap_tp.ops.tile_plan import split_units
 from overlap_tp.tune.candidates import Layout, Shape, label, layout, wave_tiles
 
@@ -178,10 +179,9 @@ class Contention:
     gemm_slowdown:     c: the GEMM runs at 1 / (1 + c * s) of its speed while a collective moves at speed s
     group_overhead_ms: delay before every group's collective moves data
 
-    The defaults are the least-squares fit (relative error) to the 120 signal/nccl points of one recorded
-    run, docs/perf/tune_validate.json (gemm_rs, 2 x H200, t = 2), by `python -m overlap_tp.tune.refit`;
-    docs/perf/tune_refit.md has the fit and its leave-one-shape-out cross-validation (mean |error| 20%
-    -> 4%). Not fitted on gemm_ar (applied to it unvalidated), other GPUs or other t."""
+    The defaults are the least-squares fit (relative error) to the signal/nccl points of one recorded `--validate`
+    run (gemm_rs, t = 2), by `python -m overlap_tp.tune.refit`, which also reports its leave-one-shape-out
+    cross-validation (docs/tuner.md). Not fitted on gemm_ar (applied to it unvalidated), other GPUs or other t."""
     comm_slowdown_sm0: float = 0.8173
     comm_slowdown: float = 0.0862
     gemm_slowdown: float = 0.0
@@ -283,6 +283,7 @@ def predict(shape: Shape, config: OverlapConfig, meas: Measurements, progress: s
     name = label(config)
     if name in meas.direct:
         return meas.direct[name]
+    config = common_defaults(config)   # unset schedule, chunks, tile: the ops' defaults
     if config.method == "off":
         curve = meas.curve(comm_kind(shape, config), 0)
         if meas.cublas is None or curve is None:

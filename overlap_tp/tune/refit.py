@@ -1,4 +1,4 @@
-"""`python -m overlap_tp.tune.refit docs/perf/tune_validate.json --out docs/perf`: fit predict.Contention
+"""`python -m overlap_tp.tune.refit RUN_DIR/tune_validate.json --out OUT_DIR`: fit predict.Contention
 offline to a recorded `--validate` run and say how much it helps, cross-validated by shape.
 
 No GPU and no new measurement: the predictions are recomputed from the run's recorded curves

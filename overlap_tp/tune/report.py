@@ -8,7 +8,7 @@ import sys
 
 
 def environment(command=None):
-    """Device, software versions, git commit and the command line: what docs/perf/ must record."""
+    """Device, software versions, git commit and the command line: what every benchmark record must carry."""
     import torch
 
     env = {

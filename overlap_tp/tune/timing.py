@@ -104,7 +104,7 @@ def queued_ms(fn, sets, group, rounds=5):
     host never waits for the GPU (host_ms: wall clock around the call) and the GPU then runs the call
     from its queue without launch gaps (gpu_ms: CUDA events around the call). `timed` measures the two
     overlapped, back to back: where its time exceeds gpu_ms, the host set the pace. The sleep: SleepAhead.
-    host_ms is a single call's, the first after a synchronize: on the H200 hosts that one runs several times slower
+    host_ms is a single call's, the first after a synchronize: on virtualised hosts that one runs several times slower
     than the calls of a run (enqueue_us).
     Medians over `rounds`, the slowest rank's."""
     ahead, host, gpu = SleepAhead(group), [], []
@@ -131,10 +131,9 @@ def queued_ms(fn, sets, group, rounds=5):
 def enqueue_us(fn, sets, group, calls=24, warm=8, rounds=10, device=None):
     """The host's time (us) per fn(*set) call in a run of calls, as a training step issues them: `calls` calls back
     to back, timed after `warm` untimed calls of the same run, the whole run queued behind a sleep kernel so the
-    host never waits for the GPU. The warm calls matter on the H200 hosts (virtual machines): the first calls after
-    the host blocked in a synchronize run 2-5x slower (a Python no-op 0.31 against 0.07 us, an output allocation 10.5
-    against 3.0: docs/perf/s40), which is what queued_ms's single call measures. Median over `rounds`, the slowest
-    rank's (device None: the current CUDA device)."""
+    host never waits for the GPU. The warm calls matter on virtualised hosts: the first calls after the host blocked
+    in a synchronize run several times slower (docs/performance.md), which is what queued_ms's single call measures.
+    Median over `rounds`, the slowest rank's (device None: the current CUDA device)."""
     ahead, samples = SleepAhead(group, device), []
     while len(samples) < rounds:
         ahead.start()

@@ -212,6 +212,7 @@ def test_layer_bench_tiny(tmp_path):
 
 
 def test_bench_cli_arguments():
+    from overlap_tp.ops.resolve import fill_defaults
     from overlap_tp.bench import layer
     assert layer.parse_args([]).configs == layer.DEFAULT_CONFIGS
     assert layer.parse_args(["--tiny"]).device == "cpu"
@@ -233,7 +234,8 @@ def test_bench_cli_arguments():
     assert [(ops[op].method, ops[op].transport) for op in ("ag_gemm", "gemm_rs")] == [("signal", "p2p"),
                                                                                        ("decompose", "p2p")]
     _, ops, _ = configs["signal-p2p-lanes2"]   # signal-p2p with the AllGathers' pulls over two streams
-    assert (ops["ag_gemm"].copy_lanes, ops["gemm_rs"].copy_lanes) == (2, 1) and ops["ag_gemm"].transport == "p2p"
+    rs_lanes = fill_defaults(ops["gemm_rs"], "gemm_rs", "cuda", 2).copy_lanes   # unset: the resolver's 1
+    assert (ops["ag_gemm"].copy_lanes, rs_lanes) == (2, 1) and ops["ag_gemm"].transport == "p2p"
     assert "decompose-p2p" in layer.DEFAULT_CONFIGS.split(",")
     assert layer.parse_args(["--configs", "megatron,decompose-p2p,mixed-p2p"]).configs == "megatron,decompose-p2p,mixed-p2p"
 

@@ -4,6 +4,7 @@ end well inside one device command, and one summary per machine size.
     python tests/gpu/gpu_suite.py plan                          # the chunks for this machine's GPU count
     python tests/gpu/gpu_suite.py run --commit SHA --out DIR    # every chunk, then the summary, into DIR
     python tests/gpu/gpu_suite.py run --chunk K --commit SHA --out DIR   # chunk K alone (one 10-minute command)
+    python tests/gpu/gpu_suite.py run --jobs 2 --commit SHA --out DIR    # every chunk, two at a time
     (--logs DIR2: the chunks' pytest output and raw records there instead of beside the results)
     python tests/gpu/gpu_suite.py summary DIR/chunk-*.json      # the chunks' results -> tests/gpu/results/
 
@@ -11,7 +12,7 @@ Run it from the clone's root (the checkout imports as the installed package does
 tests need one (two ranks on one GPU over CUDA IPC included) and skips the rest for want of GPUs; two or more
 GPUs run those too. Each chunk is one pytest process under a time limit; its results are written test by test as
 they come (a plugin), so a chunk cut by its limit still says what passed and what never ran. Chunks are planned
-from the per-file times of the machine size's latest summary (DEFAULT_FILE_S for a file without one).
+from the per-file times of the machine size's latest summary (a file without one is a chunk of its own).
 
 The summary (tests/gpu/results/<N>gpu.json and .md) names the commit, the cards, the versions and a hash of the
 sources the gate covers (GATED), and per file: passed, failed, errors, skipped (with reasons), not run, seconds.
@@ -21,6 +22,7 @@ machine size is kept (it replaces the older one). tests/test_gpu_gate.py checks,
 summary passed and was taken of the sources as they are.
 """
 import argparse
+import concurrent.futures
 import glob
 import hashlib
 import json
@@ -35,8 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RESULTS = os.path.join(ROOT, "tests", "gpu", "results")
 GATED = ("kernels", "overlap_tp/ops", "overlap_tp/megatron", "overlap_tp/tune", "tests/gpu")
 CHUNK_BUDGET_S = 420     # planned seconds of tests per chunk
+UNTIMED_FILE_S = 120     # where a file the summary has not timed yet goes in the order chunks start
 CHUNK_LIMIT_S = 540      # a chunk's pytest is stopped here (stacks dumped first): inside a 10-minute command
-DEFAULT_FILE_S = 60      # a file's planned time where no summary of this machine size has it
 META = ("commit", "source_hash", "machine", "date", "command")   # what a chunk's record carries beside its tests
 RULE = ("A change to kernels/, overlap_tp/ops/, overlap_tp/megatron/ or overlap_tp/tune/ lands only after the whole "
         "GPU suite passed on the device at that commit, for the machine sizes lent (one GPU at least); the latest "
@@ -45,6 +47,9 @@ RULE = ("A change to kernels/, overlap_tp/ops/, overlap_tp/megatron/ or overlap_
 DEVICE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
               "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"}
 NEEDS_GPUS = re.compile(r"needs (\d+) GPUs")
+# an optional dependency the device images lack; benchmarks/device/te_build.sh installs it, and the summary lists
+# every such skip with its reason
+WITHOUT_TE = re.compile(r"Transformer Engine")
 
 
 def test_files():
@@ -74,8 +79,10 @@ def summary_path(gpus: int, ext: str) -> str:
 
 
 def plan(gpus: int, files=None):
-    """Chunks of files (in name order), each planned at most CHUNK_BUDGET_S from the latest summary's per-file
-    seconds (DEFAULT_FILE_S where it has none); a file longer than the budget is a chunk of its own."""
+    """Chunks of files, each planned at most CHUNK_BUDGET_S from the latest summary's per-file seconds; a file
+    longer than the budget, or one the summary has not timed yet (a new file, whose time is unknown), is a chunk of
+    its own. Chunks come longest first (an untimed file counts UNTIMED_FILE_S), so that `run --jobs N` starts the
+    long ones first; within a chunk, files keep name order."""
     files = test_files() if files is None else files
     seconds = {}
     if os.path.exists(summary_path(gpus, "json")):
@@ -83,15 +90,18 @@ def plan(gpus: int, files=None):
             seconds = {name: row["seconds"] for name, row in json.load(f)["files"].items()}
     chunks, current, used = [], [], 0.0
     for name in files:
-        cost = seconds.get(name, DEFAULT_FILE_S) + 5   # + its import and collection
+        if name not in seconds:
+            chunks.append(([name], float(UNTIMED_FILE_S)))
+            continue
+        cost = seconds[name] + 5   # + its import and collection
         if current and used + cost > CHUNK_BUDGET_S:
-            chunks.append(current)
+            chunks.append((current, used))
             current, used = [], 0.0
         current.append(name)
         used += cost
     if current:
-        chunks.append(current)
-    return chunks
+        chunks.append((current, used))
+    return [names for names, _ in sorted(chunks, key=lambda chunk: -chunk[1])]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -249,7 +259,8 @@ def read_records(path: str) -> list:
 
 def problems(summary) -> list:
     """What keeps a summary from being a pass of the whole suite: a file not run, a test failed, errored or not
-    reached, or skipped for another reason than a machine with fewer GPUs than it needs."""
+    reached, or skipped for another reason than a machine with fewer GPUs than it needs or without Transformer
+    Engine installed."""
     found = []
     gpus = summary["machine"]["gpus"]
     for name, row in summary["files"].items():
@@ -260,6 +271,8 @@ def problems(summary) -> list:
                 found.append(f"{name}: {row[kind]} {kind.replace('_', ' ')}")
         for reason, count in row.get("skips", {}).items():
             needed = NEEDS_GPUS.search(reason)
+            if WITHOUT_TE.search(reason):
+                continue
             if needed is None or int(needed.group(1)) <= gpus:
                 found.append(f"{name}: {count} skipped ({reason})")
     return found
@@ -322,6 +335,8 @@ def main(argv=None):
     r.add_argument("--out", required=True, help="folder for the chunks' records and logs (and the summary)")
     r.add_argument("--logs", default=None, help="folder for the chunks' pytest output and raw records (--out)")
     r.add_argument("--limit", type=float, default=CHUNK_LIMIT_S, help="seconds a chunk may run")
+    r.add_argument("--jobs", type=int, default=1, help="chunks run at once (one GPU is shared: their tests "
+                   "time-slice it; the results are the same, the wall time shorter where the tests leave it idle)")
     s = sub.add_parser("summary", help="merge chunk records into tests/gpu/results/<N>gpu.{json,md}")
     s.add_argument("records", nargs="+", help="the chunks' chunk-K.json files (run's --out)")
     s.add_argument("--into", default=RESULTS)
@@ -360,17 +375,20 @@ def main(argv=None):
         sys.exit(f"gpu_suite run: --chunk {args.chunk}: this machine's plan has chunks 1 to {len(chunks)}")
     meta = {"commit": args.commit, "source_hash": source_hash(), "machine": info,
             "date": time.strftime("%Y-%m-%d", time.gmtime()),
-            "command": "python tests/gpu/gpu_suite.py run" + ("" if args.chunk is None else " --chunk K")}
-    done = []
-    for k in picked:
+            "command": "python tests/gpu/gpu_suite.py run" + ("" if args.chunk is None else " --chunk K")
+            + ("" if args.jobs == 1 else f" --jobs {args.jobs}")}
+    def run(k):
         print(f"chunk {k}/{len(chunks)}: {len(chunks[k - 1])} files", flush=True)
         records = read_records(run_chunk(k, chunks[k - 1], logs, args.limit))
         with open(os.path.join(args.out, f"chunk-{k}.json"), "w") as f:   # what `summary` merges
             json.dump(dict(meta, records=records), f)
-        done.append(records)
         ran = [row for row in merge([records], meta)["files"].values() if row["ran"]]
         print(f"chunk {k}: " + ", ".join(f"{sum(r[c] for r in ran)} {c.replace('_', ' ')}"
                                          for c in ("passed", "failed", "errors", "skipped", "not_run")), flush=True)
+        return records
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        done = list(pool.map(run, picked))
     if args.chunk is None:
         summary = merge(done, meta)
         write_summary(summary, args.out)

@@ -1,6 +1,6 @@
 """Two ranks on ONE GPU for the p2p transports (a test harness, not a way to train).
 
-The p2p transports (overlap_tp/ops/p2p.py, sync.py) need only peer-mapped memory and stream memory operations on
+The p2p transports (overlap_tp/ops/p2p_*.py, sync.py) need only peer-mapped memory and stream memory operations on
 it. PyTorch's symmetric memory refuses two ranks on one device, and NCCL refuses them too, but CUDA IPC maps one
 process's allocation into another process on the same GPU. `install()` replaces `symmetric_memory.empty` and
 `rendezvous` in this process with that: the buffer is an ordinary allocation, rendezvous exchanges IPC handles

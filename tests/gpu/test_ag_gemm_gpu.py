@@ -16,8 +16,9 @@ from distributed import run_distributed
 from gpu_checks import gpu_world, poison_allocator, rel_error
 from overlap_tp import OverlapConfig, ag_gemm
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
-from overlap_tp.ops.common import gemm_programs
-from overlap_tp.ops.config import chunk_by_for, tile_for_shape
+from overlap_tp.ops.plan_base import gemm_programs
+from overlap_tp.ops.resolve import chunk_by_for, fill_defaults
+from overlap_tp.ops.tile_rule import tile_for_shape
 from overlap_tp.ops.tile_plan import ag_plan
 
 pytestmark = pytest.mark.gpu
@@ -51,6 +52,7 @@ def after_full_gather(gathered, w, config, rank, world):
     """The same kernel over the same tiles, with no waits, once every row is in place (the tile the op's plan
     resolves for the shape: tile_for_shape)."""
     m, k = gathered.shape
+    config = fill_defaults(config, "ag_gemm", gathered.device, world)   # unset fields as the op resolves them
     config = chunk_by_for(tile_for_shape(config, m, w.shape[0], gemm_programs(gathered.device, config)), world)
     tiles = ag_plan(m, w.shape[0], k, world, rank, config.block_m, config.block_n, config.groups,
                     chunk_by=config.chunk_by).tiles.cuda()
@@ -82,9 +84,9 @@ def _check_shapes(rank, world, shapes):
             if config.method == "signal":
                 assert torch.equal(got, after_full_gather(full, w, config, rank, world)), (s, k, n, label)
             # the p2p transport returns the shape's one gathered buffer, which the next call of the shape refills:
-            # holding it across that call is a RuntimeError (ops/p2p.py GatherBuffer)
+            # holding it across that call is a RuntimeError (ops/p2p_gather.py GatherBuffer)
             del got, gathered
-        decomposed = ag_gemm(shard, w, group, config=OverlapConfig(method="decompose", chunks=4))
+        decomposed = ag_gemm(shard, w, group, config=OverlapConfig(method="decompose", transport="nccl", chunks=4))
         assert rel_error(decomposed, ref) <= baseline_error * 1.05 + 1e-4
 
 

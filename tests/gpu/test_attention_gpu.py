@@ -1,6 +1,6 @@
 """SDPAttention (the overlap spec's core attention without Transformer Engine) under Megatron's
 --deterministic-mode: forward and backward bit for bit the same on every run (the math kernel; the flash kernel's
-backward is not, session 13), and within bf16 rounding of the default kernel. One GPU.
+backward is not), and within bf16 rounding of the default kernel. One GPU.
 Run: `pytest -m gpu tests/gpu/test_attention_gpu.py`."""
 from types import SimpleNamespace
 

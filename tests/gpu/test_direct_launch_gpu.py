@@ -1,5 +1,5 @@
-"""The direct launch of compiled Triton kernels (kernels/launch.py) on ONE GPU: SignaledGemm and SumSlots store the
-same bits as Triton's JIT launch for every variant (weight read as stored or transposed, bias, stacked expert
+"""The direct launch of compiled Triton kernels (kernels/direct_launch.py) on ONE GPU: SignaledGemm and SumSlots store
+the same bits as Triton's JIT launch for every variant (weight read as stored or transposed, bias, stacked expert
 weights through row tiles), the descriptor cache follows the tensors it describes (a new tensor at a freed one's
 address, a new shape), the CompiledKernel.run fallback stores the same bits and says so, and a captured launch
 replays with fresh inputs. Run: `pytest -m gpu tests/gpu/test_direct_launch_gpu.py`."""
@@ -8,17 +8,18 @@ import torch
 
 from gpu_checks import rel_error
 from overlap_tp import OverlapConfig
-from overlap_tp.kernels import launch
+from overlap_tp.kernels import direct_launch
 from overlap_tp.kernels import signaled_gemm as S
 from overlap_tp.kernels.sum_slots import SumSlots, reference_sum_slots
-from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.plan_base import gemm_programs
+from overlap_tp.ops.resolve import fill_defaults
 from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout
 from overlap_tp.ops.tile_plan import make_plan
 
 pytestmark = pytest.mark.gpu
 
 DEV = torch.device("cuda", 0)
-CONFIG = OverlapConfig(method="signal")
+CONFIG = fill_defaults(OverlapConfig(method="signal", transport="nccl"), "gemm_rs", DEV, 1)   # every field set
 
 
 def dense_gemm(m, n, config=CONFIG, **kwargs):
@@ -74,7 +75,7 @@ def test_descriptor_cache_follows_the_tensors():
         assert torch.equal(direct_result(gemm, a, w, dst), jit_result(gemm, a, w, dst)), i
         del a   # the next tensor is likely handed the same block by the caching allocator
     (kernel, _, _), = gemm._variants.values()
-    assert 0 < len(kernel._descriptors) <= launch.MAX_CACHED_DESCRIPTORS
+    assert 0 < len(kernel._descriptors) <= direct_launch.MAX_CACHED_DESCRIPTORS
     buf = torch.randn(2 * m, k, device=DEV, generator=gen).bfloat16()
     box = [CONFIG.block_m, CONFIG.block_k]
     short, long = kernel.tma(0, buf[:m], box), kernel.tma(0, buf, box)
@@ -152,9 +153,9 @@ def test_the_compiled_kernel_run_fallback_stores_the_same_bits(monkeypatch):
     for _ in range(2):
         want = direct_result(gemm, a, w, dst)
     (variant, (kernel, grid, rest)), = gemm._variants.items()
-    monkeypatch.setattr(launch, "DIRECT_LAYOUT", "not Triton 3.6")
+    monkeypatch.setattr(direct_launch, "DIRECT_LAYOUT", "not Triton 3.6")
     with pytest.warns(UserWarning, match="launches through Triton's CompiledKernel.run"):
-        fallback = launch.DirectKernel(kernel.compiled)
+        fallback = direct_launch.DirectKernel(kernel.compiled)
     assert not fallback.direct
     monkeypatch.setitem(gemm._variants, variant, (fallback, grid, rest))
     assert torch.equal(direct_result(gemm, a, w, dst), want)

@@ -27,25 +27,25 @@ pytestmark = pytest.mark.gpu
 
 REPLAYS = 200
 CASES = [   # (op, config)
-    ("rs", OverlapConfig(method="signal")),
-    ("rs", OverlapConfig(method="signal", schedule="tile_exact", groups=4)),
-    ("rs", OverlapConfig(method="signal", groups=3, comm_sms=0)),
+    ("rs", OverlapConfig(method="signal", transport="nccl")),
+    ("rs", OverlapConfig(method="signal", transport="nccl", schedule="tile_exact", groups=4)),
+    ("rs", OverlapConfig(method="signal", transport="nccl", groups=3, comm_sms=0)),
     ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="epilogue")),
     ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy")),   # copy-engine pushes
     ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0, rs_transfer="copy", groups=3)),
-    ("rs", OverlapConfig(method="decompose", chunks=4)),
+    ("rs", OverlapConfig(method="decompose", transport="nccl", chunks=4)),
     ("rs", OverlapConfig(method="decompose", transport="p2p")),
     ("rs", OverlapConfig(method="decompose", transport="p2p", rs_transfer="copy")),   # cuBLAS regions, then pushes
     ("rs", OverlapConfig(method="off")),
-    ("ar", OverlapConfig(method="signal", groups=2)),
-    ("ar", OverlapConfig(method="decompose", chunks=2)),
+    ("ar", OverlapConfig(method="signal", transport="nccl", groups=2)),
+    ("ar", OverlapConfig(method="decompose", transport="nccl", chunks=2)),
     ("ar", OverlapConfig(method="off")),
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0)),
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=4)),
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=4, copy_lanes=2)),
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=16, groups=4)),   # the SM pulls
-    ("ag", OverlapConfig(method="signal", groups=2, comm_sms=16)),
-    ("ag", OverlapConfig(method="decompose", chunks=2)),
+    ("ag", OverlapConfig(method="signal", transport="nccl", groups=2, comm_sms=16)),
+    ("ag", OverlapConfig(method="decompose", transport="nccl", chunks=2)),
     ("ag", OverlapConfig(method="decompose", transport="p2p", chunks=2)),
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0, chunk_by="peer")),   # one peer per chunk
     ("ag", OverlapConfig(method="decompose", transport="p2p", chunks=1, chunk_by="peer")),
@@ -101,7 +101,7 @@ def test_every_op_replays_bitwise_equal_to_eager():
 
 def _check_unbuilt_capture(rank, world):
     group = dist.group.WORLD
-    config = OverlapConfig(method="signal")
+    config = OverlapConfig(method="signal", transport="nccl")
     a, w = _operands("rs", world, 3 + rank)
     a = a[:2048].contiguous()             # a shape no plan was built for
     graph = torch.cuda.CUDAGraph()
@@ -124,7 +124,7 @@ def _check_expert_replays(rank, world):
     captured and replayed, each replay equal to the eager call."""
     group = dist.group.WORLD
     experts, hidden, ffn = 2 * world, 1024, 2048
-    config = OverlapConfig(method="signal", groups=2, comm_sms=4)
+    config = OverlapConfig(method="signal", transport="nccl", groups=2, comm_sms=4)
     counts = torch.full((world, experts), 256, dtype=torch.int64)
     tokens = int(counts[rank].sum())
     rows = int(counts[:, rank * experts // world:(rank + 1) * experts // world].sum())
@@ -276,7 +276,7 @@ def test_a_peer_that_never_replays_ends_the_waiting_rank(op, waited_for):
 
 
 SPLIT_CONFIGS = [OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=4),
-                 OverlapConfig(method="signal", groups=2, comm_sms=16)]
+                 OverlapConfig(method="signal", transport="nccl", groups=2, comm_sms=16)]
 
 
 def _split_plans(group, world, config):

@@ -65,15 +65,15 @@ P2P_METHODS = ("signal", "decompose")
 def _p2p_configs(method):
     """The layers' op configs with both sequence-parallel collectives on the p2p transports under `method`."""
     p2p = OverlapConfig(method=method, transport="p2p", comm_sms=0, chunks=2)
-    return {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal")}
+    return {"ag_gemm": p2p, "gemm_rs": p2p, "gemm_ar": OverlapConfig(method="signal", transport="nccl")}
 
 
 def methods(device_type, p2p=False):
     tiles = SMALL_TILES if device_type == "cpu" else {}
     if p2p:   # the p2p transports under the signaled GEMM and under cuBLAS (decompose)
         return {f"{method}-p2p": _p2p_configs(method) for method in P2P_METHODS}
-    return {"off": OverlapConfig(method="off"), "signal": OverlapConfig(method="signal", **tiles),
-            "decompose": OverlapConfig(method="decompose", chunks=4)}
+    return {"off": OverlapConfig(method="off"), "signal": OverlapConfig(method="signal", transport="nccl", **tiles),
+            "decompose": OverlapConfig(method="decompose", transport="nccl", chunks=4)}
 
 
 def rel(got, ref):
@@ -87,10 +87,15 @@ def _quiet():
 
 def _setup(world, device_type):
     from megatron.core import parallel_state as ps
-    from overlap_tp.megatron.layers import set_default_overlap_config
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
-    set_default_overlap_config(OverlapConfig(method="off"))   # never the tuner ('auto') by accident
     return ps
+
+
+def _settings(**switches):
+    """OverlapSettings with these layer switches and every op kind 'off' (never the tuner, 'auto', by accident: each
+    test sets the configs it runs)."""
+    from overlap_tp.megatron.settings import OverlapSettings
+    return OverlapSettings(**switches).with_configs(OverlapConfig(method="off"))
 
 
 def _config(world, device_type, sp, fusion=False):
@@ -114,13 +119,14 @@ def _build(kind, ours, config, in_size, out_size, bias, seed=1234):
     from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
     _seed(seed, "cpu" if config.use_cpu_initialization else "cuda")
     init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
+    settings = {"settings": _settings()} if ours else {}
     if kind == "column":
         cls = OverlapColumnParallelLinear if ours else ColumnParallelLinear
         return cls(in_size, out_size, config=config, init_method=init, bias=bias, gather_output=False,
-                   skip_bias_add=False)
+                   skip_bias_add=False, **settings)
     cls = OverlapRowParallelLinear if ours else RowParallelLinear
     return cls(in_size, out_size, config=config, init_method=init, bias=bias, input_is_parallel=True,
-               skip_bias_add=False)
+               skip_bias_add=False, **settings)
 
 
 def _gather(t, dim, group):
@@ -318,7 +324,7 @@ def _deterministic():
     """What Megatron's --deterministic-mode sets up for the process (megatron.training.determinism): cuBLAS with a
     fixed workspace (read when the handle is made) and torch's deterministic algorithms. With the config's
     deterministic_mode (SDPAttention on the math kernel), two identical steps are bit-exact, so two layer
-    variants can be compared bit for bit (session 12 saw the flash kernel's backward differ run to run)."""
+    variants can be compared bit for bit (the flash kernel's backward differs run to run)."""
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
     torch.use_deterministic_algorithms(True, warn_only=True)
 
@@ -331,15 +337,16 @@ def _fresh_steps(seed, seq, hidden, steps, batch=1):
                     for _ in range(2))
 
 
-def _linked_pair(config, p2p_configs, seed):
+def _linked_pair(config, p2p_configs, seed, **switches):
     """Two OverlapTransformerLayers in a row (layer numbers 1, 2; the first's MLP boundary linked to the second's
-    input norm), built on the GPU from `seed` under the layer settings in force (gathering_in_place, ...), with
-    the p2p op configs."""
+    input norm), built on the GPU from `seed` with these OverlapSettings switches (gather_in_place, ...), with the
+    p2p op configs."""
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
     _seed(seed, "cuda")
-    pair = [build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=n).cuda() for n in (1, 2)]
+    spec = get_gpt_layer_overlap_spec(settings=_settings(**switches))
+    pair = [build_module(spec, config=config, layer_number=n).cuda() for n in (1, 2)]
     for layer in pair:
         set_overlap_config(layer, p2p_configs)
     return pair
@@ -385,7 +392,7 @@ def check_deferred_proj_sum(rank, world, method="signal"):
     layers = []
     for fused in (True, False):
         _seed(77, "cuda")
-        layer = build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=1).cuda()
+        layer = build_module(get_gpt_layer_overlap_spec(settings=_settings()), config=config, layer_number=1).cuda()
         set_overlap_config(layer, p2p_configs)
         assert layer.fused_proj_sum, "the deferred sum should be on by default here"
         layer.fused_proj_sum = fused
@@ -458,7 +465,7 @@ def test_mlp_boundary_next_norm_and_fc2_sum_in_one_kernel(method):
 @pytest.mark.parametrize("method", P2P_METHODS)
 @pytest.mark.parametrize("size", ["l8b", "l70b"])
 def test_fused_blocks_at_the_8b_and_70b_layer_shapes(size, method):
-    """Issue 22's check at training sizes: two 8B / 70B layers at s 8192 with every sum left to the norms' kernels
+    """The fused block's check at training sizes: two 8B / 70B layers at s 8192 with every sum left to the norms' kernels
     (forward and backward), bit for bit the summed path, 3 steps."""
     run_distributed(_gpu_world(), check_mlp_boundary, method, size, 8192, 3, 0, ("fused", "summed"), backend="nccl")
 
@@ -500,30 +507,30 @@ if __name__ == "__main__":
 
 def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, steps=20, late_every=0,
                           defer_wgrad=False):
-    """Two OverlapTransformerLayers in a row (SP, p2p transports) built with set_gather_in_place(True): every norm
+    """Two OverlapTransformerLayers in a row (SP, p2p transports) built with OverlapSettings.gather_in_place: every norm
     before linear_qkv and linear_fc1 writes straight into that linear's own gathered buffer, the forward AllGathers
     stage nothing and the backward re-gathers nothing. Against the same pair without it: bit for bit (the same bits,
     written and read elsewhere) over `steps` steps with fresh inputs; late_every > 0: rank 1 holds its stream ~0.1 s
     before every late_every-th step, so the claims' waits for the peers' pulls are real.
     method "auto": a linear gathers in place exactly where the tuner picked signal or decompose on p2p for its
     AllGather (the staged pair runs the same picks: the tuner keeps one decision per shape), the others re-gather.
-    defer_wgrad: the in-place pair also leaves each linear_fc1's wgrad to linear_proj's backward (set_defer_wgrad),
+    defer_wgrad: the in-place pair also leaves each linear_fc1's wgrad to linear_proj's backward (OverlapSettings.defer_wgrad),
     which must run it (the handoffs empty after every step) with the same bits."""
     _quiet()
     _deterministic()
-    from overlap_tp.megatron import layers as layers_module
+    from overlap_tp.megatron import linear_functions as functions_module
     ps = _setup(world, "cuda")
     config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method, size=size)
     pairs = []
     for in_place in (True, False):
-        with layers_module.gathering_in_place(in_place), layers_module.deferring_wgrad(defer_wgrad and in_place):
-            pairs.append(_linked_pair(config, p2p_configs, 79))
-    real_gather_rows, regathers = layers_module.gather_rows, []
+        pairs.append(_linked_pair(config, p2p_configs, 79, gather_in_place=in_place,
+                                  defer_wgrad=defer_wgrad and in_place))
+    real_gather_rows, regathers = functions_module.gather_rows, []
 
     def counted_gather_rows(*args, **kwargs):
         regathers.append(args[0].shape)
         return real_gather_rows(*args, **kwargs)
-    layers_module.gather_rows = counted_gather_rows
+    functions_module.gather_rows = counted_gather_rows
     try:
         for step, (x, g) in enumerate(_fresh_steps(7 + rank, seq // world, config.hidden_size, steps)):
             if late_every and step % late_every == 0 and rank == 1:
@@ -542,7 +549,7 @@ def check_gather_in_place(rank, world, method="signal", size="small", seq=4096, 
                 assert torch.equal(a, b), f"step {step} rank {rank}: tensor {i} differs from the staged path"
             del got, want
     finally:
-        layers_module.gather_rows = real_gather_rows
+        functions_module.gather_rows = real_gather_rows
     for layer in pairs[0]:
         for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
             own = linear._in_place_config(seq // world, torch.bfloat16, torch.device("cuda")) is not None
@@ -566,12 +573,12 @@ def test_norms_write_into_the_gathered_buffers_bitwise(method):
 
 def check_auto_gathers_in_place(rank, world):
     """check_gather_in_place under 'auto' with the tuner's answers fixed: linear_qkv's AllGather on p2p (signal, its
-    pulls on 16 SMs: one kernel with the handshakes inside, a candidate the tuner measures since session 34),
-    linear_fc1's on NCCL, so both branches run whatever the machine would measure (session 31: the real tuner picked
-    NCCL for every AllGather of the small pair, and nothing gathered in place). The decisions are asked for where the
+    pulls on 16 SMs: one kernel with the handshakes inside, a candidate the tuner measures), linear_fc1's on NCCL, so
+    both branches run whatever the machine would measure (the real tuner may pick NCCL for every AllGather of the
+    small pair, and then nothing gathers in place). The decisions are asked for where the
     layers ask the tuner (OverlapColumnParallelLinear._in_place_config, then the ag_gemm call) and kept per shape, as
     the tuner keeps them."""
-    from overlap_tp.ops import config as config_module
+    from overlap_tp.ops import tuner_hook as config_module
     qkv_n = _qkv_output_size("small") // world
     asked = []
 
@@ -600,7 +607,7 @@ def _qkv_output_size(size):
 
 
 def test_auto_gathers_in_place_where_the_tuner_picks_p2p_bitwise():
-    """--overlap-tp auto with --overlap-tp-gather-in-place: in place where the tuner's config for linear_qkv's /
+    """--overlap-tp auto, gathering in place: in place where the tuner's config for linear_qkv's /
     linear_fc1's AllGather is signal or decompose on p2p, staged elsewhere (here: qkv in place, fc1 staged), bit for
     bit the staged pair."""
     run_distributed(_gpu_world(), check_auto_gathers_in_place, backend="nccl")
@@ -615,7 +622,7 @@ def test_gather_in_place_at_the_8b_layer_shape_and_200_steps_with_a_late_peer(me
 
 @pytest.mark.parametrize("method", P2P_METHODS)
 def test_deferred_fc1_wgrad_bitwise(method):
-    """--overlap-tp-defer-wgrad: each fc1 wgrad run inside proj's backward (signal: between its AllGather's start and
+    """The deferred wgrad (OverlapSettings.defer_wgrad): each fc1 wgrad run inside proj's backward (signal: between its AllGather's start and
     its GEMM; decompose: before the call), 8B layers at s 8192, 3 steps, then the small pair 20 steps with a late peer:
     bit for bit the staged pair."""
     run_distributed(_gpu_world(), check_gather_in_place, method, "l8b", 8192, 3, 0, True, backend="nccl")
@@ -624,13 +631,13 @@ def test_deferred_fc1_wgrad_bitwise(method):
 
 @pytest.mark.parametrize("method", P2P_METHODS)
 def test_gather_in_place_at_the_70b_layer_shape(method):
-    """Two 70B layers at s 8192 (2 steps): session 31's 70B proxy at TP 4 parted from off's loss after iteration 1
-    (docs/perf/s31/README.md); the 8B shapes did not."""
+    """Two 70B layers at s 8192 (2 steps): bit for bit the staged path at the 70B shapes too, which rules the layer
+    out when a 70B run's loss parts from off's (a short schedule's chaos can do that on its own)."""
     run_distributed(_gpu_world(), check_gather_in_place, method, "l70b", 8192, 2, 0, backend="nccl")
 
 
 def check_token_split(rank, world, method="signal", size="small", seq=4096, steps=20, late_every=0):
-    """set_token_split(True) on two linked layers gathering in place with the deferred wgrad (the llama3 recipes'
+    """OverlapSettings.token_split on two linked layers gathering in place with the deferred wgrad (the llama3 recipes'
     settings at TP >= 4), SP on the p2p transports, a micro-batch of 2 sequences run as two interleaved halves, each on
     its own plans and buffers: against the same pair run whole, within bf16 rounding (each half's GEMMs see half the
     rows, the weight gradients sum two halves), over `steps` steps with fresh inputs; the first step run twice on the
@@ -638,14 +645,11 @@ def check_token_split(rank, world, method="signal", size="small", seq=4096, step
     (the halves' waits are real; no hang)."""
     _quiet()
     _deterministic()
-    from overlap_tp.megatron import layers as layers_module
-    from overlap_tp.megatron.transformer_layer import splitting_tokens
     ps = _setup(world, "cuda")
     config, p2p_configs = _sp_p2p_config(world, num_layers=2, deterministic=True, method=method, size=size)
     pairs = []
     for split in (True, False):
-        with layers_module.gathering_in_place(), layers_module.deferring_wgrad(), splitting_tokens(split):
-            pair = _linked_pair(config, p2p_configs, 79)
+        pair = _linked_pair(config, p2p_configs, 79, gather_in_place=True, defer_wgrad=True, token_split=split)
         assert all(layer.token_split == split for layer in pair)
         pairs.append(pair)
     for step, (x, g) in enumerate(_fresh_steps(11 + rank, seq // world, config.hidden_size, steps, batch=2)):

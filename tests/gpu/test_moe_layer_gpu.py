@@ -30,7 +30,7 @@ pytestmark = pytest.mark.gpu
 
 TOKENS = 8192
 ROUTINGS = ("uniform", "zipf", "rank0_only")
-METHODS = {"signal": OverlapConfig(method="signal"), "off": OverlapConfig(method="off")}
+METHODS = {"signal": OverlapConfig(method="signal", comm_sms=16, groups="auto"), "off": OverlapConfig(method="off")}
 
 
 def _setup(world):

@@ -13,7 +13,7 @@ random inputs and outputs allocated over NaN-poisoned memory:
 - 200 back-to-back forward calls of each op and 50 forward + backward steps without a sync, a hang or a
   changed bit (watchdog on, 120 s); a late peer (host and GPU) does not hang either op;
 - routings with different group counts (groups='auto') alternating, forward + backward against `off`: an op's
-  routings share its counter words, so no call may leave a count behind (session 24).
+  routings share its counter words, so no call may leave a count behind.
 """
 import os
 import time
@@ -30,7 +30,8 @@ from overlap_tp.bench.moe import routing_counts
 from overlap_tp.ops.expert import all_to_all_rows, expert_mm, expert_wgrad
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.moe_tile_plan import dispatch_plan, layout, parts_per_peer
-from overlap_tp.ops.common import gemm_programs
+from overlap_tp.ops.plan_base import gemm_programs
+from overlap_tp.ops.resolve import fill_defaults
 
 pytestmark = pytest.mark.gpu
 
@@ -41,9 +42,9 @@ CASES = {   # name: (tokens per rank, hidden, ffn, experts, routing)
     "odd": (3000, 1024, 1000, 24, "zipf"),   # 24 experts: a multiple of EP up to 8, 3-12 per rank
 }
 CONFIGS = {
-    "signal": OverlapConfig(method="signal"),
+    "signal": OverlapConfig(method="signal", comm_sms=16, groups="auto"),
     "signal/g2": OverlapConfig(method="signal", groups=2, comm_sms=8),
-    "decompose": OverlapConfig(method="decompose", groups=4),
+    "decompose": OverlapConfig(method="decompose", comm_sms=16, groups=4),
     # the copy engines (p2p transport) under the signaled grouped GEMM and under cuBLAS
     "signal-p2p": OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=2),
     "decompose-p2p": OverlapConfig(method="decompose", transport="p2p", comm_sms=0, groups=2),
@@ -111,6 +112,7 @@ def _check_case(rank, world, case):
         if config.method != "signal":
             continue
         y = a2a_gemm(x, counts, w1, group, config=config)
+        config = fill_defaults(config, "a2a_gemm", x.device, 1)   # the tile and groups the op resolved
         parts = parts_per_peer(counts, config.groups, hidden * x.element_size())
         plan = dispatch_plan(layout(counts, rank), 2 * ffn, config.block_m, config.block_n, parts)
         after = torch.empty_like(y)
@@ -148,7 +150,7 @@ def _check_back_to_back(rank, world):
     group = dist.group.WORLD
     counts, x, w1, w2 = _mixtral_problem(rank, world)
     dz = torch.randn_like(x)
-    config = OverlapConfig(method="signal")
+    config = OverlapConfig(method="signal", comm_sms=16, groups="auto")
     first = _moe_mlp(x, counts, w1, w2, group, config)
     assert rel_error(first, _moe_mlp(x, counts, w1, w2, group, OFF).float()) < 2e-2
     changed = torch.zeros((), dtype=torch.int64, device="cuda")
@@ -177,7 +179,7 @@ def _check_routings_with_other_group_counts(rank, world):
     """Two routings whose groups='auto' counts differ (2 and 6 groups per peer at EP 2: the group size target
     lowered to 1 MB for this hidden size), alternating, forward + backward of dispatch + fc1 and fc2 + combine on each, against
     off. The combine's local-rows counter of the 2-group routing is an exchange counter of the 6-group one: left
-    counting, it released that exchange before its tiles were stored (session 24, the MoE layer's 200 steps)."""
+    counting, it would release that exchange before its tiles were stored (stale rows at the peer, no error)."""
     from overlap_tp.ops import moe_tile_plan
     os.environ["OVERLAP_TP_WATCHDOG_S"] = "120"
     moe_tile_plan.TARGET_GROUP_BYTES = 1 << 20
@@ -191,7 +193,7 @@ def _check_routings_with_other_group_counts(rank, world):
         routings.append(counts)
     few, many = (parts_per_peer(c, "auto", hidden * 2) for c in routings)
     assert few == 2 < many, ("the routings must differ in groups", few, many)   # 2 and 6 at EP 2, 2 and 8 at EP 4
-    config = OverlapConfig(method="signal", groups="auto")
+    config = OverlapConfig(method="signal", comm_sms=16, groups="auto")
     gen = torch.Generator(device="cuda").manual_seed(31 + rank)
     w1 = torch.randn(2, 2 * ffn, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) / hidden ** 0.5
     w2 = torch.randn(2, hidden, ffn, device="cuda", dtype=torch.bfloat16, generator=gen) / ffn ** 0.5
@@ -214,8 +216,8 @@ def test_routings_with_other_group_counts():
 
 def _check_first_exchange_beside_the_gemm(rank, world):
     """The process's first MoE exchange is a signaled dispatch over NCCL with its GEMM enqueued first (comm_sms > 0):
-    NCCL's peer connections are made before it (Communicator.connect_peers). Made inside it, their setup waited for
-    the device while the GEMM's tiles spun on the exchange (session 23: mixtral-proxy hung at its first iteration)."""
+    NCCL's peer connections are made before it (Communicator.connect_peers). Made inside it, their setup would wait
+    for the device while the GEMM's tiles spin on the exchange: a hang at the first iteration."""
     os.environ["OVERLAP_TP_WATCHDOG_S"] = "60"
     group = dist.group.WORLD
     counts, x, w1, w2 = _mixtral_problem(rank, world)

@@ -13,7 +13,7 @@ from overlap_tp.bench.moe import routing_counts
 
 pytestmark = pytest.mark.gpu
 
-SIGNAL, OFF = OverlapConfig(method="signal"), OverlapConfig(method="off")
+SIGNAL, OFF = OverlapConfig(method="signal", comm_sms=16, groups="auto"), OverlapConfig(method="off")
 
 
 def fwd_bwd(op, inp, counts, w, grad, config):

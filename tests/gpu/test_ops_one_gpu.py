@@ -11,6 +11,7 @@ import torch.distributed as dist
 from distributed import run_distributed
 from gpu_checks import poison_allocator, rel_error
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
+from overlap_tp.ops.tile_rule import DEFAULT_TILE
 
 pytestmark = pytest.mark.gpu
 
@@ -18,12 +19,12 @@ CASES = [   # (op, config)
     ("rs", OverlapConfig(method="signal", transport="nccl", groups=4)),
     ("rs", OverlapConfig(method="signal", transport="nccl", schedule="tile_exact", groups=3)),
     ("rs", OverlapConfig(method="signal", transport="p2p", comm_sms=0)),
-    ("rs", OverlapConfig(method="decompose", chunks=3)),
-    ("ar", OverlapConfig(method="signal", groups=4)),
-    ("ar", OverlapConfig(method="decompose", chunks=2)),
+    ("rs", OverlapConfig(method="decompose", transport="nccl", chunks=3)),
+    ("ar", OverlapConfig(method="signal", transport="nccl", groups=4)),
+    ("ar", OverlapConfig(method="decompose", transport="nccl", chunks=2)),
     ("ag", OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=4)),
     ("ag", OverlapConfig(method="signal", transport="nccl", comm_sms=16, groups=2)),
-    ("ag", OverlapConfig(method="decompose", chunks=2)),
+    ("ag", OverlapConfig(method="decompose", transport="nccl", chunks=2)),
 ]
 SHAPES = [(4096, 4096, 2048), (1000, 1408, 1024)]   # (M, N, K); the second: no dimension a multiple of the tile
 
@@ -44,7 +45,8 @@ def _check(rank, world):
 
     for m, n, k in SHAPES:
         for op, config in CASES:
-            if config.schedule == "tile_exact" and (m % config.block_m or n % config.block_n):
+            block_m, block_n = (config.block_m or DEFAULT_TILE["block_m"]), (config.block_n or DEFAULT_TILE["block_n"])
+            if config.schedule == "tile_exact" and (m % block_m or n % block_n):
                 continue
             for call in range(3):   # the plan's first call and later ones (every word back where it started)
                 a, w, bias = operands(m, n, k)

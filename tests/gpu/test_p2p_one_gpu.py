@@ -216,20 +216,20 @@ def _check_layer_captured(rank, world, method="signal", in_place=False):
     """An OverlapTransformerLayer at TP 2 (SP, both sequence-parallel collectives and the backward's re-gather on
     the p2p transports: no other collective) captured forward + backward in one CUDA graph and replayed with fresh
     inputs: output, input grad and every parameter grad bit for bit the eager step's on the same input (Megatron's
-    deterministic mode), one rank late before some replays (issue 21: the layer replayed at t = 2). in_place: the
-    layer built with set_gather_in_place(True) (its norms write into qkv's and fc1's own gathered buffers)."""
+    deterministic mode), one rank late before some replays (the layer replayed at t = 2). in_place: the
+    layer built with OverlapSettings.gather_in_place (its norms write into qkv's and fc1's own gathered buffers)."""
     import test_layers_gpu as L
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
-    from overlap_tp.megatron.layers import gathering_in_place, set_overlap_config
+    from overlap_tp.megatron.layers import set_overlap_config
     from overlap_tp.tune.timing import CapturedCalls
     L._quiet()
     L._deterministic()
     ps = L._setup(world, "cuda")
     config, p2p_configs = L._sp_p2p_config(world, num_layers=1, deterministic=True, method=method)
     L._seed(79, "cuda")
-    with gathering_in_place(in_place):
-        layer = build_module(get_gpt_layer_overlap_spec(), config=config, layer_number=1).cuda()
+    layer = build_module(get_gpt_layer_overlap_spec(settings=L._settings(gather_in_place=in_place)), config=config,
+                         layer_number=1).cuda()
     assert layer.self_attention.linear_qkv.gather_in_place == in_place
     set_overlap_config(layer, p2p_configs)
     steps = list(L._fresh_steps(9 + rank, 2048 // world, config.hidden_size, 4))
@@ -291,6 +291,26 @@ def _check_soak(rank, world):
 CUBLAS = functools.partial   # the same check with cuBLAS's GEMMs over the p2p transports (method decompose)
 
 
+def _check_resolved_defaults(rank, world):
+    """The resolver on CUDA: OverlapConfig(method=signal / decompose) with nothing else set (what `--overlap-tp signal`
+    / `decompose` build per op kind) gives ag_gemm and gemm_rs plans on the p2p transport with every SM, epilogue
+    stores and row chunks at t = 2, whose results are the reference's."""
+    from overlap_tp.ops.ag_gemm import AgGemm
+    from overlap_tp.ops.gemm_rs import GemmRS
+    group = dist.group.WORLD
+    m, n, k = SHAPES[0]
+    for method in ("signal", "decompose"):
+        config = OverlapConfig(method=method)
+        rs_plan = GemmRS(group, m, n, k, torch.bfloat16, "cuda", config)
+        ag_plan = AgGemm(group, m // world, n, k, torch.bfloat16, "cuda", config)
+        for plan in (rs_plan, ag_plan):
+            assert (plan.method, plan.config.transport, plan.config.comm_sms) == (method, "p2p", 0), plan.describe()
+            assert not plan.config.unset(), plan.config
+        assert (rs_plan.config.rs_transfer, ag_plan.config.chunk_by) == ("epilogue", "rows")
+        _check_ops(rank, world, rs=config, ag=config)
+
+
+
 @pytest.mark.parametrize("check", [_check_ops, _check_replays, _check_norm_sums_the_slots, _check_gather,
                                    _check_layer_captured, _check_soak,
                                    CUBLAS(_check_ops, rs=RS_CUBLAS, ag=AG_CUBLAS),
@@ -298,12 +318,47 @@ CUBLAS = functools.partial   # the same check with cuBLAS's GEMMs over the p2p t
                                    CUBLAS(_check_norm_sums_the_slots, rs=RS_CUBLAS),
                                    CUBLAS(_check_layer_captured, method="decompose"),
                                    CUBLAS(_check_layer_captured, in_place=True),
-                                   CUBLAS(_check_layer_captured, method="decompose", in_place=True)],
+                                   CUBLAS(_check_layer_captured, method="decompose", in_place=True),
+                                   _check_resolved_defaults],
                          ids=["eager", "replayed_late_peer", "norm_sums_the_slots", "gather_rows", "layer_captured",
                               "soak", "cublas_eager", "cublas_replayed_late_peer", "cublas_norm_sums_the_slots",
-                              "cublas_layer_captured", "layer_captured_in_place", "cublas_layer_captured_in_place"])
+                              "cublas_layer_captured", "layer_captured_in_place", "cublas_layer_captured_in_place",
+                              "resolved_defaults"])
 def test_p2p_transports_at_t2_on_one_gpu(check):
     run_distributed(T, _on_one_gpu, check, backend="gloo")
+
+
+def _check_strategies(rank, world):
+    """The op's class returns the plan of the strategy its config names, on the p2p transports, and that plan's calls
+    equal the reference (the strategies' own choice is tested on the CPU: tests/ops/test_strategies.py)."""
+    from overlap_tp.ops import ag_gemm as ag, gemm_rs as rs
+    group, (m, n, k) = dist.group.WORLD, SHAPES[0]
+    cases = [(rs.GemmRS, RS, rs.GemmRSOverP2P, "signal/p2p"),
+             (rs.GemmRS, dataclasses.replace(RS, rs_transfer="copy"), rs.GemmRSOverP2P, "signal/p2p/copy"),
+             (rs.GemmRS, RS_CUBLAS, rs.GemmRSOverP2P, "decompose/p2p"),
+             (rs.GemmRS, dataclasses.replace(RS_CUBLAS, rs_transfer="copy"), rs.GemmRSOverP2P, "decompose/p2p/copy"),
+             (ag.AgGemm, AG, ag.AgGemmSignaledCopyEngines, "signal/p2p"),
+             (ag.AgGemm, dataclasses.replace(AG, copy_lanes=2), ag.AgGemmSignaledCopyLanes, "signal/p2p"),
+             (ag.AgGemm, AG_CUBLAS, ag.AgGemmDecomposedP2P, "decompose/p2p")]
+    for op, config, strategy, label in cases:
+        rows = m if op is rs.GemmRS else m // world
+        plan = op(group, rows, n, k, torch.bfloat16, torch.device("cuda", 0), config)
+        assert type(plan) is strategy and plan.describe().endswith(f", {label})"), (plan.describe(), config)
+        for call in range(2):
+            if op is rs.GemmRS:
+                a, w, bias = _operands(call, m, n, k, rank)
+                got, want = plan(a, w, bias), _rs_reference(call, m, n, k, rank, world)
+            else:
+                shards, w, bias = _ag_operands(call, m, n, k, rank, world)
+                got = plan(shards[rank], w, bias)
+                want = torch.cat(shards).float() @ w.float().t() + bias.float()
+            assert rel_error(got, want) < 1e-2, (plan.describe(), call)
+        torch.cuda.synchronize()
+        dist.barrier()
+
+
+def test_each_p2p_strategy_is_built_by_its_op_and_matches_the_reference_at_t2_on_one_gpu():
+    run_distributed(T, _on_one_gpu, _check_strategies, backend="gloo")
 
 
 def _check_layer(rank, world, check):
@@ -371,7 +426,7 @@ def test_a_peer_that_never_calls_ends_the_waiting_rank(captured):
     """gemm_rs on the p2p transport at t = 2 (one GPU); after three calls together only rank 0 calls again (eagerly,
     or by replaying a captured call). Its wait for rank 1's signal must end the process within OVERLAP_TP_WATCHDOG_S
     (5 s) and the poll, exit code 70, with a message naming the op and the transport (and, replayed, the signal),
-    instead of hanging (issue 24 item 3; the replayed case is test_graphs_gpu.py's two-GPU test)."""
+    instead of hanging (docs/reliability.md; the replayed case is test_graphs_gpu.py's two-GPU test)."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, OVERLAP_TP_WATCHDOG_S="5", CAPTURED=str(int(captured)),
                PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))

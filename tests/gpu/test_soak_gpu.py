@@ -18,12 +18,16 @@ pytestmark = pytest.mark.gpu
 CALLS = int(os.environ.get("OVERLAP_TP_SOAK_CALLS", 10000))
 SHAPES = [(1024, 1024, 512), (2048, 4096, 1024), (4096, 2048, 4096), (2 * 520, 1000, 512), (256, 128, 64)]
 CONFIGS = {
-    "rs": [OverlapConfig(method="signal"), OverlapConfig(method="signal", groups=3, comm_sms=8),
-           OverlapConfig(method="signal", transport="p2p", comm_sms=0), OverlapConfig(method="decompose", chunks=2)],
-    "ar": [OverlapConfig(method="signal", groups=2), OverlapConfig(method="decompose", chunks=3)],
+    "rs": [OverlapConfig(method="signal", transport="nccl"),
+           OverlapConfig(method="signal", transport="nccl", groups=3, comm_sms=8),
+           OverlapConfig(method="signal", transport="p2p", comm_sms=0),
+           OverlapConfig(method="decompose", transport="nccl", chunks=2)],
+    "ar": [OverlapConfig(method="signal", transport="nccl", groups=2),
+           OverlapConfig(method="decompose", transport="nccl", chunks=3)],
     "ag": [OverlapConfig(method="signal", transport="p2p", comm_sms=0),
            OverlapConfig(method="signal", transport="p2p", comm_sms=0, groups=3),
-           OverlapConfig(method="signal", groups=2, comm_sms=16), OverlapConfig(method="decompose", chunks=2)],
+           OverlapConfig(method="signal", transport="nccl", groups=2, comm_sms=16),
+           OverlapConfig(method="decompose", transport="nccl", chunks=2)],
 }
 OFF = OverlapConfig(method="off")
 

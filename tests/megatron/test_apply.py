@@ -1,5 +1,5 @@
 """megatron_patches.apply: off leaves Megatron's args untouched; on switches the spec and the layers'
-OverlapConfig; applying twice changes nothing more."""
+OverlapSettings (carried by the spec); applying twice changes nothing more."""
 import copy
 from types import SimpleNamespace
 
@@ -16,23 +16,16 @@ def clean_state(monkeypatch):
     monkeypatch.setenv(TUNE_CACHE_ENV, "")
     monkeypatch.delenv(TUNE_CACHE_ENV)
     patch.reset()
-    try:
-        from overlap_tp.megatron import layers
-    except ImportError:
-        layers = None
-    saved = {op: layers.get_default_overlap_config(op) for op in layers.OP_KINDS} if layers else None
-    if layers:
-        from overlap_tp.megatron import moe_layer
-        saved_moe = moe_layer.get_default_moe_overlap_config()
     yield
     patch.reset()
-    if layers:
-        layers.set_default_overlap_config(**saved)
-        moe_layer.set_default_moe_overlap_config(saved_moe)
+
+
+# every op kind on NCCL with 8 SMs (the expert config file, read as a mapping)
+NCCL8 = {op: {"transport": "nccl", "comm_sms": 8} for op in ("ag_gemm", "gemm_rs", "gemm_ar", "expert")}
 
 
 def fake_args(**overrides):
-    values = dict(overlap_tp="signal", overlap_tp_transport="nccl", overlap_tp_comm_sms=8,
+    values = dict(overlap_tp="signal", overlap_tp_config=NCCL8,
                   overlap_tp_tune_cache=None, overlap_tp_layers=False, spec=None,
                   tensor_model_parallel_size=2, sequence_parallel=True, num_layers=2)
     values.update(overrides)
@@ -59,7 +52,7 @@ def test_on_sets_spec_and_config():
     assert report.active
     assert args.spec == list(patch.SPEC)
     assert patch.get_overlap_config() == OverlapConfig(method="signal", transport="nccl", comm_sms=8)
-    assert len(report.changed) == 2  # the OverlapConfig and --spec
+    assert len(report.changed) == 2  # the settings and --spec
 
 
 def test_apply_twice_changes_nothing_more():
@@ -112,20 +105,28 @@ def test_the_report_is_logged():
     assert len(lines) == 1 and "--spec overlap_tp.megatron_patches.spec flags" in lines[0]
 
 
-def test_layers_receive_the_config():
-    pytest.importorskip("megatron.core", reason="overlap_tp.megatron.layers needs megatron-core")
-    from overlap_tp.megatron import layers
-    patch.apply(fake_args(overlap_tp_transport="p2p"), log=quiet)
-    assert layers.get_default_overlap_config("gemm_rs").transport == "p2p"
-    assert layers.get_default_overlap_config("ag_gemm").transport == "p2p"
-    assert layers.get_default_overlap_config("gemm_ar").transport == "nccl"  # the flags keep gemm_ar on NCCL
-    # --overlap-tp-comm-sms 8: the AllGather's pulls get 8 SMs, the p2p ReduceScatter's GEMM every SM, NCCL's 8 CTAs
-    assert [layers.get_default_overlap_config(op).comm_sms for op in ("ag_gemm", "gemm_rs", "gemm_ar")] == [8, 0, 8]
-    patch.apply(fake_args(overlap_tp_transport="auto"), log=quiet)   # the flag's default
-    assert layers.get_default_overlap_config("ag_gemm") == OverlapConfig(method="signal", transport="p2p", comm_sms=0)
-    assert layers.get_default_overlap_config("gemm_rs") == OverlapConfig(method="signal", transport="p2p", comm_sms=0)
-    assert layers.get_default_overlap_config("gemm_ar") == OverlapConfig(method="signal", transport="nccl", comm_sms=8)
-    assert patch.get_overlap_config("ag_gemm").transport == "p2p"
+def test_layers_receive_the_settings(monkeypatch):
+    """The settings apply() builds reach every overlap_tp module of the spec it sets (ModuleSpec params): the file's
+    per-op fields, and where the file says nothing the mode alone (the rest left to the ops' resolver, which on CUDA
+    puts the AllGather and the ReduceScatter on p2p with every SM, gemm_ar on NCCL with 16)."""
+    pytest.importorskip("megatron.core", reason="the layer spec needs megatron-core")
+    from megatron.core.transformer import transformer_block
+    from overlap_tp.ops.resolve import fill_defaults
+    monkeypatch.setattr(transformer_block, "get_num_layers_to_build", lambda config, vp_stage=None: config.num_layers)
+    patch.apply(fake_args(overlap_tp_config={"ag_gemm": {"transport": "p2p", "comm_sms": 8}}), log=quiet)
+    settings = patch.get_settings()
+    assert settings.ag_gemm == OverlapConfig(method="signal", transport="p2p", comm_sms=8)
+    assert settings.gemm_rs == settings.gemm_ar == OverlapConfig(method="signal")
+    transformer = SimpleNamespace(num_moe_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                                  multi_latent_attention=False, qk_l2_norm=False, normalization="RMSNorm",
+                                  num_layers=1)
+    spec = patch.overlap_layer_spec(transformer).layer_specs[0]
+    attention = spec.submodules.self_attention.submodules
+    assert spec.params["settings"] is settings
+    assert attention.linear_qkv.params["settings"] is settings and attention.linear_proj.params["settings"] is settings
+    patch.apply(fake_args(overlap_tp_config=None), log=quiet)
+    resolved = {op: fill_defaults(patch.get_overlap_config(op), op, "cuda", 2) for op in ("ag_gemm", "gemm_rs", "gemm_ar")}
+    assert [(c.transport, c.comm_sms) for c in resolved.values()] == [("p2p", 0), ("p2p", 0), ("nccl", 16)]
 
 
 def test_spec_callable_builds_our_block_spec(monkeypatch):
@@ -158,9 +159,9 @@ def test_spec_callable_builds_our_block_spec(monkeypatch):
 
 
 def test_no_fused_norms_builds_megatrons_transformer_layer(monkeypatch):
-    """--no-overlap-tp-fused-norms: every layer of the block spec is Megatron's TransformerLayer around our
-    linears and norms (the A/B of the fused bias-dropout-add + norm kernels); the report says so, and applying
-    the default again brings OverlapTransformerLayer back."""
+    """layers.fused_norms false (the config file): every layer of the block spec is Megatron's TransformerLayer
+    around our linears and norms (the A/B of the fused bias-dropout-add + norm kernels); the report says so, and
+    applying the default again brings OverlapTransformerLayer back."""
     pytest.importorskip("megatron.core", reason="the layer spec needs megatron-core")
     from megatron.core.transformer import transformer_block
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -170,68 +171,50 @@ def test_no_fused_norms_builds_megatrons_transformer_layer(monkeypatch):
     transformer = SimpleNamespace(num_moe_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
                                   multi_latent_attention=False, qk_l2_norm=False, normalization="RMSNorm",
                                   num_layers=2)
-    report = patch.apply(fake_args(overlap_tp_fused_norms=False), log=quiet)
-    assert any("Megatron's TransformerLayer" in line for line in report.changed)
+    report = patch.apply(fake_args(overlap_tp_config={"layers": {"fused_norms": False}}), log=quiet)
+    assert "Megatron's TransformerLayer" in str(report)
     spec = patch.overlap_layer_spec(transformer).layer_specs[0]
     assert spec.module is TransformerLayer
     assert spec.submodules.input_layernorm is OverlapRMSNorm
-    assert spec.submodules.self_attention.submodules.linear_proj.__module__ == "overlap_tp.megatron.layers"
+    assert spec.submodules.self_attention.submodules.linear_proj.module.__module__ == "overlap_tp.megatron.layers"
     report = patch.apply(fake_args(), log=quiet)
-    assert any("fused bias-dropout-add + norm" in line for line in report.changed)
+    assert "fused_norms: False -> True" in report.changed
     assert patch.overlap_layer_spec(transformer).layer_specs[0].module is OverlapTransformerLayer
 
 
-def test_gather_in_place_reaches_the_layers_and_is_reported():
-    pytest.importorskip("megatron.core", reason="overlap_tp.megatron.layers needs megatron-core")
-    from overlap_tp.megatron import layers
-    try:
-        report = patch.apply(fake_args(overlap_tp_gather_in_place=True), log=quiet)
-        assert layers.gather_in_place_default() is True
-        assert any("own gathered buffers" in line for line in report.changed)
-        report = patch.apply(fake_args(overlap_tp_gather_in_place=True), log=quiet)
-        assert not any("gathered" in line for line in report.changed)     # idempotent
-        report = patch.apply(fake_args(), log=quiet)
-        assert layers.gather_in_place_default() is False
-        assert any("stage their inputs" in line for line in report.changed)
-        report = patch.apply(fake_args(overlap_tp_gather_in_place=True, overlap_tp_defer_wgrad=True), log=quiet)
-        assert layers.defer_wgrad_default() is True
-        assert any("inside linear_proj's backward" in line for line in report.changed)
-        report = patch.apply(fake_args(overlap_tp_gather_in_place=True), log=quiet)
-        assert layers.defer_wgrad_default() is False
-        assert any("in its own backward" in line for line in report.changed)
-    finally:
-        patch.reset()
-    assert layers.gather_in_place_default() is False and layers.defer_wgrad_default() is False
-
-
-def test_token_split_reaches_the_layers_and_is_reported():
-    pytest.importorskip("megatron.core", reason="overlap_tp.megatron.transformer_layer needs megatron-core")
-    from overlap_tp.megatron import transformer_layer
-    try:
-        report = patch.apply(fake_args(overlap_tp_token_split=True), log=quiet)
-        assert transformer_layer.token_split_default() is True
-        assert any("two interleaved halves" in line for line in report.changed)
-        report = patch.apply(fake_args(overlap_tp_token_split=True), log=quiet)
-        assert not any("halves" in line for line in report.changed)     # idempotent
-        report = patch.apply(fake_args(), log=quiet)
-        assert transformer_layer.token_split_default() is False
-        assert any("runs whole" in line for line in report.changed)
-    finally:
-        patch.reset()
-    assert transformer_layer.token_split_default() is False
+def test_layer_switches_come_from_the_file_else_from_the_run():
+    """gather_in_place: on where the layers overlap on the p2p AllGather (not with an nccl ag_gemm, nor recomputation
+    or pipeline parallelism); defer_wgrad: with it, at TP >= 4 under CUDA graphs; token_split: off. The file's
+    'layers' section sets any of them; a change is reported, applying the same again reports none."""
+    report = patch.apply(fake_args(), log=quiet)   # ag_gemm on nccl (NCCL8): nothing gathers in place
+    assert not patch.get_settings().gather_in_place
+    report = patch.apply(fake_args(overlap_tp_config=None), log=quiet)
+    settings = patch.get_settings()
+    assert settings.gather_in_place and not settings.defer_wgrad and not settings.token_split
+    assert "gather_in_place: False -> True" in report.changed
+    again = patch.apply(fake_args(overlap_tp_config=None), log=quiet).changed   # fresh args: only --spec is new
+    assert [line for line in again if not line.startswith("--spec")] == []
+    patch.apply(fake_args(overlap_tp_config=None, tensor_model_parallel_size=4, cuda_graph_impl="local"), log=quiet)
+    assert patch.get_settings().defer_wgrad
+    patch.apply(fake_args(overlap_tp_config=None, tensor_model_parallel_size=4), log=quiet)   # eager: not deferred
+    assert patch.get_settings().gather_in_place and not patch.get_settings().defer_wgrad
+    patch.apply(fake_args(overlap_tp_config=None, recompute_granularity="full"), log=quiet)
+    assert not patch.get_settings().gather_in_place
+    report = patch.apply(fake_args(overlap_tp_config={"layers": {"token_split": True, "gather_in_place": False}}),
+                         log=quiet)
+    assert patch.get_settings().token_split and not patch.get_settings().gather_in_place
+    assert "token_split: False -> True" in report.changed
 
 
 def test_overlap_moe_alone_switches_the_spec_and_the_moe_config():
-    pytest.importorskip("megatron.core", reason="overlap_tp.megatron.moe_layer needs megatron-core")
-    from overlap_tp.megatron import moe_layer
     args = fake_args(overlap_tp="off", overlap_moe="signal", tensor_model_parallel_size=1, sequence_parallel=False,
                      num_experts=8)
     report = patch.apply(args, log=quiet)
     assert report.active and args.spec == list(patch.SPEC)
     assert patch.get_overlap_config().method == "off"   # the dense layers: overlap_tp's, overlap off
-    assert patch.get_moe_overlap_config() == OverlapConfig(method="signal", groups=2, comm_sms=8)   # fake_args sets 8 SMs
-    assert moe_layer.get_default_moe_overlap_config() is patch.get_moe_overlap_config()
-    assert "MoE layers on" in str(report) and len(report.changed) == 3   # two configs and --spec
+    assert patch.get_moe_overlap_config() == OverlapConfig(method="signal", transport="nccl", comm_sms=8)   # NCCL8
+    assert patch.get_settings().moe is patch.get_moe_overlap_config()
+    assert "MoE layers on" in str(report) and len(report.changed) == 2   # the settings and --spec
     assert patch.apply(args, log=quiet).changed == []
 
 

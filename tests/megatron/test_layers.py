@@ -59,9 +59,14 @@ def _close(got, ref, what, tol=1e-2):
 
 
 def _build(kind, ours, world, config, *, in_size, out_size, bias=True, skip_bias_add=False, **kw):
+    """Megatron's linear of `kind`, or ours (with every op kind 'off' unless the layer's own config or `settings`
+    say otherwise: never 'auto' by accident)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+    from overlap_tp.megatron.settings import OverlapSettings
     torch.manual_seed(1234)
+    if ours:
+        kw.setdefault("settings", OverlapSettings().with_configs(OFF))
     if kind == "column":
         cls = OverlapColumnParallelLinear if ours else ColumnParallelLinear
         kw.setdefault("gather_output", False)
@@ -145,8 +150,6 @@ def _sharded_summary(sd):
 def _check_linears(rank, world):
     _quiet()
     ps = _init_megatron(world)
-    from overlap_tp.megatron.layers import set_default_overlap_config
-    set_default_overlap_config(OFF)
     group = ps.get_tensor_model_parallel_group()
     metadata = {"dp_cp_group": ps.get_data_parallel_group(with_context_parallel=True)}
     gen = torch.Generator().manual_seed(7)
@@ -369,7 +372,7 @@ def _check_transformer_layer(rank, world):
                 continue
             _close(grad, grads_ref[n], f"{what} grad {n}", 3e-2)
 
-    # --no-overlap-tp-fused-norms: Megatron's TransformerLayer around the same linears and norms, the same
+    # layers.fused_norms false: Megatron's TransformerLayer around the same linears and norms, the same
     # numbers within bf16 rounding (separate bias-dropout-add and norm kernels, summed reduce-scatters)
     from megatron.core.transformer.transformer_layer import TransformerLayer
     for sp in (False, True):
@@ -405,6 +408,13 @@ def _sp_layer_case(world, seed):
     return ps, get_gpt_layer_overlap_spec(qk_layernorm=True), x, g
 
 
+def _spec_with(**switches):
+    """overlap_tp's layer spec (qk layernorm) whose modules are built with these OverlapSettings switches."""
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.settings import OverlapSettings
+    return get_gpt_layer_overlap_spec(qk_layernorm=True, settings=OverlapSettings(**switches))
+
+
 class _FakeDeferredSum:
     """The p2p transport's DeferredSum on the CPU: slots (out, 0), whose sum is the real reduce-scatter output."""
 
@@ -431,7 +441,7 @@ class _FakeDeferredSum:
 def _deferring(real_gemm_rs, consumed):
     """gemm_rs as the p2p transport runs it where a consumer sums the output (async_op: a Pending carrying a
     DeferredSum), faked on gloo: the real result as slots (out, 0); `consumed` records each consumption."""
-    from overlap_tp.ops.common import Pending
+    from overlap_tp.ops.plan_base import Pending
 
     def deferring_gemm_rs(*args, async_op=False, **kwargs):
         result = real_gemm_rs(*args, async_op=async_op, **kwargs)
@@ -451,7 +461,8 @@ def _check_deferred_proj_sum(rank, world):
     ps, spec, x, g = _sp_layer_case(world, 4)
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers
-    real_gemm_rs, consumed = layers.gemm_rs, []
+    from overlap_tp.megatron import linear_functions as functions
+    real_gemm_rs, consumed = functions.gemm_rs, []
     deferring_gemm_rs = _deferring(real_gemm_rs, consumed)
 
     def run(fake, bda=None):
@@ -460,13 +471,13 @@ def _check_deferred_proj_sum(rank, world):
         layers.set_overlap_config(layer, OFF)
         if bda is not None:
             layer.self_attn_bda = bda
-        layers.gemm_rs = deferring_gemm_rs if fake else real_gemm_rs
+        functions.gemm_rs = deferring_gemm_rs if fake else real_gemm_rs
         try:
             xi = x.clone().requires_grad_(True)
             out, _ = layer(xi, attention_mask=None)
             out.backward(g)
         finally:
-            layers.gemm_rs = real_gemm_rs
+            functions.gemm_rs = real_gemm_rs
         return [out, xi.grad] + [p.grad for _, p in layer.named_parameters()]
 
     want = run(False)
@@ -499,7 +510,8 @@ def _check_mlp_boundary(rank, world):
     ps, spec, x, g = _sp_layer_case(world, 5)
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers, norm as norm_module
-    real_gemm_rs, real_rmsnorm, consumed, norms = layers.gemm_rs, norm_module.rmsnorm, [], []
+    from overlap_tp.megatron import linear_functions as functions
+    real_gemm_rs, real_rmsnorm, consumed, norms = functions.gemm_rs, norm_module.rmsnorm, [], []
     deferring_gemm_rs = _deferring(real_gemm_rs, consumed)
 
     def counted_rmsnorm(x, weight, **kwargs):
@@ -514,7 +526,7 @@ def _check_mlp_boundary(rank, world):
         for layer in (first, second):
             layers.set_overlap_config(layer, OFF)
         first.fused_mlp_boundary = link
-        layers.gemm_rs, norm_module.rmsnorm = (deferring_gemm_rs if fake else real_gemm_rs), counted_rmsnorm
+        functions.gemm_rs, norm_module.rmsnorm = (deferring_gemm_rs if fake else real_gemm_rs), counted_rmsnorm
         results = []
         try:
             for _ in range(steps):
@@ -529,7 +541,7 @@ def _check_mlp_boundary(rank, world):
                 assert len([w for w in norms if w is second.input_layernorm.weight]) == (0 if link else 1)
                 results.append([out, xi.grad] + [p.grad for p in list(first.parameters()) + list(second.parameters())])
         finally:
-            layers.gemm_rs, norm_module.rmsnorm = real_gemm_rs, real_rmsnorm
+            functions.gemm_rs, norm_module.rmsnorm = real_gemm_rs, real_rmsnorm
         assert first.next_input_norm is second.input_layernorm     # linked when built ...
         assert (first.linked_next_norm() is second.input_layernorm) == link   # ... and used unless turned off
         assert len(list(first.parameters())) == len(list(second.parameters()))   # no parameter of the other's
@@ -608,7 +620,7 @@ class _FakeOwnGather:
 
 
 def _check_gather_in_place(rank, world):
-    """set_gather_in_place(True) (faked OwnGather on gloo): two linked layers' four norms (the first layer's input
+    """OverlapSettings.gather_in_place (faked OwnGather on gloo): two linked layers' four norms (the first layer's input
     norm, each fused attention bda, the first layer's fused MLP bda for the second's input norm) write straight into
     linear_qkv's and linear_fc1's own buffers, whose forwards then gather through them, and whose backwards read the
     gathered inputs kept there (no re-gather); outputs, input grad and every parameter grad bit for bit those of the
@@ -617,7 +629,8 @@ def _check_gather_in_place(rank, world):
     ps, spec, x, g = _sp_layer_case(world, 6)
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron import layers
-    real_own, real_gather_rows, regathers = layers.OwnGather, layers.gather_rows, []
+    from overlap_tp.megatron import linear_functions as functions
+    real_own, real_gather_rows, regathers = layers.OwnGather, functions.gather_rows, []
 
     def counted_gather_rows(*args, **kwargs):
         regathers.append(args[0].shape)
@@ -625,13 +638,13 @@ def _check_gather_in_place(rank, world):
 
     def run(in_place, steps=2):
         torch.manual_seed(99)
-        layers.OwnGather, layers.gather_rows = _FakeOwnGather, counted_gather_rows
+        layers.OwnGather, functions.gather_rows = _FakeOwnGather, counted_gather_rows
         _FakeOwnGather.built.clear()
         try:
             config = _layer_config(world, True)
-            with layers.gathering_in_place(in_place):
-                first = build_module(spec, config=config, layer_number=1)
-                second = build_module(spec, config=config, layer_number=2)
+            in_place_spec = _spec_with(gather_in_place=in_place)
+            first = build_module(in_place_spec, config=config, layer_number=1)
+            second = build_module(in_place_spec, config=config, layer_number=2)
             results = []
             for _ in range(steps):
                 regathers.clear()
@@ -650,7 +663,7 @@ def _check_gather_in_place(rank, world):
                            second.mlp.linear_fc1):
                 assert linear.gather_in_place == in_place
         finally:
-            layers.OwnGather, layers.gather_rows = real_own, real_gather_rows
+            layers.OwnGather, functions.gather_rows = real_own, real_gather_rows
         return results
 
     want = run(False)
@@ -660,14 +673,13 @@ def _check_gather_in_place(rank, world):
             assert torch.equal(a, b)
 
     # activation recomputation: off, with a warning naming it
-    with warnings.catch_warnings(record=True) as caught, layers.gathering_in_place():
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        layer = build_module(spec, config=_layer_config(world, True).__class__(
+        layer = build_module(_spec_with(gather_in_place=True), config=_layer_config(world, True).__class__(
             **{**_layer_config(world, True).__dict__, "recompute_granularity": "full", "recompute_method": "uniform",
                "recompute_num_layers": 1}), layer_number=1)
     assert not layer.self_attention.linear_qkv.gather_in_place and layer.input_layernorm.output_for is None
     assert any("gather-in-place is off because activations are recomputed" in str(w.message) for w in caught)
-    assert not layers.gather_in_place_default()   # the previous setting back after the block
     ps.destroy_model_parallel()
 
 
@@ -676,7 +688,7 @@ def test_norms_write_into_the_gathered_buffers_and_the_backward_reads_them_in_pl
 
 
 def _check_token_split(rank, world):
-    """set_token_split(True) (the p2p sums faked on gloo as in _check_deferred_proj_sum, gathering in place as in
+    """OverlapSettings.token_split (the p2p sums faked on gloo as in _check_deferred_proj_sum, gathering in place as in
     _check_gather_in_place): two linked layers run the micro-batch of 2 as two halves of one sequence, interleaved (the
     forward's ReduceScatters proj A, proj B, fc2 A, fc2 B, each half on its own plans: instance 0 / 1), the second layer
     taking the first's halves and their handed-over norms as they are. Outputs, input grad and every parameter grad
@@ -686,8 +698,9 @@ def _check_token_split(rank, world):
     _quiet()
     ps, spec, x, g = _sp_layer_case(world, 9)
     from megatron.core.transformer.spec_utils import build_module
-    from overlap_tp.megatron import layers, norm as norm_module, transformer_layer
-    real_gemm_rs, real_own, real_rmsnorm, consumed, calls, norms = (layers.gemm_rs, layers.OwnGather,
+    from overlap_tp.megatron import layers, norm as norm_module
+    from overlap_tp.megatron import linear_functions as functions
+    real_gemm_rs, real_own, real_rmsnorm, consumed, calls, norms = (functions.gemm_rs, layers.OwnGather,
                                                                     norm_module.rmsnorm, [], [], [])
     deferring = _deferring(real_gemm_rs, consumed)
 
@@ -701,12 +714,12 @@ def _check_token_split(rank, world):
 
     def run(split, steps=2, xs=x, gs=g):
         torch.manual_seed(99)
-        layers.gemm_rs, layers.OwnGather, norm_module.rmsnorm = recorded_gemm_rs, _FakeOwnGather, counted_rmsnorm
+        functions.gemm_rs, layers.OwnGather, norm_module.rmsnorm = recorded_gemm_rs, _FakeOwnGather, counted_rmsnorm
         _FakeOwnGather.built.clear()
         try:
             config = _layer_config(world, True)
-            with layers.gathering_in_place(), transformer_layer.splitting_tokens(split):
-                built = [build_module(spec, config=config, layer_number=n) for n in (1, 2)]
+            split_spec = _spec_with(gather_in_place=True, token_split=split)
+            built = [build_module(split_spec, config=config, layer_number=n) for n in (1, 2)]
             assert [layer.token_split for layer in built] == [split] * 2
             params = [p for layer in built for p in layer.parameters()]
             results = []
@@ -727,7 +740,7 @@ def _check_token_split(rank, world):
             halves = split and xs.shape[1] % 2 == 0
             assert sorted(own.instance for own in _FakeOwnGather.built) == ([0] * 4 + [1] * 4 if halves else [0] * 4)
         finally:
-            layers.gemm_rs, layers.OwnGather, norm_module.rmsnorm = real_gemm_rs, real_own, real_rmsnorm
+            functions.gemm_rs, layers.OwnGather, norm_module.rmsnorm = real_gemm_rs, real_own, real_rmsnorm
         for step in results[1:]:
             for a, b in zip(step, results[0]):
                 assert torch.equal(a, b)
@@ -749,14 +762,13 @@ def _check_token_split(rank, world):
         warnings.simplefilter("always")
         run(True, steps=1, xs=x[:, :1].contiguous(), gs=g[:, :1].contiguous())
     assert any("the micro-batch has 1 sequences" in str(w.message) for w in caught)
-    with warnings.catch_warnings(record=True) as caught, transformer_layer.splitting_tokens():
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        layer = build_module(spec, config=_layer_config(world, True).__class__(
+        layer = build_module(_spec_with(token_split=True), config=_layer_config(world, True).__class__(
             **{**_layer_config(world, True).__dict__, "recompute_granularity": "full", "recompute_method": "uniform",
                "recompute_num_layers": 1}), layer_number=1)
     assert not layer.token_split
     assert any("token-split is off because activations are recomputed" in str(w.message) for w in caught)
-    assert not transformer_layer.token_split_default()
     ps.destroy_model_parallel()
 
 
@@ -765,7 +777,7 @@ def test_token_split_interleaves_two_halves_on_their_own_plans():
 
 
 def _check_defer_wgrad(rank, world):
-    """set_defer_wgrad(True) with gathering in place (faked OwnGather on gloo; proj's dgrad AllGather on the signaled
+    """OverlapSettings.defer_wgrad with gathering in place (faked OwnGather on gloo; proj's dgrad AllGather on the signaled
     op in the Triton interpreter, so AgGemm.start/finish run): each layer's linear_fc1 backward leaves its wgrad,
     which linear_proj's backward runs between its AllGather's start and its GEMM and returns through fc1's weight;
     outputs, input grad and every parameter grad bit for bit those of the same layers without it, over two steps,
@@ -776,7 +788,8 @@ def _check_defer_wgrad(rank, world):
     from megatron.core.transformer.spec_utils import build_module
     from problems import SMALL_TILES
     from overlap_tp.megatron import layers
-    real_own, real_around, events = layers.OwnGather, layers._ag_gemm_around, []
+    from overlap_tp.megatron import linear_functions as functions
+    real_own, real_around, events = layers.OwnGather, functions._ag_gemm_around, []
 
     def around(dz, wt, args, between):
         events.append("gather started")
@@ -788,11 +801,11 @@ def _check_defer_wgrad(rank, world):
 
     def run(defer, main_grad, in_place=True, steps=2):
         torch.manual_seed(99)
-        layers.OwnGather, layers._ag_gemm_around = _FakeOwnGather, around
+        layers.OwnGather, functions._ag_gemm_around = _FakeOwnGather, around
         try:
             config = _layer_config(world, True)
-            with layers.gathering_in_place(in_place), layers.deferring_wgrad(defer):
-                built = [build_module(spec, config=config, layer_number=n) for n in (1, 2)]
+            defer_spec = _spec_with(gather_in_place=in_place, defer_wgrad=defer)
+            built = [build_module(defer_spec, config=config, layer_number=n) for n in (1, 2)]
             for layer in built:
                 layers.set_overlap_config(layer, signal)
                 shared = layer.mlp.linear_fc1.wgrad_handoff
@@ -821,7 +834,7 @@ def _check_defer_wgrad(rank, world):
                 for layer in built:
                     assert layer.mlp.linear_fc1.wgrad_handoff is None or layer.mlp.linear_fc1.wgrad_handoff.pending is None
         finally:
-            layers.OwnGather, layers._ag_gemm_around = real_own, real_around
+            layers.OwnGather, functions._ag_gemm_around = real_own, real_around
         return results, built
 
     for main_grad, steps in ((False, 2), (True, 1)):   # two steps: the handoff, flags and buffers used again
@@ -842,7 +855,6 @@ def _check_defer_wgrad(rank, world):
             built[0](hidden_states=x.clone().requires_grad_(True), attention_mask=None)
         finally:
             layers.OwnGather = real_own
-    assert not layers.defer_wgrad_default()
     ps.destroy_model_parallel()
 
 
@@ -902,8 +914,6 @@ def _check_errors(rank, world):
     ps = _init_megatron(world)
     from overlap_tp.megatron.attention import SDPAttention
     from megatron.core.transformer.enums import AttnMaskType
-    from overlap_tp.megatron.layers import set_default_overlap_config
-    set_default_overlap_config(OFF)
 
     def build(kind="column", cfg=None, **kw):
         return _build(kind, True, world, cfg or _config(world), in_size=H, out_size=FFN if kind == "column" else H,
@@ -971,7 +981,7 @@ def test_spec_and_provider():
     provider = OverlapSpecProvider()
     assert provider.fuse_layernorm_and_linear() is False and provider.column_parallel_layer_norm_linear() is None
     get_gpt_layer_overlap_spec(moe_grouped_gemm=True, normalization="RMSNorm", config=None, vp_stage=None)
-    for bad in (dict(normalization="LayerNorm"), dict(multi_latent_attention=True), dict(fp8="hybrid")):
+    for bad in (dict(normalization="LayerNorm"), dict(multi_latent_attention=True, qk_l2_norm=True), dict(fp8="hybrid")):
         with pytest.raises(NotImplementedError):
             get_gpt_layer_overlap_spec(**bad)
     with pytest.raises(NotImplementedError, match="MoE"):
@@ -981,16 +991,19 @@ def test_spec_and_provider():
 
 
 def test_auto_gathers_in_place_where_the_tuner_picks_a_p2p_gather(monkeypatch):
-    """--overlap-tp auto with --overlap-tp-gather-in-place: a column-parallel layer asks the tuner for its AllGather's
+    """--overlap-tp auto, gathering in place: a column-parallel layer asks the tuner for its AllGather's
     config at the gathered shape (as its ag_gemm call will) and gathers in place only where that is signal or
     decompose on p2p; on CPU tensors auto runs off and the tuner is not asked; a fixed config asks nothing."""
     from types import SimpleNamespace
     from overlap_tp.megatron import layers
+    from overlap_tp.megatron.settings import OverlapSettings
+    from overlap_tp.ops import resolve as resolver
     asked, picks = [], []
-    monkeypatch.setattr(layers, "resolve_auto", lambda op, m, n, k, dtype, device, group, base:
+    monkeypatch.setattr(resolver, "resolve_auto", lambda op, m, n, k, dtype, device, group, base:
                         asked.append((op, m, n, k, base.method)) or picks[-1])
     def new_linear():
-        return SimpleNamespace(overlap_config=OverlapConfig(method="auto"), tp_group=None, _auto_in_place=None,
+        return SimpleNamespace(overlap_config=OverlapConfig(method="auto"), settings=OverlapSettings(), tp_group=None,
+                               _in_place_resolved=None,
                                output_size_per_partition=768, input_size=1024)
     in_place_config = layers.OverlapColumnParallelLinear._in_place_config
     cuda = torch.device("cuda")   # a device object only: nothing is allocated
@@ -1000,12 +1013,14 @@ def test_auto_gathers_in_place_where_the_tuner_picks_a_p2p_gather(monkeypatch):
                            (OverlapConfig(method="off"), False)):
         picks.append(pick)
         linear = new_linear()
-        assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (pick if in_place else None), pick
+        resolved = resolver.fill_defaults(pick, "ag_gemm", cuda, 1)   # the tuner's pick, its unset fields filled
+        assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (resolved if in_place else None), pick
         # the next forward of the same shape asks nothing: the answer is kept
-        assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (pick if in_place else None), pick
+        assert in_place_config(linear, 2048, torch.bfloat16, cuda) == (resolved if in_place else None), pick
     assert asked == [("ag_gemm", 2048, 768, 1024, "auto")] * 4   # no TP group here: t = 1, the gathered rows = m
     assert in_place_config(linear, 4096, torch.bfloat16, cuda) is None and asked[-1][1] == 4096   # a new shape asks
     asked.clear()
     assert in_place_config(linear, 2048, torch.bfloat16, torch.device("cpu")) is None and asked == []
     linear.overlap_config = {"ag_gemm": OverlapConfig(method="decompose", transport="p2p")}
-    assert in_place_config(linear, 2048, torch.bfloat16, cuda) == linear.overlap_config["ag_gemm"] and asked == []
+    assert in_place_config(linear, 2048, torch.bfloat16, cuda) == resolver.fill_defaults(
+        linear.overlap_config["ag_gemm"], "ag_gemm", cuda, 1) and asked == []

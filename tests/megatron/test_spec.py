@@ -12,7 +12,7 @@ from megatron.core.transformer import transformer_block  # noqa: E402
 from megatron.core.transformer.spec_utils import import_module  # noqa: E402
 
 from overlap_tp import OverlapConfig  # noqa: E402
-from overlap_tp.megatron import layers  # noqa: E402
+from overlap_tp.ops.resolve import fill_defaults  # noqa: E402
 from overlap_tp.megatron.arguments import OverlapArgumentError  # noqa: E402
 from overlap_tp.megatron.norm import OverlapRMSNorm  # noqa: E402
 from overlap_tp.megatron.transformer_layer import OverlapTransformerLayer  # noqa: E402
@@ -39,12 +39,10 @@ def megatron(monkeypatch):
                         lambda args: SimpleNamespace(num_layers=args.num_layers, normalization="RMSNorm",
                                                      num_moe_experts=None))
     monkeypatch.setattr(transformer_block, "get_num_layers_to_build", lambda config, vp_stage=None: config.num_layers)
-    saved = {op: layers.get_default_overlap_config(op) for op in layers.OP_KINDS}
     patches.reset()
     spec_module._APPLIED.update(args=None, method=None)
     yield state
     patches.reset()
-    layers.set_default_overlap_config(**saved)
 
 
 def test_import_module_gives_a_block_spec_megatron_can_use_directly(megatron):
@@ -54,19 +52,23 @@ def test_import_module_gives_a_block_spec_megatron_can_use_directly(megatron):
     submodules = transformer_block._get_block_submodules(SimpleNamespace(num_layers=3), block)
     assert len(submodules.layer_specs) == 3 and submodules.layer_norm is OverlapRMSNorm
     assert all(s.module is OverlapTransformerLayer for s in submodules.layer_specs)
-    assert layers.get_default_overlap_config("gemm_rs").method == "signal"
-    assert layers.get_default_overlap_config("ag_gemm") == OverlapConfig(method="signal", transport="p2p", comm_sms=0)
+    # the layers are built with the settings apply() made (carried by the spec, not by a process global)
+    assert all(s.params["settings"] is patches.get_settings() for s in submodules.layer_specs)
+    assert patches.get_overlap_config("gemm_rs").method == "signal"
+    # the transport and SMs are the resolver's: on CUDA the AllGather pulls over p2p with its GEMM on every SM
+    ag = fill_defaults(patches.get_overlap_config("ag_gemm"), "ag_gemm", "cuda", 2)
+    assert (ag.method, ag.transport, ag.comm_sms) == ("signal", "p2p", 0)
 
 
 def test_callable_form_for_builders_that_pass_vp_stage(megatron):
     block = spec_module.decompose(SimpleNamespace(num_layers=2, normalization="RMSNorm"), vp_stage=0)
     assert len(block.layer_specs) == 2 and block.layer_norm is OverlapRMSNorm
-    assert layers.get_default_overlap_config("gemm_rs").method == "decompose"
+    assert patches.get_overlap_config("gemm_rs").method == "decompose"
 
 
 def test_off_builds_our_layers_with_the_overlap_off(megatron):
     assert len(spec_module.off.layer_specs) == 3
-    assert layers.get_default_overlap_config("gemm_rs").method == "off"
+    assert patches.get_overlap_config("gemm_rs").method == "off"
 
 
 def test_the_arguments_are_checked(megatron):
@@ -90,14 +92,14 @@ def test_virtual_pipeline_needs_the_callable_form(megatron):
 def test_flags_needs_apply_first(megatron):
     with pytest.raises(ValueError, match="were not applied"):
         spec_module.flags.layer_specs
-    args = megatron_args(overlap_tp="signal", overlap_tp_transport="nccl", overlap_tp_comm_sms=8,
+    args = megatron_args(overlap_tp="signal", overlap_tp_config={"gemm_rs": {"transport": "nccl", "comm_sms": 8}},
                          overlap_tp_layers=False, overlap_tp_tune_cache=None)
     megatron["args"] = args
     patches.apply(args, log=lambda message: None)
     assert args.spec == list(patches.SPEC)
     assert import_module(args.spec) is spec_module.flags
     assert len(spec_module.flags.layer_specs) == 3
-    assert layers.get_default_overlap_config("gemm_rs") == OverlapConfig(method="signal", transport="nccl", comm_sms=8)
+    assert patches.get_overlap_config("gemm_rs") == OverlapConfig(method="signal", transport="nccl", comm_sms=8)
 
 
 def test_megatron_args_are_not_changed(megatron):

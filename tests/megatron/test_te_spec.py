@@ -85,3 +85,21 @@ def test_block_final_norm(with_te, monkeypatch, impl, final):
     attention = block.layer_specs[0].submodules.self_attention.submodules
     assert attention.linear_qkv is OverlapColumnParallelLinear
     assert attention.q_layernorm is (TENorm if impl == "transformer_engine" else OverlapQKRMSNorm)
+
+
+@pytest.mark.parametrize("overrides, flag", [({"overlap_tp": "signal"}, "--overlap-tp signal"),
+                                             ({"overlap_tp": "auto"}, "--overlap-tp auto"),
+                                             ({"overlap_tp": "off", "overlap_tp_layers": True}, "--overlap-tp-layers")])
+def test_tp_comm_overlap_with_ours_stays_an_error_with_te(with_te, overrides, flag):
+    """Transformer Engine importable and --transformer-impl transformer_engine: --tp-comm-overlap (TE's userbuffers)
+    and overlap_tp's layers overlap the same communication, so together they are refused, naming both; the TE
+    baseline alone (--tp-comm-overlap, --overlap-tp off) is accepted."""
+    from overlap_tp.megatron.arguments import OverlapArgumentError
+    from overlap_tp.megatron.validation import validate_overlap_args
+    from test_arguments import megatron_like
+    with pytest.raises(OverlapArgumentError, match=f"{flag} with --tp-comm-overlap: both overlap the same TP "
+                                                   "communication .* Pick one"):
+        validate_overlap_args(megatron_like(transformer_impl="transformer_engine", tp_comm_overlap=True, **overrides),
+                              warn=None)
+    baseline = megatron_like(transformer_impl="transformer_engine", tp_comm_overlap=True, overlap_tp="off")
+    assert validate_overlap_args(baseline, warn=None) == []

@@ -43,7 +43,7 @@ def _check(rank, world):
         assert torch.equal(ag_gemm(shard, w, config=CONFIGS[2]), first)
     # a plan resolves chunk_by 'auto' for its group (chunk_by_for: NCCL broadcasts cut by rows at any t)
     plan = AgGemm(None, 64 // world, 64, 32, torch.bfloat16, shard.device, CONFIGS[2])
-    assert CONFIGS[2].chunk_by == "auto" and plan.config.chunk_by == "rows"
+    assert CONFIGS[2].chunk_by is None and plan.config.chunk_by == "rows"
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -63,7 +63,7 @@ def _check_bad_input(rank, world):
                          config=OverlapConfig(method="signal")), "multiple of 8"),
         (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", groups=(1, 1, 1), **SMALL_TILES)), "sum to"),
         (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", transport="p2p")), "needs CUDA tensors"),
-        (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", transport="p2p", copy_lanes=2)),
+        (lambda: ag_gemm(a, w, config=OverlapConfig(method="signal", transport="p2p", comm_sms=16, copy_lanes=2)),
          "copy_lanes=2 splits the copy engines' pulls; with comm_sms=16 the pulls run on SMs"),
         (lambda: ag_gemm(a, w, config=OverlapConfig(method="decompose", transport="p2p")), "needs CUDA tensors"),
         # one copy per chunk from one peer: the copy engines' pulls only

@@ -5,9 +5,16 @@ import pytest
 from overlap_tp import OverlapConfig
 
 
-def test_defaults_are_valid():
+def test_defaults_are_unset_and_the_resolver_fills_them():
+    """Every field defaults to unset (None); ops/resolve.py fills them: the values the dataclass used to default to
+    where the paths agreed (method 'auto', schedule 'row_slice', ...)."""
+    import torch
+    from overlap_tp.ops.resolve import fill_defaults
     config = OverlapConfig()
-    assert config.method == "auto" and config.schedule == "row_slice"
+    assert config.unset() == tuple(config.__dataclass_fields__)
+    resolved = fill_defaults(config, "gemm_rs", torch.device("cpu"), 2)
+    assert resolved.method == "auto" and resolved.schedule == "row_slice"
+    assert not resolved.unset()
 
 
 def test_list_groups_become_a_tuple():
@@ -40,7 +47,7 @@ def test_bad_values_are_named(kwargs, match):
 
 # tile_for_shape: the narrow tile where it fills the waves better, as measured under graph replays on an H200
 # (132 SMs; the ratios below are cuBLAS time / ours)
-from overlap_tp.ops.config import tile_for_shape  # noqa: E402
+from overlap_tp.ops.tile_rule import tile_for_shape  # noqa: E402
 
 SIGNAL = OverlapConfig(method="signal")
 
@@ -78,9 +85,9 @@ def test_chunk_by_auto_pulls_by_peer_only_where_t_exceeds_two_on_the_copy_engine
     """chunk_by 'auto' (the default): 'peer' for the signaled AllGather's copy-engine pulls in the default groups at
     t > 2 (measured faster on every 8B / 70B AllGather shape at t = 4), 'rows' everywhere else; an
     explicit choice is kept as it is."""
-    from overlap_tp.ops.config import chunk_by_for
+    from overlap_tp.ops.resolve import chunk_by_for
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
-    assert OverlapConfig().chunk_by == "auto"
+    assert OverlapConfig().chunk_by is None and OverlapConfig(chunk_by="auto").chunk_by is None   # auto: unset
     assert chunk_by_for(p2p, 4).chunk_by == "peer" and chunk_by_for(p2p, 8).chunk_by == "peer"
     assert chunk_by_for(p2p, 3).chunk_by == "peer"
     assert chunk_by_for(p2p, 2).chunk_by == "rows" and chunk_by_for(p2p, 1).chunk_by == "rows"
@@ -98,9 +105,9 @@ def test_rs_transfer_auto_pushes_with_the_copy_engines_only_where_t_exceeds_two(
     """rs_transfer 'auto' (the default): 'copy' for the signaled GEMM+ReduceScatter on the p2p transport at t > 2,
     'epilogue' everywhere else (and for every other method and transport, where it does not apply); an explicit
     choice is kept as it is."""
-    from overlap_tp.ops.config import rs_transfer_for
+    from overlap_tp.ops.resolve import rs_transfer_for
     p2p = OverlapConfig(method="signal", transport="p2p", comm_sms=0)
-    assert OverlapConfig().rs_transfer == "auto"
+    assert OverlapConfig().rs_transfer is None and OverlapConfig(rs_transfer="auto").rs_transfer is None
     assert rs_transfer_for(p2p, 4).rs_transfer == "copy" and rs_transfer_for(p2p, 3).rs_transfer == "copy"
     assert rs_transfer_for(p2p, 2).rs_transfer == "epilogue" and rs_transfer_for(p2p, 1).rs_transfer == "epilogue"
     assert rs_transfer_for(p2p, 8) == replace(p2p, rs_transfer="copy")   # nothing else changes
@@ -117,11 +124,13 @@ def test_gemm_programs_leave_the_collectives_sms_and_at_least_the_spare_ones(mon
     stream's graph waits even at comm_sms 0), never fewer than one program; 4 on a CPU (the interpreter)."""
     import torch
     from types import SimpleNamespace
-    from overlap_tp.ops import common
-    monkeypatch.setattr(common, "device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    from overlap_tp.ops import plan_base
+    monkeypatch.setattr(plan_base, "device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     gpu = torch.device("cuda", 0)
-    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=0)) == 132
-    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=0), spare_sms=1) == 131
-    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=16), spare_sms=1) == 116
-    assert common.gemm_programs(gpu, OverlapConfig(comm_sms=200)) == 1
-    assert common.gemm_programs(torch.device("cpu"), OverlapConfig(), spare_sms=1) == 4
+    assert plan_base.gemm_programs(gpu, OverlapConfig(comm_sms=0)) == 132
+    assert plan_base.gemm_programs(gpu, OverlapConfig(comm_sms=0), spare_sms=1) == 131
+    assert plan_base.gemm_programs(gpu, OverlapConfig(comm_sms=16), spare_sms=1) == 116
+    assert plan_base.gemm_programs(gpu, OverlapConfig(comm_sms=200)) == 1
+    assert plan_base.gemm_programs(torch.device("cpu"), OverlapConfig(), spare_sms=1) == 4
+    with pytest.raises(ValueError, match="comm_sms is unset; resolve the config first"):
+        plan_base.gemm_programs(gpu, OverlapConfig())   # a config the resolver has not filled

@@ -56,7 +56,7 @@ def _check_ops(rank, world):
     # a plan resolves rs_transfer 'auto' for its group (rs_transfer_for: NCCL's collectives are the epilogue's case)
     from overlap_tp.ops.gemm_rs import GemmRS
     plan = GemmRS(dist.group.WORLD, 64, 64, 32 // world, torch.bfloat16, "cpu", CONFIGS[2])
-    assert CONFIGS[2].rs_transfer == "auto" and plan.config.rs_transfer == "epilogue"
+    assert CONFIGS[2].rs_transfer is None and plan.config.rs_transfer == "epilogue"
 
 
 @pytest.mark.parametrize("world", [2, 4])

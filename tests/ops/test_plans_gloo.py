@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
-from overlap_tp.ops import common
+from overlap_tp.ops import plan_base
 from overlap_tp.ops.ag_gemm import AgGemm
 from overlap_tp.ops.gemm_ar import GemmAR
 from overlap_tp.ops.gemm_rs import GemmRS
@@ -77,12 +77,12 @@ def test_degenerate_inputs_give_a_result_or_a_clear_error():
 
 
 def _check_cache_bound(rank, world, limit):
-    common.MAX_CACHED_PLANS = limit
-    common.clear_plans()
+    plan_base.MAX_CACHED_PLANS = limit
+    plan_base.clear_plans()
     a, w, _ = dense_problem(64, 48, 16, seed=3, bias=False)
     for rows in range(2, 2 * (limit + 3), 2):    # shapes that change every call
         gemm_rs(a[:rows].contiguous(), w, config=OFF)
-    assert len(common._plans) == limit
+    assert len(plan_base._plans) == limit
 
 
 def test_the_plan_cache_is_bounded():
@@ -95,12 +95,12 @@ def _check_plan_instances(rank, world):
     from overlap_tp.ops import comm
     from overlap_tp.ops.ag_gemm import ag_gemm_plan
     from overlap_tp.ops.gemm_rs import GemmRS
-    common.clear_plans()
+    plan_base.clear_plans()
     a, w, _ = dense_problem(64, 48, 16, seed=5, bias=False)
     group = comm.resolve_group(None)
 
     def plan(instance):
-        return common.cached_plan(GemmRS, group, 64, 48, 16, a.dtype, a.device, SIGNAL, instance)
+        return plan_base.cached_plan(GemmRS, group, 64, 48, 16, a.dtype, a.device, SIGNAL, instance)
     first, second = plan(0), plan(1)
     assert first is not second and plan(0) is first and plan(1) is second and second.instance == 1
     assert torch.equal(gemm_rs(a, w, config=SIGNAL, instance=1), gemm_rs(a, w, config=SIGNAL))
@@ -141,7 +141,7 @@ def test_a_deferred_sum_into_a_wrong_output_is_a_clear_error_and_stays_to_run():
     """DeferredSum.into checks the caller's output (the sum's launch does not) before it runs the second half: a wrong
     shape, dtype or layout is a ValueError and the deferred sum is still there to run."""
     from types import SimpleNamespace
-    from overlap_tp.ops.p2p import DeferredSum
+    from overlap_tp.ops.p2p_reduction import DeferredSum
     ran = []
     op = SimpleNamespace(m_local=4, n=8, buf=torch.empty(2 * 4, 8, dtype=torch.bfloat16),
                          finish_sum=lambda out: ran.append(out))

@@ -1,6 +1,7 @@
-"""gemm_rs's cuBLAS stores over the p2p transport (ops/p2p.py RegionGemms, method 'decompose' with transport 'p2p'),
-on the CPU: t ranks' receive buffers as plain tensors, a stand-in for the symmetric-memory handle that hands out a
-peer's buffer as a tensor (as PyTorch's `get_buffer` does), every rank's stores run, then every owner's slots read.
+"""gemm_rs's cuBLAS stores over the p2p transport (ops/p2p_reduction.py RegionGemms, method 'decompose' with transport
+'p2p'), on the CPU: t ranks' receive buffers as plain tensors, a stand-in for the symmetric-memory handle that hands
+out a peer's buffer as a tensor (as PyTorch's `get_buffer` does), every rank's stores run, then every owner's slots
+read.
 What is checked is the addressing the GPU tests cannot tell apart from a lucky layout: which rows of a go to which
 owner and which slot, the bias in the owner's own partial only, the order of the owners, and that nothing outside
 the slots is written. The protocol around the stores (signals, the slot sum) is P2PReduceScatter's, tested in
@@ -8,7 +9,7 @@ test_sync_protocols.py."""
 import pytest
 import torch
 
-from overlap_tp.ops.p2p import RegionGemms
+from overlap_tp.ops.p2p_reduction import RegionGemms
 
 
 class _Handle:

@@ -12,7 +12,7 @@ interleavings that respect stream order and wait conditions, many times over, an
   peer has not consumed yet, and no rank consumes a buffer before every peer's data of the same call is in it; the
   same with GatherBuffer's pulls split over copy lanes (extra streams forked and joined per chunk), row by row;
 - the cuBLAS paths over the copy engines (method decompose, transport p2p; each rank's caller stream and comm stream,
-  with their forks and joins): AgGemm._pulled_decomposed and the expert dispatch's chunks read only rows pulled in
+  with their forks and joins): AgGemmDecomposedP2P._run and the expert dispatch's chunks read only rows pulled in
   the same call, their local GEMMs enqueued before any peer wait; the expert combine pushes only rows its matmuls
   already wrote and copies out only rows pushed in the same call.
 A mutation check proves the simulator can fail: the counter wait without its reset passes stale targets.
@@ -24,10 +24,11 @@ import torch
 
 from types import SimpleNamespace
 
-from overlap_tp.ops import ag_gemm, comm, p2p, sync, watchdog
+from overlap_tp.ops import ag_gemm, comm, p2p_expert, p2p_gather, p2p_reduction, sync, watchdog
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.p2p import P2PReduceScatter, RowPush
-from overlap_tp.ops.reduction import SignaledReduction
+from overlap_tp.ops.collective_reduction import SignaledReduction
+from overlap_tp.ops.p2p_expert import RowPush
+from overlap_tp.ops.p2p_reduction import P2PReduceScatter
 from overlap_tp.ops.tile_plan import GROUP, make_plan, ring_peers
 
 
@@ -204,7 +205,8 @@ def recorder(monkeypatch):
     fake = Recorder()
     monkeypatch.setattr(comm, "memops", fake)
     monkeypatch.setattr(sync, "memops", fake)
-    monkeypatch.setattr(p2p, "memops", fake)
+    for module in (p2p_reduction, p2p_gather, p2p_expert):
+        monkeypatch.setattr(module, "memops", fake)
     monkeypatch.setattr(watchdog, "memops", fake)   # Watched.join: an eager call's join through the plan's event
     monkeypatch.setattr(watchdog, "_instance", watchdog.Watchdog(0.0))
     return fake
@@ -464,7 +466,7 @@ def _gather_buffers(t, signals, m=1):
     bufs = [torch.zeros(t * m, 4, dtype=torch.int32) for _ in range(t)]
     gathers = []
     for rank in range(t):
-        g = p2p.GatherBuffer.__new__(p2p.GatherBuffer)
+        g = p2p_gather.GatherBuffer.__new__(p2p_gather.GatherBuffer)
         g.rank, g.world, g.m, g.describe, g.signals = rank, t, m, "all_gather(test)", signals[rank]
         g.buf, g.base, g.row_bytes, g.region_bytes = bufs[rank], bufs[rank].data_ptr(), 16, 16 * m
         g._unreferenced = g._references()
@@ -476,15 +478,15 @@ def _gather_buffers(t, signals, m=1):
 
 
 def _pull_lists(gathers, chunks, by_peer=False):
-    """Per rank, an AgGemm's one-lane pull list over its GatherBuffer (AgGemm._list_pulls: the plan's own code), with
-    ready-flag words of its own: (the plans, the flag tensors). by_peer: chunk_by 'peer', each of `chunks` once per
-    peer in the rank's ring order (ag_plan's chunk_peers)."""
+    """Per rank, an AgGemm's one-lane pull list over its GatherBuffer (AgGemmSignaledCopyEngines._list_pulls: the
+    plan's own code), with ready-flag words of its own: (the plans, the flag tensors). by_peer: chunk_by 'peer', each
+    of `chunks` once per peer in the rank's ring order (ag_plan's chunk_peers)."""
     t = len(gathers)
     count = len(chunks) * (t - 1 if by_peer else 1)
     flags = [torch.zeros(count, dtype=torch.int32) for _ in gathers]
     plans = []
     for rank, (g, words) in enumerate(zip(gathers, flags)):
-        plan = ag_gemm.AgGemm.__new__(ag_gemm.AgGemm)
+        plan = object.__new__(ag_gemm.AgGemmSignaledCopyEngines)
         plan.gather, plan.chunks, plan.chunk_peers = g, chunks, None
         if by_peer:
             plan.chunks = list(chunks) * (t - 1)
@@ -524,7 +526,7 @@ def _run_gather(recorder, t, seed, stage_waits=True, in_place=False, plan_pulls=
             else:
                 g.stage(rank, torch.full((1, 4), call, dtype=torch.int32), False)
             if plan_pulls:
-                plans[rank]._pull_listed(rank, False)
+                plans[rank]._transfers(rank, False)
             else:
                 g.ready(rank, False)
                 g.pull(rank, 0, 1)
@@ -589,10 +591,10 @@ def test_ag_gemm_pull_list_raises_pulled_after_the_last_copies(recorder, monkeyp
     signals = _peer_signals(2, (1, 0))
     gathers, _ = _gather_buffers(2, signals, m=2)
     plans, flags = _pull_lists(gathers, [(0, 1), (1, 2)])
-    plans[0]._pull_listed(0, False)
+    plans[0]._transfers(0, False)
     ops = recorder.take()[0]
     flag = [flags[0].data_ptr() + 4 * c for c in range(2)]
-    pulled = signals[0].remote[1] + 4 * 2 * p2p.GatherBuffer.PULLED
+    pulled = signals[0].remote[1] + 4 * 2 * p2p_gather.GatherBuffer.PULLED
     assert [op[0] for op in ops] == ["write", "wait", "write", "copy", "write", "copy", "write", "write"], ops
     assert ops[4] == ("write", flag[0], ag_gemm.READY) and ops[6:] == [("write", flag[1], ag_gemm.READY),
                                                                        ("write", pulled, 1)]
@@ -605,7 +607,7 @@ def test_ag_gemm_pull_list_of_a_one_rank_group_is_empty(recorder, monkeypatch):
     signals = _peer_signals(1, (1, 0))
     gathers, _ = _gather_buffers(1, signals, m=2)
     plans, _ = _pull_lists(gathers, [])
-    plans[0]._pull_listed(0, False)
+    plans[0]._transfers(0, False)
     assert recorder.take() == {}
 
 
@@ -619,7 +621,7 @@ def _signaled_pulls(gathers, monkeypatch):
     """Per rank, the SM pulls' kernel (GatherBuffer.signaled_pull) as built for an AgGemm with one chunk: its tables
     (the peers' regions, the READY / PULLED words it spins on and raises), which _kernel_call_ops turns into the
     kernel's memory operations."""
-    monkeypatch.setattr(p2p, "watchdog", SimpleNamespace(
+    monkeypatch.setattr(p2p_gather, "watchdog", SimpleNamespace(
         watchdog=lambda: SimpleNamespace(timeout_s=0.0, open_mailbox=lambda: torch.zeros(1, dtype=torch.int64)),
         wait_code=lambda *a: 1))
     return [g.signaled_pull(1, [(0, g.m)], torch.zeros(1, dtype=torch.int32), "ag_gemm(test)") for g in gathers]
@@ -753,7 +755,7 @@ def _run_all_reduce(recorder, t, seed, ready_waits=True, calls=25):
     outs = {}                                   # an output's address -> (rank, call, the output, kept alive)
     ops = []
     for rank in range(t):
-        op = p2p.P2PAllReduce.__new__(p2p.P2PAllReduce)
+        op = p2p_reduction.P2PAllReduce.__new__(p2p_reduction.P2PAllReduce)
         op.reduce_scatter = P2PReduceScatter.__new__(P2PReduceScatter)
         op.reduce_scatter.signals, op.reduce_scatter.copy = rs_signals[rank], False
         op.gather, op.engine, op.watched = gathers[rank], RankEngine(recorder, rank), NoWatch()
@@ -1069,10 +1071,10 @@ def test_transfers_then_gemm_enqueues_the_gemm_before_the_transfers_where_they_n
 
 
 def test_decomposed_allgather_forks_once_so_no_gather_waits_for_a_gemm(monkeypatch):
-    """AgGemm's decompose method: the comm stream forks once, after the local shard is in `gathered` (the
-    in-place broadcasts send it from there) and before any GEMM; then gather c, join, GEMM c. A fork per chunk
-    made each gather wait for the previous chunk's GEMM (no overlap at all)."""
-    from overlap_tp.ops.ag_gemm import AgGemm
+    """AgGemm's decompose method on NCCL (AgGemmDecomposedNccl): the comm stream forks once, after the local shard is
+    in `gathered` (the in-place broadcasts send it from there) and before any GEMM; then gather c, join, GEMM c. A
+    fork per chunk made each gather wait for the previous chunk's GEMM (no overlap at all)."""
+    from overlap_tp.ops.ag_gemm import AgGemmDecomposedNccl
     engine = _OrderEngine()
     log = engine.log
     a_shard, w = torch.randn(4, 3), torch.randn(5, 3)
@@ -1084,12 +1086,12 @@ def test_decomposed_allgather_forks_once_so_no_gather_waits_for_a_gemm(monkeypat
             log.append(f"gather {lo}:{hi} on {stream}")
             gathered[4 + lo:4 + hi] = 1.0                 # the peer's rows
 
-    plan = object.__new__(AgGemm)
+    plan = object.__new__(AgGemmDecomposedNccl)
     plan.t, plan.rank, plan.device, plan.engine, plan.coll, plan.bounds = 2, 0, torch.device("cpu"), engine, Coll(), \
         [(0, 2), (2, 4)]
     real_mm = torch.mm
     monkeypatch.setattr(torch, "mm", lambda a, b, out: (log.append(f"gemm {tuple(a.shape)}"), real_mm(a, b, out=out)))
-    plan._decomposed(a_shard, w, gathered, out)
+    plan._chunked(a_shard, w, gathered, out)
     assert log == [("fork", True), "gemm (4, 3)", "gather 0:2 on comm", "join", "gemm (2, 3)",
                    "gather 2:4 on comm", "join", "gemm (2, 3)"]
     assert torch.allclose(out, gathered @ w.t())
@@ -1133,7 +1135,7 @@ class _RankEngine(comm.CommEngine):
 
 
 def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_chunk=True, lanes=1, by_peer=False):
-    """30 calls per rank of AgGemm._pulled_decomposed (the cuBLAS path over the copy engines), each rank's caller
+    """30 calls per rank of AgGemmDecomposedP2P._run (the cuBLAS path over the copy engines), each rank's caller
     stream and comm stream recorded with their forks and joins, the GEMMs recorded as reads of their rows; run in a
     random interleaving that respects every wait and every join. Checks: a GEMM of peer rows reads this call's rows,
     every pulled; a rank restages its shard only after every peer pulled the previous one; the local rows' GEMM is
@@ -1145,7 +1147,7 @@ def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_c
     gathers, bufs = _gather_buffers(t, signals, m)
     programs, first_order = {}, []
     for rank in range(t):
-        plan = object.__new__(ag.AgGemm)
+        plan = object.__new__(ag.AgGemmDecomposedP2P)
         plan.t, plan.rank, plan.gather, plan.watched = t, rank, gathers[rank], None
         plan.lanes = None if lanes == 1 else _FakeLanes(rank, lanes)   # each chunk's pulls over `lanes` streams
         plan.engine = _RankEngine(rank)
@@ -1163,7 +1165,7 @@ def _run_pulled_decomposed(recorder, monkeypatch, t, seed, chunks=2, joins_per_c
             recorder.emit(main, ("call", rank, call))
             shard = torch.full((m, 4), call, dtype=torch.int32)
             out = torch.empty(t * m, 2)
-            plan._pulled_decomposed(shard, torch.zeros(2, 4), None, out)
+            plan._run(shard, torch.zeros(2, 4), None, out)
             if call == 0:
                 first_order = [(stream, op[0]) for stream, op in recorder.sequence]
                 first_mm = first_order.index((main, "mm"))
@@ -1304,7 +1306,7 @@ def _run_expert_dispatch_decomposed(recorder, monkeypatch, t, seed, joins_per_ch
     bufs = [torch.zeros(capacity, 4, dtype=torch.int32) for _ in range(t)]
     pulls = []
     for rank in range(t):
-        pull = p2p.RowPull.__new__(p2p.RowPull)
+        pull = p2p_expert.RowPull.__new__(p2p_expert.RowPull)
         pull.capacity, pull.buf, pull.row_bytes, pull.signals = capacity, bufs[rank], 16, signals[rank]
         pull.peer_ptrs = [None if p == rank else bufs[p].data_ptr() for p in range(t)]
         pulls.append(pull)
@@ -1452,7 +1454,7 @@ def _run_expert_dispatch_signaled(recorder, monkeypatch, t, seed, lowered_after_
     words = [torch.zeros(parts + 1, dtype=torch.int32) for _ in range(t)]   # _ExpertOp.words: groups + 1
     programs, xrs, xs = {}, {}, {}
     for rank in range(t):
-        pull = p2p.RowPull.__new__(p2p.RowPull)
+        pull = p2p_expert.RowPull.__new__(p2p_expert.RowPull)
         pull.capacity, pull.buf, pull.row_bytes, pull.signals = capacity, bufs[rank], 16, signals[rank]
         pull.peer_ptrs = [None if p == rank else bufs[p].data_ptr() for p in range(t)]
         engine = _RankEngine(rank)

@@ -129,11 +129,11 @@ def test_flags_parsed_apply_once_and_the_scripts_own_flags_kept(checkout):
     script = write(checkout, "pretrain_stub.py", SCRIPT_019)
     recorder = Recorder()
     launcher.run(script, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--my-flag", "7",
-                          "--overlap-tp", "signal", "--overlap-tp-comm-sms", "8"],
+                          "--overlap-tp", "signal", "--overlap-tp-config", "/tmp/overlap.json"],
                  launch=launch_for(script, recorder, overlap_module=lambda m: True))
     args = result()["args"]
     assert result()["main"]   # run as __main__
-    assert args.my_flag == 7 and args.overlap_tp == "signal" and args.overlap_tp_comm_sms == 8
+    assert args.my_flag == 7 and args.overlap_tp == "signal" and args.overlap_tp_config == "/tmp/overlap.json"
     assert args.validated   # Megatron's own validation ran before ours
     assert recorder.applied == [args] and recorder.validated == [args]
 
@@ -172,7 +172,7 @@ def test_script_help_is_megatrons_with_our_group(checkout, capsys):
         launcher.run(script, ["--help"], launch=launch_for(script, Recorder()))
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert "--overlap-tp {off,signal,decompose,auto}" in out and "--my-flag" in out
+    assert "--overlap-tp [MODE]" in out and "{off,auto,signal,decompose}" in out and "--my-flag" in out
 
 
 @pytest.mark.parametrize("path, message", [
@@ -191,7 +191,7 @@ def test_flag_instead_of_script_and_bare_help(capsys):
     with pytest.raises(SystemExit, match="expected the training script first"):
         launcher.main(["--overlap-tp", "signal"])
     assert launcher.main(["--help"]) == 0   # lists overlap_tp's flags without Megatron
-    assert "--overlap-tp-transport" in capsys.readouterr().out
+    assert "--overlap-tp-config" in capsys.readouterr().out
     assert launcher.main([]) == 2
 
 
@@ -243,8 +243,6 @@ def test_real_megatron_parse_validate_and_model_config(tmp_path, monkeypatch):
     except (ImportError, AttributeError):
         pass
     script = write(tmp_path, "pretrain_stub.py", REAL_SCRIPT)
-    from overlap_tp.megatron import layers
-    saved = {op: layers.get_default_overlap_config(op) for op in layers.OP_KINDS}
     try:
         launcher.run(script, [
             "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
@@ -258,7 +256,6 @@ def test_real_megatron_parse_validate_and_model_config(tmp_path, monkeypatch):
         assert layer_spec is spec_module.flags
     finally:
         patches.reset()
-        layers.set_default_overlap_config(**saved)
 
 
 def test_help_strings_argparse_cannot_format_are_repaired(capsys):

@@ -11,10 +11,13 @@ import sys
 
 import pytest
 
-from overlap_tp.megatron.arguments import build_parser, validate_overlap_args
+from overlap_tp.megatron.arguments import build_parser
+from overlap_tp.megatron.settings_from_args import settings_from_args
+from overlap_tp.megatron.validation import validate_overlap_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = ("smoke", "llama3-8b", "llama3-70b-proxy", "mixtral-proxy")
+MOE_PROXIES = ("mixtral-proxy", "deepseek-v3-proxy", "qwen3-moe-proxy")   # they pass OVERLAP to --overlap-moe too
 LLAMA_FLAGS = ("--normalization", "--swiglu", "--disable-bias-linear", "--group-query-attention",
                "--position-embedding-type", "--bf16", "--log-throughput", "--wandb-project", "--tensorboard-dir",
                "--sequence-parallel", "--untie-embeddings-and-output-weights")
@@ -110,7 +113,7 @@ def test_scripts_exist_and_are_valid_bash(path):
 
 
 @pytest.mark.parametrize("name", RECIPES)
-@pytest.mark.parametrize("overlap", ["signal", "off"])
+@pytest.mark.parametrize("overlap", ["auto", "signal", "off"])
 def test_recipe_flags_parse_and_validate(name, overlap, recipe_argv):
     argv = recipe_argv(name, OVERLAP=overlap)
     args, megatron_flags = build_parser().parse_known_args(argv)
@@ -141,13 +144,12 @@ def test_llama_shapes(recipe_argv):
     assert [flag(seventy, f) for f in ("--hidden-size", "--ffn-hidden-size", "--num-attention-heads",
                                        "--num-query-groups", "--seq-length")] == ["8192", "28672", "64", "8", "8192"]
     assert flag(recipe_argv("llama3-70b-proxy", NUM_LAYERS="10"), "--num-layers") == "10"
-    # the mode measured fastest per recipe: cuBLAS over p2p (decompose) at the 70B shapes at TP 2, signal there at
-    # TP 4 and at 8B, auto for the smoke (benchmarks/results.jsonl)
-    assert (flag(seventy, "--overlap-tp"), flag(eight, "--overlap-tp")) == ("decompose", "signal")
+    # one mode for every recipe: auto times cuBLAS over p2p (decompose), signal and off per shape (the mode each
+    # recipe used to pick by hand: benchmarks/results.jsonl); OVERLAP picks another
+    assert (flag(seventy, "--overlap-tp"), flag(eight, "--overlap-tp")) == ("auto", "auto")
     assert flag(recipe_argv("llama3-70b-proxy", OVERLAP="signal"), "--overlap-tp") == "signal"
     seventy_t4 = recipe_argv("llama3-70b-proxy", TP="4", NPROC="4")
-    assert (flag(seventy_t4, "--overlap-tp"), flag(seventy_t4, "--tensor-model-parallel-size")) == ("signal", "4")
-    assert "--overlap-tp-gather-in-place" in seventy_t4
+    assert (flag(seventy_t4, "--overlap-tp"), flag(seventy_t4, "--tensor-model-parallel-size")) == ("auto", "4")
     assert flag(recipe_argv("llama3-70b-proxy", TP="4", NPROC="4", OVERLAP="decompose"), "--overlap-tp") == "decompose"
     assert flag(recipe_argv("smoke"), "--overlap-tp") == "auto"
     assert flag(recipe_argv("smoke", OVERLAP="signal"), "--overlap-tp") == "signal"
@@ -167,50 +169,52 @@ def test_llama3_8b_micro_batch_where_measured_faster(recipe_argv):
     assert flag(recipe_argv("llama3-70b-proxy"), micro) == "1"
 
 
-def test_gather_in_place_and_defer_wgrad_where_measured_faster_and_only_where_they_apply(recipe_argv):
-    """llama3-8b and llama3-70b-proxy gather in place by default (measured faster end to end), and at TP >= 4
-    under graphs defer fc1's wgrad as well (faster there, a tie at TP 2); never with the overlap off or auto, nor over
-    NCCL (the flags would be refused); GATHER_IN_PLACE / DEFER_WGRAD=0/1 override a recipe's defaults."""
-    in_place = "--overlap-tp-gather-in-place"
-    for name in ("llama3-8b", "llama3-70b-proxy"):
-        for overlap in ("signal", "decompose"):
-            argv = recipe_argv(name, OVERLAP=overlap)
-            assert in_place in argv, (name, overlap)
-            args, _ = build_parser().parse_known_args(argv)
-            args.tensor_model_parallel_size, args.sequence_parallel = 2, True
-            args.normalization, args.transformer_impl = "RMSNorm", "local"
-            assert args.overlap_tp_gather_in_place and validate_overlap_args(args, warn=None) == []
-        for env in (dict(OVERLAP="off"), dict(OVERLAP="auto"), dict(TRANSPORT="nccl"), dict(GATHER_IN_PLACE="0")):
-            assert in_place not in recipe_argv(name, **env), (name, env)
-    assert in_place not in recipe_argv("smoke") and in_place not in recipe_argv("mixtral-proxy")
-    assert in_place in recipe_argv("smoke", GATHER_IN_PLACE="1", OVERLAP="signal")
-    # DEFER_WGRAD: with gathering in place only (the flag needs it); the llama3 recipes' default at TP >= 4 under
-    # graphs (measured faster there), off at TP 2 (a tie), eagerly and elsewhere
-    defer = "--overlap-tp-defer-wgrad"
-    for name in ("llama3-8b", "llama3-70b-proxy"):
-        assert defer not in recipe_argv(name) and defer in recipe_argv(name, DEFER_WGRAD="1")
-        assert defer in recipe_argv(name, TP="4") and defer in recipe_argv(name, TP="8", GRAPHS="full_iteration")
-        for env in (dict(TP="4", GRAPHS="none"), dict(TP="4", DEFER_WGRAD="0"), dict(TP="4", GATHER_IN_PLACE="0"),
-                    dict(TP="4", OVERLAP="off"), dict(DEFER_WGRAD="1", GATHER_IN_PLACE="0")):
-            assert defer not in recipe_argv(name, **env), (name, env)
-        args, _ = build_parser().parse_known_args(recipe_argv(name, TP="4"))
-        args.tensor_model_parallel_size, args.sequence_parallel = 4, True
-        args.normalization, args.transformer_impl = "RMSNorm", "local"
-        assert args.overlap_tp_defer_wgrad and validate_overlap_args(args, warn=None) == []
-    assert defer not in recipe_argv("smoke", TP="4") and defer not in recipe_argv("mixtral-proxy", TP="4")
+OURS = re.compile(r"^--(no-)?overlap-")
 
 
-def test_auto_keeps_its_tune_cache_with_the_run(recipe_argv):
-    """With OVERLAP=auto the tuner's decisions go next to the run's log (a second run into the same OUT_DIR measures
-    nothing before its first step); TUNE_CACHE moves them; the other modes do not tune and get no cache flag."""
-    cache = "--overlap-tp-tune-cache"
-    assert flag(recipe_argv("smoke"), cache) == "runs/smoke-auto/overlap_tp_tune.json"
-    assert flag(recipe_argv("smoke", OUT_DIR="/tmp/x"), cache) == "/tmp/x/overlap_tp_tune.json"
-    assert flag(recipe_argv("llama3-8b", OVERLAP="auto", TUNE_CACHE="/tmp/t.json"), cache) == "/tmp/t.json"
+def megatron_namespace(argv):
+    """The recipe's flags parsed by overlap_tp's parser, with the Megatron values its settings read."""
+    args, _ = build_parser().parse_known_args(argv)
+    args.tensor_model_parallel_size = int(flag(argv, "--tensor-model-parallel-size"))
+    args.sequence_parallel = "--sequence-parallel" in argv
+    args.cuda_graph_impl = flag(argv, "--cuda-graph-impl") if "--cuda-graph-impl" in argv else "none"
+    return args
+
+
+@pytest.mark.parametrize("name", RECIPES + tuple(name for name in MOE_PROXIES if name not in RECIPES))
+def test_recipes_pass_one_overlap_flag_and_nothing_else_of_ours(name, recipe_argv):
+    """--overlap-tp auto (and --overlap-moe auto for the MoE recipes) is all of overlap_tp's a recipe passes, at every
+    TP and graph mode; what the recipes used to hand-pick (gathering in place in the llama3 recipes, fc1's wgrad beside
+    proj's AllGather at TP >= 4 under graphs) auto decides for the run."""
+    for env in ({}, dict(TP="4", NPROC="4"), dict(GRAPHS="none"), dict(TP="4", NPROC="4", GRAPHS="local")):
+        argv = recipe_argv(name, **env)
+        ours = [word for word in argv if OURS.match(word)]
+        assert ours == (["--overlap-tp", "--overlap-moe"] if name in MOE_PROXIES else ["--overlap-tp"]), (env, ours)
+        assert flag(argv, "--overlap-tp") == "auto"
+        if name in MOE_PROXIES:
+            assert flag(argv, "--overlap-moe") == "auto"
+        settings = settings_from_args(megatron_namespace(argv))
+        assert settings.gather_in_place, env
+        graphs = "--cuda-graph-impl" in argv
+        assert settings.defer_wgrad == (env.get("TP") == "4" and graphs), env
+        assert not settings.token_split
+    assert [w for w in recipe_argv(name, OVERLAP="off") if OURS.match(w) and w != "--overlap-tp-layers"] == (
+        ["--overlap-tp", "--overlap-moe"] if name in MOE_PROXIES else ["--overlap-tp"])
+
+
+def test_auto_keeps_its_tune_cache_with_the_run(fakes):
+    """With OVERLAP=auto the tuner's decisions go next to the run's log (OVERLAP_TP_TUNE_CACHE in the run's
+    environment: a second run into the same OUT_DIR measures nothing before its first step); TUNE_CACHE moves them;
+    the other modes do not tune and get none."""
+    def cache(**env):
+        assignments = dry_run("smoke", fakes_folder=fakes, **env)[0]
+        found = [a.split("=", 1)[1] for a in assignments if a.startswith("OVERLAP_TP_TUNE_CACHE=")]
+        return found[0] if found else None
+    assert cache() == "runs/smoke-auto/overlap_tp_tune.json"
+    assert cache(OUT_DIR="/tmp/x") == "/tmp/x/overlap_tp_tune.json"
+    assert cache(TUNE_CACHE="/tmp/t.json") == "/tmp/t.json"
     for env in (dict(OVERLAP="signal"), dict(OVERLAP="off")):
-        assert cache not in recipe_argv("smoke", **env), env
-    args, _ = build_parser().parse_known_args(recipe_argv("smoke"))
-    assert args.overlap_tp == "auto" and args.overlap_tp_tune_cache == "runs/smoke-auto/overlap_tp_tune.json"
+        assert cache(**env) is None, env
 
 
 def test_mixtral_shapes_and_moe_layout(recipe_argv):
@@ -221,7 +225,7 @@ def test_mixtral_shapes_and_moe_layout(recipe_argv):
     assert [flag(argv, f) for f in ("--tensor-model-parallel-size", "--expert-model-parallel-size",
                                     "--expert-tensor-parallel-size", "--moe-token-dispatcher-type")] == \
         ["2", "2", "1", "alltoall"]
-    assert (flag(argv, "--overlap-tp"), flag(argv, "--overlap-moe")) == ("signal", "signal")
+    assert (flag(argv, "--overlap-tp"), flag(argv, "--overlap-moe")) == ("auto", "auto")
     baseline = recipe_argv("mixtral-proxy", "--overlap-moe", "signal", OVERLAP="off")
     args, _ = build_parser().parse_known_args(baseline)
     assert (args.overlap_tp, args.overlap_moe) == ("off", "signal")   # the MoE overlap alone: flags after win
@@ -250,9 +254,9 @@ def test_graph_mode_is_the_same_for_both_sides(recipe_argv):
 
 
 def test_knobs_and_extra_flags_pass_through(recipe_argv):
-    argv = recipe_argv("smoke", OVERLAP="decompose", TRANSPORT="p2p", COMM_SMS="0", WANDB_PROJECT="")
-    args, _ = build_parser().parse_known_args(argv + ["--overlap-tp-tune-cache", "/tmp/c.json"])
-    assert (args.overlap_tp, args.overlap_tp_transport, args.overlap_tp_comm_sms) == ("decompose", "p2p", 0)
+    argv = recipe_argv("smoke", "--overlap-tp-config", "/tmp/overlap.json", OVERLAP="decompose", WANDB_PROJECT="")
+    args, _ = build_parser().parse_known_args(argv)
+    assert (args.overlap_tp, args.overlap_tp_config) == ("decompose", "/tmp/overlap.json")
     assert "--wandb-project" not in argv
     argv = recipe_argv("smoke", "--overlap-tp", "off", "--train-iters", "3")
     assert argv[-4:] == ["--overlap-tp", "off", "--train-iters", "3"]  # given last: they win
@@ -267,9 +271,7 @@ def test_recipe_flags_in_megatrons_parser(monkeypatch, recipe_argv):
     for name in RECIPES:
         monkeypatch.setattr(sys, "argv", ["pretrain"] + recipe_argv(name))
         args = arguments.parse_args(extra_args_provider=add_overlap_args)
-        # each recipe's measured-fastest default
-        mode = {"llama3-70b-proxy": "decompose", "smoke": "auto"}.get(name, "signal")
-        assert args.overlap_tp == mode and args.sequence_parallel and args.swiglu
+        assert args.overlap_tp == "auto" and args.sequence_parallel and args.swiglu   # every recipe's one flag
 
 
 @pytest.mark.parametrize("flags", [["--help"], ["--check", "--num-layers", "2"]])
@@ -356,7 +358,8 @@ def test_dry_run_is_one_flag_per_line_and_pastes_back(fakes):
                                       fakes_folder=fakes)
     assert command[-4:] == ["--recompute-granularity", "selective", "--data-path", "my data/x"]
     assert assignments == ["NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1",
-                           "PYTHONUNBUFFERED=1", "CUDA_DEVICE_MAX_CONNECTIONS=1", "WANDB_MODE=offline"]
+                           "PYTHONUNBUFFERED=1", "CUDA_DEVICE_MAX_CONNECTIONS=1",
+                           "OVERLAP_TP_TUNE_CACHE=runs/llama3-8b-auto/overlap_tp_tune.json", "WANDB_MODE=offline"]
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -422,8 +425,8 @@ def test_check_runs_megatrons_and_our_validation_without_a_gpu(fakes):
     ("mixtral-proxy", [], dict(EP="4", NPROC="4"), None),
     ("smoke", ["--tp-comm-overlap"], dict(OVERLAP="signal"), "--overlap-tp signal with --tp-comm-overlap: both "
                                                              "overlap the same TP communication"),
-    ("smoke", ["--overlap-tp-gather-in-place"], dict(OVERLAP="signal", TRANSPORT="nccl"),
-     "--overlap-tp-gather-in-place with --overlap-tp signal --overlap-tp-transport nccl"),
+    ("smoke", ["--overlap-tp-config", os.path.join(ROOT, "tests", "data", "overlap_nccl_in_place.json")],
+     dict(OVERLAP="signal"), "--overlap-tp-config"),
     ("llama3-70b-proxy", ["--overlap-tp", "bogus"], {}, "argument --overlap-tp: invalid choice: 'bogus'"),
     ("smoke", ["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
 ])
@@ -460,3 +463,53 @@ def test_recipe_docs_carry_no_run_history_and_name_real_entry_points():
         for file in os.listdir(os.path.join(ROOT, folder)):
             text = open(os.path.join(ROOT, folder, file)).read() if file.endswith((".sh", ".py", ".md")) else ""
             assert "overlap_tp.report" not in text, file   # the report is overlap_tp.training.report
+
+
+TE_IMPORTS = ("wandb", "transformer_engine")
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_te_baselines_are_the_off_run_on_megatrons_te_layers(fakes, name):
+    """OVERLAP=te / te-ub: Megatron's Transformer Engine layers (overlap_tp's off), te-ub with --tp-comm-overlap and
+    UB_SKIPMC=1; otherwise the very command of OVERLAP=off on the same machine: model, batch, graphs, logging."""
+    off_env, off, _ = dry_run(name, fakes_folder=fakes, imports=TE_IMPORTS, OVERLAP="off")
+    for mode in ("te", "te-ub"):
+        env, command, _ = dry_run(name, fakes_folder=fakes, imports=TE_IMPORTS, OVERLAP=mode)
+        assert flag(command, "--transformer-impl") == "transformer_engine" and flag(command, "--overlap-tp") == "off"
+        assert ("--tp-comm-overlap" in command) == (mode == "te-ub") and ("UB_SKIPMC=1" in env) == (mode == "te-ub")
+        if "--num-experts" in command:
+            assert flag(command, "--overlap-moe") == "off"
+        same = [w.replace(f"{name}-{mode}", f"{name}-off") for w in command if w != "--tp-comm-overlap"]
+        assert same == off, sorted(set(same) ^ set(off))
+        assert [a for a in env if a != "UB_SKIPMC=1"] == off_env
+
+
+@pytest.mark.parametrize("imports, env, message", [
+    (("wandb",), dict(OVERLAP="te"), "[recipe] OVERLAP=te runs Megatron's Transformer Engine layers: "
+                                     "transformer_engine does not import here"),
+    (TE_IMPORTS, dict(OVERLAP="te-ub", TRANSFORMER_IMPL="local"), "[recipe] OVERLAP=te-ub runs Megatron's "
+                                                                  "Transformer Engine layers: not with "
+                                                                  "TRANSFORMER_IMPL=local"),
+    (TE_IMPORTS, dict(OVERLAP="te-ub", TP="1"), "[recipe] OVERLAP=te-ub: --tp-comm-overlap needs TP >= 2"),
+])
+def test_te_baselines_refuse_what_they_cannot_run(fakes, imports, env, message):
+    result = run_recipe("smoke", fakes_folder=fakes, imports=imports, DRY_RUN="1", **env)
+    assert result.returncode == 2 and result.stdout == "" and result.stderr.startswith(message), result.stderr
+
+
+def test_te_baseline_at_tp1_is_megatrons_te_layers(fakes):
+    """TP=1 OVERLAP=te (the one-GPU run of tests/gpu/test_te_gpu.py): one rank, Megatron's TE layers."""
+    command = dry_run("smoke", fakes_folder=fakes, imports=TE_IMPORTS, OVERLAP="te", TP="1")[1]
+    assert flag(command, "--nproc-per-node") == "1" and flag(command, "--tensor-model-parallel-size") == "1"
+    assert flag(command, "--transformer-impl") == "transformer_engine" and flag(command, "--overlap-tp") == "off"
+    assert "--tp-comm-overlap" not in command and "--overlap-tp-layers" not in command
+
+
+def test_te_ub_flags_pass_megatrons_validation(fakes):
+    """CHECK=1 on OVERLAP=te-ub: Megatron accepts --tp-comm-overlap with the recipe's flags (sequence parallel at
+    TP 2); --no-rope-fusion only because Transformer Engine is a stand-in here (Megatron asks TE for its RoPE)."""
+    pytest.importorskip("megatron.training.arguments", reason="megatron.training: megatron-core >= 0.19",
+                        exc_type=ImportError)
+    result = run_recipe("smoke", "--no-rope-fusion", fakes_folder=fakes, imports=TE_IMPORTS, CHECK="1",
+                        OVERLAP="te-ub")
+    assert (result.returncode, result.stdout) == (0, "ok (world size 2)\n"), result.stderr

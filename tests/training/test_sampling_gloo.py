@@ -30,7 +30,7 @@ def _check_sampling(rank, world):
     SAMPLER.measure, SAMPLER.samples, SAMPLER.references = measure, [], {}
     stats = OverlapStats()
     rng = torch.get_rng_state()
-    observe = SAMPLER.observe   # what the layers call (overlap_tp.megatron.layers.set_op_observer)
+    observe = SAMPLER.observe   # what the layers call (overlap_tp.megatron.linear_functions.set_op_observer)
     SAMPLER.armed = True
     try:
         for _ in range(2):   # two calls of each shape: one reference each
@@ -92,7 +92,7 @@ def test_sample_iteration_is_the_logged_step():
 
 def test_install_routes_the_layers_op_calls_through_the_sampler():
     pytest.importorskip("megatron.core", reason="the layers need megatron-core")
-    from overlap_tp.megatron import layers
+    from overlap_tp.megatron import linear_functions as layers
     try:
         SAMPLER.install()
         assert layers._op_observer == SAMPLER.observe

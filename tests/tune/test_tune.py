@@ -136,9 +136,9 @@ def test_candidates_counts_and_validity():
     assert sorted(label(c) for c in cublas4) == ["decompose-p2p/c1", "decompose-p2p/c1/copy"]
     assert predict(Shape("rs", 8192, 4096, 1024, 4), cublas4[-1], meas) is None
     assert [c.rs_transfer for c in candidates(Shape("rs", 8192, 4096, 2048, 2), 132)
-            if c.method == "decompose" and c.transport == "p2p"] == ["auto"]
+            if c.method == "decompose" and c.transport == "p2p"] == [None]   # unset: the ops' rule
     rs2 = [c for c in candidates(Shape("rs", 8192, 4096, 2048, 2), 132) if c.method == "signal" and c.transport == "p2p"]
-    assert [c.rs_transfer for c in rs2] == ["auto"]
+    assert [c.rs_transfer for c in rs2] == [None]
     # gemm_ar's p2p transport: the signaled GEMM and cuBLAS per region, measured end to end
     ar_p2p = [c for c in candidates(Shape("ar", 8192, 4096, 2048, 2), 132) if c.transport == "p2p"]
     assert sorted(label(c) for c in ar_p2p) == ["decompose-p2p/c1", "p2p/sm0"]
@@ -575,19 +575,19 @@ def test_choose_says_what_it_picked(tmp_path):
 
 def _end_to_end_leaves_no_candidate_plan(rank, world):
     from overlap_tp import gemm_rs
-    from overlap_tp.ops import common
+    from overlap_tp.ops import plan_base
     from overlap_tp.tune import measure
     measure._timed = lambda fn, sets, reps, group: (fn(*sets[0]), 1.0)[1]   # a call, no CUDA events
     group = dist.group.WORLD
     a, w = torch.randn(64, 32, dtype=torch.bfloat16), torch.randn(48, 32, dtype=torch.bfloat16)
     kept = OverlapConfig(method="decompose", chunks=4)
     gemm_rs(a, w, group, config=kept)        # a plan the run built before tuning: it stays
-    before = set(common._plans)
+    before = set(plan_base._plans)
     configs = [OverlapConfig(method="off"), OverlapConfig(method="decompose", chunks=2), kept]
     got = measure.end_to_end(Shape("rs", 64, 48, 32, world), configs, group, torch.device("cpu"), reps=1,
                              sets=[(a, w)])
     assert set(got) == {label(c) for c in configs}
-    assert set(common._plans) == before, "the candidates' plans outlived the measurement"
+    assert set(plan_base._plans) == before, "the candidates' plans outlived the measurement"
     rng = torch.get_rng_state()   # operands drawn by the tuner itself (no sets): the run's random stream untouched
     measure.end_to_end(Shape("rs", 64, 48, 32, world), configs[:1], group, torch.device("cpu"), reps=1)
     assert torch.equal(torch.get_rng_state(), rng)

@@ -1,22 +1,16 @@
-"""Peer-to-peer transports through PyTorch symmetric memory (peer-mapped over NVLink), no collective.
+"""Peer-to-peer GEMM+ReduceScatter and GEMM+AllReduce through PyTorch symmetric memory (peer-mapped over NVLink), no
+collective.
 
 GEMM+ReduceScatter (`P2PReduceScatter`): the GEMM's epilogue stores each region's rows straight into the
 owning rank's receive buffer, then every rank sums the t partial slots it received. The GEMM is the signaled
 Triton kernel (method 'signal', one persistent launch over a tile plan) or cuBLAS, one call per region
 (method 'decompose': `RegionGemms`). With OverlapConfig.rs_transfer 'copy' the signaled GEMM stores the peers'
 regions locally instead, one after another, and the copy engines push each to its owner behind the GEMM's group
-counters (no SM moves the bytes).
+counters (no SM moves the bytes). The call's second half, the sum, is a `DeferredSum`.
 
 GEMM+AllReduce (`P2PAllReduce`): the ReduceScatter above with each rank's sum written into its own region of a
-symmetric gathered buffer, from where its peers pull it with the copy engines (the all-gather half).
-
-AllGather+GEMM (`GatherBuffer`): every rank copies its shard into its own region of a symmetric gathered buffer and
-tells its peers; each rank then pulls the peers' rows chunk by chunk from their buffers into its own with copy-engine
-copies (no SM spent on the transfer), or with one kernel on the SMs a signaled GEMM leaves free (`signaled_pull`:
-loads over NVLink, the handshakes and the chunks' flags as the kernel's own stores and spins). Waits and signals are
-otherwise stream memory operations. The expert ops' exchanges, whose sizes change per routing, use the same two
-protocols over row buffers sized for the largest routing seen: the dispatch pulls (`RowPull`), the combine pushes
-(`RowPush`).
+symmetric gathered buffer (ops/p2p_gather.py GatherBuffer), from where its peers pull it with the copy engines (the
+all-gather half).
 
 What it removes against per-group NCCL reduce-scatters (shared/DEVICE.md, contention section): the
 collective's CTAs (no SM is taken from the GEMM), the partial's round trip through local HBM before
@@ -25,15 +19,14 @@ over the received slots (read t x M/t x N, write M/t x N).
 
 Both use one buffer and one-shot signals (overlap_tp/ops/sync.py: raised by the producer, reset by the
 waiter), so every call, eager or a replay of a captured graph, runs the same protocol; each protocol's order
-argument is written next to it. Buffers belong to their plan and live as long as it does, except the AllGather's
-gathered buffer, which the plans of one shard shape share (GatherBuffer).
+argument is written next to it. Buffers belong to their plan and live as long as it does.
 """
 import torch
 
-from overlap_tp.kernels.peer_copy import SignaledPull
 from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets
 from overlap_tp.kernels.sum_slots import SlotsSummed, SumSlots
-from overlap_tp.ops import comm, memops, replay, symmetric, watchdog
+from overlap_tp.ops import comm, memops, replay, symmetric
+from overlap_tp.ops.p2p_gather import GatherBuffer
 from overlap_tp.ops.sync import PeerSignals
 from overlap_tp.ops.tile_plan import p2p_copy_plan, p2p_plan, ring_peers
 
@@ -309,8 +302,8 @@ class P2PAllReduce:
                           ReduceScatter's whole call (P2PReduceScatter.summed's operations) with its sum into our region
         comm stream, forked after it: the READY exchange; every peer's region pulled into the output (ring order);
                           PULLED signalled to every peer
-        caller's stream:  our region copied into the output, beside the pulls (another copy engine: in call 2 of
-                          session 41 the copy after the pulls on one stream made the gather ~0.13 ms of 0.37)
+        caller's stream:  our region copied into the output, beside the pulls (another copy engine; behind the
+                          pulls on one stream it would lengthen the gather by its own copy time)
         join:             the caller's stream waits for the comm stream
     Order argument: the ReduceScatter's and the GatherBuffer's, each on its own words (the claim is a stage whose copy
     the sum replaced). Our region is rewritten by the next call's sum only after that call's claim (every peer pulled
@@ -439,247 +432,3 @@ class DeferredSum:
                              f"{out.device}{'' if out.is_contiguous() else ', not contiguous'}")
         self._take().finish_sum(out)
         return out
-
-
-class GatherBuffer:
-    """AllGather by copy-engine pulls into one symmetric gathered buffer [t * m, k] for one (group, shard shape,
-    dtype): rank r's own region (rows [r*m, (r+1)*m)) holds its shard, and is what its peers pull rank r's rows from,
-    so a shard is copied once (the GEMM reads the local rows in place too) and no SM is spent.
-
-    Per call:
-        stage (caller's stream): wait PULLED from every peer (it finished pulling our region of the previous
-                 call), reset; copy our shard into our region
-        ready (comm stream, forked after stage): signal READY to every peer, wait READY from every peer, reset
-                 (one batched driver call)
-        pull:    rows [lo, hi) of every peer's region of its buffer into the same rows of ours (chunk by chunk; the peers
-                 in ring order)
-        finish:  signal PULLED to every peer (our pulls of its region are complete)
-    Order argument for the resets: a peer raises our READY word for call i+1 only after it waited for our
-    PULLED of call i, raised after our reset of READY in call i; a peer raises our PULLED word for call i
-    only after pulling our region of call i, which waits for our READY of call i, raised after our reset of
-    PULLED in call i. PULLED starts raised: nobody reads the buffer before the first call. Our peers' regions of our
-    buffer are written by our own pulls only, behind our previous reads of them (stream order: every call forks
-    from and joins into the caller's stream).
-
-    The buffer is what a call returns as the gathered input (gathered()), so it is valid until the next call on
-    this buffer, which every AllGather of this shape shares (the AgGemm plans and gather_rows of the shape: one
-    buffer per shape, as Transformer Engine's userbuffers). A call while the previous call's gathered tensor (or a
-    view of it) is still referenced is a RuntimeError, not an overwrite of data the caller may still read.
-
-    Written in place (a buffer of one consumer's own, ag_gemm.OwnGather): the producer of the shard asks for our
-    region first (claim: the reference check and the PULLED wait of stage, on its stream), writes the shard there
-    itself (the norm before the column-parallel GEMM), and the stage that follows finds the shard in place: no wait
-    (done) and no copy. `claimed` is host state of the call in flight: a claim is followed by one stage, in the
-    same eager call sequence or the same captured graph; a claim made in a capture that ended before its stage (a
-    failed capture: none of it ran) is forgotten, so the next eager call waits for PULLED itself."""
-
-    PULLED, READY = 0, 1
-
-    def __init__(self, group, rank, t, m, k, dtype, device, describe, memory_kind="AllGather buffers"):
-        from torch.distributed import _symmetric_memory as symm_mem
-        self.rank, self.world, self.m, self.describe = rank, t, m, describe
-        self.buf = symmetric.empty(t * m, k, dtype=dtype, device=device, kind=memory_kind)
-        handle = symm_mem.rendezvous(self.buf, group)
-        within = self.buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
-        self.row_bytes = k * self.buf.element_size()
-        self.region_bytes = m * self.row_bytes
-        # where each rank's own rows start: ours in our buffer, a peer's in its buffer (the pulls' sources)
-        self.own = [handle.buffer_ptrs[p] + within + p * self.region_bytes for p in range(t)]
-        # with every rank pulling in ring order, each rank's rows are read by one puller at a time (in rank order all
-        # t-1 pullers read rank 0 first and shared its NVLink egress)
-        self.peers = ring_peers(rank, t)
-        self.base = self.buf.data_ptr()
-        self.handle = handle
-        # stream wait-values under capture too: the AllGather+GEMM's tiles wait behind these (PeerSignals says why)
-        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
-                                   names=("PULLED", "READY"), graph_deadline=False)
-        self._unreferenced = self._references()
-        self.claimed = None    # PULLED waited for, our region handed to the producer: "eager" / "capture" (claim)
-
-    def _references(self) -> int:
-        """The tensors that use the buffer's storage (the count of its storage's users, less the storage object
-        asked): the buffer itself alone once every gathered tensor a call handed out, and every view of one, is gone."""
-        return torch._C._storage_Use_Count(self.buf.untyped_storage()._cdata)
-
-    def gathered(self) -> torch.Tensor:
-        """This call's gathered [t * m, k]: a new tensor over the buffer's storage (so that the next stage can tell
-        whether it, or a view of it, is still referenced). detach() makes that alias in a fifth of view()'s host time
-        (0.45 against 2.5 us on a CPU; the buffer never requires grad)."""
-        return self.buf.detach()
-
-    def stage(self, stream: int, a_shard: torch.Tensor, capturing: bool):
-        """Our shard into our region, once every peer pulled the previous one: copied, or already there (claim)."""
-        if self._claimed(capturing):
-            self.claimed = None
-            if a_shard.data_ptr() != self.own[self.rank]:   # claimed, then handed another tensor: copy it
-                memops.copy(stream, self.own[self.rank], a_shard.data_ptr(), self.region_bytes)
-            return
-        self._check_unreferenced()
-        self.signals.wait(stream, self.PULLED, capturing)
-        memops.copy(stream, self.own[self.rank], a_shard.data_ptr(), self.region_bytes)
-
-    def claim(self, stream: int, capturing: bool) -> torch.Tensor:
-        """Our region [m, k] for the shard's producer to write into, on `stream` once every peer pulled the previous
-        call's rows from it; the next stage() then copies nothing. Claiming twice waits once."""
-        if not self._claimed(capturing):
-            self._check_unreferenced()
-            self.signals.wait(stream, self.PULLED, capturing)
-            self.claimed = "capture" if capturing else "eager"
-        return self.buf.narrow(0, self.rank * self.m, self.m)
-
-    def _claimed(self, capturing: bool) -> bool:
-        """Whether a claim of this call is in force: one made in a capture that has ended (it failed before the
-        stage, and nothing of it ran) is dropped."""
-        if self.claimed == "capture" and not capturing:
-            self.claimed = None
-        return self.claimed is not None
-
-    def claim_in_force(self) -> bool:
-        """Whether an eager call's stage finds a claim in force (it then waits for nothing and copies nothing, or only
-        the tensor handed instead of the region); without one, the check its stage makes first (the RuntimeError of a
-        gathered tensor of the previous call still referenced). For a call replayed from a graph (ops/replay.py),
-        whose captured stage is what stage() issues in that state: part of the graph's key."""
-        if self._claimed(False):
-            return True
-        self._check_unreferenced()
-        return False
-
-    def _check_unreferenced(self):
-        if self._references() > self._unreferenced:
-            raise RuntimeError(f"overlap_tp {self.describe}: the previous call's gathered input is still referenced, "
-                               "and this call overwrites the buffer it lives in; use it before the next AllGather "
-                               "into this buffer, or keep a copy (.clone())")
-
-    def ready(self, stream: int, capturing: bool):
-        self.signals.signal_then_wait(stream, self.READY, capturing)
-
-    def pull(self, stream: int, lo: int, hi: int, lanes=None, capturing: bool = False):
-        """Rows [lo, hi) of every peer's region into ours; with `lanes` (comm.CopyLanes) in parts over its streams,
-        every part behind `stream`'s work so far (READY) and joined back into it before what follows (PULLED)."""
-        if lanes is None:
-            self._copy_rows(stream, lo, hi, 0)
-        else:
-            lanes.run(stream, lo, hi, self._copy_rows, capturing)
-
-    def _copy_rows(self, stream: int, lo: int, hi: int, lane: int):
-        """Rows [lo, hi) of every peer's region into ours, on `stream` (copy engines): copies(lo, hi, lane)."""
-        for dst, src, nbytes in self.copies(lo, hi, lane):
-            memops.copy(stream, dst, src, nbytes)
-
-    def copies(self, lo: int, hi: int, lane: int = 0):
-        """The copy-engine copies that pull rows [lo, hi) of every peer's region into ours, as (dst, src, bytes): the
-        peers in ring order, lane `lane` starting `lane` peers further on, so that a rank's lanes read different peers
-        at once. Fixed for the buffer's life: a plan whose chunks are fixed makes its list once (AgGemm)."""
-        peers = self.peers
-        return [self.peer_copy(p, lo, hi) for p in (peers[(i + lane) % len(peers)] for i in range(len(peers)))]
-
-    def peer_copy(self, peer: int, lo: int, hi: int):
-        """The copy-engine copy that pulls rows [lo, hi) of `peer`'s region into ours, as (dst, src, bytes)."""
-        offset = lo * self.row_bytes
-        return self.base + peer * self.region_bytes + offset, self.own[peer] + offset, (hi - lo) * self.row_bytes
-
-    def pull_peer(self, stream: int, peer: int, lo: int, hi: int):
-        """Rows [lo, hi) of `peer`'s region into ours, on `stream` (one copy-engine copy)."""
-        memops.copy(stream, *self.peer_copy(peer, lo, hi))
-
-    def signaled_pull(self, programs: int, chunks, flags: torch.Tensor, describe: str) -> SignaledPull:
-        """ready(), the pulls of `chunks` (local row ranges; flags[c] raised after chunk c) and finish() as one kernel
-        of `programs` CTAs (kernels/peer_copy.py): the same rows in the same ring order, loaded by SMs over NVLink,
-        the READY exchange, the flags and PULLED as the kernel's stores and spins (no stream memory operation: ~6 us
-        per cross-GPU hop inside a graph, docs/perf/s34/README.md). Launched on the stream that would pull, after
-        stage(). A READY that never comes ends in the watchdog's report naming `describe` (the plan)."""
-        size, signals, t, peers = self.buf.element_size(), self.signals, self.world, self.peers
-        dog = watchdog.watchdog()
-        what = f"every peer's READY signal (group of {t}, the SM pulls)"
-        return SignaledPull(self.buf, [(self.own[p] - self.base) // size for p in peers],   # the peers' regions
-                            [p * self.region_bytes // size for p in peers], self.row_bytes // size, programs,
-                            chunks, signals.words,
-                            signals.word_offsets(self.READY, peers, remote=False),
-                            signals.word_offsets(self.READY, peers, remote=True),
-                            signals.word_offsets(self.PULLED, peers, remote=True), flags,
-                            dog.timeout_s, dog.open_mailbox(), watchdog.wait_code(describe, what, dog.timeout_s))
-
-    def finish(self, stream: int):
-        self.signals.signal(stream, self.PULLED)
-
-
-def _symmetric_rows(group, rank, t, capacity, cols, dtype, device):
-    """A symmetric [capacity, cols] row buffer of the expert exchanges, rendezvoused over the group: (the buffer, its
-    handle, every rank's address of it, the bytes of a row)."""
-    from torch.distributed import _symmetric_memory as symm_mem
-    buf = symmetric.empty(capacity, cols, dtype=dtype, device=device, kind="expert exchange rows")
-    handle = symm_mem.rendezvous(buf, group)
-    within = buf.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
-    return buf, handle, [handle.buffer_ptrs[p] + within for p in range(t)], cols * buf.element_size()
-
-
-class RowPull:
-    """The expert dispatch's pulls: a symmetric copy of this rank's rows (a buffer of `capacity` rows of which a call
-    fills the first T: T changes per call), from which the peers pull the rows the caller names (copy_rows), copy
-    engines only. Per call, on the comm stream:
-        start:     wait PULLED from every peer (it finished pulling our previous rows), reset; copy our rows into
-                   the symmetric buffer; signal READY to every peer, wait READY from every peer, reset
-        copy_rows: rows of a peer's buffer into ours (chunk by chunk)
-        finish:    signal PULLED to every peer
-    Order argument: GatherBuffer's."""
-
-    PULLED, READY = 0, 1
-
-    def __init__(self, group, rank, t, capacity, cols, dtype, device, describe):
-        self.capacity = capacity
-        self.buf, self.handle, self.peer_ptrs, self.row_bytes = _symmetric_rows(group, rank, t, capacity, cols, dtype,
-                                                                                device)
-        self.peer_ptrs[rank] = None   # never pulled from
-        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
-                                   names=("PULLED", "READY"), graph_deadline=False)
-
-    def start(self, stream: int, x: torch.Tensor, capturing: bool):
-        self.signals.wait(stream, self.PULLED, capturing)
-        memops.copy(stream, self.buf.data_ptr(), x.data_ptr(), x.numel() * x.element_size())
-        self.signals.signal_then_wait(stream, self.READY, capturing)
-
-    def copy_rows(self, stream: int, dst_ptr: int, peer: int, src_row: int, rows: int):
-        """Rows [src_row, src_row + rows) of `peer`'s buffer to dst_ptr (a copy-engine copy)."""
-        memops.copy(stream, dst_ptr, self.peer_ptrs[peer] + src_row * self.row_bytes, rows * self.row_bytes)
-
-    def finish(self, stream: int):
-        self.signals.signal(stream, self.PULLED)
-
-
-class RowPush:
-    """Rows pushed by the copy engines into the peers' receive buffers (symmetric [capacity, cols] per rank) for one
-    (group, cols, dtype): the expert combine's exchange, whose sizes change per routing. Per call:
-        comm stream, before the first push: wait CONSUMED from every peer (it copied our previous rows out), reset
-        push:    rows of ours into a peer's buffer (copy engine, no SM), behind the GEMM's group counters
-        comm stream, after the last push: signal ARRIVED to every peer
-        the reader's stream: wait ARRIVED from every peer, reset; copy the received rows out; signal CONSUMED
-    Order argument: P2PReduceScatter's, with CONSUMED for SUMMED: a peer raises our CONSUMED word for call i+1 only
-    after its copy-out of call i+1, which waits for our ARRIVED of call i+1, raised after our reset of CONSUMED in
-    call i+1; a peer raises our ARRIVED word for call i+1 only after it waited for our CONSUMED of call i, raised
-    after our reset of ARRIVED in call i. CONSUMED starts raised: nothing was pushed before the first call."""
-
-    CONSUMED, ARRIVED = 0, 1
-
-    def __init__(self, group, rank, t, capacity, cols, dtype, device, describe):
-        self.capacity = capacity
-        self.buf, self.handle, self.peer_ptrs, self.row_bytes = _symmetric_rows(group, rank, t, capacity, cols, dtype,
-                                                                                device)
-        self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=describe,
-                                   names=("CONSUMED", "ARRIVED"))
-
-    def begin(self, stream: int, capturing: bool):
-        self.signals.wait(stream, self.CONSUMED, capturing)
-
-    def push(self, stream: int, peer: int, dst_row: int, src_ptr: int, rows: int):
-        memops.copy(stream, self.peer_ptrs[peer] + dst_row * self.row_bytes, src_ptr, rows * self.row_bytes)
-
-    def end(self, stream: int):
-        self.signals.signal(stream, self.ARRIVED)
-
-    def receive(self, stream: int, copies, capturing: bool):
-        """On the reader's stream: wait ARRIVED, copy out (dst_ptr, row, rows) of our buffer, signal CONSUMED."""
-        self.signals.wait(stream, self.ARRIVED, capturing)
-        base = self.buf.data_ptr()
-        for dst_ptr, row, rows in copies:
-            memops.copy(stream, dst_ptr, base + row * self.row_bytes, rows * self.row_bytes)
-        self.signals.signal(stream, self.CONSUMED)

@@ -1,6 +1,6 @@
 """A compiled Triton kernel launched through its C launcher, with nothing in between.
 
-Triton's launch path costs host time that a plan's launches do not need (docs/perf/s16): the JIT binds and
+Triton's launch path costs host time that a plan's launches do not need (docs/performance.md): the JIT binds and
 specializes every argument (SignaledGemm and the other launchers here skip that by keeping the compiled kernel),
 and `CompiledKernel.run` then still goes through Python per launch: scratch-allocation closures, a loop over the
 arguments that re-encodes every TMA descriptor (`TensorDescriptor` -> `CUtensorMap`, a driver call), and in the C

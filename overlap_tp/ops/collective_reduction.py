@@ -1,5 +1,6 @@
-"""The reduction side that GEMM+ReduceScatter and GEMM+AllReduce share: the signaled GEMM whose groups'
-collectives start behind its counters, and the decomposed cuBLAS chunks.
+"""GEMMs overlapped with collective reductions (NCCL's reduce-scatter or all-reduce, per group of rows): what
+GEMM+ReduceScatter and GEMM+AllReduce share on the NCCL transport. The signaled GEMM whose groups' collectives start
+behind its counters (SignaledReduction), and the decomposed cuBLAS chunks (decomposed).
 
 Signaled, per call (CUDA):
     fork:  the comm stream waits for the caller's stream (inputs and buffers ready)
@@ -10,7 +11,7 @@ Signaled, per call (CUDA):
 The counters start and end every call at zero, so the same waits are right on every call and on every
 replay of a captured graph (overlap_tp/ops/comm.py, CommEngine.wait_counter).
 """
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -97,32 +98,3 @@ def decomposed(device, out, compute_chunk, collective, bounds) -> list:
         engine.fork(engine.current(), comm.capturing(device))
         collective(out[lo:hi], staged, engine.raw)
     return staged_chunks
-
-
-def joined(device, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """A Pending's finish for the comm-stream methods: join the comm stream, then produce the output."""
-    def finish():
-        if device.type == "cuda":
-            engine = comm.comm_engine(device)
-            engine.join(engine.current(), comm.capturing(device))
-        return result()
-    return finish
-
-
-def after_work(work, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """A Pending's finish for torch.distributed's async work (None: it already completed)."""
-    def finish():
-        if work is not None:
-            work.wait()
-        return result()
-    return finish
-
-
-def plus_bias(out, bias: Optional[torch.Tensor]) -> Callable[[], torch.Tensor]:
-    """The output with the bias added once after the reduction (off and decompose; signal adds it in the epilogue)."""
-    def result():
-        if bias is not None:
-            out.add_(bias)
-        return out
-    return result
-

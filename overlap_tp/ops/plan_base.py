@@ -1,16 +1,15 @@
-"""What every op plan shares: the two-phase contract, checks, the persistent GEMM's grid, Pending, and the
-functional API's plan cache.
+"""The op plans' base: what every op plan shares: the two-phase contract, checks, the persistent GEMM's grid,
+Pending (and the finishes its methods use), and the functional API's plan cache.
 
-An op plan (GemmRS, GemmAR, AgGemm; the expert ops' DispatchGemm, GemmCombine) is built once per (group,
-shape, dtype, device, config): the group and this rank's place in it, a cross-rank agreement check, the config
-resolved (`auto` asks the tuner, once), tile plans and their device tables, synchronisation words, buffers,
-communicators and the kernel launcher. Calling it checks cheap invariants and launches; nothing on that path
+An op plan (a strategy of GemmRS, GemmAR or AgGemm; the expert ops keep a state per routing instead: ops/expert.py) is
+built once per (group, shape, dtype, device, config): the group and this rank's place in it, a cross-rank agreement
+check, the config resolved (`auto` asks the tuner, once), tile plans and their device tables, synchronisation words,
+buffers, communicators and the kernel launcher. Calling it checks cheap invariants and launches; nothing on that path
 builds, allocates beyond the outputs or synchronizes with the host, so a call can be captured in a CUDA graph.
-Building one needs the host (collectives, allocations, copies): under capture it is an error, so build plans
-(or run one eager step) before capturing.
+Building one needs the host (collectives, allocations, copies): under capture it is an error, so build plans (or run
+one eager step) before capturing.
 """
 import contextlib
-import dataclasses
 import functools
 import warnings
 from collections import OrderedDict
@@ -21,10 +20,10 @@ import torch.distributed as dist
 
 from overlap_tp.kernels.signaled_gemm import check_operands, tma_unsupported_reason, weight_layout
 from overlap_tp.ops import comm
-from overlap_tp.ops.config import OverlapConfig, resolve_auto, tile_for_shape
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.resolve import resolve
 from overlap_tp.ops.watchdog import Watched
 
-DEFAULT_CONFIG = OverlapConfig()
 _warned = set()
 
 
@@ -45,6 +44,9 @@ def gemm_programs(device: torch.device, config: OverlapConfig, spare_sms: int = 
     program)."""
     if device.type != "cuda":
         return 4
+    if config.comm_sms is None:
+        raise ValueError("gemm_programs: config.comm_sms is unset; resolve the config first (ops/resolve.py "
+                         "fill_defaults or resolve)")
     return max(1, device_properties(device).multi_processor_count - max(config.comm_sms, spare_sms))
 
 
@@ -71,6 +73,34 @@ class Pending:
         return out
 
 
+def joined(device, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A Pending's finish for the comm-stream methods: join the comm stream, then produce the output."""
+    def finish():
+        if device.type == "cuda":
+            engine = comm.comm_engine(device)
+            engine.join(engine.current(), comm.capturing(device))
+        return result()
+    return finish
+
+
+def after_work(work, result: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """A Pending's finish for torch.distributed's async work (None: it already completed)."""
+    def finish():
+        if work is not None:
+            work.wait()
+        return result()
+    return finish
+
+
+def plus_bias(out, bias: Optional[torch.Tensor]) -> Callable[[], torch.Tensor]:
+    """The output with the bias added once after the reduction (off and decompose; signal adds it in the epilogue)."""
+    def result():
+        if bias is not None:
+            out.add_(bias)
+        return out
+    return result
+
+
 def check_not_capturing(device: torch.device, what: str):
     if comm.capturing(device):
         raise RuntimeError(f"overlap_tp {what}: the op's plan would be built during CUDA graph capture, which "
@@ -79,20 +109,40 @@ def check_not_capturing(device: torch.device, what: str):
 
 
 class OpPlan:
-    """The dense ops' common part. `m` is the rows of `a` as calls pass it (ag_gemm: this rank's shard), `n`
-    and `k` the weight's [N, K] (w as calls pass it: nn.Linear layout or the transposed view of a row-major
-    [K, N]). Subclasses set `op` and `rows_split` (the output's rows are split over the group), build their
-    method's state after this __init__ (which checks the arguments, agrees with the other ranks and resolves
-    the config) and launch in __call__."""
+    """The dense ops' plan base. `m` is the rows of `a` as calls pass it (ag_gemm: this rank's shard), `n` and `k` the
+    weight's [N, K] (w as calls pass it: nn.Linear layout or the transposed view of a row-major [K, N]).
+
+    An op's class (GemmRS, GemmAR, AgGemm: a subclass of this one that sets `op` and `rows_split`, the output's rows
+    split over the group) is its plans' factory: calling it checks the arguments, agrees with the other ranks,
+    resolves the config (`_resolve`), asks the op's `strategy_for` which strategy runs that config, and returns a plan
+    of that strategy with its state built (`build`). A strategy is a subclass of the op's class, one per way of running
+    the op (a method on a transport: decompose over NCCL, signal over the copy engines, ...): it sets `variant` (its
+    label in describe()), builds its state in `build` and launches in __call__. A config that no strategy runs is a
+    ValueError naming why (strategy_for). Calling a strategy's class builds that strategy, or raises where the
+    resolved config names another."""
 
     op = ""
     rows_split = False
+    variant = ""   # a strategy's label in describe(): its method (and transport)
 
-    def __init__(self, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
-                 config: Optional[OverlapConfig] = None, instance: int = 0):
+    def __new__(cls, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
+                config: Optional[OverlapConfig] = None, instance: int = 0, **options):
         """instance: which plan of this shape (cached_plan); each instance's transfers run on a comm stream of its own
         (comm.comm_engine), so that two plans' calls in flight at once (the token split's halves) do not queue behind
-        each other."""
+        each other. options: the op's own (AgGemm: gather), for strategy_for and build."""
+        plan = super().__new__(cls)
+        plan._set_up(group, m, n, k, dtype, device, config, instance)
+        strategy = plan.strategy_for(**options)
+        if not issubclass(strategy, cls):
+            raise ValueError(f"overlap_tp {cls.op}: {cls.__name__} does not run this config ({strategy.__name__} "
+                             f"does): build the plan through the op's class")
+        plan.__class__ = strategy   # from here on the plan is the strategy's (it has the base's state only so far)
+        plan.watched = Watched(plan.describe()) if plan.device.type == "cuda" else None
+        plan.build(**options)
+        return plan
+
+    def _set_up(self, group, m, n, k, dtype, device, config, instance):
+        """The arguments checked, the group's agreement on them, the config resolved (_resolve)."""
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if device.type == "meta":
             raise ValueError(f"overlap_tp {self.op}: meta tensors have no data to compute on; build the op for a "
@@ -111,47 +161,44 @@ class OpPlan:
         self.group = comm.resolve_group(group)
         self.t, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.m, self.n, self.k, self.dtype, self.device = m, n, k, dtype, device
-        config = config or DEFAULT_CONFIG
+        config = config or OverlapConfig()
         if not isinstance(config, OverlapConfig):
             raise TypeError(f"overlap_tp {self.op}: config must be an OverlapConfig, got {type(config).__name__}")
         if self.rows_split and m % self.t:
             raise ValueError(f"{self.op}: M={m} is not divisible by the group size t={self.t}")
-        comm.agree(self.group, dict(op=self.op, m=m, n=n, k=k, dtype=dtype, config=config), self.describe(config))
+        comm.agree(self.group, dict(op=self.op, m=m, n=n, k=k, dtype=dtype, config=config),
+                   self._describe(config.method or "auto"))   # unset: as given
         self.config = self._resolve(config)
         self.method = self.config.method
         # what check_call compares per call, made once: the operands' shapes, and whether TMA must address them
         # (the signaled GEMM on a GPU: a call's tensors are on the plan's device, checked first)
         self._shapes = ((m, k), (n, k), (n,))
         self._tma_operands = self.method == "signal" and device.type == "cuda"
-        self.watched = Watched(self.describe(self.config)) if device.type == "cuda" else None
 
-    def describe(self, config=None) -> str:
-        config = config or self.config
-        p2p_decompose = config.method == "decompose" and config.transport == "p2p"
-        how = config.method + (f"/{config.transport}" if config.method == "signal" or p2p_decompose else "")
-        if (self.op in ("gemm_rs", "gemm_ar") and config.method in ("signal", "decompose")
-                and config.transport == "p2p" and config.rs_transfer == "copy"):
-            how += "/copy"   # the copy engines push the partials (OverlapConfig.rs_transfer)
+    def strategy_for(self, **options) -> type:
+        """The strategy (a subclass of the op's class) that runs the resolved config, or a ValueError saying why none
+        does. Set by each op."""
+        raise NotImplementedError(f"overlap_tp {self.op}: an op's class defines strategy_for")
+
+    def build(self, **options):
+        """The strategy's state (tile plans, buffers, synchronisation words, communicators, launchers). Set by each
+        strategy."""
+        raise NotImplementedError(f"overlap_tp {self.op}: a strategy defines build")
+
+    def describe(self) -> str:
+        """The plan as messages name it: the op, its shape and its strategy's variant."""
+        return self._describe(self.variant)
+
+    def _describe(self, how: str) -> str:
         return f"{self.op}(M={self.m}, N={self.n}, K={self.k}, t={self.t}, {how})"
 
     def _resolve(self, config: OverlapConfig) -> OverlapConfig:
-        """config.method resolved ('auto' through the tuner; 'off' where the result is empty or on CPU tensors
-        for 'auto') and checked to be runnable."""
-        if self.m == 0 or self.n == 0 or self.k == 0:
-            if config.method != "off":
-                warn_once(f"overlap_tp {self.op}: an empty operand (M={self.m}, N={self.n}, K={self.k}) runs "
-                          f"method 'off' (nothing to overlap)")
-            return dataclasses.replace(config, method="off")
-        if config.method == "auto" and self.device.type != "cuda":
-            warn_once(f"overlap_tp {self.op}: method='auto' runs 'off' on CPU tensors (the tuner measures on "
-                      f"GPUs only)")
-            return dataclasses.replace(config, method="off")
+        """config with every field resolved (ops/resolve.py: 'auto' through the tuner, 'off' where the result is empty
+        or on CPU tensors for 'auto', the tile by shape) and checked to be runnable."""
         rows = self.m * self.t if self.op == "ag_gemm" else self.m   # the GEMM's rows (ag_gemm: gathered)
-        if config.method == "auto":
-            config = resolve_auto(self.op, rows, self.n, self.k, self.dtype, self.device, self.group, config)
+        config = resolve(config, self.op, device=self.device, t=self.t, group=self.group, m=rows, n=self.n, k=self.k,
+                         dtype=self.dtype, programs=lambda c: gemm_programs(self.device, c))
         if config.method == "signal":
-            if self.device.type == "cuda":   # the rule counts a GPU's waves (a CPU's 'programs' are not SMs)
-                config = tile_for_shape(config, rows, self.n, gemm_programs(self.device, config))
             reason = self._signal_unsupported_reason(config)
             if reason is not None:
                 raise ValueError(f"{self.op}: method='signal' cannot run: {reason}")
