@@ -12,7 +12,8 @@ Run it from the clone's root (the checkout imports as the installed package does
 tests need one (two ranks on one GPU over CUDA IPC included) and skips the rest for want of GPUs; two or more
 GPUs run those too. Each chunk is one pytest process under a time limit; its results are written test by test as
 they come (a plugin), so a chunk cut by its limit still says what passed and what never ran. Chunks are planned
-from the per-file times of the machine size's latest summary (a file without one is a chunk of its own).
+from the times of the machine size's latest summary: per file, and per test function for a file longer than a
+chunk (a file without a time is a chunk of its own).
 
 The summary (tests/gpu/results/<N>gpu.json and .md) names the commit, the cards, the versions and a hash of the
 sources the gate covers (GATED), and per file: passed, failed, errors, skipped (with reasons), not run, seconds.
@@ -36,7 +37,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(ROOT, "tests", "gpu", "results")
 GATED = ("kernels", "overlap_tp/ops", "overlap_tp/megatron", "overlap_tp/tune", "tests/gpu")
-CHUNK_BUDGET_S = 420     # planned seconds of tests per chunk
+CHUNK_BUDGET_S = 300     # planned seconds of tests per chunk (their seconds as the latest summary measured them)
 UNTIMED_FILE_S = 120     # where a file the summary has not timed yet goes in the order chunks start
 CHUNK_LIMIT_S = 540      # a chunk's pytest is stopped here (stacks dumped first): inside a 10-minute command
 META = ("commit", "source_hash", "machine", "date", "command")   # what a chunk's record carries beside its tests
@@ -78,30 +79,44 @@ def summary_path(gpus: int, ext: str) -> str:
     return os.path.join(RESULTS, f"{gpus}gpu.{ext}")
 
 
+def _pack(items, budget):
+    """items (name, seconds) -> groups of names, each at most `budget` seconds where one item allows (first fit,
+    longest first), with their planned seconds."""
+    groups = []
+    for name, cost in sorted(items, key=lambda item: -item[1]):
+        for group in groups:
+            if group[1] + cost <= budget:
+                group[0].append(name)
+                group[1] += cost
+                break
+        else:
+            groups.append([[name], cost])
+    return [(names, cost) for names, cost in groups]
+
+
 def plan(gpus: int, files=None):
-    """Chunks of files, each planned at most CHUNK_BUDGET_S from the latest summary's per-file seconds; a file
-    longer than the budget, or one the summary has not timed yet (a new file, whose time is unknown), is a chunk of
-    its own. Chunks come longest first (an untimed file counts UNTIMED_FILE_S), so that `run --jobs N` starts the
-    long ones first; within a chunk, files keep name order."""
+    """Chunks of pytest selectors, each planned at most CHUNK_BUDGET_S from the latest summary's seconds. A file
+    longer than the budget is split into its test functions (`file::test_name`, with their recorded seconds), packed
+    into chunks of their own; a file the summary has not timed yet (its time unknown) is a chunk of its own; the
+    other files are packed together. Chunks come longest first (an untimed file counts UNTIMED_FILE_S), so that
+    `run --jobs N` starts the long ones first; within a chunk, selectors keep name order."""
     files = test_files() if files is None else files
-    seconds = {}
+    rows = {}
     if os.path.exists(summary_path(gpus, "json")):
         with open(summary_path(gpus, "json")) as f:
-            seconds = {name: row["seconds"] for name, row in json.load(f)["files"].items()}
-    chunks, current, used = [], [], 0.0
+            rows = json.load(f)["files"]
+    chunks, whole_files = [], []
     for name in files:
-        if name not in seconds:
+        if name not in rows:
             chunks.append(([name], float(UNTIMED_FILE_S)))
-            continue
-        cost = seconds[name] + 5   # + its import and collection
-        if current and used + cost > CHUNK_BUDGET_S:
-            chunks.append((current, used))
-            current, used = [], 0.0
-        current.append(name)
-        used += cost
-    if current:
-        chunks.append((current, used))
-    return [names for names, _ in sorted(chunks, key=lambda chunk: -chunk[1])]
+        elif rows[name]["seconds"] + 5 > CHUNK_BUDGET_S and rows[name].get("functions"):
+            functions = [(f"{name}::{function}", seconds + 5)   # + its processes' start
+                         for function, seconds in rows[name]["functions"].items()]
+            chunks += _pack(functions, CHUNK_BUDGET_S)
+        else:
+            whole_files.append((name, rows[name]["seconds"] + 5))   # + its import and collection
+    chunks += _pack(whole_files, CHUNK_BUDGET_S)
+    return [sorted(names) for names, _ in sorted(chunks, key=lambda chunk: -chunk[1])]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -204,9 +219,14 @@ def file_of(nodeid: str) -> str:
     return nodeid.split("::")[0]
 
 
+def function_of(nodeid: str) -> str:
+    """The test function a node id runs (its parameters left out)."""
+    return nodeid.split("::")[1].split("[")[0]
+
+
 def _new_row():
-    return {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "not_run": 0, "seconds": 0.0, "skips": {},
-            "failures": [], "ran": False}
+    return {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "not_run": 0, "seconds": 0.0, "functions": {},
+            "skips": {}, "failures": [], "ran": False}
 
 
 def merge(chunks_records, meta):
@@ -219,8 +239,8 @@ def merge(chunks_records, meta):
         for rec in records:
             if "chunk" in rec:
                 chunks.append({k: rec[k] for k in ("chunk", "files", "exit", "seconds")})
-                for name in rec["files"]:
-                    files.setdefault(name, _new_row())["ran"] = True
+                for selector in rec["files"]:
+                    files.setdefault(file_of(selector), _new_row())["ran"] = True
             elif "collected" in rec:
                 collected = rec["collected"]
             elif "collection_error" in rec:
@@ -232,7 +252,9 @@ def merge(chunks_records, meta):
         for nodeid in collected:
             row = files.setdefault(file_of(nodeid), _new_row())
             phases = tests.get(nodeid, [])
-            row["seconds"] += sum(p["seconds"] for p in phases)
+            seconds = sum(p["seconds"] for p in phases)
+            row["seconds"] += seconds
+            row["functions"][function_of(nodeid)] = row["functions"].get(function_of(nodeid), 0.0) + seconds
             failed = [p for p in phases if p["outcome"] == "failed"]
             skipped = [p for p in phases if p["outcome"] == "skipped"]
             if failed:
@@ -249,6 +271,7 @@ def merge(chunks_records, meta):
                 row["not_run"] += 1
     for row in files.values():
         row["seconds"] = round(row["seconds"], 1)
+        row["functions"] = {name: round(seconds, 1) for name, seconds in row["functions"].items()}
     return dict(meta, rule=RULE, chunks=sorted(chunks, key=lambda c: c["chunk"]), files=files)
 
 
@@ -378,7 +401,7 @@ def main(argv=None):
             "command": "python tests/gpu/gpu_suite.py run" + ("" if args.chunk is None else " --chunk K")
             + ("" if args.jobs == 1 else f" --jobs {args.jobs}")}
     def run(k):
-        print(f"chunk {k}/{len(chunks)}: {len(chunks[k - 1])} files", flush=True)
+        print(f"chunk {k}/{len(chunks)}: {' '.join(os.path.basename(f) for f in chunks[k - 1])}", flush=True)
         records = read_records(run_chunk(k, chunks[k - 1], logs, args.limit))
         with open(os.path.join(args.out, f"chunk-{k}.json"), "w") as f:   # what `summary` merges
             json.dump(dict(meta, records=records), f)
