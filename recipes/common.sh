@@ -32,6 +32,10 @@ PYTHON=${PYTHON:-python3}
 
 _imports() { "$PYTHON" -c "import $1" >/dev/null 2>&1; }
 
+# the learning-rate warmup: $1 iterations, at most the run's length $2 less one (Megatron asserts warmup < decay, and
+# a few first steps, TRAIN_ITERS=3, are a run too)
+warmup_iters() { if (( $1 < $2 )); then echo "$1"; else echo $(( $2 > 0 ? $2 - 1 : 0 )); fi; }
+
 # TP, NPROC and NNODES are whole numbers and the job's ranks (NPROC x NNODES) a multiple of TP; else one line, 2
 _check_layout() {
   local name

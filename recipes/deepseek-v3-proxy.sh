@@ -34,8 +34,9 @@ MODEL_ARGS=(--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-
             "${MLA_ARGS[@]}" "${MOE_ARGS[@]}"
             --num-layers "$LAYERS" --hidden-size 7168 --ffn-hidden-size 18432 --num-attention-heads 128
             --seq-length 4096 --max-position-embeddings 4096 --vocab-size 32000 --rotary-base 10000)
-TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "${TRAIN_ITERS:-30}"
-            --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
+ITERS=${TRAIN_ITERS:-30}
+TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "$ITERS"
+            --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters "$(warmup_iters 5 "$ITERS")" --weight-decay 0.1
             --clip-grad 1.0 --init-method-std 0.006 --use-distributed-optimizer --seed 1234)
 # dropless MoE: the token counts reach the host every step, so both sides run eagerly unless GRAPHS is given (as the
 # Mixtral proxy; per-layer graphs then capture attention only)

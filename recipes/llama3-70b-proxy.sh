@@ -17,7 +17,8 @@ MODEL_ARGS=("${LLAMA_ARGS[@]}"
             --num-layers "${NUM_LAYERS:-8}" --hidden-size 8192 --ffn-hidden-size 28672
             --num-attention-heads 64 --num-query-groups 8 --kv-channels 128 --seq-length 8192
             --max-position-embeddings 8192 --vocab-size 128256 --rotary-base 500000)
-TRAIN_ARGS=(--micro-batch-size "${MBS:-1}" --global-batch-size "${GBS:-8}" --train-iters "${TRAIN_ITERS:-30}"
-            --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
+ITERS=${TRAIN_ITERS:-30}
+TRAIN_ARGS=(--micro-batch-size "${MBS:-1}" --global-batch-size "${GBS:-8}" --train-iters "$ITERS"
+            --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine --lr-warmup-iters "$(warmup_iters 5 "$ITERS")" --weight-decay 0.1
             --clip-grad 1.0 --init-method-std 0.008 --use-distributed-optimizer --seed 1234)
 run_recipe "$@"

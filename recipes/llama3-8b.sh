@@ -18,7 +18,8 @@ MODEL_ARGS=("${LLAMA_ARGS[@]}"
             --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32
             --num-query-groups 8 --kv-channels 128 --seq-length 8192 --max-position-embeddings 8192
             --vocab-size 128256 --rotary-base 500000)
-TRAIN_ARGS=(--micro-batch-size "$MBS" --global-batch-size "${GBS:-8}" --train-iters "${TRAIN_ITERS:-50}"
-            --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 10 --weight-decay 0.1
+ITERS=${TRAIN_ITERS:-50}
+TRAIN_ARGS=(--micro-batch-size "$MBS" --global-batch-size "${GBS:-8}" --train-iters "$ITERS"
+            --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$(warmup_iters 10 "$ITERS")" --weight-decay 0.1
             --clip-grad 1.0 --init-method-std 0.02 --use-distributed-optimizer --seed 1234)
 run_recipe "$@"

@@ -23,8 +23,9 @@ MODEL_ARGS=("${LLAMA_ARGS[@]}" "${MOE_ARGS[@]}"
             --num-layers "${NUM_LAYERS:-8}" --hidden-size 4096 --ffn-hidden-size 14336
             --num-attention-heads 32 --num-query-groups 8 --kv-channels 128 --seq-length 4096
             --max-position-embeddings 32768 --vocab-size 32000 --rotary-base 1000000)
-TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "${TRAIN_ITERS:-30}"
-            --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
+ITERS=${TRAIN_ITERS:-30}
+TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "$ITERS"
+            --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters "$(warmup_iters 5 "$ITERS")" --weight-decay 0.1
             --clip-grad 1.0 --init-method-std 0.02 --use-distributed-optimizer --seed 1234)
 # Dropless routing sends the token counts to the host every step, so neither Megatron's MoE layer nor overlap_tp's
 # can be captured (with --moe-expert-capacity-factor F --moe-pad-expert-input-to-capacity the whole layer could be;

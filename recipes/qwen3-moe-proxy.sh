@@ -20,8 +20,9 @@ MODEL_ARGS=("${LLAMA_ARGS[@]}" "${MOE_ARGS[@]}" --qk-layernorm --norm-epsilon 1e
             --num-layers "${NUM_LAYERS:-6}" --hidden-size 2048 --ffn-hidden-size 6144
             --num-attention-heads 32 --num-query-groups 4 --kv-channels 128 --seq-length 4096
             --max-position-embeddings 32768 --vocab-size 151936 --rotary-base 1000000)
-TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "${TRAIN_ITERS:-30}"
-            --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
+ITERS=${TRAIN_ITERS:-30}
+TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "$ITERS"
+            --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters "$(warmup_iters 5 "$ITERS")" --weight-decay 0.1
             --clip-grad 1.0 --init-method-std 0.02 --use-distributed-optimizer --seed 1234)
 # dropless MoE: eager unless GRAPHS is given (as the Mixtral proxy)
 GRAPHS=${GRAPHS:-none}

@@ -18,7 +18,8 @@ MODEL_ARGS=("${LLAMA_ARGS[@]}"
             --num-layers 4 --hidden-size 1024 --ffn-hidden-size 2816 --num-attention-heads 16
             --num-query-groups 4 --kv-channels 64 --seq-length 2048 --max-position-embeddings 2048
             --vocab-size 32000 --rotary-base 10000)
-TRAIN_ARGS=(--micro-batch-size 2 --global-batch-size 8 --train-iters "${TRAIN_ITERS:-60}"
-            --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 0.1
+ITERS=${TRAIN_ITERS:-60}
+TRAIN_ARGS=(--micro-batch-size 2 --global-batch-size 8 --train-iters "$ITERS"
+            --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters "$(warmup_iters 5 "$ITERS")" --weight-decay 0.1
             --clip-grad 1.0 --init-method-std 0.02 --seed 1234)
 run_recipe "$@"

@@ -263,6 +263,17 @@ def test_knobs_and_extra_flags_pass_through(recipe_argv):
     assert build_parser().parse_known_args(argv)[0].overlap_tp == "off"
 
 
+@pytest.mark.parametrize("name", RECIPES + ("deepseek-v3-proxy", "qwen3-moe-proxy"))
+def test_a_short_run_warms_up_for_less_than_its_length(name, recipe_argv):
+    """Megatron asserts warmup < decay: TRAIN_ITERS below a recipe's warmup (a few first steps) shortens the warmup."""
+    argv = recipe_argv(name, TRAIN_ITERS="3")
+    assert (flag(argv, "--train-iters"), flag(argv, "--lr-warmup-iters")) == ("3", "2")
+    argv = recipe_argv(name, TRAIN_ITERS="1")
+    assert (flag(argv, "--train-iters"), flag(argv, "--lr-warmup-iters")) == ("1", "0")
+    argv = recipe_argv(name)
+    assert 0 < int(flag(argv, "--lr-warmup-iters")) < int(flag(argv, "--train-iters"))
+
+
 def test_recipe_flags_in_megatrons_parser(monkeypatch, recipe_argv):
     arguments = pytest.importorskip(
         "megatron.training.arguments",
