@@ -49,7 +49,8 @@ from overlap_tp.ops.ag_gemm import OwnGather
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.resolve import resolve
 
-__all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "set_overlap_config"]
+__all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "set_op_observer",
+           "set_overlap_config"]
 
 
 def _check_overlap_config(value: LayerOverlapConfig) -> LayerOverlapConfig:
@@ -78,8 +79,17 @@ def set_overlap_config(model: torch.nn.Module, config: LayerOverlapConfig):
     return count
 
 
-# Training telemetry (overlap_tp.training.sampling) observes the layers' synchronous op calls through this
-# hook: observer(kind, call, a, w, group) runs call() (the op on a, w) and returns its output.
+def set_op_observer(model: torch.nn.Module, observer: Optional[Callable]) -> int:
+    """Route the synchronous gemm_rs / gemm_ar / ag_gemm calls of every overlapped linear layer of `model` through
+    `observer(kind, call, a, w, group)`, which runs call() (the op on a, w) and returns its output (None: called
+    directly, the default); returns how many layers were set. Training telemetry (overlap_tp.training.sampling)
+    observes the layers this way."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (OverlapColumnParallelLinear, OverlapRowParallelLinear)):
+            module.op_observer = observer
+            count += 1
+    return count
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -122,6 +132,8 @@ class _OverlapLinearBase(torch.nn.Module):
     # (OverlapTransformerLayer) runs its second half with 1, so that both halves' calls of one shape can be in flight
     # at once, each with its own buffers and synchronisation state.
     plan_instance = 0
+    # what the layer's synchronous op calls run through (set_op_observer); None: called directly
+    op_observer: Optional[Callable] = None
 
     def _init_common(self, config, is_expert, tp_group, overlap_config, settings, layer):
         _check_megatron_config(config, layer)
