@@ -146,8 +146,9 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
     if multi_latent_attention and qk_l2_norm:
         raise NotImplementedError("overlap_tp: qk_l2_norm with multi-latent attention (Megatron does not support it "
                                   "either)")
-    if fp8 is not None:
-        raise NotImplementedError("overlap_tp: FP8 is not supported by the overlap layers (bf16/fp16 GEMMs)")
+    if fp8 is not None and num_experts is not None:
+        raise NotImplementedError("overlap_tp: FP8 with MoE layers: the expert ops are bf16 (docs/fp8.md); the dense "
+                                  "linears run FP8 from the model config (config.fp8, config.fp8_recipe)")
     if normalization not in (None, "RMSNorm"):
         raise NotImplementedError(f"overlap_tp: normalization={normalization!r}: the overlap spec provides RMSNorm "
                                   f"only (OverlapRMSNorm)")

@@ -227,6 +227,9 @@ class OverlapTransformerLayer(TransformerLayer):
             reason = "pipeline parallelism keeps several micro-batches' gathered inputs alive at once"
         elif getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
             reason = "activations are offloaded to the CPU"
+        elif getattr(config, "fp8", None):
+            reason = ("the linears run FP8 (their AllGathers move the quantized rows, not the norm's output; "
+                      "overlap_tp.megatron.fp8_linear)")
         if reason is not None:
             if reason not in _warned:
                 _warned.add(reason)

@@ -926,7 +926,12 @@ def _check_errors(rank, world):
         return cfg
 
     cases = [
-        (lambda: build(cfg=config_with(fp8="e4m3")), NotImplementedError, "fp8"),
+        (lambda: build(cfg=config_with(fp8="e4m3")), NotImplementedError, "--fp8-recipe tensorwise or blockwise"),
+        (lambda: build(cfg=config_with(fp8="e4m3", fp8_recipe="tensorwise")), NotImplementedError,
+         "sequence parallelism"),
+        (lambda: build("row", cfg=config_with(fp8="hybrid", fp8_recipe="blockwise")), NotImplementedError,
+         "sequence parallelism"),
+        (lambda: build(cfg=config_with(fp4="nvfp4")), NotImplementedError, "fp4"),
         (lambda: build(cfg=config_with(delay_wgrad_compute=True)), NotImplementedError, "delay_wgrad_compute"),
         (lambda: build(cfg=_config(world, dtype=torch.float32)), ValueError, "bf16 or fp16"),
         (lambda: build(cfg=_config(world, sp=True), gather_output=True), ValueError, "gather_output"),
@@ -981,7 +986,8 @@ def test_spec_and_provider():
     provider = OverlapSpecProvider()
     assert provider.fuse_layernorm_and_linear() is False and provider.column_parallel_layer_norm_linear() is None
     get_gpt_layer_overlap_spec(moe_grouped_gemm=True, normalization="RMSNorm", config=None, vp_stage=None)
-    for bad in (dict(normalization="LayerNorm"), dict(multi_latent_attention=True, qk_l2_norm=True), dict(fp8="hybrid")):
+    for bad in (dict(normalization="LayerNorm"), dict(multi_latent_attention=True, qk_l2_norm=True),
+                dict(fp8="hybrid", num_experts=8)):
         with pytest.raises(NotImplementedError):
             get_gpt_layer_overlap_spec(**bad)
     with pytest.raises(NotImplementedError, match="MoE"):
