@@ -167,13 +167,17 @@ def shard_count(x: ScaledFp8) -> int:
     return x.ds.shape[0] if x.scaling == "1x128" and x.ds.dim() == 3 else 1
 
 
+def is_gathered(x: ScaledFp8) -> bool:
+    """Whether x's scales are in the gathered layout (tensorwise [G], G > 1; 1x128 [G, C/128, R/G], G >= 1)."""
+    return x.ds.dim() == 3 if x.scaling == "1x128" else x.scaling == "tensorwise" and x.ds.numel() > 1
+
+
 def shards(x: ScaledFp8) -> list:
     """The G row shards of x, each a ScaledFp8 with its own scales in the plain layout (views, no copy); [x] itself
-    where G = 1. A ValueError where the rows do not split into G shards."""
-    g = shard_count(x)
-    if g == 1:
+    where it holds plain scales. A ValueError where the rows do not split into G shards."""
+    if not is_gathered(x):
         return [x]
-    rows = x.q.shape[0]
+    g, rows = shard_count(x), x.q.shape[0]
     if rows % g:
         raise ValueError(f"{rows} rows do not split into the {g} shards whose scales ds {tuple(x.ds.shape)} holds")
     ds = x.ds.reshape(g, 1) if x.scaling == "tensorwise" else x.ds
@@ -184,7 +188,7 @@ def shards(x: ScaledFp8) -> list:
 def dequantize_reference(x: ScaledFp8) -> torch.Tensor:
     """q * ds in float64 (exact): the operand a float64 reference GEMM multiplies (a gathered operand shard by
     shard, each with its own scales)."""
-    if shard_count(x) > 1:
+    if is_gathered(x):
         return torch.cat([dequantize_reference(s) for s in shards(x)])
     q = x.q.double()
     r, c = q.shape

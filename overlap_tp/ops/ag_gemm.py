@@ -151,7 +151,7 @@ class AgGemm(OpPlan):
                          f"method={self.method!r} (call the plan instead)")
 
     def _check_a(self, a_shard: torch.Tensor):
-        """A shard start() is given is the one the plan was built for (finish() checks the whole call)."""
+        """start()'s shard is one the plan was built for (finish() checks the whole call); else a ValueError."""
         if (a_shard.shape != (self.m, self.k) or a_shard.dtype != self.dtype or a_shard.device != self.device
                 or not a_shard.is_contiguous()):
             raise ValueError(f"{self.describe()}: start() with a contiguous [{self.m}, {self.k}] {self.dtype} shard on "
@@ -165,7 +165,6 @@ class AgGemm(OpPlan):
         self.lanes = comm.comm_engine(self.device, self.instance).copy_lanes(self.config.copy_lanes)
         if self.watched is not None:   # a stuck call names the stage's and the pulls' signals too
             self.watched.words += (("peer signals [PULLED, READY] x rank", self.gather.signals.words),)
-
 
     def _gather_buffer(self, gather: Optional[GatherBuffer]) -> GatherBuffer:
         """`gather`, or the shape's buffer (shared with the other AllGathers of the shape)."""

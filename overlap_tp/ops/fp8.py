@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from overlap_tp.kernels.fp8_gemm import Fp8SignaledGemm, check_scaled_operands
-from overlap_tp.kernels.fp8_quant import (BLOCK, ScaledFp8, dequantize_reference, padded_k_blocks, scale_view_128x128,
-                                          scale_view_1x128, shard_count, shards)
+from overlap_tp.kernels.fp8_quant import (BLOCK, ScaledFp8, dequantize_reference, is_gathered, padded_k_blocks,
+                                          scale_view_128x128, scale_view_1x128, shard_count, shards)
 from overlap_tp.ops.config import OverlapConfig
 
 OUT_DTYPE = torch.bfloat16
@@ -55,9 +55,9 @@ class Fp8Operands:
         call quantizes its own shard or rows; a gathered operand's G shards' scales are what ag_gemm returns); a
         ValueError names the broken constraint."""
         check_scaled_operands(a, w, bias)
-        if shard_count(a) != 1:
+        if is_gathered(a):
             raise ValueError(f"overlap_tp: a's scales must be its own (tensorwise one scale, 1x128 [K/128, M]); got "
-                             f"ds {tuple(a.ds.shape)}, the scales of {shard_count(a)} gathered shards")
+                             f"ds {tuple(a.ds.shape)}, the scales of {shard_count(a)} gathered shard(s)")
         if bias is not None and bias.dtype != OUT_DTYPE:
             raise ValueError(f"overlap_tp: with FP8 operands the bias is {OUT_DTYPE} (the output's dtype); got "
                              f"{bias.dtype}")

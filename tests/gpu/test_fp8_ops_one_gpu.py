@@ -24,6 +24,8 @@ import torch.distributed as dist
 from distributed import run_distributed
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
 from overlap_tp.kernels import fp8_quant as Q
+from overlap_tp.ops import ag_gemm as ag, gemm_rs as rs
+from overlap_tp.ops.plan_base import cached_plan, operand_plan_args
 
 pytestmark = pytest.mark.gpu
 
@@ -164,7 +166,6 @@ def test_fp8_p2p_strategies_at_t2_on_one_gpu():
 
 
 def _check_nccl_and_off(rank, world):
-    from overlap_tp.ops import ag_gemm as ag, gemm_rs as rs
     group = dist.group.WORLD
     cases = [(OverlapConfig(method="off"), ag.AgGemmOffFp8, rs.GemmRSOffFp8),
              (OverlapConfig(method="signal", transport="nccl", comm_sms=16, groups=3), ag.AgGemmSignaledNcclFp8,
@@ -177,10 +178,12 @@ def _check_nccl_and_off(rank, world):
                 _assert_close(out, ref, partials, s, ("ag_gemm", recipe, config, call))
                 assert torch.equal(gathered.q.view(torch.uint8), shards[0].q.view(torch.uint8))
                 assert torch.equal(gathered.ds.view(-1), shards[0].ds.view(-1))
-                a8, w8, bias, ref, partials, s = _rs_problem(call, recipe, 1)
-                _assert_close(gemm_rs(a8[0], w8[0], group, bias=bias, config=config), ref, partials, s,
+                a8s, w8s, bias, ref, partials, s = _rs_problem(call, recipe, 1)
+                _assert_close(gemm_rs(a8s[0], w8s[0], group, bias=bias, config=config), ref, partials, s,
                               ("gemm_rs", recipe, config, call))
             assert type(ag.ag_gemm_plan(shards[0], w8, group, config)) is ag_strategy
+            m, n, k, dtype, device, fp8 = operand_plan_args(a8s[0], w8s[0])
+            assert type(cached_plan(rs.GemmRS, group, m, n, k, dtype, device, config, fp8=fp8)) is rs_strategy
     torch.cuda.synchronize()
 
 

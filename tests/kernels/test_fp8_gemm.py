@@ -86,7 +86,7 @@ def test_allgather_plan_waits_on_raised_flags_and_per_shard_scales(recipe, t, m)
     x[m // 2:] *= 30   # the later shards' amax differs
     w = qw((torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16))
     a = gathered(x, t, qa)
-    assert Q.shard_count(a) == t
+    assert Q.shard_count(a) == t and Q.is_gathered(a)
     assert torch.equal(Q.dequantize_reference(a), torch.cat([Q.dequantize_reference(s) for s in Q.shards(a)]))
     plan = ag_plan(m, n, k, t, 0, config.block_m, config.block_n, groups=2, elem_bytes=1)
     flags = torch.ones(plan.num_groups, dtype=torch.int32)

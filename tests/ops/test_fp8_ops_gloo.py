@@ -1,4 +1,5 @@
-"""ag_gemm, gemm_rs and gemm_ar with FP8 operands (ScaledFp8, both scalings) under gloo with 2 and 4 CPU processes,
+"""ag_gemm, gemm_rs and gemm_ar with FP8 operands (ScaledFp8, both scalings) under gloo with 2 and 4 CPU processes
+(ag_gemm also 1: a gathered operand of one shard),
 against the float64 product of the dequantized operands (every rank quantizes its own shard, as a layer would: its own
 tensorwise scale, its own 1x128 blocks; the reference dequantizes each rank's operands with that rank's scales).
 
@@ -98,7 +99,7 @@ def _check_ag(rank, world):
     assert type(ag.ag_gemm_plan(x.chunk(world)[rank].contiguous(), w, config=CONFIGS[1])) is ag.AgGemmSignaledNccl
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_ag_gemm_fp8_matches_the_dequantized_reference(world):
     run_distributed(world, _check_ag)
 
