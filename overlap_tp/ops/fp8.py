@@ -19,6 +19,7 @@ strategy whose synchronisation, transfers and reductions it runs unchanged). Wha
 The output is bf16 (OUT_DTYPE); a bias is a bf16 [N], added as by the bf16 strategies (once).
 """
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -129,9 +130,14 @@ class Fp8Plan:
     def _mm(self, a: ScaledFp8, w: ScaledFp8, out: torch.Tensor):
         scaled_mm(a, w, out)
 
+    @functools.cached_property
+    def _scale_shapes(self):
+        """a's and w's ds shapes (Fp8Operands.scale_shapes at the plan's shape)."""
+        return self.fp8.scale_shapes(self.m, self.n, self.k)
+
     def check_call(self, a: ScaledFp8, w: ScaledFp8, bias: Optional[torch.Tensor]):
         self._check_a(a)
-        _, w_ds = self.fp8.scale_shapes(self.m, self.n, self.k)
+        _, w_ds = self._scale_shapes
         fp8, (_, w_shape, bias_shape) = self.fp8, self._shapes
         if (not isinstance(w, ScaledFp8) or w.q.shape != w_shape or w.q.dtype != fp8.w_dtype
                 or w.scaling != fp8.w_scaling or w.ds.shape != w_ds or w.ds.dtype != torch.float32
@@ -145,7 +151,7 @@ class Fp8Plan:
 
     def _check_a(self, a: ScaledFp8):
         """a is the operand the plan was built for (ag_gemm: this rank's shard), with its own scales."""
-        a_ds, _ = self.fp8.scale_shapes(self.m, self.n, self.k)
+        a_ds, _ = self._scale_shapes
         fp8, (a_shape, _, _) = self.fp8, self._shapes
         if (not isinstance(a, ScaledFp8) or a.q.shape != a_shape or a.q.dtype != fp8.a_dtype
                 or a.scaling != fp8.a_scaling or a.ds.shape != a_ds or a.ds.dtype != torch.float32
@@ -166,7 +172,7 @@ class Fp8Plan:
         def text(x):
             return "-" if x is None else f"{tuple(x.q.shape)} {x.q.dtype} {x.scaling} ds{tuple(x.ds.shape)} on " \
                                          f"{x.q.device}"
-        a_ds, w_ds = self.fp8.scale_shapes(self.m, self.n, self.k)
+        a_ds, w_ds = self._scale_shapes
         raise ValueError(f"{self.describe()}: called with a {text(a)}, w {text(w)}"
                          f"{'' if bias is None else f', bias {tuple(bias.shape)} {bias.dtype}'}; the plan was built "
                          f"for a[{self._shapes[0][0]}, {self.k}] ds{a_ds}, w[{self.n}, {self.k}] ds{w_ds}, "
