@@ -27,6 +27,7 @@ each step: overlap_tp's training hook does both). Kept, the two copies hold 2 by
 bf16 weight. A forward captured into a CUDA graph quantizes inside the graph (a replay then reads the weights of its
 own step) and caches nothing.
 """
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -35,9 +36,10 @@ import torch
 from overlap_tp.kernels import fp8_quant as Q
 from overlap_tp.megatron.linear_functions import weight_grad
 from overlap_tp.ops.ag_gemm import ag_gemm, gather_rows
+from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.gemm_rs import gemm_rs
 
-__all__ = ["Fp8Recipe", "Fp8WeightCache", "dequantize", "keep_fp8_weights_per_step", "new_fp8_step",
+__all__ = ["Fp8Recipe", "Fp8WeightCache", "dequantize", "fp8_op_config", "keep_fp8_weights_per_step", "new_fp8_step",
            "quantize_rows", "quantize_weight"]
 
 # Megatron's --fp8-format -> (forward operands' format, gradients' format)
@@ -80,6 +82,12 @@ class Fp8Recipe:
     @property
     def row_scaling(self) -> str:
         return SCALINGS[self.recipe][0]
+
+
+def fp8_op_config(config: OverlapConfig) -> OverlapConfig:
+    """The op config an FP8 call runs: the layer's, with method 'auto' (or unset) as 'signal' (the tuner times bf16
+    GEMMs, so its choice says nothing of the FP8 ones; ops/fp8.py refuses 'auto' with FP8 operands)."""
+    return dataclasses.replace(config, method="signal") if config.method in (None, "auto") else config
 
 
 def quantize_rows(x: torch.Tensor, fmt: str, scaling: str) -> Q.ScaledFp8:
@@ -179,7 +187,7 @@ class Fp8ColumnParallelFn(torch.autograd.Function):
         layer's Fp8WeightCache."""
         w8, wt8 = cache.get(weight, recipe)
         x8 = quantize_rows(x, recipe.forward_format, recipe.row_scaling)
-        config = args.config("ag_gemm")
+        config = fp8_op_config(args.config("ag_gemm"))
         out = args.observe("ag_gemm", lambda: ag_gemm(x8, w8, args.group, bias=bias, config=config,
                                                       instance=args.instance), x, weight)
         ctx.args, ctx.recipe = args, recipe
@@ -200,7 +208,8 @@ class Fp8ColumnParallelFn(torch.autograd.Function):
         reducing = None
         if need_dx:
             dy8 = quantize_rows(dy, recipe.grad_format, recipe.row_scaling)
-            reducing = gemm_rs(dy8, _kept(wt_q, wt_ds, ctx.wt_scaling), args.group, config=args.config("gemm_rs"),
+            reducing = gemm_rs(dy8, _kept(wt_q, wt_ds, ctx.wt_scaling), args.group,
+                               config=fp8_op_config(args.config("gemm_rs")),
                                async_op=True, instance=args.instance)
         dw = weight_grad(ctx, weight, dy, gathering.wait()) if need_dw else None
         dx = reducing.wait() if reducing is not None else None
@@ -215,7 +224,7 @@ class Fp8RowParallelFn(torch.autograd.Function):
     def forward(ctx, y, weight, bias, args, recipe: Fp8Recipe, cache: Fp8WeightCache):
         w8, wt8 = cache.get(weight, recipe)
         y8 = quantize_rows(y, recipe.forward_format, recipe.row_scaling)
-        config = args.config("gemm_rs")
+        config = fp8_op_config(args.config("gemm_rs"))
         out = args.observe("gemm_rs", lambda: gemm_rs(y8, w8, args.group, bias=bias, config=config,
                                                       instance=args.instance), y, weight)
         ctx.args, ctx.recipe = args, recipe
@@ -235,7 +244,7 @@ class Fp8RowParallelFn(torch.autograd.Function):
         dy = dw = None
         if need_dy or need_dw:
             dz8 = quantize_rows(dz, recipe.grad_format, recipe.row_scaling)
-            config = args.config("ag_gemm")
+            config = fp8_op_config(args.config("ag_gemm"))
             if need_dy:
                 dy, dz8_full = args.observe("ag_gemm", lambda: ag_gemm(
                     dz8, _kept(wt_q, wt_ds, ctx.wt_scaling), args.group, config=config, return_gathered=True,

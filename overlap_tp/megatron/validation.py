@@ -137,6 +137,13 @@ def validate_overlap_args(args, *, warn=_warn):
             raise OverlapArgumentError(
                 f"--overlap-moe {moe} with --fp8-format: the expert ops are bf16 (docs/fp8.md). Use --overlap-moe "
                 f"off, or --bf16.")
+        if method == "decompose":
+            raise OverlapArgumentError(
+                "--overlap-tp decompose with --fp8-format: the FP8 ops run the FP8 signaled GEMM (method signal) or "
+                "method off; cuBLAS per chunk has no FP8 path. Use --overlap-tp signal or auto.")
+        if method == "auto":
+            note("--overlap-tp auto with --fp8-format: the FP8 linears run method signal (the tuner times bf16 "
+                 "GEMMs); transport and chunking are resolved as for bf16.")
     for name, what in (("yaml_cfg", "--yaml-cfg"),
                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
                        ("experimental_attention_variant", "--experimental-attention-variant")):

@@ -20,6 +20,7 @@ The output is bf16 (OUT_DTYPE); a bias is a bf16 [N], added as by the bf16 strat
 """
 import dataclasses
 import functools
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -193,6 +194,18 @@ def scaled_mm(a: ScaledFp8, w: ScaledFp8, out: torch.Tensor):
         lo = hi
 
 
+_warned = set()
+
+
+def _warn_float_product(what: str, error: Exception):
+    """Once per operand kind: the blockwise scaled GEMM is not available here, the off strategy multiplies in
+    float64 (exact, slow)."""
+    if what not in _warned:
+        _warned.add(what)
+        warnings.warn(f"overlap_tp FP8 off strategy: torch's blockwise scaled_mm refused {what} ({error}); "
+                      f"multiplying the dequantized operands in float64 instead")
+
+
 def _scaled_product(a: ScaledFp8, w: ScaledFp8, dtype: torch.dtype) -> torch.Tensor:
     k, n = a.q.shape[1], w.q.shape[0]
     q = a.q
@@ -207,6 +220,6 @@ def _scaled_product(a: ScaledFp8, w: ScaledFp8, dtype: torch.dtype) -> torch.Ten
             try:
                 return F.scaled_mm(q, w.q.t(), scale_view_1x128(a.ds), kinds.BlockWise1x128, w_view(w.ds), w_kind,
                                    output_dtype=dtype)
-            except RuntimeError:   # a cuBLAS without the blockwise kernel for this pair or shape: the float product
-                pass
+            except RuntimeError as error:   # a cuBLAS without the blockwise kernel for this pair or shape
+                _warn_float_product(f"{tuple(q.shape)} x {tuple(w.q.shape)} {a.scaling} x {w.scaling}", error)
     return (dequantize_reference(a) @ dequantize_reference(w).t()).to(dtype)

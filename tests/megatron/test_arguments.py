@@ -285,6 +285,13 @@ def test_conflicts_say_what_to_change(overrides, match):
         validate_overlap_args(megatron_like(**overrides), warn=None)
 
 
+def test_fp8_runs_signal_or_off():
+    with pytest.raises(OverlapArgumentError, match="no FP8 path"):
+        validate_overlap_args(megatron_like(overlap_tp="decompose", fp8="e4m3", fp8_recipe="tensorwise"), warn=None)
+    notes = validate_overlap_args(megatron_like(overlap_tp="auto", fp8="hybrid", fp8_recipe="blockwise"), warn=None)
+    assert any("FP8 linears run method signal" in n for n in notes), notes
+
+
 def test_fp8_with_the_expert_ops_says_they_are_bf16():
     with pytest.raises(OverlapArgumentError, match="expert ops are bf16"):
         validate_overlap_args(moe_like(overlap_tp="signal", fp8="e4m3", fp8_recipe="blockwise"), warn=None)

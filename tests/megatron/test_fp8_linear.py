@@ -36,6 +36,14 @@ def test_the_recipe_comes_from_megatrons_config():
         Fp8Recipe("e5m2", "tensorwise")
 
 
+def test_auto_runs_signal_for_fp8():
+    from overlap_tp.megatron.fp8_linear import fp8_op_config
+    assert fp8_op_config(OverlapConfig(method="auto", transport="p2p")) == OverlapConfig(method="signal",
+                                                                                         transport="p2p")
+    assert fp8_op_config(OverlapConfig()).method == "signal"
+    assert fp8_op_config(OverlapConfig(method="off")) == OverlapConfig(method="off")
+
+
 @pytest.mark.parametrize("scaling", ["tensorwise", "1x128"])
 def test_dequantize_is_the_reference_rounded_once(scaling):
     gen = torch.Generator().manual_seed(3)

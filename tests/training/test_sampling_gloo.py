@@ -92,7 +92,6 @@ def test_sample_iteration_is_the_logged_step():
 
 def test_attach_routes_the_models_op_calls_through_the_sampler():
     pytest.importorskip("megatron.core", reason="the layers need megatron-core")
-    from types import SimpleNamespace
     from overlap_tp.megatron import linear_functions
     from overlap_tp.megatron.layers import OverlapRowParallelLinear
     linear = OverlapRowParallelLinear.__new__(OverlapRowParallelLinear)   # the class is what the walk matches
@@ -105,10 +104,11 @@ def test_attach_routes_the_models_op_calls_through_the_sampler():
     assert SAMPLER.attach(model) == 0                  # a chunk once
     assert other[0].op_observer is None                # another model is not observed
     calls = []
-    args = SimpleNamespace(observer=linear.op_observer, group=None)
-    assert linear_functions._observed(args, "gemm_rs", lambda: calls.append(1) or "out", None, None) == "out"
+    args = linear_functions._LinearArgs.__new__(linear_functions._LinearArgs)
+    args.observer, args.group = linear.op_observer, None
+    assert args.observe("gemm_rs", lambda: calls.append(1) or "out", None, None) == "out"
     assert calls == [1] and SAMPLER.samples == []      # disarmed: called straight through
     args.observer = None
-    assert linear_functions._observed(args, "gemm_rs", lambda: "direct", None, None) == "direct"
+    assert args.observe("gemm_rs", lambda: "direct", None, None) == "direct"
 
 
