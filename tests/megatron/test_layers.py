@@ -11,7 +11,6 @@ Each test spawns its processes once and checks many cases inside (process start-
 """
 import os
 import warnings
-import weakref
 
 import pytest
 import torch
@@ -313,7 +312,7 @@ def _megatron_linears_spec(spec):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.transformer_layer import TransformerLayer
     spec = copy.deepcopy(spec)
-    spec.module = TransformerLayer
+    spec.module, spec.params = TransformerLayer, {}   # Megatron's layer takes no settings or chain
     attn = spec.submodules.self_attention.submodules
     attn.linear_qkv, attn.linear_proj = ColumnParallelLinear, RowParallelLinear
     mlp = spec.submodules.mlp.submodules
@@ -879,13 +878,26 @@ def _check_links_when_built(rank, world):
     assert links[1] is None and links[2] is None                # another config; a gap in the numbers
     assert links[3] is built[4].input_layernorm and links[4] is None
     # an MTP layer built next with the next number is not linked (megatron-core >= 0.19 passes is_mtp_layer; set here)
-    from overlap_tp.megatron import transformer_layer
     mtp = build_module(spec, config=other, layer_number=7)
     assert built[4].next_input_norm is mtp.input_layernorm      # as a decoder layer it would be
     built[4].next_input_norm, mtp.is_mtp_layer = None, True
-    transformer_layer._last_built[0] = weakref.ref(built[4])
+    mtp.chain.link(built[4])                                     # built[4] the last one built again
     mtp._link_to_previous_built()
     assert built[4].next_input_norm is None
+    # the chain is the block spec's: layers of another spec do not link; specs sharing a chain (a block of dense and
+    # MoE layer specs) do
+    from overlap_tp.megatron.transformer_layer import LayerChain
+    first = build_module(get_gpt_layer_overlap_spec(qk_layernorm=True), config=config, layer_number=3)
+    second = build_module(get_gpt_layer_overlap_spec(qk_layernorm=True), config=config, layer_number=4)
+    assert first.next_input_norm is None
+    chain = LayerChain()
+    first = build_module(get_gpt_layer_overlap_spec(qk_layernorm=True, chain=chain), config=config, layer_number=3)
+    second = build_module(get_gpt_layer_overlap_spec(qk_layernorm=True, chain=chain), config=config, layer_number=4)
+    assert first.next_input_norm is second.input_layernorm
+    import copy
+    spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
+    first, second = (build_module(copy.deepcopy(spec), config=config, layer_number=n) for n in (3, 4))
+    assert first.next_input_norm is second.input_layernorm      # a copied spec keeps its chain (gpt_block_spec)
     ps.destroy_model_parallel()
 
 
