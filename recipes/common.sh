@@ -67,6 +67,18 @@ _print_command() {
   printf '%s\n' "$line"
 }
 
+# The MoE proxies' run: --overlap-moe with OVERLAP's method too; Megatron's grouped experts (TEGroupedMLP) where
+# Transformer Engine imports (without it the baseline runs SequentialMLP; overlap_tp's experts are always one grouped
+# GEMM per op); eager unless GRAPHS is given, since dropless routing sends the token counts to the host every step
+# (GRAPHS=local then captures attention only: mixtral-proxy.sh says why).
+run_moe_recipe() {
+  local grouped=() graph_scope=()
+  if _imports transformer_engine; then grouped=(--moe-grouped-gemm); fi
+  GRAPHS=${GRAPHS:-none}
+  if [[ $GRAPHS == local ]]; then graph_scope=(--cuda-graph-modules attn); fi
+  run_recipe --overlap-moe "$OVERLAP_METHOD" "${grouped[@]}" "${graph_scope[@]}" "$@"
+}
+
 run_recipe() {
   _check_layout || return
   local out_dir=${OUT_DIR:-runs/$RECIPE-$OVERLAP}

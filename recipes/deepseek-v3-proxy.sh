@@ -27,7 +27,6 @@ MOE_ARGS=(--num-experts 16 --moe-router-topk 4 --moe-ffn-hidden-size 2048 --moe-
           --moe-router-enable-expert-bias --moe-router-topk-scaling-factor 2.5
           --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff 1e-4 --moe-token-dispatcher-type alltoall
           --expert-model-parallel-size "${EP:-2}" --expert-tensor-parallel-size 1)
-if _imports transformer_engine; then MOE_ARGS+=(--moe-grouped-gemm); fi
 MODEL_ARGS=(--normalization RMSNorm --norm-epsilon 1e-6 --swiglu --disable-bias-linear --position-embedding-type rope
             --untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0 --bf16
             --attention-softmax-in-fp32 --tokenizer-type NullTokenizer
@@ -38,9 +37,4 @@ ITERS=${TRAIN_ITERS:-30}
 TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "$ITERS"
             --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters "$(warmup_iters 5 "$ITERS")" --weight-decay 0.1
             --clip-grad 1.0 --init-method-std 0.006 --use-distributed-optimizer --seed 1234)
-# dropless MoE: the token counts reach the host every step, so both sides run eagerly unless GRAPHS is given (as the
-# Mixtral proxy; per-layer graphs then capture attention only)
-GRAPHS=${GRAPHS:-none}
-GRAPH_SCOPE=()
-if [[ $GRAPHS == local ]]; then GRAPH_SCOPE=(--cuda-graph-modules attn); fi
-run_recipe --overlap-moe "$OVERLAP_METHOD" "${GRAPH_SCOPE[@]}" "$@"
+run_moe_recipe "$@"

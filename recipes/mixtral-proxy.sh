@@ -16,9 +16,6 @@ RECIPE=mixtral-proxy
 MOE_ARGS=(--num-experts 8 --moe-router-topk 2 --moe-token-dispatcher-type alltoall
           --expert-model-parallel-size "${EP:-2}" --expert-tensor-parallel-size 1
           --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2)
-# Megatron's grouped experts (TEGroupedMLP) need Transformer Engine; without it the baseline runs SequentialMLP
-# (overlap_tp's experts are always one grouped GEMM per op)
-if _imports transformer_engine; then MOE_ARGS+=(--moe-grouped-gemm); fi
 MODEL_ARGS=("${LLAMA_ARGS[@]}" "${MOE_ARGS[@]}"
             --num-layers "${NUM_LAYERS:-8}" --hidden-size 4096 --ffn-hidden-size 14336
             --num-attention-heads 32 --num-query-groups 8 --kv-channels 128 --seq-length 4096
@@ -34,7 +31,4 @@ TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "
 # layer's forward, MoE included, and the alltoall dispatcher's device-to-host sync of the token counts fails inside
 # the capture (cudaErrorCapturedEvent, with the overlap off too). So this recipe runs both sides eagerly
 # unless GRAPHS is given.
-GRAPHS=${GRAPHS:-none}
-GRAPH_SCOPE=()
-if [[ $GRAPHS == local ]]; then GRAPH_SCOPE=(--cuda-graph-modules attn); fi
-run_recipe --overlap-moe "$OVERLAP_METHOD" "${GRAPH_SCOPE[@]}" "$@"
+run_moe_recipe "$@"

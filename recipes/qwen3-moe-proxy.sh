@@ -15,7 +15,6 @@ RECIPE=qwen3-moe-proxy
 MOE_ARGS=(--num-experts 128 --moe-router-topk 8 --moe-ffn-hidden-size 768 --moe-router-load-balancing-type aux_loss
           --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall
           --expert-model-parallel-size "${EP:-2}" --expert-tensor-parallel-size 1)
-if _imports transformer_engine; then MOE_ARGS+=(--moe-grouped-gemm); fi
 MODEL_ARGS=("${LLAMA_ARGS[@]}" "${MOE_ARGS[@]}" --qk-layernorm --norm-epsilon 1e-6
             --num-layers "${NUM_LAYERS:-6}" --hidden-size 2048 --ffn-hidden-size 6144
             --num-attention-heads 32 --num-query-groups 4 --kv-channels 128 --seq-length 4096
@@ -24,8 +23,4 @@ ITERS=${TRAIN_ITERS:-30}
 TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size "${GBS:-8}" --train-iters "$ITERS"
             --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters "$(warmup_iters 5 "$ITERS")" --weight-decay 0.1
             --clip-grad 1.0 --init-method-std 0.02 --use-distributed-optimizer --seed 1234)
-# dropless MoE: eager unless GRAPHS is given (as the Mixtral proxy)
-GRAPHS=${GRAPHS:-none}
-GRAPH_SCOPE=()
-if [[ $GRAPHS == local ]]; then GRAPH_SCOPE=(--cuda-graph-modules attn); fi
-run_recipe --overlap-moe "$OVERLAP_METHOD" "${GRAPH_SCOPE[@]}" "$@"
+run_moe_recipe "$@"

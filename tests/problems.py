@@ -1,4 +1,4 @@
-"""Inputs and checks shared by the CPU op tests."""
+"""Inputs and checks shared by the CPU op and kernel tests."""
 import pytest
 import torch
 
@@ -23,3 +23,16 @@ def assert_each_raises(cases):
     for call, match in cases:
         with pytest.raises(ValueError, match=match):
             call()
+
+
+def staged_as_rows(staging, plan):
+    """A row_slice plan's staging matrix read back in C's row order: group g's collective moves staging rows
+    [src_lo, src_hi) = t blocks of (dst_hi - dst_lo) rows, block k holding rows [dst_lo, dst_hi) of region k
+    (what reduce_scatter delivers to rank k)."""
+    t, m_local = plan.world, plan.m // plan.world
+    out = torch.full((plan.m, plan.n), float("nan"), dtype=staging.dtype)
+    for c in plan.collectives:
+        rows = c.dst_hi - c.dst_lo
+        for k in range(t):
+            out[k * m_local + c.dst_lo:k * m_local + c.dst_hi] = staging[c.src_lo + k * rows:c.src_lo + (k + 1) * rows]
+    return out

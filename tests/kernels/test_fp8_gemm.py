@@ -8,6 +8,7 @@ from overlap_tp import OverlapConfig
 from overlap_tp.kernels import fp8_quant as Q
 from overlap_tp.kernels.fp8_gemm import check_fp8_operands, fp8_gemm_reference, fp8_signaled_gemm
 from overlap_tp.ops.tile_plan import ag_plan, make_plan, p2p_plan
+from problems import staged_as_rows
 
 TENSORWISE = OverlapConfig(block_m=16, block_n=32, block_k=32)
 BLOCKWISE = OverlapConfig(block_m=16, block_n=32, block_k=128)
@@ -38,17 +39,6 @@ def _check_close(got, ref, a, w):
     assert (err <= bound + 1e-30).all(), float((err - bound).max())
 
 
-def _rows_of(staging, plan):
-    """The row_slice staging read back in C's row order (what each region's collective delivers)."""
-    t, m_local = plan.world, plan.m // plan.world
-    out = torch.full((plan.m, plan.n), float("nan"), dtype=staging.dtype)
-    for c in plan.collectives:
-        rows = c.dst_hi - c.dst_lo
-        for k in range(t):
-            out[k * m_local + c.dst_lo:k * m_local + c.dst_hi] = staging[c.src_lo + k * rows:c.src_lo + (k + 1) * rows]
-    return out
-
-
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 @pytest.mark.parametrize("m,n,k", [(96, 80, 256), (40, 64, 128)])
 def test_row_slice_staging_holds_the_scaled_product_and_counts_each_group(recipe, m, n, k):
@@ -63,7 +53,7 @@ def test_row_slice_staging_holds_the_scaled_product_and_counts_each_group(recipe
         staging = torch.full(plan.staging_shape, float("nan"), dtype=torch.bfloat16)
         fp8_signaled_gemm(a, w, staging, plan.tiles, counters, 3, config, bias=bias, bias_rows=(0, m // 2))
         assert counters.tolist() == [calls * g for g in plan.group_tiles]
-        got = _rows_of(staging, plan)
+        got = staged_as_rows(staging, plan)
         assert not got.isnan().any(), "an output element was never written"
         _check_close(got, ref, a, w)
 

@@ -4,21 +4,9 @@ import torch
 from overlap_tp import OverlapConfig
 from overlap_tp.kernels.signaled_gemm import signaled_gemm
 from overlap_tp.ops.tile_plan import make_plan, p2p_plan
+from problems import staged_as_rows
 
 CONFIG = OverlapConfig(block_m=16, block_n=32, block_k=16)
-
-
-def _staged_as_rows(staging, plan):
-    """The row_slice staging matrix read back in C's row order: group g's collective moves staging rows
-    [src_lo, src_hi) = t blocks of (dst_hi - dst_lo) rows, block k holding rows [dst_lo, dst_hi) of region k
-    (what reduce_scatter delivers to rank k)."""
-    t, m_local = plan.world, plan.m // plan.world
-    out = torch.full((plan.m, plan.n), float("nan"), dtype=staging.dtype)
-    for c in plan.collectives:
-        rows = c.dst_hi - c.dst_lo
-        for k in range(t):
-            out[k * m_local + c.dst_lo:k * m_local + c.dst_hi] = staging[c.src_lo + k * rows:c.src_lo + (k + 1) * rows]
-    return out
 
 
 def test_counters_count_each_groups_tiles_and_the_tiles_hold_the_product():
@@ -38,7 +26,7 @@ def test_counters_count_each_groups_tiles_and_the_tiles_hold_the_product():
         signaled_gemm(a, w, staging, plan.tiles, counters, 3, CONFIG)
         assert counters.tolist() == [calls * g for g in plan.group_tiles]
         assert not staging.isnan().any(), "a staging element was never written"
-        got = _staged_as_rows(staging, plan)
+        got = staged_as_rows(staging, plan)
         # bf16 output: each element within a few bf16 ulps of the fp64 product (K = 32, fp32 accumulation)
         assert torch.allclose(got.double(), ref, rtol=2 ** -7, atol=2 ** -7 * float(ref.abs().max())), \
             float((got.double() - ref).abs().max())
