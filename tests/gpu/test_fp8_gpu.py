@@ -81,18 +81,13 @@ def _operands(m, n, k, recipe, gen, shard_scales=1):
     x = torch.randn(m, k, device="cuda", generator=gen) * torch.exp(torch.randn(m, 1, device="cuda", generator=gen))
     w = 0.02 * torch.randn(n, k, device="cuda", generator=gen)
     x, w = x.bfloat16(), w.bfloat16()
-    if recipe == "tensorwise" and shard_scales > 1:
-        shards = [Q.quantize_tensorwise(s.contiguous()) for s in x.chunk(shard_scales)]
-        a = Q.ScaledFp8(torch.cat([s.q for s in shards]), torch.cat([s.ds for s in shards]), "tensorwise")
+    if shard_scales > 1:   # a gathered a: each shard quantized on its own, the scales stacked (fp8_quant's layouts)
+        shards = [qa(s.contiguous()) for s in x.chunk(shard_scales)]
+        stack = torch.cat if recipe == "tensorwise" else torch.stack
+        a = Q.ScaledFp8(torch.cat([s.q for s in shards]), stack([s.ds for s in shards]), shards[0].scaling)
     else:
         a = qa(x)
     return a, qw(w)
-
-
-def _dequantized(a):
-    if a.scaling == "tensorwise" and a.ds.numel() > 1:
-        return a.q.double() * a.ds.double().repeat_interleave(a.q.shape[0] // a.ds.numel())[:, None]
-    return Q.dequantize_reference(a)
 
 
 def assert_fp8_gemm_close(got, a, w, added=None):
@@ -104,7 +99,7 @@ def assert_fp8_gemm_close(got, a, w, added=None):
     ref = fp8_gemm_reference(a, w)
     if added is not None:
         ref = ref + added.double()
-    da, dw = _dequantized(a), Q.dequantize_reference(w)
+    da, dw = Q.dequantize_reference(a), Q.dequantize_reference(w)
     bound = ref.abs() * 2 ** -8 + 2 ** -9 * (da.abs() @ dw.abs().t())
     err = (got.double() - ref).abs()
     assert not got.isnan().any(), "an output element was never written (NaN-poisoned)"
@@ -158,7 +153,8 @@ def test_signaled_fp8_gemm_row_slice_matches_the_float64_reference(recipe, confi
 @pytest.mark.parametrize("m,n,k", [(8192, 3072, 4096), (2000, 1000, 1024)])
 def test_allgather_plan_with_raised_flags_and_per_rank_scales(recipe, m, n, k):
     """The AllGather+GEMM table at t = 2 (rank 1: its own rows first, then the chunks, each waiting on its ready
-    flag, raised before the launch); tensorwise with one scale per source rank's shard."""
+    flag, raised before the launch); the gathered a carries each source rank's shard's own scales (tensorwise [2],
+    1x128 [2, K/128, M/2]: the scales stacked as an AllGather moves them)."""
     _needs_fp8()
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     a, w = _operands(m, n, k, recipe, gen, shard_scales=2)
