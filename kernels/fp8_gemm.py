@@ -30,7 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from overlap_tp.kernels.fp8_quant import BLOCK, ScaledFp8, dequantize_reference, shard_count
-from overlap_tp.kernels.signaled_gemm import (INTERPRET, TILE_FIELDS, cta_barrier_then, default_offsets,
+from overlap_tp.kernels.signaled_gemm import (INTERPRET, TILE_FIELDS, default_offsets, store_tile_then_signal,
                                               wait_flag_then)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -98,21 +98,9 @@ def fp8_signaled_gemm_kernel(
 
         col = tl.multiple_of(col, BLOCK_N)
         dst_col = tl.multiple_of(dst_col, BLOCK_N)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-            owns = (rows >= bias_row_lo) & (rows < bias_row_hi)
-            acc += tl.where(owns[:, None], bias[None, :], 0.0)
-        mask = (rows < src_row_end)[:, None] & (cols < N)[None, :]
-        out_rows = (dst_row + tl.arange(0, BLOCK_M)).to(tl.int64)
-        out_cols = dst_col + tl.arange(0, BLOCK_N)
-        tl.store(dst_base + out_rows[:, None] * ld_dst + out_cols[None, :],
-                 acc.to(dst_ptr.dtype.element_ty), mask=mask)
-        if SIGNAL:
-            if INTERPRETED:
-                tl.debug_barrier()
-            else:
-                group = cta_barrier_then(group)
-            tl.atomic_add(counters_ptr + group, 1, sem="release", scope="gpu")
+        store_tile_then_signal(acc, rows, cols, src_row_end, N, dst_base, ld_dst, dst_row, dst_col,
+                               bias_ptr, bias_row_lo, bias_row_hi, counters_ptr, group,
+                               HAS_BIAS, SIGNAL, INTERPRETED, BLOCK_M, BLOCK_N)
 
 
 def check_scaled_operands(a: ScaledFp8, w: ScaledFp8, bias=None):

@@ -28,13 +28,14 @@ bf16 weight. A forward captured into a CUDA graph quantizes inside the graph (a 
 own step) and caches nothing.
 """
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
 from overlap_tp.kernels import fp8_quant as Q
-from overlap_tp.megatron.linear_functions import weight_grad
+from overlap_tp.megatron.linear_functions import save_common, weight_grad
 from overlap_tp.ops.ag_gemm import ag_gemm, gather_rows
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.gemm_rs import gemm_rs
@@ -84,9 +85,11 @@ class Fp8Recipe:
         return SCALINGS[self.recipe][0]
 
 
+@functools.lru_cache(maxsize=64)
 def fp8_op_config(config: OverlapConfig) -> OverlapConfig:
     """The op config an FP8 call runs: the layer's, with method 'auto' (or unset) as 'signal' (the tuner times bf16
-    GEMMs, so its choice says nothing of the FP8 ones; ops/fp8.py refuses 'auto' with FP8 operands)."""
+    GEMMs, so its choice says nothing of the FP8 ones; ops/fp8.py refuses 'auto' with FP8 operands). Kept per config
+    (frozen): a call asks it every step."""
     return dataclasses.replace(config, method="signal") if config.method in (None, "auto") else config
 
 
@@ -190,11 +193,8 @@ class Fp8ColumnParallelFn(torch.autograd.Function):
         config = fp8_op_config(args.config("ag_gemm"))
         out = args.observe("ag_gemm", lambda: ag_gemm(x8, w8, args.group, bias=bias, config=config,
                                                       instance=args.instance), x, weight)
-        ctx.args, ctx.recipe = args, recipe
-        ctx.use_bias = bias is not None
-        ctx.wt_scaling = wt8.scaling
-        ctx.gradient_accumulation_fusion = args.gradient_accumulation_fusion and weight.requires_grad
-        ctx.main_grad = getattr(weight, "main_grad", None) if ctx.gradient_accumulation_fusion else None
+        save_common(ctx, weight, bias, args)
+        ctx.recipe, ctx.wt_scaling = recipe, wt8.scaling
         ctx.save_for_backward(x, weight, wt8.q, wt8.ds)
         return out
 
@@ -227,11 +227,8 @@ class Fp8RowParallelFn(torch.autograd.Function):
         config = fp8_op_config(args.config("gemm_rs"))
         out = args.observe("gemm_rs", lambda: gemm_rs(y8, w8, args.group, bias=bias, config=config,
                                                       instance=args.instance), y, weight)
-        ctx.args, ctx.recipe = args, recipe
-        ctx.use_bias = bias is not None
-        ctx.wt_scaling = wt8.scaling
-        ctx.gradient_accumulation_fusion = args.gradient_accumulation_fusion and weight.requires_grad
-        ctx.main_grad = getattr(weight, "main_grad", None) if ctx.gradient_accumulation_fusion else None
+        save_common(ctx, weight, bias, args)
+        ctx.recipe, ctx.wt_scaling = recipe, wt8.scaling
         ctx.save_for_backward(y, weight, wt8.q, wt8.ds)
         return out
 

@@ -108,7 +108,8 @@ class _LinearArgs:
         return call() if self.observer is None else self.observer(kind, call, a, w, self.group)
 
 
-def _save_common(ctx, weight, bias, args: _LinearArgs):
+def save_common(ctx, weight, bias, args: _LinearArgs):
+    """What a linear's backward reads off ctx besides its saved tensors (the bf16 and the FP8 Functions alike)."""
     ctx.args = args
     ctx.use_bias = bias is not None
     ctx.gradient_accumulation_fusion = args.gradient_accumulation_fusion and weight.requires_grad
@@ -132,7 +133,7 @@ class _ColumnParallelFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, args: _LinearArgs):
-        _save_common(ctx, weight, bias, args)
+        save_common(ctx, weight, bias, args)
         ctx.x_shape = x.shape
         ctx.kept_gathered = args.own_gather is not None
         if ctx.kept_gathered:
@@ -206,7 +207,7 @@ class _RowParallelFn(torch.autograd.Function):
     def forward(ctx, y, weight, bias, args: _LinearArgs, handed_weight=None):
         """handed_weight: the weight whose gradient args.wgrad_handoff may leave to this backward (an input only so
         that autograd takes that gradient from here); unused by the forward."""
-        _save_common(ctx, weight, bias, args)
+        save_common(ctx, weight, bias, args)
         if args.sequence_parallel and args.defer_sum:   # not observed: its sum lands in the consumer's kernel
             pending = gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs"), async_op=True,
                               instance=args.instance)

@@ -12,6 +12,7 @@ from overlap_tp.kernels import fp8_quant as Q
 from overlap_tp.kernels.fp8_gemm import fp8_gemm_reference, fp8_signaled_gemm
 from overlap_tp.ops.plan_base import gemm_programs
 from overlap_tp.ops.tile_plan import ag_plan, make_plan
+from problems import staged_as_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -107,17 +108,6 @@ def assert_fp8_gemm_close(got, a, w, added=None):
     assert float(err.norm() / ref.norm()) < 2 ** -8
 
 
-def _row_order(staging, plan):
-    """The row_slice staging read back in C's row order."""
-    t, m_local = plan.world, plan.m // plan.world
-    out = torch.empty((plan.m, plan.n), dtype=staging.dtype, device=staging.device)
-    for c in plan.collectives:
-        rows = c.dst_hi - c.dst_lo
-        for k in range(t):
-            out[k * m_local + c.dst_lo:k * m_local + c.dst_hi] = staging[c.src_lo + k * rows:c.src_lo + (k + 1) * rows]
-    return out
-
-
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 @pytest.mark.parametrize("config", [WIDE, NARROW], ids=["128x256", "128x128"])
 @pytest.mark.parametrize("m,n,k", SHAPES)
@@ -145,7 +135,7 @@ def test_signaled_fp8_gemm_row_slice_matches_the_float64_reference(recipe, confi
         stored.append(staging.clone())
     bias_on_rows = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
     bias_on_rows[: m // 2] = bias
-    assert_fp8_gemm_close(_row_order(stored[0], plan), a, w, added=bias_on_rows)
+    assert_fp8_gemm_close(staged_as_rows(stored[0], plan), a, w, added=bias_on_rows)
     assert torch.equal(stored[0], stored[1])
 
 
@@ -178,7 +168,7 @@ def test_fresh_data_each_call():
         a, w = _operands(m, n, k, recipe, gen)
         out = torch.full(plan.staging_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
         fp8_signaled_gemm(a, w, out, tiles, None, gemm_programs(a.q.device, WIDE), WIDE)
-        assert_fp8_gemm_close(_row_order(out, plan), a, w)
+        assert_fp8_gemm_close(staged_as_rows(out, plan), a, w)
 
 
 @pytest.mark.parametrize("scaling", ["1x128", "tensorwise"])
@@ -272,4 +262,4 @@ def test_captured_fp8_gemm_replays_count_and_store_the_same_bits():
             mine.ds.copy_(new.ds)
         graph.replay()
         torch.cuda.synchronize()
-        assert_fp8_gemm_close(_row_order(out, plan), a, w)
+        assert_fp8_gemm_close(staged_as_rows(out, plan), a, w)

@@ -15,6 +15,7 @@ pytest.importorskip("megatron.core", reason="the layer spec needs megatron-core"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from distributed import run_distributed  # noqa: E402
+from problems import per_expert  # noqa: E402
 
 SEQ, BATCH, HIDDEN, EXPERTS = 16, 2, 64, 4
 
@@ -66,21 +67,6 @@ def _block(ours, config):
     return block
 
 
-def _per_expert(block, value):
-    """Megatron's parameter names -> value(param); OverlapGroupedMLP's stacked weights split per local expert under
-    SequentialMLP's names."""
-    out = {}
-    for name, param in block.named_parameters():
-        item = value(param)
-        if name.endswith(("experts.weight1", "experts.weight2")):
-            linear = "linear_fc1" if name.endswith("1") else "linear_fc2"
-            prefix = name[:-len("weight1")]
-            out.update({f"{prefix}local_experts.{e}.{linear}.weight": item[e] for e in range(item.shape[0])})
-        else:
-            out[name] = item
-    return out
-
-
 def _rel_error(got, want):
     want = want.double()
     return float((got.double() - want).norm() / max(want.norm(), 1e-12))
@@ -117,11 +103,11 @@ def _check_block(rank, world):
             out = block(hidden_states=xi, attention_mask=None)
             out = out[0] if isinstance(out, tuple) else out
             out.backward(g)
-        grads = _per_expert(block, lambda p: p.grad.double() if p.grad is not None else torch.zeros_like(p).double())
+        grads = per_expert(block, lambda p: p.grad.double() if p.grad is not None else torch.zeros_like(p).double())
         for name, param in block.named_parameters():
             if getattr(param, "sequence_parallel", False):   # Megatron's finalize_model_grads all-reduces these
                 dist.all_reduce(grads[name])
-        results[ours] = (out.detach(), xi.grad, _per_expert(block, lambda p: p.detach().clone()), grads)
+        results[ours] = (out.detach(), xi.grad, per_expert(block, lambda p: p.detach().clone()), grads)
     got, want = results[True], results[False]
     assert got[2].keys() == want[2].keys(), (sorted(got[2]), sorted(want[2]))
     for name in got[2]:
