@@ -26,6 +26,10 @@ C = A @ B with A [M, K] row-major and B = W.t(), W [N, K] row-major; torch's met
   L4 = ceil(C/128) rounded up to a multiple of 4 (padding columns 1.0), and handed to torch as the [L4, ceil(R/128)]
   view with strides (1, L4); `storage[i, j]` scales w[128i:128i+128, 128j:128j+128].
 `ScaledFp8` carries q with its ds in these layouts.
+- a gathered operand (the AllGather of G row shards [R/G, C], each quantized on its own rank with its own scales):
+  the shards' scales stacked in shard order, each in its own layout: tensorwise ds [G] (one scale per R/G rows),
+  1x128 ds [G, C/128, R/G]. `shards(x)` splits it back into G operands of the layouts above; torch's scaled_mm
+  takes each shard on its own.
 
 K-major operands. Hopper's FP8 wgmma reads both operands K-major, so a backward GEMM contracting over the rows of
 x (wgrad: dW = dY.T @ X, over the tokens) needs x transposed before it is quantized: `quantize_1x128_transposed(x)`
@@ -156,8 +160,36 @@ def quantize_128x128_reference(w: torch.Tensor, fmt="e4m3") -> ScaledFp8:
     return ScaledFp8(q, storage, "128x128")
 
 
-def dequantize_reference(x: ScaledFp8, rows: Optional[int] = None) -> torch.Tensor:
-    """q * ds in float64 (exact): the operand a float64 reference GEMM multiplies."""
+def shard_count(x: ScaledFp8) -> int:
+    """G: how many row shards' scales x carries (1 unless it is a gathered operand: module docstring)."""
+    if x.scaling == "tensorwise":
+        return x.ds.numel()
+    return x.ds.shape[0] if x.scaling == "1x128" and x.ds.dim() == 3 else 1
+
+
+def is_gathered(x: ScaledFp8) -> bool:
+    """Whether x's scales are in the gathered layout (tensorwise [G], G > 1; 1x128 [G, C/128, R/G], G >= 1)."""
+    return x.ds.dim() == 3 if x.scaling == "1x128" else x.scaling == "tensorwise" and x.ds.numel() > 1
+
+
+def shards(x: ScaledFp8) -> list:
+    """The G row shards of x, each a ScaledFp8 with its own scales in the plain layout (views, no copy); [x] itself
+    where it holds plain scales. A ValueError where the rows do not split into G shards."""
+    if not is_gathered(x):
+        return [x]
+    g, rows = shard_count(x), x.q.shape[0]
+    if rows % g:
+        raise ValueError(f"{rows} rows do not split into the {g} shards whose scales ds {tuple(x.ds.shape)} holds")
+    ds = x.ds.reshape(g, 1) if x.scaling == "tensorwise" else x.ds
+    size = rows // g
+    return [ScaledFp8(x.q[p * size:(p + 1) * size], ds[p], x.scaling) for p in range(g)]
+
+
+def dequantize_reference(x: ScaledFp8) -> torch.Tensor:
+    """q * ds in float64 (exact): the operand a float64 reference GEMM multiplies (a gathered operand shard by
+    shard, each with its own scales)."""
+    if is_gathered(x):
+        return torch.cat([dequantize_reference(s) for s in shards(x)])
     q = x.q.double()
     r, c = q.shape
     if x.scaling == "tensorwise":

@@ -4,6 +4,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from overlap_tp.training import throughput as tp
 from overlap_tp.training.report import parse_log
@@ -285,11 +286,13 @@ def test_hook_arms_the_sampler_for_the_logged_step():
     wrapped = module.train_step
     tp.install_training_log_hook(args, module=module)
     assert module.train_step is wrapped    # idempotent
-    assert [module.train_step(None, iteration=k) for k in range(6)] == ["step"] * 6
+    model = [torch.nn.Linear(2, 2)]        # Megatron's train_step(forward_step_func, data_iterator, model, ...)
+    assert [module.train_step(None, None, model, iteration=k) for k in range(6)] == ["step"] * 6
     assert armed == [False, False, True, False, False, True] and SAMPLER.armed is False
+    assert model[0] in SAMPLER._attached   # the sampled step's model observes through the sampler
     armed.clear()
     args.overlap_tp_stats = False          # --no-overlap-tp-stats
-    module.train_step(None, iteration=2)
+    module.train_step(None, None, model=model, iteration=2)
     assert armed == [False]
 
 

@@ -1,0 +1,258 @@
+"""FP8 forward and dgrad of the overlapped linears: Megatron's `--fp8-format e4m3|hybrid` with `--fp8-recipe
+tensorwise|blockwise`, on overlap_tp's FP8 ops (Transformer Engine not needed).
+
+What runs in FP8, with sequence parallelism (the layers refuse FP8 without it):
+
+    column (qkv, fc1)  forward  x [m, h] -quantize e4m3-> AllGather of x8 and its scales -FP8 GEMM, W8-> [t m, n] bf16
+                       dgrad    dY [t m, n] -quantize (grad format)-> FP8 GEMM, W8.T -ReduceScatter of bf16
+                                partials-> dX [m, h]
+                       wgrad    bf16: dY.T @ AG(x), x re-gathered in bf16 beside the dgrad (as the bf16 layer)
+    row (proj, fc2)    forward  y [M, k] -quantize e4m3-> FP8 GEMM, W8 -ReduceScatter of bf16 partials-> [M/t, n]
+                       dgrad    dZ [M/t, n] -quantize (grad format)-> AllGather of dZ8 and its scales -FP8 GEMM,
+                                W8.T-> dY [M, k] bf16
+                       wgrad    bf16: dequantized gathered dZ8, transposed, @ y (the gathered gradient is reused: no
+                                second AllGather; the weight gradient sees the gradient's FP8 rounding, as an FP8
+                                wgrad would)
+
+Scalings: tensorwise, one scale per tensor, each rank's shard its own (so no amax collective: the gathered operand
+carries t scales); blockwise (DeepSeek-V3's), activations and gradients 1x128, weights 128x128 (kernels/fp8_quant.py).
+Formats: forward operands e4m3; gradients e4m3 (recipe `e4m3`) or e5m2 (`hybrid`). Outputs, partial sums and
+reductions stay bf16. The weight gradient is bf16: an FP8 wgrad needs both operands transposed and re-quantized
+(quantize_1x128_transposed), one more pass each; it is not implemented.
+
+Weights: the weight and its transpose (the dgrad's K-major operand) are quantized in one pass (quantize_128x128 /
+quantize_tensorwise with transposed=True), by the layer's Fp8WeightCache: at every call, or once per optimizer step
+where the model's caches are kept per step (`keep_fp8_weights_per_step(model)`, then `new_fp8_step(model)` before
+each step: overlap_tp's training hook does both). Kept, the two copies hold 2 bytes per weight element beside the
+bf16 weight. A forward captured into a CUDA graph quantizes inside the graph (a replay then reads the weights of its
+own step) and caches nothing.
+"""
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from overlap_tp.kernels import fp8_quant as Q
+from overlap_tp.megatron.linear_functions import save_common, weight_grad
+from overlap_tp.ops.ag_gemm import ag_gemm, gather_rows
+from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.gemm_rs import gemm_rs
+
+__all__ = ["Fp8Recipe", "Fp8WeightCache", "dequantize", "fp8_op_config", "keep_fp8_weights_per_step", "new_fp8_step",
+           "quantize_rows", "quantize_weight"]
+
+# Megatron's --fp8-format -> (forward operands' format, gradients' format)
+FORMATS = {"e4m3": ("e4m3", "e4m3"), "hybrid": ("e4m3", "e5m2")}
+# Megatron's --fp8-recipe -> (activations' and gradients' scaling, weights' scaling)
+SCALINGS = {"tensorwise": ("tensorwise", "tensorwise"), "blockwise": ("1x128", "128x128")}
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How a layer runs FP8: Megatron's format ("e4m3" | "hybrid") and recipe ("tensorwise" | "blockwise")."""
+    format: str
+    recipe: str
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise ValueError(f"FP8 format {self.format!r}: overlap_tp's layers run --fp8-format e4m3 or hybrid")
+        if self.recipe not in SCALINGS:
+            raise ValueError(f"FP8 recipe {self.recipe!r}: overlap_tp's layers run current scaling, "
+                             "--fp8-recipe tensorwise or blockwise (delayed scaling, MXFP8 and custom recipes are "
+                             "Transformer Engine's)")
+
+    @staticmethod
+    def of(config) -> Optional["Fp8Recipe"]:
+        """The recipe a Megatron TransformerConfig asks for (config.fp8, config.fp8_recipe), or None (no FP8)."""
+        fmt = getattr(config, "fp8", None)
+        if not fmt:
+            return None
+        recipe = getattr(config, "fp8_recipe", "delayed")
+        return Fp8Recipe(fmt, getattr(recipe, "value", recipe))   # megatron.core.enums.Fp8Recipe: a str enum
+
+    @property
+    def forward_format(self) -> str:
+        return FORMATS[self.format][0]
+
+    @property
+    def grad_format(self) -> str:
+        return FORMATS[self.format][1]
+
+    @property
+    def row_scaling(self) -> str:
+        return SCALINGS[self.recipe][0]
+
+
+@functools.lru_cache(maxsize=64)
+def fp8_op_config(config: OverlapConfig) -> OverlapConfig:
+    """The op config an FP8 call runs: the layer's, with method 'auto' (or unset) as 'signal' (the tuner times bf16
+    GEMMs, so its choice says nothing of the FP8 ones; ops/fp8.py refuses 'auto' with FP8 operands). Kept per config
+    (frozen): a call asks it every step."""
+    return dataclasses.replace(config, method="signal") if config.method in (None, "auto") else config
+
+
+def quantize_rows(x: torch.Tensor, fmt: str, scaling: str) -> Q.ScaledFp8:
+    """An activation or gradient [rows, cols] (K-major: its columns are what the GEMM contracts), quantized with
+    `scaling` ("tensorwise" | "1x128")."""
+    if scaling == "1x128":
+        return Q.quantize_1x128(x, fmt)
+    return Q.quantize_tensorwise(x, fmt)
+
+
+def quantize_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> Tuple[Q.ScaledFp8, Q.ScaledFp8]:
+    """(W8, W8.T): the weight [n, k] quantized e4m3 with the recipe's weight scaling, and its transpose [k, n] (the
+    dgrad's K-major operand, the same scales), in one pass."""
+    if recipe.recipe == "blockwise":
+        return Q.quantize_128x128(weight, recipe.forward_format, transposed=True)
+    return Q.quantize_tensorwise(weight, recipe.forward_format, transposed=True)
+
+
+def dequantize(x: Q.ScaledFp8, dtype: torch.dtype) -> torch.Tensor:
+    """q * ds in `dtype` (through fp32), a gathered operand shard by shard with its own scales."""
+    parts = []
+    for shard in Q.shards(x):
+        q = shard.q.float()
+        if shard.scaling == "tensorwise":
+            parts.append((q * shard.ds.reshape(())).to(dtype))
+        elif shard.scaling == "1x128":
+            rows, cols = q.shape
+            ds = shard.ds.t().repeat_interleave(Q.BLOCK, dim=1)[:, :cols]   # [rows, cols]
+            parts.append((q * ds).to(dtype))
+        else:
+            raise ValueError(f"dequantize: {shard.scaling!r} is a weight's scaling; activations and gradients are "
+                             f"tensorwise or 1x128")
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class Fp8WeightCache:
+    """The FP8 copies (W8, W8.T) of one layer's weight. get() quantizes at every call unless `per_step` is set; then
+    the copies are kept until invalidate() (the next optimizer step: new_fp8_step), for the same weight tensor and
+    recipe. A call under CUDA-graph capture quantizes inside the graph and keeps nothing."""
+
+    def __init__(self):
+        self.per_step = False
+        self._kept = None   # ((weight's data_ptr, shape, dtype, recipe), (W8, W8.T))
+
+    def get(self, weight: torch.Tensor, recipe: Fp8Recipe) -> Tuple[Q.ScaledFp8, Q.ScaledFp8]:
+        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (weight.data_ptr(), tuple(weight.shape), weight.dtype, recipe)
+        if self.per_step and not capturing and self._kept is not None and self._kept[0] == key:
+            return self._kept[1]
+        pair = quantize_weight(weight.detach(), recipe)
+        self._kept = (key, pair) if self.per_step and not capturing else None
+        return pair
+
+    def invalidate(self):
+        self._kept = None
+
+
+def _caches(model):
+    for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+        for module in chunk.modules():
+            cache = getattr(module, "fp8_weights", None)
+            if isinstance(cache, Fp8WeightCache):
+                yield cache
+
+
+def keep_fp8_weights_per_step(model) -> int:
+    """Keep the FP8 weight copies of every FP8 layer of `model` (a module or a list of model chunks) from one
+    optimizer step to the next (new_fp8_step must then run before each step); returns how many layers."""
+    count = 0
+    for cache in _caches(model):
+        cache.per_step = True
+        cache.invalidate()
+        count += 1
+    return count
+
+
+def new_fp8_step(model) -> None:
+    """The weights are about to change (an optimizer step): drop every kept FP8 weight copy of `model`."""
+    for cache in _caches(model):
+        cache.invalidate()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd Functions (sequence parallel)
+# ---------------------------------------------------------------------------------------------------
+
+def _kept(q, ds, scaling) -> Q.ScaledFp8:
+    return Q.ScaledFp8(q, ds, scaling)
+
+
+class Fp8ColumnParallelFn(torch.autograd.Function):
+    """y = AG(x) @ W.T + b in FP8 (module docstring); x [m, K] this rank's rows, W [N/t, K]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, args, recipe: Fp8Recipe, cache: Fp8WeightCache):
+        """args: the layer's linear_functions._LinearArgs (group, configs, plan instance, observer); cache: the
+        layer's Fp8WeightCache."""
+        w8, wt8 = cache.get(weight, recipe)
+        x8 = quantize_rows(x, recipe.forward_format, recipe.row_scaling)
+        config = fp8_op_config(args.config("ag_gemm"))
+        out = args.observe("ag_gemm", lambda: ag_gemm(x8, w8, args.group, bias=bias, config=config,
+                                                      instance=args.instance), x, weight)
+        save_common(ctx, weight, bias, args)
+        ctx.recipe, ctx.wt_scaling = recipe, wt8.scaling
+        ctx.save_for_backward(x, weight, wt8.q, wt8.ds)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, wt_q, wt_ds = ctx.saved_tensors
+        args, recipe = ctx.args, ctx.recipe
+        dy = dy.contiguous()
+        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gathering = gather_rows(x, args.group, args.config("ag_gemm")) if need_dw else None
+        reducing = None
+        if need_dx:
+            dy8 = quantize_rows(dy, recipe.grad_format, recipe.row_scaling)
+            reducing = gemm_rs(dy8, _kept(wt_q, wt_ds, ctx.wt_scaling), args.group,
+                               config=fp8_op_config(args.config("gemm_rs")),
+                               async_op=True, instance=args.instance)
+        dw = weight_grad(ctx, weight, dy, gathering.wait()) if need_dw else None
+        dx = reducing.wait() if reducing is not None else None
+        db = dy.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db, None, None, None
+
+
+class Fp8RowParallelFn(torch.autograd.Function):
+    """z = RS(y @ W.T) + b in FP8 (module docstring); y [M, K/t], W [N, K/t]."""
+
+    @staticmethod
+    def forward(ctx, y, weight, bias, args, recipe: Fp8Recipe, cache: Fp8WeightCache):
+        w8, wt8 = cache.get(weight, recipe)
+        y8 = quantize_rows(y, recipe.forward_format, recipe.row_scaling)
+        config = fp8_op_config(args.config("gemm_rs"))
+        out = args.observe("gemm_rs", lambda: gemm_rs(y8, w8, args.group, bias=bias, config=config,
+                                                      instance=args.instance), y, weight)
+        save_common(ctx, weight, bias, args)
+        ctx.recipe, ctx.wt_scaling = recipe, wt8.scaling
+        ctx.save_for_backward(y, weight, wt8.q, wt8.ds)
+        return out
+
+    @staticmethod
+    def backward(ctx, dz):
+        y, weight, wt_q, wt_ds = ctx.saved_tensors
+        args, recipe = ctx.args, ctx.recipe
+        dz = dz.contiguous()
+        need_dy, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dy = dw = None
+        if need_dy or need_dw:
+            dz8 = quantize_rows(dz, recipe.grad_format, recipe.row_scaling)
+            config = fp8_op_config(args.config("ag_gemm"))
+            if need_dy:
+                dy, dz8_full = args.observe("ag_gemm", lambda: ag_gemm(
+                    dz8, _kept(wt_q, wt_ds, ctx.wt_scaling), args.group, config=config, return_gathered=True,
+                    instance=args.instance), dz, weight)
+            else:
+                dz8_full = None
+            if need_dw:
+                dz_full = (dequantize(dz8_full, dz.dtype) if dz8_full is not None
+                           else gather_rows(dz, args.group, config).wait())
+                dw = weight_grad(ctx, weight, dz_full, y)
+        # this rank's rows only; the bias carries sequence_parallel=True, so Megatron's finalize_model_grads
+        # all-reduces it over the TP group (as for the bf16 layer)
+        db = dz.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
+        return dy, dw, db, None, None, None
