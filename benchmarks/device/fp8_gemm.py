@@ -235,7 +235,7 @@ def main(argv):
                     results += rows
                     for r in rows:
                         print(f"t{tp} {full:24s} {r['variant']:34s} {r['config']:18s} "
-                              f"{'' if r['ms'] is None else f'{r['ms']:.3f} ms':>10s} "
+                              f"{'' if r['ms'] is None else '%.3f ms' % r['ms']:>10s} "
                               f"err {r['rel_err'] if r['rel_err'] is not None else '-'} {r['note']}", flush=True)
                         if r["ms"] is not None:
                             jsonl.write(json.dumps(dict(
@@ -261,9 +261,9 @@ def main(argv):
     lines += ["| t | GEMM | M | N | K | variant | tile | ms | TFLOP/s | rel err | note |", "|---" * 11 + "|"]
     for r in results:
         lines.append(f"| {r['t']} | {r['gemm']} | {r['M']} | {r['N']} | {r['K']} | {r['variant']} | {r['config']} | "
-                     f"{'' if r['ms'] is None else f'{r['ms']:.3f}'} | "
-                     f"{'' if r['tflops'] is None else f'{r['tflops']:.0f}'} | "
-                     f"{'' if r['rel_err'] is None else f'{r['rel_err']:.2e}'} | {r['note']} |")
+                     f"{'' if r['ms'] is None else format(r['ms'], '.3f')} | "
+                     f"{'' if r['tflops'] is None else format(r['tflops'], '.0f')} | "
+                     f"{'' if r['rel_err'] is None else format(r['rel_err'], '.2e')} | {r['note']} |")
     lines += ["", "Medians over the GEMMs of cuBLAS time / ours (best tile; above 1: ours faster):"]
     for tp in sorted({r["t"] for r in results}):
         for scaling, cublas in (("tensorwise", "cuBLAS tensorwise"), ("tensorwise", "cuBLAS tensorwise fast-accum"),
