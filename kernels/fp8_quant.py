@@ -35,7 +35,8 @@ K-major operands. Hopper's FP8 wgmma reads both operands K-major, so a backward 
 x (wgrad: dW = dY.T @ X, over the tokens) needs x transposed before it is quantized: `quantize_1x128_transposed(x)`
 writes q of x.T [C, R] with 1x128 blocks along R (bit-equal to `quantize_1x128(x.t().contiguous())`), and
 `quantize_128x128(w, transposed=True)` also writes w.T's q and scales (128x128 blocks are the same blocks
-transposed, so the values are the same bits). `quantize_tensorwise(x, transposed=True)` likewise.
+transposed, so the values are the same bits). `quantize_tensorwise(x, transposed=True)` likewise, and
+`quantize_tensorwise_transposed(x)` writes x.T's q alone.
 
 References (`*_reference`) compute in float64 where a value is exact there and round exactly where the kernels round
 in fp32 (the product x * qs is exact in float64 and is then rounded to fp32, the fp32 divisions likewise), so a
@@ -363,6 +364,16 @@ def quantize_tensorwise(x: torch.Tensor, fmt="e4m3", *, transposed=False, amax: 
     on x's device, is given: a known or earlier amax), then one quantizing pass. Returns ScaledFp8 of x, or with
     `transposed` a pair (x's, x.T's), both with the same ds. q_out: where x's q goes (a contiguous [R, C] fp8
     tensor of the format), else a new tensor."""
+    return _tensorwise(x, fmt, True, transposed, amax, q_out)
+
+
+def quantize_tensorwise_transposed(x: torch.Tensor, fmt="e4m3") -> ScaledFp8:
+    """Per-tensor current scaling of x.T [C, R], read from x [R, C] (an amax pass, then one pass writing x.T's q
+    only): the K-major operand of a GEMM contracting over x's rows; equal to quantize_tensorwise(x.t().contiguous())."""
+    return _tensorwise(x, fmt, False, True, None, None)[1]
+
+
+def _tensorwise(x, fmt, rowwise, transposed, amax, q_out):
     _check_input(x)
     dtype = fp8_dtype(fmt)
     r, c = x.shape
@@ -374,10 +385,10 @@ def quantize_tensorwise(x: torch.Tensor, fmt="e4m3", *, transposed=False, amax: 
                               or q_out.device != x.device):
         raise ValueError(f"q_out must be a contiguous ({r}, {c}) {dtype} tensor on {x.device}; got {q_out.dtype} "
                          f"{tuple(q_out.shape)} on {q_out.device}")
-    q = q_out if q_out is not None else torch.empty(r, c, dtype=dtype, device=x.device)
+    q = q_out if q_out is not None else torch.empty(r if rowwise else 0, c, dtype=dtype, device=x.device)
     qt = torch.empty(c, r, dtype=dtype, device=x.device) if transposed else q
     ds = torch.empty(1, dtype=torch.float32, device=x.device)
-    _tensorwise_kernel[grid](x, r, c, amax, q, qt, ds, FP8_MAX[dtype], triton_dtype(dtype), True, transposed,
+    _tensorwise_kernel[grid](x, r, c, amax, q, qt, ds, FP8_MAX[dtype], triton_dtype(dtype), rowwise, transposed,
                              _TILE, _TILE)
     out = ScaledFp8(q, ds, "tensorwise")
     return (out, ScaledFp8(qt, ds, "tensorwise")) if transposed else out

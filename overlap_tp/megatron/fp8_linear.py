@@ -6,19 +6,25 @@ What runs in FP8, with sequence parallelism (the layers refuse FP8 without it):
     column (qkv, fc1)  forward  x [m, h] -quantize e4m3-> AllGather of x8 and its scales -FP8 GEMM, W8-> [t m, n] bf16
                        dgrad    dY [t m, n] -quantize (grad format)-> FP8 GEMM, W8.T -ReduceScatter of bf16
                                 partials-> dX [m, h]
-                       wgrad    bf16: dY.T @ AG(x), x re-gathered in bf16 beside the dgrad (as the bf16 layer)
+                       wgrad    dY.T @ AG(x), x re-gathered in bf16 beside the dgrad (as the bf16 layer), then
+                                both quantized along the tokens (below)
     row (proj, fc2)    forward  y [M, k] -quantize e4m3-> FP8 GEMM, W8 -ReduceScatter of bf16 partials-> [M/t, n]
                        dgrad    dZ [M/t, n] -quantize (grad format)-> AllGather of dZ8 and its scales -FP8 GEMM,
                                 W8.T-> dY [M, k] bf16
-                       wgrad    bf16: dequantized gathered dZ8, transposed, @ y (the gathered gradient is reused: no
-                                second AllGather; the weight gradient sees the gradient's FP8 rounding, as an FP8
-                                wgrad would)
+                       wgrad    dequantized gathered dZ8, transposed, @ y (the gathered gradient is reused: no
+                                second AllGather), both quantized along the tokens (below)
 
 Scalings: tensorwise, one scale per tensor, each rank's shard its own (so no amax collective: the gathered operand
 carries t scales); blockwise (DeepSeek-V3's), activations and gradients 1x128, weights 128x128 (kernels/fp8_quant.py).
 Formats: forward operands e4m3; gradients e4m3 (recipe `e4m3`) or e5m2 (`hybrid`). Outputs, partial sums and
-reductions stay bf16. The weight gradient is bf16: an FP8 wgrad needs both operands transposed and re-quantized
-(quantize_1x128_transposed), one more pass each; it is not implemented.
+reductions stay bf16.
+
+The weight gradient contracts over the tokens, so its FP8 operands are the gradient and the input quantized along
+the tokens (K-major for wgmma): each read once in bf16 by a transposed quantizer (quantize_1x128_transposed, 1x128
+blocks along the tokens for both under blockwise, as DeepSeek-V3's wgrad; quantize_tensorwise_transposed), then
+torch's scaled GEMM (cuBLAS: the wgrad overlaps no communication, so it needs no signals), rounded to bf16 once and
+added to main_grad as the bf16 layer's unfused path does. Megatron's `--no-fp8-wgrad` (config.fp8_wgrad False)
+keeps it in bf16. Blockwise needs the tokens a multiple of 128.
 
 Weights: the weight and its transpose (the dgrad's K-major operand) are quantized in one pass (quantize_128x128 /
 quantize_tensorwise with transposed=True), by the layer's Fp8WeightCache: at every call, or once per optimizer step
@@ -38,9 +44,11 @@ from overlap_tp.kernels import fp8_quant as Q
 from overlap_tp.megatron.linear_functions import save_common, weight_grad
 from overlap_tp.ops.ag_gemm import ag_gemm, gather_rows
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.fp8 import scaled_mm
 from overlap_tp.ops.gemm_rs import gemm_rs
 
-__all__ = ["Fp8Recipe", "Fp8WeightCache", "dequantize", "fp8_op_config", "keep_fp8_weights_per_step", "new_fp8_step",
+__all__ = ["Fp8Recipe", "Fp8WeightCache", "dequantize", "fp8_op_config", "fp8_weight_grad", "keep_fp8_weights_per_step",
+           "new_fp8_step",
            "quantize_rows", "quantize_weight"]
 
 # Megatron's --fp8-format -> (forward operands' format, gradients' format)
@@ -51,9 +59,11 @@ SCALINGS = {"tensorwise": ("tensorwise", "tensorwise"), "blockwise": ("1x128", "
 
 @dataclass(frozen=True)
 class Fp8Recipe:
-    """How a layer runs FP8: Megatron's format ("e4m3" | "hybrid") and recipe ("tensorwise" | "blockwise")."""
+    """How a layer runs FP8: Megatron's format ("e4m3" | "hybrid") and recipe ("tensorwise" | "blockwise"); wgrad:
+    the weight gradient in FP8 too (Megatron's config.fp8_wgrad), else in bf16."""
     format: str
     recipe: str
+    wgrad: bool = True
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -70,7 +80,8 @@ class Fp8Recipe:
         if not fmt:
             return None
         recipe = getattr(config, "fp8_recipe", "delayed")
-        return Fp8Recipe(fmt, getattr(recipe, "value", recipe))   # megatron.core.enums.Fp8Recipe: a str enum
+        return Fp8Recipe(fmt, getattr(recipe, "value", recipe),   # megatron.core.enums.Fp8Recipe: a str enum
+                         bool(getattr(config, "fp8_wgrad", True)))
 
     @property
     def forward_format(self) -> str:
@@ -107,6 +118,30 @@ def quantize_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> Tuple[Q.ScaledFp
     if recipe.recipe == "blockwise":
         return Q.quantize_128x128(weight, recipe.forward_format, transposed=True)
     return Q.quantize_tensorwise(weight, recipe.forward_format, transposed=True)
+
+
+def fp8_weight_grad(dy: torch.Tensor, x: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+    """dy.T @ x [n, k] in dy's dtype, from dy [M, n] (the gradients' format) and x [M, k] (e4m3) each quantized
+    along the M tokens it contracts (module docstring)."""
+    if recipe.recipe == "blockwise":
+        if dy.shape[0] % Q.BLOCK:
+            raise ValueError(f"FP8 blockwise wgrad contracts over the tokens in 1x128 blocks: needs the tokens per "
+                             f"step (sequence x micro-batch) a multiple of {Q.BLOCK}; got {dy.shape[0]}. Change the "
+                             f"shape, or keep the weight gradient in bf16 with --no-fp8-wgrad")
+        a = Q.quantize_1x128_transposed(dy, recipe.grad_format)
+        b = Q.quantize_1x128_transposed(x, recipe.forward_format)
+    else:
+        a = Q.quantize_tensorwise_transposed(dy, recipe.grad_format)
+        b = Q.quantize_tensorwise_transposed(x, recipe.forward_format)
+    out = torch.empty(a.q.shape[0], b.q.shape[0], dtype=dy.dtype, device=dy.device)
+    scaled_mm(a, b, out)
+    return out
+
+
+def _wgrad(ctx, weight, dy, x):
+    """The layer's weight gradient (linear_functions.weight_grad), its product in FP8 where the recipe says so."""
+    product = (lambda: fp8_weight_grad(dy, x, ctx.recipe)) if ctx.recipe.wgrad else None
+    return weight_grad(ctx, weight, dy, x, product)
 
 
 def dequantize(x: Q.ScaledFp8, dtype: torch.dtype) -> torch.Tensor:
@@ -211,7 +246,7 @@ class Fp8ColumnParallelFn(torch.autograd.Function):
             reducing = gemm_rs(dy8, _kept(wt_q, wt_ds, ctx.wt_scaling), args.group,
                                config=fp8_op_config(args.config("gemm_rs")),
                                async_op=True, instance=args.instance)
-        dw = weight_grad(ctx, weight, dy, gathering.wait()) if need_dw else None
+        dw = _wgrad(ctx, weight, dy, gathering.wait()) if need_dw else None
         dx = reducing.wait() if reducing is not None else None
         db = dy.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
@@ -251,7 +286,7 @@ class Fp8RowParallelFn(torch.autograd.Function):
             if need_dw:
                 dz_full = (dequantize(dz8_full, dz.dtype) if dz8_full is not None
                            else gather_rows(dz, args.group, config).wait())
-                dw = weight_grad(ctx, weight, dz_full, y)
+                dw = _wgrad(ctx, weight, dz_full, y)
         # this rank's rows only; the bias carries sequence_parallel=True, so Megatron's finalize_model_grads
         # all-reduces it over the TP group (as for the bf16 layer)
         db = dz.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None

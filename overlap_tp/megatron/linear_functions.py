@@ -57,15 +57,20 @@ def _accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
     main_grad.add_(dy.t().matmul(x))   # the GEMM rounds to dy's dtype once, as the unfused path does
 
 
-def weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
+def weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor,
+                product: Optional[Callable[[], torch.Tensor]] = None):
     """The wgrad dy.T @ x, or with gradient_accumulation_fusion its accumulation into weight.main_grad and
     what Megatron's DDP expects back (Megatron's LinearWithGradAccumulationAndAsyncCommunication): a dummy
-    grad (zeros with zero_out_wgrad) with grad_added_to_main_grad = True where DDP tracks it, else None."""
+    grad (zeros with zero_out_wgrad) with grad_added_to_main_grad = True where DDP tracks it, else None.
+    product: computes dy.T @ x another way (the FP8 wgrad), in dy's dtype; then main_grad adds its result."""
     if not ctx.gradient_accumulation_fusion:
-        return dy.t().matmul(x)
+        return product() if product is not None else dy.t().matmul(x)
     main_grad = ctx.main_grad
     weight.main_grad = main_grad    # the layer may have been reused (MTP): restore what forward saw
-    _accumulate_wgrad(main_grad, dy, x)
+    if product is not None:
+        main_grad.add_(product())
+    else:
+        _accumulate_wgrad(main_grad, dy, x)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
