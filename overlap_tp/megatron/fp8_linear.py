@@ -216,6 +216,20 @@ def _kept(q, ds, scaling) -> Q.ScaledFp8:
     return Q.ScaledFp8(q, ds, scaling)
 
 
+def _forward(ctx, op: str, run, a, weight, bias, args, recipe: Fp8Recipe, cache: Fp8WeightCache):
+    """Both linears' forward: the op `run` (ag_gemm or gemm_rs, of kind `op`) on `a` quantized by rows and the layer's
+    W8, with what the backward needs kept on ctx (W8.T among it)."""
+    w8, wt8 = cache.get(weight, recipe)
+    a8 = quantize_rows(a, recipe.forward_format, recipe.row_scaling)
+    config = fp8_op_config(args.config(op))
+    out = args.observe(op, lambda: run(a8, w8, args.group, bias=bias, config=config, instance=args.instance),
+                       a, weight)
+    save_common(ctx, weight, bias, args)
+    ctx.recipe, ctx.wt_scaling = recipe, wt8.scaling
+    ctx.save_for_backward(a, weight, wt8.q, wt8.ds)
+    return out
+
+
 class Fp8ColumnParallelFn(torch.autograd.Function):
     """y = AG(x) @ W.T + b in FP8 (module docstring); x [m, K] this rank's rows, W [N/t, K]."""
 
@@ -223,15 +237,7 @@ class Fp8ColumnParallelFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, args, recipe: Fp8Recipe, cache: Fp8WeightCache):
         """args: the layer's linear_functions._LinearArgs (group, configs, plan instance, observer); cache: the
         layer's Fp8WeightCache."""
-        w8, wt8 = cache.get(weight, recipe)
-        x8 = quantize_rows(x, recipe.forward_format, recipe.row_scaling)
-        config = fp8_op_config(args.config("ag_gemm"))
-        out = args.observe("ag_gemm", lambda: ag_gemm(x8, w8, args.group, bias=bias, config=config,
-                                                      instance=args.instance), x, weight)
-        save_common(ctx, weight, bias, args)
-        ctx.recipe, ctx.wt_scaling = recipe, wt8.scaling
-        ctx.save_for_backward(x, weight, wt8.q, wt8.ds)
-        return out
+        return _forward(ctx, "ag_gemm", ag_gemm, x, weight, bias, args, recipe, cache)
 
     @staticmethod
     def backward(ctx, dy):
@@ -257,15 +263,7 @@ class Fp8RowParallelFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, y, weight, bias, args, recipe: Fp8Recipe, cache: Fp8WeightCache):
-        w8, wt8 = cache.get(weight, recipe)
-        y8 = quantize_rows(y, recipe.forward_format, recipe.row_scaling)
-        config = fp8_op_config(args.config("gemm_rs"))
-        out = args.observe("gemm_rs", lambda: gemm_rs(y8, w8, args.group, bias=bias, config=config,
-                                                      instance=args.instance), y, weight)
-        save_common(ctx, weight, bias, args)
-        ctx.recipe, ctx.wt_scaling = recipe, wt8.scaling
-        ctx.save_for_backward(y, weight, wt8.q, wt8.ds)
-        return out
+        return _forward(ctx, "gemm_rs", gemm_rs, y, weight, bias, args, recipe, cache)
 
     @staticmethod
     def backward(ctx, dz):

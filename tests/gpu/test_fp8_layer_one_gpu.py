@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
+from gpu_checks import replays_equal_eager
 from overlap_tp import OverlapConfig
 
 pytestmark = pytest.mark.gpu
@@ -137,7 +138,6 @@ def _check_pair(rank, world, fmt, recipe):
             assert _rel([out, h, dx, dw1, dw2][j], bf[j]) < loose, (what, name + " vs bf16")
 
     # captured forward + backward, replayed with fresh inputs and changed weights: bit for bit the eager step
-    from overlap_tp.tune.timing import CapturedCalls
     steps = [(torch.randn(m, 1, H, device="cuda", dtype=torch.bfloat16, generator=gen),
               torch.randn(m, 1, H, device="cuda", dtype=torch.bfloat16, generator=gen)) for _ in range(3)]
     weights = [(fc1.weight.detach().clone() * (1 + 0.1 * i), fc2.weight.detach().clone() * (1 - 0.1 * i))
@@ -148,25 +148,8 @@ def _check_pair(rank, world, fmt, recipe):
             fc1.weight.copy_(weights[i][0])
             fc2.weight.copy_(weights[i][1])
 
-    eager = []
-    for i, (x, g) in enumerate(steps):
-        load(i)
-        eager.append([t.detach().clone() for t in _step(fc1, fc2, x, g)])
-    static_x, static_g = steps[0][0].clone(), steps[0][1].clone()
-    captured = CapturedCalls(lambda x, g: _step(fc1, fc2, x, g), [(static_x, static_g)], warmup=2)
-    for replay in range(6):
-        i = replay % len(steps)
-        load(i)
-        static_x.copy_(steps[i][0])
-        static_g.copy_(steps[i][1])
-        if rank == 1 and replay % 3 == 1:
-            torch.cuda._sleep(100_000_000)
-        captured.graph.replay()
-        torch.cuda.synchronize()
-        for j, (got, want) in enumerate(zip(captured.outputs[0], eager[i])):
-            assert torch.equal(got, want), f"{fmt} {recipe} replay {replay} rank {rank}: tensor {j} differs"
-    del captured
-    torch.cuda.synchronize()
+    replays_equal_eager(lambda x, g: _step(fc1, fc2, x, g), steps, rank, replays=6, before=load, late=True,
+                        what=f"{fmt} {recipe} ")
     ps.destroy_model_parallel()
 
 

@@ -16,7 +16,6 @@ TE on PYTHONPATH):
 - the smoke recipe's first steps at TP 1 with OVERLAP=te: Megatron's TE layers through overlap_tp's launcher, for
   real (at TP 1 nothing is overlapped: the TE code paths of the launcher and the recipe are what runs).
 """
-import functools
 import os
 import re
 import subprocess
