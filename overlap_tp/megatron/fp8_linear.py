@@ -6,25 +6,27 @@ What runs in FP8, with sequence parallelism (the layers refuse FP8 without it):
     column (qkv, fc1)  forward  x [m, h] -quantize e4m3-> AllGather of x8 and its scales -FP8 GEMM, W8-> [t m, n] bf16
                        dgrad    dY [t m, n] -quantize (grad format)-> FP8 GEMM, W8.T -ReduceScatter of bf16
                                 partials-> dX [m, h]
-                       wgrad    dY.T @ AG(x), x re-gathered in bf16 beside the dgrad (as the bf16 layer), then
-                                both quantized along the tokens (below)
+                       wgrad    bf16: dY.T @ AG(x), x re-gathered in bf16 beside the dgrad (as the bf16 layer);
+                                in FP8 where asked (below)
     row (proj, fc2)    forward  y [M, k] -quantize e4m3-> FP8 GEMM, W8 -ReduceScatter of bf16 partials-> [M/t, n]
                        dgrad    dZ [M/t, n] -quantize (grad format)-> AllGather of dZ8 and its scales -FP8 GEMM,
                                 W8.T-> dY [M, k] bf16
-                       wgrad    dequantized gathered dZ8, transposed, @ y (the gathered gradient is reused: no
-                                second AllGather), both quantized along the tokens (below)
+                       wgrad    bf16: the gathered dZ8 dequantized, transposed, @ y (the gathered gradient is
+                                reused: no second AllGather); in FP8 where asked (below)
 
 Scalings: tensorwise, one scale per tensor, each rank's shard its own (so no amax collective: the gathered operand
 carries t scales); blockwise (DeepSeek-V3's), activations and gradients 1x128, weights 128x128 (kernels/fp8_quant.py).
 Formats: forward operands e4m3; gradients e4m3 (recipe `e4m3`) or e5m2 (`hybrid`). Outputs, partial sums and
 reductions stay bf16.
 
-The weight gradient contracts over the tokens, so its FP8 operands are the gradient and the input quantized along
-the tokens (K-major for wgmma): each read once in bf16 by a transposed quantizer (quantize_1x128_transposed, 1x128
-blocks along the tokens for both under blockwise, as DeepSeek-V3's wgrad; quantize_tensorwise_transposed), then
-torch's scaled GEMM (cuBLAS: the wgrad overlaps no communication, so it needs no signals), rounded to bf16 once and
-added to main_grad as the bf16 layer's unfused path does. Megatron's `--no-fp8-wgrad` (config.fp8_wgrad False)
-keeps it in bf16. Blockwise needs the tokens a multiple of 128.
+The weight gradient runs in bf16 unless OverlapSettings.fp8_wgrad (the config file's layers.fp8_wgrad) asks for FP8
+and Megatron's config.fp8_wgrad allows it (`--no-fp8-wgrad` keeps bf16): measured, the FP8 wgrad with its two
+quantizing passes runs at about the bf16 GEMM's speed (docs/fp8.md). In FP8 its operands are the gradient and the
+input quantized along the tokens it contracts (K-major for wgmma), each read once in bf16 by a transposed quantizer
+(quantize_1x128_transposed, 1x128 blocks along the tokens for both under blockwise, as DeepSeek-V3's wgrad, the
+gradient in e4m3 there; quantize_tensorwise_transposed), then torch's scaled GEMM (cuBLAS: the wgrad overlaps no
+communication, so it needs no signals), rounded to bf16 once and added to main_grad as the bf16 layer's unfused
+path does. Blockwise needs the tokens a multiple of 128.
 
 Weights: the weight and its transpose (the dgrad's K-major operand) are quantized in one pass (quantize_128x128 /
 quantize_tensorwise with transposed=True), by the layer's Fp8WeightCache: at every call, or once per optimizer step
@@ -60,10 +62,10 @@ SCALINGS = {"tensorwise": ("tensorwise", "tensorwise"), "blockwise": ("1x128", "
 @dataclass(frozen=True)
 class Fp8Recipe:
     """How a layer runs FP8: Megatron's format ("e4m3" | "hybrid") and recipe ("tensorwise" | "blockwise"); wgrad:
-    the weight gradient in FP8 too (Megatron's config.fp8_wgrad), else in bf16."""
+    the weight gradient in FP8 too, else in bf16."""
     format: str
     recipe: str
-    wgrad: bool = True
+    wgrad: bool = False
 
     def __post_init__(self):
         if self.format not in FORMATS:
@@ -74,14 +76,15 @@ class Fp8Recipe:
                              "Transformer Engine's)")
 
     @staticmethod
-    def of(config) -> Optional["Fp8Recipe"]:
-        """The recipe a Megatron TransformerConfig asks for (config.fp8, config.fp8_recipe), or None (no FP8)."""
+    def of(config, wgrad: bool = False) -> Optional["Fp8Recipe"]:
+        """The recipe a Megatron TransformerConfig asks for (config.fp8, config.fp8_recipe), or None (no FP8); the
+        wgrad in FP8 where `wgrad` (OverlapSettings.fp8_wgrad) and Megatron's config.fp8_wgrad both say so."""
         fmt = getattr(config, "fp8", None)
         if not fmt:
             return None
         recipe = getattr(config, "fp8_recipe", "delayed")
         return Fp8Recipe(fmt, getattr(recipe, "value", recipe),   # megatron.core.enums.Fp8Recipe: a str enum
-                         bool(getattr(config, "fp8_wgrad", True)))
+                         wgrad and bool(getattr(config, "fp8_wgrad", True)))
 
     @property
     def forward_format(self) -> str:
@@ -90,6 +93,12 @@ class Fp8Recipe:
     @property
     def grad_format(self) -> str:
         return FORMATS[self.format][1]
+
+    @property
+    def wgrad_grad_format(self) -> str:
+        """The gradient's format in the FP8 wgrad: the recipe's, except e4m3 under blockwise (cuBLAS's blockwise
+        GEMM takes e4m3 operands only; the 1x128 scales keep a gradient's range, as DeepSeek-V3's recipe does)."""
+        return "e4m3" if self.recipe == "blockwise" else self.grad_format
 
     @property
     def row_scaling(self) -> str:
@@ -121,17 +130,17 @@ def quantize_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> Tuple[Q.ScaledFp
 
 
 def fp8_weight_grad(dy: torch.Tensor, x: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
-    """dy.T @ x [n, k] in dy's dtype, from dy [M, n] (the gradients' format) and x [M, k] (e4m3) each quantized
+    """dy.T @ x [n, k] in dy's dtype, from dy [M, n] (recipe.wgrad_grad_format) and x [M, k] (e4m3) each quantized
     along the M tokens it contracts (module docstring)."""
     if recipe.recipe == "blockwise":
         if dy.shape[0] % Q.BLOCK:
             raise ValueError(f"FP8 blockwise wgrad contracts over the tokens in 1x128 blocks: needs the tokens per "
                              f"step (sequence x micro-batch) a multiple of {Q.BLOCK}; got {dy.shape[0]}. Change the "
                              f"shape, or keep the weight gradient in bf16 with --no-fp8-wgrad")
-        a = Q.quantize_1x128_transposed(dy, recipe.grad_format)
+        a = Q.quantize_1x128_transposed(dy, recipe.wgrad_grad_format)
         b = Q.quantize_1x128_transposed(x, recipe.forward_format)
     else:
-        a = Q.quantize_tensorwise_transposed(dy, recipe.grad_format)
+        a = Q.quantize_tensorwise_transposed(dy, recipe.wgrad_grad_format)
         b = Q.quantize_tensorwise_transposed(x, recipe.forward_format)
     out = torch.empty(a.q.shape[0], b.q.shape[0], dtype=dy.dtype, device=dy.device)
     scaled_mm(a, b, out)

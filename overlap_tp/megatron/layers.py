@@ -155,8 +155,9 @@ class _OverlapLinearBase(torch.nn.Module):
         if settings is not None and not isinstance(settings, OverlapSettings):
             raise TypeError(f"{layer}: settings must be an OverlapSettings, got {type(settings).__name__}")
         self.settings = settings if settings is not None else DEFAULT_SETTINGS
-        # FP8 (fp8_linear.py): Megatron's config.fp8 / fp8_recipe; the weights' FP8 copies
-        self.fp8 = Fp8Recipe.of(config)
+        # FP8 (fp8_linear.py): Megatron's config.fp8 / fp8_recipe (the wgrad too with settings.fp8_wgrad); the
+        # weights' FP8 copies
+        self.fp8 = Fp8Recipe.of(config, self.settings.fp8_wgrad)
         self.fp8_weights = Fp8WeightCache() if self.fp8 is not None else None
         # Megatron's hook adding a default empty _extra_state for state dict
         self._register_load_state_dict_pre_hook(

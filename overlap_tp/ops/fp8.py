@@ -220,6 +220,6 @@ def _scaled_product(a: ScaledFp8, w: ScaledFp8, dtype: torch.dtype) -> torch.Ten
             try:
                 return F.scaled_mm(q, w.q.t(), scale_view_1x128(a.ds), kinds.BlockWise1x128, w_view(w.ds), w_kind,
                                    output_dtype=dtype)
-            except RuntimeError as error:   # a cuBLAS without the blockwise kernel for this pair or shape
+            except (RuntimeError, ValueError) as error:   # no blockwise kernel for this pair, format or shape
                 _warn_float_product(f"{tuple(q.shape)} x {tuple(w.q.shape)} {a.scaling} x {w.scaling}", error)
     return (dequantize_reference(a) @ dequantize_reference(w).t()).to(dtype)

@@ -1,6 +1,7 @@
 """The FP8 linears (overlap_tp.megatron.fp8_linear) at t = 2 on ONE GPU over the p2p transport (two processes sharing
 it, as test_p2p_one_gpu.py): an MLP's column- and row-parallel pair (fc1 -> fc2, sequence parallel), both recipes
-(tensorwise, blockwise) and both formats (e4m3, hybrid), with method signal on p2p:
+(tensorwise, blockwise) and both formats (e4m3, hybrid), with method signal on p2p; the weight gradients in bf16
+under e4m3 and in FP8 (OverlapSettings.fp8_wgrad) under hybrid:
 - forward, input gradient and weight gradients against the float64 reference of the same FP8 operands (the reference
   quantizers, bit-equal to the kernels; each rank's shard with its own scales; the wgrad's operands quantized along
   the tokens), relative error below 2**-7 (the kernels' fp32 accumulation order and the bf16 rounding of outputs and
@@ -82,7 +83,9 @@ def _step(fc1, fc2, x, g):
     h.retain_grad()
     out, _ = fc2(h)
     out.backward(g)
-    return [out, h.detach(), xi.grad, fc1.weight.grad, fc2.weight.grad, h.grad]
+    # detached: a kept output would keep its autograd graph, whose parameters' AccumulateGrad nodes remember this
+    # eager step's stream, and a later captured backward would sync with it
+    return [out.detach(), h.detach(), xi.grad, fc1.weight.grad, fc2.weight.grad, h.grad]
 
 
 def _check_pair(rank, world, fmt, recipe):
@@ -93,8 +96,9 @@ def _check_pair(rank, world, fmt, recipe):
     warnings.filterwarnings("ignore")
     ps.initialize_model_parallel(tensor_model_parallel_size=world)
     group = ps.get_tensor_model_parallel_group()
-    settings = OverlapSettings().with_configs(P2P)
-    fp8 = Fp8Recipe(fmt, recipe)
+    fp8_wgrad = fmt == "hybrid"
+    settings = OverlapSettings(fp8_wgrad=fp8_wgrad).with_configs(P2P)
+    fp8 = Fp8Recipe(fmt, recipe, fp8_wgrad)
     act, wsc, gfmt = fp8.row_scaling, "128x128" if recipe == "blockwise" else "tensorwise", fp8.grad_format
     fc1, fc2 = _pair(world, fmt, recipe, settings)
     b1, b2 = _pair(world, None, None, settings)
@@ -123,12 +127,16 @@ def _check_pair(rank, world, fmt, recipe):
         gs = gathered(g.view(m, H))
         g8 = torch.cat([_dq(s, gfmt, act) for s in gs])
         assert _rel(dh.view(ROWS, -1), g8 @ _dq(fc2.weight.detach(), "e4m3", wsc)) < 2 ** -7, (what, "fc2 dgrad")
-        dw2_ref = _dq_t(g8.to(torch.bfloat16), gfmt, act) @ _dq_t(h.view(ROWS, -1), "e4m3", act).t()
+        wfmt, hh = fp8.wgrad_grad_format, h.view(ROWS, -1)
+        dw2_ref = (_dq_t(g8.to(torch.bfloat16), wfmt, act) @ _dq_t(hh, "e4m3", act).t() if fp8_wgrad
+                   else g8.to(torch.bfloat16).double().t() @ hh.double())
         assert _rel(dw2, dw2_ref) < 2 ** -7, (what, "fc2 wgrad")
         dhs = gathered(dh.view(ROWS, -1))
         dx_ref = sum(_dq(dhs[r], gfmt, act) @ _dq(w1s[r], "e4m3", wsc) for r in range(world))
         assert _rel(dx.view(m, H), dx_ref[rank * m:(rank + 1) * m]) < 2 ** -7, (what, "fc1 dgrad")
-        dw1_ref = _dq_t(dh.view(ROWS, -1), gfmt, act) @ _dq_t(torch.cat(xs), "e4m3", act).t()
+        dd, xx = dh.view(ROWS, -1), torch.cat(xs)
+        dw1_ref = (_dq_t(dd, wfmt, act) @ _dq_t(xx, "e4m3", act).t() if fp8_wgrad
+                   else dd.double().t() @ xx.double())
         assert _rel(dw1, dw1_ref) < 2 ** -7, (what, "fc1 wgrad")
         # against the bf16 layers: the FP8 rounding only
         bf = _step(b1, b2, x, g)

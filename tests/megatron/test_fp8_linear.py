@@ -2,8 +2,8 @@
 gradient and weight gradient of the column- and row-parallel layers against a float64 reference built from the
 reference quantizers (kernels/fp8_quant.py, bit-equal to the kernels): the same FP8 operands, each rank's shard with
 its own scales, dequantized and multiplied in float64. Both recipes (tensorwise, blockwise), both formats (e4m3, hybrid:
-e5m2 gradients), the ops 'off' and 'signal', the weight gradient in FP8 (operands quantized along the tokens) and, with
-Megatron's fp8_wgrad False, in bf16. What differs from the reference is the kernels' fp32 accumulation order
+e5m2 gradients), the ops 'off' and 'signal', the weight gradient in bf16 and (OverlapSettings.fp8_wgrad) in FP8, its
+operands quantized along the tokens. What differs from the reference is the kernels' fp32 accumulation order
 and the bf16 rounding of outputs and partial sums: relative error below 2**-7 (a bf16 ulp is 2**-8 relative, a sum
 of t bf16 partials adds up to t such roundings). The unit parts (recipe from Megatron's config, dequantize, the weight
 cache) run in one process."""
@@ -30,8 +30,9 @@ def test_the_recipe_comes_from_megatrons_config():
     from megatron.core.enums import Fp8Recipe as MegatronRecipe
     recipe = Fp8Recipe.of(SimpleNamespace(fp8="hybrid", fp8_recipe=MegatronRecipe.blockwise))
     assert (recipe.forward_format, recipe.grad_format, recipe.row_scaling) == ("e4m3", "e5m2", "1x128")
-    assert recipe.wgrad
-    assert not Fp8Recipe.of(SimpleNamespace(fp8="e4m3", fp8_recipe="tensorwise", fp8_wgrad=False)).wgrad
+    assert not recipe.wgrad   # bf16 unless asked, and Megatron's --no-fp8-wgrad wins
+    assert Fp8Recipe.of(SimpleNamespace(fp8="e4m3", fp8_recipe="tensorwise"), wgrad=True).wgrad
+    assert not Fp8Recipe.of(SimpleNamespace(fp8="e4m3", fp8_recipe="tensorwise", fp8_wgrad=False), wgrad=True).wgrad
     assert Fp8Recipe.of(SimpleNamespace(fp8=None)) is None
     with pytest.raises(ValueError, match="tensorwise or blockwise"):
         Fp8Recipe.of(SimpleNamespace(fp8="e4m3", fp8_recipe=MegatronRecipe.delayed))
@@ -89,7 +90,7 @@ def test_fp8_weight_grad_is_the_product_of_operands_quantized_along_the_tokens()
     for fmt, name in (("e4m3", "tensorwise"), ("hybrid", "blockwise")):
         recipe = Fp8Recipe(fmt, name)
         got = fp8_weight_grad(dy, x, recipe)
-        ref = _dq_t(dy, recipe.grad_format, recipe.row_scaling) @ _dq_t(x, "e4m3", recipe.row_scaling).t()
+        ref = _dq_t(dy, recipe.wgrad_grad_format, recipe.row_scaling) @ _dq_t(x, "e4m3", recipe.row_scaling).t()
         assert got.dtype == torch.bfloat16 and got.shape == (128, 384)
         assert _rel(got, ref) < 2 ** -8, (fmt, name)                            # rounded to bf16 once
         assert _rel(got, dy.double().t() @ x.double()) > 2 ** -7, (fmt, name)   # and not the bf16 product
@@ -127,10 +128,10 @@ def _check(rank, world):
         act, wsc, gfmt = recipe.row_scaling, "128x128" if name == "blockwise" else "tensorwise", recipe.grad_format
         config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=4, use_cpu_initialization=True,
                                    params_dtype=torch.bfloat16, bf16=True, tensor_model_parallel_size=world,
-                                   sequence_parallel=True, fp8=fmt, fp8_recipe=name, fp8_wgrad=fp8_wgrad)
+                                   sequence_parallel=True, fp8=fmt, fp8_recipe=name)
         for method, op_config in CONFIGS.items():
             what = f"{fmt} {name} {method} fp8_wgrad={fp8_wgrad}"
-            settings = OverlapSettings().with_configs(op_config)
+            settings = OverlapSettings(fp8_wgrad=fp8_wgrad).with_configs(op_config)
             gen = torch.Generator().manual_seed(11)
             torch.manual_seed(1234)
             init = lambda w: torch.nn.init.normal_(w, std=0.05)   # noqa: E731
@@ -151,7 +152,8 @@ def _check(rank, world):
             assert _rel(out.reshape(-1, FFN // world), out_ref) < TOL, (what, "column out")
             dx_ref = sum(_dq(dys[r], gfmt, act) @ _dq(ws[r], "e4m3", wsc) for r in range(world))
             assert _rel(x.grad, dx_ref[rank * m:(rank + 1) * m]) < TOL, (what, "column dgrad")
-            dw_ref = (_dq_t(dy, gfmt, act) @ _dq_t(torch.cat(xs), "e4m3", act).t() if fp8_wgrad
+            wfmt = recipe.wgrad_grad_format
+            dw_ref = (_dq_t(dy, wfmt, act) @ _dq_t(torch.cat(xs), "e4m3", act).t() if fp8_wgrad
                       else dy.double().t() @ torch.cat(xs).double())
             assert _rel(col.weight.grad, dw_ref) < TOL, (what, "column wgrad")
             assert torch.allclose(col.bias.grad.double(), dy.double().sum(0), rtol=1e-2, atol=1e-2), what
@@ -170,7 +172,7 @@ def _check(rank, world):
             dz8 = torch.cat([_dq(s, gfmt, act) for s in dzs])
             assert _rel(y.grad, dz8 @ _dq(row.weight.detach(), "e4m3", wsc)) < TOL, (what, "row dgrad")
             dz_full = dz8.to(torch.bfloat16)   # the gathered gradient as the layer dequantizes it
-            dw_ref = (_dq_t(dz_full, gfmt, act) @ _dq_t(y.detach(), "e4m3", act).t() if fp8_wgrad
+            dw_ref = (_dq_t(dz_full, wfmt, act) @ _dq_t(y.detach(), "e4m3", act).t() if fp8_wgrad
                       else dz_full.double().t() @ y.detach().double())
             assert _rel(row.weight.grad, dw_ref) < TOL, (what, "row wgrad")
     ps.destroy_model_parallel()
