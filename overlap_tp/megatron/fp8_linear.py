@@ -129,9 +129,11 @@ def quantize_weight(weight: torch.Tensor, recipe: Fp8Recipe) -> Tuple[Q.ScaledFp
     return Q.quantize_tensorwise(weight, recipe.forward_format, transposed=True)
 
 
-def fp8_weight_grad(dy: torch.Tensor, x: torch.Tensor, recipe: Fp8Recipe) -> torch.Tensor:
+def fp8_weight_grad(dy: torch.Tensor, x: torch.Tensor, recipe: Fp8Recipe,
+                    dy_t8: Optional[Q.ScaledFp8] = None) -> torch.Tensor:
     """dy.T @ x [n, k] in dy's dtype, from dy [M, n] (recipe.wgrad_grad_format) and x [M, k] (e4m3) each quantized
-    along the M tokens it contracts (module docstring)."""
+    along the M tokens it contracts (module docstring). dy_t8: dy.T quantized already (tensorwise: the transposed
+    copy the dgrad's quantizer wrote beside its own, quantize_grad)."""
     if recipe.recipe == "blockwise":
         if dy.shape[0] % Q.BLOCK:
             raise ValueError(f"FP8 blockwise wgrad contracts over the tokens in 1x128 blocks: needs the tokens per "
@@ -140,16 +142,25 @@ def fp8_weight_grad(dy: torch.Tensor, x: torch.Tensor, recipe: Fp8Recipe) -> tor
         a = Q.quantize_1x128_transposed(dy, recipe.wgrad_grad_format)
         b = Q.quantize_1x128_transposed(x, recipe.forward_format)
     else:
-        a = Q.quantize_tensorwise_transposed(dy, recipe.wgrad_grad_format)
+        a = dy_t8 if dy_t8 is not None else Q.quantize_tensorwise_transposed(dy, recipe.wgrad_grad_format)
         b = Q.quantize_tensorwise_transposed(x, recipe.forward_format)
     out = torch.empty(a.q.shape[0], b.q.shape[0], dtype=dy.dtype, device=dy.device)
     scaled_mm(a, b, out)
     return out
 
 
-def _wgrad(ctx, weight, dy, x):
+def quantize_grad(dy: torch.Tensor, recipe: Fp8Recipe) -> Tuple[Q.ScaledFp8, Optional[Q.ScaledFp8]]:
+    """(dY8 for the dgrad, dY.T8 for an FP8 wgrad or None). Tensorwise with the FP8 wgrad: both from one amax pass and
+    one quantizing pass over dy (the same scale and format); otherwise dY8 alone (blockwise's wgrad blocks run along
+    the tokens, so fp8_weight_grad quantizes its own copy)."""
+    if recipe.wgrad and recipe.recipe == "tensorwise":
+        return Q.quantize_tensorwise(dy, recipe.grad_format, transposed=True)
+    return quantize_rows(dy, recipe.grad_format, recipe.row_scaling), None
+
+
+def _wgrad(ctx, weight, dy, x, dy_t8=None):
     """The layer's weight gradient (linear_functions.weight_grad), its product in FP8 where the recipe says so."""
-    product = (lambda: fp8_weight_grad(dy, x, ctx.recipe)) if ctx.recipe.wgrad else None
+    product = (lambda: fp8_weight_grad(dy, x, ctx.recipe, dy_t8)) if ctx.recipe.wgrad else None
     return weight_grad(ctx, weight, dy, x, product)
 
 
@@ -255,13 +266,13 @@ class Fp8ColumnParallelFn(torch.autograd.Function):
         dy = dy.contiguous()
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gathering = gather_rows(x, args.group, args.config("ag_gemm")) if need_dw else None
-        reducing = None
+        reducing = dy_t8 = None
         if need_dx:
-            dy8 = quantize_rows(dy, recipe.grad_format, recipe.row_scaling)
+            dy8, dy_t8 = quantize_grad(dy, recipe)
             reducing = gemm_rs(dy8, _kept(wt_q, wt_ds, ctx.wt_scaling), args.group,
                                config=fp8_op_config(args.config("gemm_rs")),
                                async_op=True, instance=args.instance)
-        dw = _wgrad(ctx, weight, dy, gathering.wait()) if need_dw else None
+        dw = _wgrad(ctx, weight, dy, gathering.wait(), dy_t8) if need_dw else None
         dx = reducing.wait() if reducing is not None else None
         db = dy.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None, None
