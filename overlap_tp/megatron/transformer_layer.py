@@ -24,7 +24,8 @@ TransformerLayer unchanged, and says so once (a warning naming the reason).
 The MLP boundary, the same fusion across two layers: Megatron runs this layer's MLP bias-dropout-add, then
 the next layer's input_layernorm on its output. Two layers are linked when they are built: Megatron's
 TransformerBlock builds its layers one after the other with one config and consecutive layer numbers, and passes
-each layer's output straight to the next. The previous layer's `mlp_bda` then runs the fused kernel with the next
+each layer's output straight to the next; the layers built from one block spec share a LayerChain (the layer spec's
+params), which links each to the one built before it. The previous layer's `mlp_bda` then runs the fused kernel with the next
 layer's norm weight and hands the normalized rows to that norm (OverlapRMSNorm.hand_over), which returns them
 instead of normalizing again; fc2's p2p sum is left to the same kernel. Linked at build time, not at the first
 forward, so that every forward runs the same kernels: a process's first microbatch included, which is what makes a
@@ -86,7 +87,7 @@ from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
 from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OverlapSettings
 from overlap_tp.megatron.wgrad_handoff import WgradHandoff
 
-__all__ = ["OverlapTransformerLayer"]
+__all__ = ["LayerChain", "OverlapTransformerLayer"]
 
 _warned = set()
 
@@ -95,8 +96,24 @@ def _warn_once(message: str):
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message)
-# the last OverlapTransformerLayer built, as a weak reference: the next one built links to it (the MLP boundary)
-_last_built = [None]
+class LayerChain:
+    """The OverlapTransformerLayers built from one block spec, in build order (the layer spec's params carry it to
+    every layer the spec builds, dense and MoE alike): link(layer) returns the layer built just before it, held
+    weakly, or None, and remembers `layer` for the next. OverlapTransformerLayer links the two where they are
+    consecutive layers of one block (_link_to_previous_built)."""
+
+    def __init__(self):
+        self._last = None
+
+    def __deepcopy__(self, memo):
+        """A copy of a layer spec (one per layer, as overlap_tp.bench.reference_spec.gpt_block_spec makes) builds
+        layers of the same block: it keeps the chain."""
+        return self
+
+    def link(self, layer) -> Optional["OverlapTransformerLayer"]:
+        previous = self._last() if self._last is not None else None
+        self._last = weakref.ref(layer)
+        return previous
 
 
 def _sum_deferred(linear: OverlapRowParallelLinear, block, defer: bool = True):
@@ -144,9 +161,11 @@ def captured_per_layer(config) -> bool:
 class OverlapTransformerLayer(TransformerLayer):
     """TransformerLayer whose self-attention bias-dropout-add and pre-MLP RMSNorm run as one kernel."""
 
-    def __init__(self, *args, settings: Optional[OverlapSettings] = None, **kwargs):
+    def __init__(self, *args, settings: Optional[OverlapSettings] = None, chain: Optional[LayerChain] = None,
+                 **kwargs):
         """settings: gather_in_place, defer_wgrad and token_split are read here (the layer spec passes the same
-        OverlapSettings to the layer and to its linears)."""
+        OverlapSettings to the layer and to its linears); chain: the LayerChain of the block spec this layer is built
+        from (None: the layer links to no other, its MLP boundary unfused)."""
         super().__init__(*args, **kwargs)
         if settings is not None and not isinstance(settings, OverlapSettings):
             raise TypeError(f"OverlapTransformerLayer: settings must be an OverlapSettings, got "
@@ -177,6 +196,7 @@ class OverlapTransformerLayer(TransformerLayer):
         self.takes_input_handover = (type(self.input_layernorm) is OverlapRMSNorm
                                      and not getattr(self, "recompute_input_layernorm", False)
                                      and not getattr(self, "offload_attn_norm", False))
+        self.chain = chain
         self._link_to_previous_built()
         # the backward mirror: the column-parallel layers whose input is a norm's output and nothing else's (qkv, a
         # dense MLP's fc1) leave their dgrad's p2p sum to that norm's backward kernel
@@ -227,6 +247,9 @@ class OverlapTransformerLayer(TransformerLayer):
             reason = "pipeline parallelism keeps several micro-batches' gathered inputs alive at once"
         elif getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
             reason = "activations are offloaded to the CPU"
+        elif getattr(config, "fp8", None):
+            reason = ("the linears run FP8 (their AllGathers move the quantized rows, not the norm's output; "
+                      "overlap_tp.megatron.fp8_linear)")
         if reason is not None:
             if reason not in _warned:
                 _warned.add(reason)
@@ -394,8 +417,9 @@ class OverlapTransformerLayer(TransformerLayer):
         of one block: the same config object and the next layer number (TransformerBlock builds its layers in
         order; virtual pipeline chunks, separate models and the next pipeline stage fail one of the two). Never an
         MTP layer: each is fed through its own projection, and MTP layers are numbered 1, 2, ... of their own."""
-        previous = _last_built[0]() if _last_built[0] is not None else None
-        _last_built[0] = weakref.ref(self)
+        if self.chain is None:
+            return
+        previous = self.chain.link(self)
         if (previous is not None and previous.config is self.config and previous.layer_number + 1 == self.layer_number
                 and previous.fused_mlp_boundary and self.takes_input_handover
                 and not getattr(previous, "is_mtp_layer", False) and not getattr(self, "is_mtp_layer", False)):
