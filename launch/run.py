@@ -4,7 +4,7 @@ training script unchanged, with overlap_tp.
 Use it under torchrun in place of the script:
 
     torchrun --nproc-per-node 2 -m overlap_tp.launch.run /path/to/Megatron-LM/pretrain_gpt.py \\
-        --tensor-model-parallel-size 2 --sequence-parallel ... --overlap-tp signal
+        --tensor-model-parallel-size 2 --sequence-parallel ... --overlap-tp auto
 
 What it does before running SCRIPT as `__main__` (with SCRIPT's folder first on sys.path and
 sys.argv = [SCRIPT, ARGS...], as `python SCRIPT ARGS...` would):
@@ -55,10 +55,12 @@ class LaunchError(SystemExit):
 
 def _help_parser():
     from overlap_tp.megatron.arguments import add_overlap_args
+    summary = __doc__.split("What it does")[0].strip()   # the user tier follows at once, the details last
     parser = argparse.ArgumentParser(
-        prog=PROG, usage=USAGE, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=PROG, usage=USAGE, description=summary, formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="ARGS are the script's and Megatron's flags plus overlap_tp's (above); "
-               f"`{PROG} SCRIPT --help` lists them all (needs megatron.training).")
+               f"`{PROG} SCRIPT --help` lists them all (needs megatron.training). What the launcher does "
+               f"before SCRIPT runs: `python -m pydoc overlap_tp.launch.run`; the flags: docs/flags.md.")
     return add_overlap_args(parser)
 
 

@@ -191,7 +191,13 @@ def test_flag_instead_of_script_and_bare_help(capsys):
     with pytest.raises(SystemExit, match="expected the training script first"):
         launcher.main(["--overlap-tp", "signal"])
     assert launcher.main(["--help"]) == 0   # lists overlap_tp's flags without Megatron
-    assert "--overlap-tp-config" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "--overlap-tp-config" in text
+    # the user tier first and short: its group within the first screen, before the expert tier and the details
+    lines = text.splitlines()
+    user = next(i for i, line in enumerate(lines) if line.startswith("overlap_tp:"))
+    assert user < 25 and user < next(i for i, line in enumerate(lines) if line.startswith("overlap_tp (expert):"))
+    assert "separate_adam_steps" not in text
     assert launcher.main([]) == 2
 
 
