@@ -3,7 +3,8 @@ tensorwise|blockwise`, on overlap_tp's FP8 ops (Transformer Engine not needed).
 
 What runs in FP8, with sequence parallelism (the layers refuse FP8 without it):
 
-    column (qkv, fc1)  forward  x [m, h] -quantize e4m3-> AllGather of x8 and its scales -FP8 GEMM, W8-> [t m, n] bf16
+    column (qkv, fc1)  forward  x [m, h] -quantize e4m3 (in the norm's pass where one feeds it: norm.fp8_rows)->
+                                AllGather of x8 and its scales -FP8 GEMM, W8-> [t m, n] bf16
                        dgrad    dY [t m, n] -quantize (grad format)-> FP8 GEMM, W8.T -ReduceScatter of bf16
                                 partials-> dX [m, h]
                        wgrad    bf16: dY.T @ AG(x), x re-gathered in bf16 beside the dgrad (as the bf16 layer);
@@ -236,11 +237,14 @@ def _kept(q, ds, scaling) -> Q.ScaledFp8:
     return Q.ScaledFp8(q, ds, scaling)
 
 
-def _forward(ctx, op: str, run, a, weight, bias, args, recipe: Fp8Recipe, cache: Fp8WeightCache):
-    """Both linears' forward: the op `run` (ag_gemm or gemm_rs, of kind `op`) on `a` quantized by rows and the layer's
-    W8, with what the backward needs kept on ctx (W8.T among it)."""
+def _forward(ctx, op: str, run, a, weight, bias, args, recipe: Fp8Recipe, cache: Fp8WeightCache,
+             a8: Optional[Q.ScaledFp8] = None):
+    """Both linears' forward: the op `run` (ag_gemm or gemm_rs, of kind `op`) on `a` quantized by rows (or on `a8`,
+    a's rows quantized already: the norm's FP8 copy) and the layer's W8, with what the backward needs kept on ctx
+    (W8.T among it)."""
     w8, wt8 = cache.get(weight, recipe)
-    a8 = quantize_rows(a, recipe.forward_format, recipe.row_scaling)
+    if a8 is None:
+        a8 = quantize_rows(a, recipe.forward_format, recipe.row_scaling)
     config = fp8_op_config(args.config(op))
     out = args.observe(op, lambda: run(a8, w8, args.group, bias=bias, config=config, instance=args.instance),
                        a, weight)
@@ -254,10 +258,12 @@ class Fp8ColumnParallelFn(torch.autograd.Function):
     """y = AG(x) @ W.T + b in FP8 (module docstring); x [m, K] this rank's rows, W [N/t, K]."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, args, recipe: Fp8Recipe, cache: Fp8WeightCache):
+    def forward(ctx, x, weight, bias, args, recipe: Fp8Recipe, cache: Fp8WeightCache,
+                x8: Optional[Q.ScaledFp8] = None):
         """args: the layer's linear_functions._LinearArgs (group, configs, plan instance, observer); cache: the
-        layer's Fp8WeightCache."""
-        return _forward(ctx, "ag_gemm", ag_gemm, x, weight, bias, args, recipe, cache)
+        layer's Fp8WeightCache; x8: x's rows quantized already (recipe.forward_format, recipe.row_scaling: the
+        norm's FP8 copy, norm.fp8_rows), else x is quantized here."""
+        return _forward(ctx, "ag_gemm", ag_gemm, x, weight, bias, args, recipe, cache, x8)
 
     @staticmethod
     def backward(ctx, dy):
@@ -275,7 +281,7 @@ class Fp8ColumnParallelFn(torch.autograd.Function):
         dw = _wgrad(ctx, weight, dy, gathering.wait(), dy_t8) if need_dw else None
         dx = reducing.wait() if reducing is not None else None
         db = dy.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class Fp8RowParallelFn(torch.autograd.Function):

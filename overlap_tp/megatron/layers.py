@@ -45,6 +45,7 @@ from overlap_tp.megatron.fp8_linear import Fp8ColumnParallelFn, Fp8Recipe, Fp8Ro
 from overlap_tp.megatron.linear_functions import (LayerOverlapConfig, _check_main_grad, _ColumnParallelFn,
                                                   _GatherLastDim, _LinearArgs, _resolve_config, _RowParallelFn,
                                                   _ScatterLastDim)
+from overlap_tp.megatron.norm import fp8_rows
 from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OP_KINDS, OverlapSettings
 from overlap_tp.ops.ag_gemm import OwnGather
 from overlap_tp.ops.config import OverlapConfig
@@ -314,8 +315,9 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         args = _LinearArgs(self, self.allreduce_dgrad, dgrad_link=link, own_gather=own,
                            wgrad_handoff=self.wgrad_handoff if own is not None else None)
         _check_main_grad(weight, self.gradient_accumulation_fusion)
-        if self.fp8 is not None:
-            out2d = Fp8ColumnParallelFn.apply(x2d, weight, bias, args, self.fp8, self.fp8_weights)
+        if self.fp8 is not None:   # the rows' FP8 copy, where the norm that produced them wrote one (norm.py)
+            x8 = fp8_rows(input_, self.fp8.forward_format, self.fp8.row_scaling)
+            out2d = Fp8ColumnParallelFn.apply(x2d, weight, bias, args, self.fp8, self.fp8_weights, x8)
         else:
             out2d = _ColumnParallelFn.apply(x2d, weight, bias, args)
         rows = input_.shape[0] * (get_pg_size(self.tp_group) if self.sequence_parallel else 1)

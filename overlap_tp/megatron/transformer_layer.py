@@ -83,7 +83,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 import torch
 
 from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
-from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
+from overlap_tp.kernels.fp8_quant import BLOCK as FP8_BLOCK
+from overlap_tp.megatron.norm import Fp8Output, OverlapRMSNorm, fused_add_rmsnorm
 from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OverlapSettings
 from overlap_tp.megatron.wgrad_handoff import WgradHandoff
 
@@ -206,6 +207,7 @@ class OverlapTransformerLayer(TransformerLayer):
                 linear.sum_dgrad_in_norm = True
         if settings.gather_in_place:
             self._gather_inputs_in_place()
+        self._quantize_inputs_in_norms()
         self.token_split = False
         if settings.token_split:
             reason = self._unsplittable_reason()
@@ -256,8 +258,7 @@ class OverlapTransformerLayer(TransformerLayer):
                 warnings.warn(f"OverlapTransformerLayer: gather-in-place is off because {reason}; the "
                               f"AllGathers stage their inputs and the backward re-gathers them")
             return
-        pairs = ((self.input_layernorm, getattr(self.self_attention, "linear_qkv", None)),
-                 (self.pre_mlp_layernorm, getattr(self.mlp, "linear_fc1", None) if type(self.mlp) is MLP else None))
+        pairs = self._norm_fed_linears()
         for norm, linear in pairs:
             if type(norm) is OverlapRMSNorm and isinstance(linear, OverlapColumnParallelLinear):
                 linear.gather_in_place = True
@@ -267,6 +268,22 @@ class OverlapTransformerLayer(TransformerLayer):
                 and isinstance(proj, OverlapRowParallelLinear) and proj.sequence_parallel):
             # fc1's wgrad runs beside proj's dgrad AllGather (WgradHandoff): fc1's backward leaves it, proj's takes it
             fc1.wgrad_handoff = proj.wgrad_handoff = WgradHandoff(fc1)
+
+    def _norm_fed_linears(self):
+        """(norm, column-parallel linear) where the linear's input is the norm's output and nothing else's:
+        (input_layernorm, linear_qkv) and, with a dense MLP, (pre_mlp_layernorm, linear_fc1)."""
+        return ((self.input_layernorm, getattr(self.self_attention, "linear_qkv", None)),
+                (self.pre_mlp_layernorm, getattr(self.mlp, "linear_fc1", None) if type(self.mlp) is MLP else None))
+
+    def _quantize_inputs_in_norms(self):
+        """An FP8 linear_qkv / dense linear_fc1 fed by an OverlapRMSNorm takes its input's FP8 copy from that norm's
+        pass (norm.py, fp8_output; bit-equal to quantizing it in the linear, one pass over the rows less)."""
+        for norm, linear in self._norm_fed_linears():
+            recipe = getattr(linear, "fp8", None)
+            if (type(norm) is OverlapRMSNorm and isinstance(linear, OverlapColumnParallelLinear)
+                    and recipe is not None and linear.sequence_parallel
+                    and (recipe.row_scaling != "1x128" or linear.input_size % FP8_BLOCK == 0)):
+                norm.fp8_output = Fp8Output(recipe.forward_format, recipe.row_scaling)
 
     def _unfusable_reason(self) -> Optional[str]:
         if type(self.pre_mlp_layernorm) is not OverlapRMSNorm:
@@ -295,7 +312,7 @@ class OverlapTransformerLayer(TransformerLayer):
             normed, hidden = fused_add_rmsnorm(
                 x, residual, norm.weight, bias, eps=norm.eps, zero_centered_gamma=norm.zero_centered_gamma,
                 dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum,
-                y_out=norm.output_buffer(residual.shape, x.dtype, x.device))
+                y_out=norm.output_buffer(residual.shape, x.dtype, x.device), fp8=norm.fp8_output)
             norm.hand_over(hidden, normed)
             return hidden
 
@@ -447,7 +464,7 @@ class OverlapTransformerLayer(TransformerLayer):
             normed, hidden = fused_add_rmsnorm(
                 x, residual, norm.weight, bias, eps=norm.eps, zero_centered_gamma=norm.zero_centered_gamma,
                 dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum,
-                y_out=norm.output_buffer(residual.shape, x.dtype, x.device))
+                y_out=norm.output_buffer(residual.shape, x.dtype, x.device), fp8=norm.fp8_output)
             norm.hand_over(hidden, normed)
             return hidden
 

@@ -11,6 +11,8 @@ under e4m3 and in FP8 (OverlapSettings.fp8_wgrad) under hybrid:
 - the pair captured forward + backward in one CUDA graph and replayed with fresh inputs, bit for bit the eager step,
   one rank late before some replays; with the weights changed in place between replays (the graph quantizes them
   inside, so a replay reads the current weights).
+- two linked TransformerLayers in FP8: the norms writing the FP8 rows that linear_qkv and linear_fc1 read (norm.py)
+  give bit for bit what the linears quantizing their inputs give, eager and replayed.
 Run: `pytest -m gpu tests/gpu/test_fp8_layer_one_gpu.py` (about a minute)."""
 import functools
 import os
@@ -165,3 +167,44 @@ def _check_pair(rank, world, fmt, recipe):
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
 def test_fp8_mlp_pair_on_the_p2p_transport_at_t2_on_one_gpu(fmt, recipe):
     run_distributed(T, _on_one_gpu, functools.partial(_check_pair, fmt=fmt, recipe=recipe), backend="gloo")
+
+
+def _check_norms_fp8(rank, world, fmt, recipe):
+    """Two linked overlap TransformerLayers in FP8 (test_layers_gpu.py's small Llama-like layer, p2p signal,
+    deterministic attention): with the norms writing the FP8 rows linear_qkv and linear_fc1 read (norm.py's
+    fp8_output, the default) against the same pair with it off (each linear quantizing its input): outputs, input
+    grad and every parameter grad bit for bit over fresh steps; then the pair captured forward + backward and
+    replayed, bit for bit its eager steps."""
+    import test_layers_gpu as L
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    L._quiet()
+    L._deterministic()
+    ps = L._setup(world, "cuda")
+    dims = L.LAYER_SIZES["small"]
+    config = TransformerConfig(num_layers=2, hidden_size=dims["hidden"], num_attention_heads=dims["heads"],
+                               num_query_groups=dims["groups"], ffn_hidden_size=dims["ffn"],
+                               params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
+                               tensor_model_parallel_size=world, sequence_parallel=True, hidden_dropout=0.0,
+                               attention_dropout=0.0, add_bias_linear=False, gated_linear_unit=True,
+                               init_method_std=0.02, deterministic_mode=True, fp8=fmt, fp8_recipe=recipe)
+    configs = L._p2p_configs("signal")
+    fused, unfused = L._linked_pair(config, configs, 78), L._linked_pair(config, configs, 78)
+    for layer in unfused:
+        assert layer.input_layernorm.fp8_output is not None and layer.pre_mlp_layernorm.fp8_output is not None
+        layer.input_layernorm.fp8_output = layer.pre_mlp_layernorm.fp8_output = None
+
+    def step(pair, x, g):
+        return [t.detach() for t in L._fwd_bwd(pair, x, g)]
+
+    steps = list(L._fresh_steps(6 + rank, 4096 // world, dims["hidden"], 3))
+    for i, (x, g) in enumerate(steps):
+        for j, (a, b) in enumerate(zip(step(fused, x, g), step(unfused, x, g))):
+            assert torch.isfinite(a.float()).all() and torch.equal(a, b), \
+                f"{fmt} {recipe} step {i} rank {rank}: tensor {j} differs from the linears quantizing themselves"
+    replays_equal_eager(lambda x, g: step(fused, x, g), steps, rank, replays=4, what=f"{fmt} {recipe} ")
+    ps.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("fmt, recipe", [("e4m3", "tensorwise"), ("hybrid", "blockwise")])
+def test_norms_write_the_fp8_rows_of_qkv_and_fc1_at_t2_on_one_gpu(fmt, recipe):
+    run_distributed(T, _on_one_gpu, functools.partial(_check_norms_fp8, fmt=fmt, recipe=recipe), backend="gloo")

@@ -180,3 +180,70 @@ def _check(rank, world):
 
 def test_fp8_linears_forward_and_backward_at_t2():
     run_distributed(2, _check)
+
+
+def _check_norms_quantize_for_the_linears(rank, world):
+    """Two linked overlap layers (get_gpt_layer_overlap_spec, layer numbers 1 and 2) under each recipe: the first
+    layer's input norm, both fused attention bdas and the first layer's fused MLP bda (the second layer's input norm,
+    handed over) write the FP8 copies that linear_qkv and linear_fc1 read (norm.py's fp8_output), so those linears
+    quantize nothing; outputs, input grad and every parameter grad bit for bit those of the same layers with the
+    norms' FP8 output off (each linear quantizing its input itself)."""
+    import os
+    import warnings
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from overlap_tp.megatron import layers
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.norm import Fp8Output
+    from overlap_tp.megatron.settings import OverlapSettings
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    real_fp8_rows, taken = layers.fp8_rows, []
+
+    def counted_fp8_rows(x, fmt, scaling):
+        rows8 = real_fp8_rows(x, fmt, scaling)
+        taken.append(rows8 is not None)
+        return rows8
+
+    gen = torch.Generator().manual_seed(3)
+    hidden = 2 * H   # every K a multiple of 128 at t = 2 (linear_proj's: the heads' width over t)
+    x = torch.randn(SEQ // world, BATCH, hidden, generator=gen).to(torch.bfloat16)
+    g = torch.randn(SEQ // world, BATCH, hidden, generator=gen).to(torch.bfloat16)
+    spec = get_gpt_layer_overlap_spec(settings=OverlapSettings().with_configs(CONFIGS["off"]))
+    layers.fp8_rows = counted_fp8_rows
+    try:
+        for fmt, name in (("e4m3", "tensorwise"), ("hybrid", "blockwise")):
+            config = TransformerConfig(
+                num_layers=2, hidden_size=hidden, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=FFN,
+                use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True, normalization="RMSNorm",
+                tensor_model_parallel_size=world, sequence_parallel=True, hidden_dropout=0.0, attention_dropout=0.0,
+                add_bias_linear=False, gated_linear_unit=True, init_method_std=0.05, fp8=fmt, fp8_recipe=name)
+            recipe = Fp8Recipe(fmt, name)
+
+            def run(norms_quantize):
+                torch.manual_seed(99)
+                built = [build_module(spec, config=config, layer_number=n) for n in (1, 2)]
+                for layer in built:
+                    for norm in (layer.input_layernorm, layer.pre_mlp_layernorm):
+                        assert norm.fp8_output == Fp8Output(recipe.forward_format, recipe.row_scaling)
+                        if not norms_quantize:
+                            norm.fp8_output = None
+                taken.clear()
+                xi = x.clone().requires_grad_(True)
+                out, _ = built[1](hidden_states=built[0](hidden_states=xi, attention_mask=None)[0],
+                                  attention_mask=None)
+                out.backward(g)
+                assert taken == [norms_quantize] * 4, (fmt, name, taken)   # qkv and fc1 of both layers
+                return [out, xi.grad] + [p.grad for layer in built for p in layer.parameters()]
+
+            for got, want in zip(run(True), run(False)):
+                assert torch.equal(got, want), (fmt, name)
+    finally:
+        layers.fp8_rows = real_fp8_rows
+    ps.destroy_model_parallel()
+
+
+def test_norms_write_the_fp8_rows_their_linears_read_at_t2():
+    run_distributed(2, _check_norms_quantize_for_the_linears)
