@@ -15,7 +15,9 @@ main loop and the first step of the epilogue differ:
   their own amax (no collective for a global amax).
 - blockwise (a "1x128"; w "128x128" or "1x128"): BLOCK_K = 128, and each K step's product is promoted into the fp32
   accumulator with its scales (FP32 promotion per 128 of K): acc += dot(a_blk, w_blk.T) * sa[rows, k][:, None] *
-  sw[k, cols][None, :], sw of a column being its 128x128 block's (or, for 1x128 w, its row's) scale. `a.ds` is
+  sw[k, cols][None, :], sw of a column being its 128x128 block's (or, for 1x128 w, its row's) scale; a tile no
+  wider than 128 lies in one 128x128 block (tiles start at multiples of BLOCK_N), so its weight scale is one scalar
+  per K step and the promotion one multiply-add per element: acc += dot(...) * (sa * sw)[:, None]. `a.ds` is
   stored [K/128, M], or for a gathered A [G, K/128, M/G]: every shard's scales as its rank quantized them, stacked
   (fp8_quant's layouts), so an AllGather moves them as they are. A row's scales are found from its shard,
   row // (M/G), once per tile; G = 1 is the plain layout.
@@ -78,6 +80,7 @@ def fp8_signaled_gemm_kernel(
         shard = rows // rows_per_scale
         sa_ptrs = sa_ptr + shard * (k_steps * rows_per_scale) + (rows - shard * rows_per_scale)
         sw_ptrs = sw_ptr + (cols // 128) * sw_ld if W_SCALING == 1 else sw_ptr + cols
+        sw_block_ptr = sw_ptr + (col // 128) * sw_ld   # ONE_W_BLOCK: the tile's one weight block row of scales
         for ks in range(k_steps):
             a = a_desc.load([src_row, ks * BLOCK_K])
             w = w_desc.load([col, ks * BLOCK_K])
@@ -86,10 +89,15 @@ def fp8_signaled_gemm_kernel(
                 w = w.to(tl.float32)
             if A_BLOCKS:
                 sa = tl.load(sa_ptrs, mask=rows < M, other=0.0)
-                sw = tl.load(sw_ptrs, mask=cols < N, other=0.0)
-                acc += tl.dot(a, w.T) * sa[:, None] * sw[None, :]
+                if W_SCALING == 1 and BLOCK_N <= 128:
+                    # the tile lies in one 128x128 weight block: one weight scale per K step, so the promotion is
+                    # one multiply-add per accumulator element
+                    acc += tl.dot(a, w.T) * (sa * tl.load(sw_block_ptr + ks))[:, None]
+                else:
+                    sw = tl.load(sw_ptrs, mask=cols < N, other=0.0)
+                    acc += tl.dot(a, w.T) * sa[:, None] * sw[None, :]
+                    sw_ptrs += 1 if W_SCALING == 1 else N
                 sa_ptrs += rows_per_scale
-                sw_ptrs += 1 if W_SCALING == 1 else N
             else:
                 acc = tl.dot(a, w.T, acc)
         if not A_BLOCKS:

@@ -14,7 +14,7 @@ strategy whose synchronisation, transfers and reductions it runs unchanged). Wha
 - what moves: ag_gemm gathers FP8 rows (one byte per element) and every rank's scales, stacked (fp8_quant's gathered
   layout: tensorwise [t], one per rank, 1x128 [t, K/128, M/t]); gemm_rs and gemm_ar move bf16 partial products and
   reduce them exactly as the bf16 strategies do (nothing is reduced in FP8);
-- the config: an FP8 plan's unset tile is FP8_TILE (block_k 128, which blockwise scaling needs); method 'auto' is not
+- the config: an FP8 plan's unset tile is FP8_TILES' for its scaling (block_k 128, which blockwise needs); 'auto' is not
   resolved for FP8 operands on CUDA (the tuner measures bf16 GEMMs), so such a config is refused.
 The output is bf16 (OUT_DTYPE); a bias is a bf16 [N], added as by the bf16 strategies (once).
 """
@@ -36,7 +36,10 @@ OUT_DTYPE = torch.bfloat16
 # The FP8 GEMM's tile where a config leaves it unset: BLOCK_K 128 (blockwise scaling promotes per 128 of K; at 128 an
 # FP8 stage holds the bytes of a bf16 stage at 64), the tile the FP8 GEMM matched cuBLAS's tensorwise GEMM with
 # (docs/fp8.md, Benchmarks).
-FP8_TILE = dict(block_m=128, block_n=256, block_k=128, num_stages=3, num_warps=8)
+# An FP8 plan's tile where its config leaves one unset, per a's scaling (block_k 128: blockwise promotes per 128 of
+# K); blockwise: the fastest of the tiles measured on every GEMM of the 8B layer at t = 2 (docs/fp8.md)
+FP8_TILES = {"tensorwise": dict(block_m=128, block_n=256, block_k=128, num_stages=3, num_warps=8),
+             "1x128": dict(block_m=64, block_n=128, block_k=128, num_stages=3, num_warps=4)}
 FORMAT_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
@@ -96,14 +99,14 @@ class Fp8Operands:
         return None
 
 
-def fp8_config(config: OverlapConfig, op: str, device: torch.device) -> OverlapConfig:
-    """An FP8 plan's config before the resolver: FP8_TILE in the tile fields left unset. Method 'auto' (or unset) on
-    CUDA tensors is a ValueError: the tuner measures bf16 GEMMs, whose choice is no measurement of the FP8 ones (on CPU
-    tensors the resolver runs 'auto' as 'off', as for bf16)."""
+def fp8_config(config: OverlapConfig, op: str, device: torch.device, fp8: "Fp8Operands") -> OverlapConfig:
+    """An FP8 plan's config before the resolver: FP8_TILES[a's scaling] in the tile fields left unset. Method 'auto'
+    (or unset) on CUDA tensors is a ValueError: the tuner measures bf16 GEMMs, whose choice is no measurement of the
+    FP8 ones (on CPU tensors the resolver runs 'auto' as 'off', as for bf16)."""
     if config.method in (None, "auto") and device.type == "cuda":
         raise ValueError(f"overlap_tp {op} with FP8 operands: method 'auto' is not tuned for FP8 (the tuner measures "
                          f"bf16 GEMMs); name the method: OverlapConfig(method='signal') or method='off'")
-    unset = {name: value for name, value in FP8_TILE.items() if getattr(config, name) is None}
+    unset = {name: value for name, value in FP8_TILES[fp8.a_scaling].items() if getattr(config, name) is None}
     return dataclasses.replace(config, **unset) if unset else config
 
 

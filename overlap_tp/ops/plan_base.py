@@ -219,7 +219,7 @@ class OpPlan:
         or on CPU tensors for 'auto', the tile by shape) and checked to be runnable."""
         rows = self.m * self.t if self.op == "ag_gemm" else self.m   # the GEMM's rows (ag_gemm: gathered)
         if self.fp8 is not None:
-            config = fp8_config(config, self.op, self.device)
+            config = fp8_config(config, self.op, self.device, self.fp8)
         config = resolve(config, self.op, device=self.device, t=self.t, group=self.group, m=rows, n=self.n, k=self.k,
                          dtype=self.dtype, programs=lambda c: gemm_programs(self.device, c))
         if config.method == "signal":

@@ -22,8 +22,10 @@ RECIPES = {
 def _operands(m, n, k, recipe, gen, fmt_a="e4m3"):
     qa, qw, config = RECIPES[recipe]
     a = (torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen))).to(torch.bfloat16)
-    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
-    return qa(a, fmt_a), qw(w), config
+    # each 128x128 block of w its own power-of-two magnitude: a scale taken from the wrong weight block is far off
+    blocks = 2.0 ** torch.randint(-3, 4, (-(-n // 128), -(-k // 128)), generator=gen)
+    w = (torch.randn(n, k, generator=gen) * 0.05 * blocks.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k])
+    return qa(a, fmt_a), qw(w.to(torch.bfloat16)), config
 
 
 def _check_close(got, ref, a, w):
@@ -37,7 +39,7 @@ def _check_close(got, ref, a, w):
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-@pytest.mark.parametrize("m,n,k", [(96, 80, 256), (40, 64, 128)])
+@pytest.mark.parametrize("m,n,k", [(96, 80, 256), (40, 64, 128), (32, 320, 384)])
 def test_row_slice_staging_holds_the_scaled_product_and_counts_each_group(recipe, m, n, k):
     gen = torch.Generator().manual_seed(m + n + k)
     a, w, config = _operands(m, n, k, recipe, gen)

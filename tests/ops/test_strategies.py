@@ -12,7 +12,7 @@ from overlap_tp.ops import gemm_rs as rs
 from overlap_tp.kernels.fp8_gemm import Fp8SignaledGemm
 from overlap_tp.kernels.signaled_gemm import SignaledGemm
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.fp8 import FP8_TILE, Fp8Operands, Fp8Plan, fp8_config
+from overlap_tp.ops.fp8 import FP8_TILES, Fp8Operands, Fp8Plan, fp8_config
 from overlap_tp.ops.resolve import common_defaults
 from distributed import run_distributed
 from problems import SMALL_TILES
@@ -219,15 +219,19 @@ def test_an_fp8_gather_buffer_of_its_own_is_refused():
         plan.strategy_for(gather=object())
 
 
-def test_an_fp8_config_gets_the_fp8_tile_and_names_its_method_on_cuda():
-    filled = fp8_config(OverlapConfig(method="signal"), "gemm_rs", CPU)
-    assert {name: getattr(filled, name) for name in FP8_TILE} == FP8_TILE
-    kept = fp8_config(OverlapConfig(method="signal", block_n=128), "gemm_rs", CUDA)
-    assert (kept.block_n, kept.block_k) == (128, 128)
+def test_an_fp8_config_gets_the_fp8_tile_of_its_scaling_and_names_its_method_on_cuda():
+    for operands, tile in ((TENSORWISE, (128, 256, 128, 3, 8)), (BLOCKWISE, (64, 128, 128, 3, 4))):
+        filled = fp8_config(OverlapConfig(method="signal"), "gemm_rs", CPU, operands)
+        assert (filled.block_m, filled.block_n, filled.block_k, filled.num_stages, filled.num_warps) == tile
+        assert {name: getattr(filled, name) for name in FP8_TILES[operands.a_scaling]} == \
+            FP8_TILES[operands.a_scaling]
+    kept = fp8_config(OverlapConfig(method="signal", block_n=256), "gemm_rs", CUDA, BLOCKWISE)
+    assert (kept.block_m, kept.block_n, kept.block_k) == (64, 256, 128)   # a field set is kept
     for config in (OverlapConfig(), OverlapConfig(method="auto")):
         with pytest.raises(ValueError, match="method 'auto' is not tuned for FP8"):
-            fp8_config(config, "ag_gemm", CUDA)
-    assert fp8_config(OverlapConfig(), "ag_gemm", CPU).method is None   # the resolver runs it as 'off' on CPU
+            fp8_config(config, "ag_gemm", CUDA, TENSORWISE)
+    # the resolver runs it as 'off' on CPU
+    assert fp8_config(OverlapConfig(), "ag_gemm", CPU, TENSORWISE).method is None
     plan = _resolved(rs.GemmRS, _config(method="signal", block_k=64), k=256)
     plan.fp8 = BLOCKWISE
     assert "needs block_k=128" in plan._signal_unsupported_reason(plan.config)
