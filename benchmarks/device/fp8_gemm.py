@@ -44,7 +44,7 @@ from overlap_tp.ops.plan_base import gemm_programs
 from overlap_tp.ops.tile_plan import ag_plan, make_plan
 
 TENSORWISE_CONFIGS = "128x256x128/3/8,128x128x128/4/8,128x256x64/4/8"
-BLOCKWISE_CONFIGS = "128x256x128/3/8,128x128x128/4/8"
+BLOCKWISE_CONFIGS = "64x128x128/3/4,128x128x128/3/8,128x256x128/3/8"
 CHECK_ROWS = 256
 MAX_REL_ERR = 2 ** -6
 WGRAD = "FP8 wgrad, quantizers + cuBLAS"
