@@ -48,14 +48,21 @@ MAX_REL_ERR = 2 ** -6
 
 
 @triton.jit
-def _promote_step(a_desc, w_desc, acc, row0, col0, ks, sa_ptrs, M, sw_row_ptr,
-                  INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc + dot(a_ks, w_ks.T) * (sa * sw)[:, None]: one K step, the weight's scale one scalar (rowscale)."""
+def _load_step(a_desc, w_desc, row0, col0, ks, INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K step ks's tiles of a and w (fp32 in the interpreter, whose dot takes no fp8)."""
     a = a_desc.load([row0, ks * BLOCK_K])
     w = w_desc.load([col0, ks * BLOCK_K])
     if INTERPRETED:
         a = a.to(tl.float32)
         w = w.to(tl.float32)
+    return a, w
+
+
+@triton.jit
+def _promote_step(a_desc, w_desc, acc, row0, col0, ks, sa_ptrs, M, sw_row_ptr,
+                  INTERPRETED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + dot(a_ks, w_ks.T) * (sa * sw)[:, None]: one K step, the weight's scale one scalar (rowscale)."""
+    a, w = _load_step(a_desc, w_desc, row0, col0, ks, INTERPRETED, BLOCK_K)
     sa = tl.load(sa_ptrs + ks * M)
     sw = tl.load(sw_row_ptr + ks)
     return acc + tl.dot(a, w.T) * (sa * sw)[:, None]
@@ -86,11 +93,7 @@ def blockwise_variant_kernel(a_desc, w_desc, c_ptr, sa_ptr, sw_ptr, sw_ld, M, N,
         if VARIANT == 0:
             sw_ptrs = sw_ptr + (cols // 128) * sw_ld
             for ks in range(k_steps):
-                a = a_desc.load([row0, ks * BLOCK_K])
-                w = w_desc.load([col0, ks * BLOCK_K])
-                if INTERPRETED:
-                    a = a.to(tl.float32)
-                    w = w.to(tl.float32)
+                a, w = _load_step(a_desc, w_desc, row0, col0, ks, INTERPRETED, BLOCK_K)
                 sa = tl.load(sa_ptrs + ks * M)
                 sw = tl.load(sw_ptrs + ks, mask=cols < N, other=0.0)
                 acc += tl.dot(a, w.T) * sa[:, None] * sw[None, :]
@@ -102,12 +105,8 @@ def blockwise_variant_kernel(a_desc, w_desc, c_ptr, sa_ptr, sw_ptr, sw_ld, M, N,
                                         INTERPRETED, BLOCK_K)
             elif VARIANT == 2:
                 for ks in range(0, k_steps, 2):
-                    a0 = a_desc.load([row0, ks * BLOCK_K])
-                    w0 = w_desc.load([col0, ks * BLOCK_K])
-                    a1 = a_desc.load([row0, (ks + 1) * BLOCK_K])
-                    w1 = w_desc.load([col0, (ks + 1) * BLOCK_K])
-                    if INTERPRETED:
-                        a0, w0, a1, w1 = a0.to(tl.float32), w0.to(tl.float32), a1.to(tl.float32), w1.to(tl.float32)
+                    a0, w0 = _load_step(a_desc, w_desc, row0, col0, ks, INTERPRETED, BLOCK_K)
+                    a1, w1 = _load_step(a_desc, w_desc, row0, col0, ks + 1, INTERPRETED, BLOCK_K)
                     p0 = tl.dot(a0, w0.T)
                     p1 = tl.dot(a1, w1.T)
                     s0 = tl.load(sa_ptrs + ks * M) * tl.load(sw_row_ptr + ks)
