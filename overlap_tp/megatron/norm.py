@@ -70,11 +70,13 @@ def _keep_fp8(y: torch.Tensor, fp8: Optional[Fp8Output], target: Optional[NormFp
 
 
 def fp8_rows(x: torch.Tensor, fmt: str, scaling: str) -> Optional[ScaledFp8]:
-    """The FP8 copy of x [.., N], as [rows, N] rows in `fmt` with `scaling`, that the norm producing x wrote beside
-    it (fp8=...), or None: x carries none, or one of another format or scaling, or x was written since."""
+    """Take the FP8 copy of x [.., N], as [rows, N] rows in `fmt` with `scaling`, that the norm producing x wrote
+    beside it (fp8=...), or None: x carries none, or one of another format or scaling, or x was written since. Taken
+    once: x no longer holds it (x may live on to the backward, the copy need not)."""
     kept = getattr(x, FP8_ROWS, None)
     if kept is None:
         return None
+    delattr(x, FP8_ROWS)
     version, fp8, rows8 = kept
     if version != x._version or fp8 != (fmt, scaling):
         return None
