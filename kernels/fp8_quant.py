@@ -26,12 +26,17 @@ C = A @ B with A [M, K] row-major and B = W.t(), W [N, K] row-major; torch's met
   L4 = ceil(C/128) rounded up to a multiple of 4 (padding columns 1.0), and handed to torch as the [L4, ceil(R/128)]
   view with strides (1, L4); `storage[i, j]` scales w[128i:128i+128, 128j:128j+128].
 `ScaledFp8` carries q with its ds in these layouts.
+- a gathered operand (the AllGather of G row shards [R/G, C], each quantized on its own rank with its own scales):
+  the shards' scales stacked in shard order, each in its own layout: tensorwise ds [G] (one scale per R/G rows),
+  1x128 ds [G, C/128, R/G]. `shards(x)` splits it back into G operands of the layouts above; torch's scaled_mm
+  takes each shard on its own.
 
 K-major operands. Hopper's FP8 wgmma reads both operands K-major, so a backward GEMM contracting over the rows of
 x (wgrad: dW = dY.T @ X, over the tokens) needs x transposed before it is quantized: `quantize_1x128_transposed(x)`
 writes q of x.T [C, R] with 1x128 blocks along R (bit-equal to `quantize_1x128(x.t().contiguous())`), and
 `quantize_128x128(w, transposed=True)` also writes w.T's q and scales (128x128 blocks are the same blocks
-transposed, so the values are the same bits). `quantize_tensorwise(x, transposed=True)` likewise.
+transposed, so the values are the same bits). `quantize_tensorwise(x, transposed=True)` likewise, and
+`quantize_tensorwise_transposed(x)` writes x.T's q alone.
 
 References (`*_reference`) compute in float64 where a value is exact there and round exactly where the kernels round
 in fp32 (the product x * qs is exact in float64 and is then rounded to fp32, the fp32 divisions likewise), so a
@@ -156,8 +161,36 @@ def quantize_128x128_reference(w: torch.Tensor, fmt="e4m3") -> ScaledFp8:
     return ScaledFp8(q, storage, "128x128")
 
 
-def dequantize_reference(x: ScaledFp8, rows: Optional[int] = None) -> torch.Tensor:
-    """q * ds in float64 (exact): the operand a float64 reference GEMM multiplies."""
+def shard_count(x: ScaledFp8) -> int:
+    """G: how many row shards' scales x carries (1 unless it is a gathered operand: module docstring)."""
+    if x.scaling == "tensorwise":
+        return x.ds.numel()
+    return x.ds.shape[0] if x.scaling == "1x128" and x.ds.dim() == 3 else 1
+
+
+def is_gathered(x: ScaledFp8) -> bool:
+    """Whether x's scales are in the gathered layout (tensorwise [G], G > 1; 1x128 [G, C/128, R/G], G >= 1)."""
+    return x.ds.dim() == 3 if x.scaling == "1x128" else x.scaling == "tensorwise" and x.ds.numel() > 1
+
+
+def shards(x: ScaledFp8) -> list:
+    """The G row shards of x, each a ScaledFp8 with its own scales in the plain layout (views, no copy); [x] itself
+    where it holds plain scales. A ValueError where the rows do not split into G shards."""
+    if not is_gathered(x):
+        return [x]
+    g, rows = shard_count(x), x.q.shape[0]
+    if rows % g:
+        raise ValueError(f"{rows} rows do not split into the {g} shards whose scales ds {tuple(x.ds.shape)} holds")
+    ds = x.ds.reshape(g, 1) if x.scaling == "tensorwise" else x.ds
+    size = rows // g
+    return [ScaledFp8(x.q[p * size:(p + 1) * size], ds[p], x.scaling) for p in range(g)]
+
+
+def dequantize_reference(x: ScaledFp8) -> torch.Tensor:
+    """q * ds in float64 (exact): the operand a float64 reference GEMM multiplies (a gathered operand shard by
+    shard, each with its own scales)."""
+    if is_gathered(x):
+        return torch.cat([dequantize_reference(s) for s in shards(x)])
     q = x.q.double()
     r, c = q.shape
     if x.scaling == "tensorwise":
@@ -331,6 +364,16 @@ def quantize_tensorwise(x: torch.Tensor, fmt="e4m3", *, transposed=False, amax: 
     on x's device, is given: a known or earlier amax), then one quantizing pass. Returns ScaledFp8 of x, or with
     `transposed` a pair (x's, x.T's), both with the same ds. q_out: where x's q goes (a contiguous [R, C] fp8
     tensor of the format), else a new tensor."""
+    return _tensorwise(x, fmt, True, transposed, amax, q_out)
+
+
+def quantize_tensorwise_transposed(x: torch.Tensor, fmt="e4m3") -> ScaledFp8:
+    """Per-tensor current scaling of x.T [C, R], read from x [R, C] (an amax pass, then one pass writing x.T's q
+    only): the K-major operand of a GEMM contracting over x's rows; equal to quantize_tensorwise(x.t().contiguous())."""
+    return _tensorwise(x, fmt, False, True, None, None)[1]
+
+
+def _tensorwise(x, fmt, rowwise, transposed, amax, q_out):
     _check_input(x)
     dtype = fp8_dtype(fmt)
     r, c = x.shape
@@ -342,10 +385,10 @@ def quantize_tensorwise(x: torch.Tensor, fmt="e4m3", *, transposed=False, amax: 
                               or q_out.device != x.device):
         raise ValueError(f"q_out must be a contiguous ({r}, {c}) {dtype} tensor on {x.device}; got {q_out.dtype} "
                          f"{tuple(q_out.shape)} on {q_out.device}")
-    q = q_out if q_out is not None else torch.empty(r, c, dtype=dtype, device=x.device)
+    q = q_out if q_out is not None else torch.empty(r if rowwise else 0, c, dtype=dtype, device=x.device)
     qt = torch.empty(c, r, dtype=dtype, device=x.device) if transposed else q
     ds = torch.empty(1, dtype=torch.float32, device=x.device)
-    _tensorwise_kernel[grid](x, r, c, amax, q, qt, ds, FP8_MAX[dtype], triton_dtype(dtype), True, transposed,
+    _tensorwise_kernel[grid](x, r, c, amax, q, qt, ds, FP8_MAX[dtype], triton_dtype(dtype), rowwise, transposed,
                              _TILE, _TILE)
     out = ScaledFp8(q, ds, "tensorwise")
     return (out, ScaledFp8(qt, ds, "tensorwise")) if transposed else out

@@ -634,11 +634,12 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
     x_sum: x is not computed yet but is the sum of t slots (a peer-to-peer reduce-scatter's partials, not yet
     summed: overlap_tp/ops/p2p_reduction.py, DeferredSum); x_sum.consume(fn) calls fn(slots [t, ...]) where the slots
     are readable, and the kernel sums them itself: one pass over the activation less. x then only stands for
-    the input in autograd (its gradient is the reduce-scatter output's, as without x_sum)."""
+    the input in autograd (its gradient is the reduce-scatter output's, as without x_sum).
+    fp8: a NormFp8Out the same pass writes y's FP8 copy (or its amax) into (launch_forward); not part of autograd."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, eps, zero_centered_gamma, dropout_p, residual_dtype,
-                x_order, grad_order, x_sum=None, y_out=None):
+                x_order, grad_order, x_sum=None, y_out=None, fp8=None):
         rows, n = check_forward(x, residual, weight, bias, eps=eps, dropout_p=dropout_p,
                                 residual_dtype=residual_dtype, x_order=x_order)
         _check_order("grad_order", grad_order, rows, n, weight.device)
@@ -646,10 +647,12 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
             check_y_out(y_out, x, residual)
         seed = dropout_seed(x.device) if dropout_p > 0 else None
         out = empty_forward_outputs(x, residual, residual_dtype, y_out)
+        if fp8 is not None:
+            check_fp8_out(fp8, out.y)
 
         def launch(x_slots=None):
             launch_forward(x, residual, weight, bias, out, eps=eps, zero_centered_gamma=zero_centered_gamma,
-                           dropout_p=dropout_p, seed=seed, x_order=x_order, x_slots=x_slots)
+                           dropout_p=dropout_p, seed=seed, x_order=x_order, x_slots=x_slots, fp8=fp8)
         if x_sum is None:
             launch()
         else:   # x is not written yet: the kernel sums its slots where x_sum makes them readable
@@ -679,19 +682,23 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
             dx_order=x_order, bias_grad=bias_dtype is not None and ctx.needs_input_grad[3], dy_slots=dy_slots),
             grad_order)
         return (d_residual if dx_is_d_residual else dx, d_residual, d_weight.to(weight.dtype),
-                None if d_bias is None else d_bias.to(bias_dtype), None, None, None, None, None, None, None, None)
+                None if d_bias is None else d_bias.to(bias_dtype), None, None, None, None, None, None, None, None,
+                None)
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """y = x * rstd * g (plain RMSNorm, standard layout), what input_layernorm computes."""
+    """y = x * rstd * g (plain RMSNorm, standard layout), what input_layernorm computes. fp8: as
+    FusedAddRMSNormFunction's."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps, zero_centered_gamma, y_out=None):
+    def forward(ctx, x, weight, eps, zero_centered_gamma, y_out=None, fp8=None):
         check_forward(x, None, weight, eps=eps)
         if y_out is not None:
             check_y_out(y_out, x, None)
         out = empty_forward_outputs(x, None, None, y_out)
-        launch_forward(x, None, weight, None, out, eps=eps, zero_centered_gamma=zero_centered_gamma)
+        if fp8 is not None:
+            check_fp8_out(fp8, out.y)
+        launch_forward(x, None, weight, None, out, eps=eps, zero_centered_gamma=zero_centered_gamma, fp8=fp8)
         ctx.save_for_backward(x, out.rstd, weight)
         ctx.zero_centered_gamma = zero_centered_gamma
         return out.y
@@ -703,7 +710,7 @@ class RMSNormFunction(torch.autograd.Function):
         d_weight, _ = _backward_summing(ctx, dy, lambda dy_slots: launch_backward(
             dy.contiguous(), None, x, rstd, weight, dx, None, zero_centered_gamma=ctx.zero_centered_gamma,
             dy_slots=dy_slots))
-        return dx, d_weight.to(weight.dtype), None, None, None
+        return dx, d_weight.to(weight.dtype), None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -158,6 +158,33 @@ def wait_flag_then(flags_ptr, flag, target, value, INTERPRETED: tl.constexpr):
     return value
 
 
+@triton.jit
+def store_tile_then_signal(acc, rows, cols, src_row_end, N, dst_base, ld_dst, dst_row, dst_col,
+                           bias_ptr, bias_row_lo, bias_row_hi, counters_ptr, group,
+                           HAS_BIAS: tl.constexpr, SIGNAL: tl.constexpr, INTERPRETED: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's epilogue, shared by the signaled GEMMs (this one and fp8_gemm.py's): the bias on the rows
+    [bias_row_lo, bias_row_hi) that own it, the fp32 accumulator `acc` (source rows `rows`, columns `cols`; rows from
+    src_row_end on and columns from N on masked) stored at (dst_row, dst_col) of dst_base in its element type, then,
+    with SIGNAL, group `group`'s counter raised with release semantics after a CTA barrier: every thread's stores
+    come before the signal (the memory-ordering argument of the module docstring)."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        owns = (rows >= bias_row_lo) & (rows < bias_row_hi)
+        acc += tl.where(owns[:, None], bias[None, :], 0.0)
+    mask = (rows < src_row_end)[:, None] & (cols < N)[None, :]
+    out_rows = (dst_row + tl.arange(0, BLOCK_M)).to(tl.int64)
+    out_cols = dst_col + tl.arange(0, BLOCK_N)
+    tl.store(dst_base + out_rows[:, None] * ld_dst + out_cols[None, :], acc.to(dst_base.dtype.element_ty),
+             mask=mask)
+    if SIGNAL:
+        if INTERPRETED:
+            tl.debug_barrier()
+        else:
+            group = cta_barrier_then(group)
+        tl.atomic_add(counters_ptr + group, 1, sem="release", scope="gpu")
+
+
 # The integers a routing changes (the expert ops build a plan per routing, every step) are not specialized: Triton
 # would compile a new variant whenever one of them became 1 or a multiple of 16, a compile of a large fraction of a
 # second inside the step of the routing that first did (a Zipf routing's first step, in every expert-op variant).
@@ -242,21 +269,9 @@ def signaled_gemm_kernel(
         dst_col = tl.multiple_of(dst_col, BLOCK_N)   # compiler emit 16-byte stores
         rows = src_row + tl.arange(0, BLOCK_M)
         cols = col + tl.arange(0, BLOCK_N)
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-            owns = (rows >= bias_row_lo) & (rows < bias_row_hi)
-            acc += tl.where(owns[:, None], bias[None, :], 0.0)
-        mask = (rows < src_row_end)[:, None] & (cols < N)[None, :]
-        out_rows = (dst_row + tl.arange(0, BLOCK_M)).to(tl.int64)
-        out_cols = dst_col + tl.arange(0, BLOCK_N)
-        tl.store(dst_base + out_rows[:, None] * ld_dst + out_cols[None, :],
-                 acc.to(dst_ptr.dtype.element_ty), mask=mask)
-        if SIGNAL:
-            if INTERPRETED:
-                tl.debug_barrier()
-            else:
-                group = cta_barrier_then(group)
-            tl.atomic_add(counters_ptr + group, 1, sem="release", scope="gpu")
+        store_tile_then_signal(acc, rows, cols, src_row_end, N, dst_base, ld_dst, dst_row, dst_col,
+                               bias_ptr, bias_row_lo, bias_row_hi, counters_ptr, group,
+                               HAS_BIAS, SIGNAL, INTERPRETED, BLOCK_M, BLOCK_N)
 
 
 def weight_layout(w: torch.Tensor):

@@ -292,6 +292,7 @@ def _main():
 
     from overlap_tp.megatron.validation import validate_overlap_args
     from overlap_tp.megatron_patches.apply import apply
+    from overlap_tp.training.fp8_steps import install_fp8_weight_steps
     from overlap_tp.training.throughput import install_training_log_hook
 
     defaults = dict(DEFAULTS)
@@ -307,6 +308,7 @@ def _main():
         args.mock_data = True
         print_rank_0("> no --data-path: training on Megatron's mock GPT dataset")
     install_training_log_hook()
+    install_fp8_weight_steps()
 
     parameters = inspect.signature(training.pretrain).parameters
     kwargs = {"train_valid_test_dataset_provider": train_valid_test_datasets_provider,
@@ -354,6 +356,7 @@ def _pretrain_legacy(training, ModelType, defaults):
     from megatron.training import get_args
     from overlap_tp.megatron.validation import validate_overlap_args
     from overlap_tp.megatron_patches.apply import apply
+    from overlap_tp.training.fp8_steps import install_fp8_weight_steps
     from overlap_tp.training.throughput import install_training_log_hook
 
     def provider(*args, **kwargs):
@@ -363,6 +366,7 @@ def _pretrain_legacy(training, ModelType, defaults):
         return model_provider(*args, **kwargs)
 
     install_training_log_hook()
+    install_fp8_weight_steps()
     training.pretrain(train_valid_test_datasets_provider, provider, ModelType.encoder_or_decoder, forward_step,
                       extra_args_provider=extra_args_provider, args_defaults=defaults)
     release_full_iteration_graphs()

@@ -15,6 +15,7 @@ sys.argv = [SCRIPT, ARGS...], as `python SCRIPT ARGS...` would):
 - after Megatron's `validate_args`, `validate_overlap_args` and `megatron_patches.apply` run once on
   the validated arguments (apply points `--spec` at overlap_tp's layer spec when the overlap is on).
 - `overlap_tp.training.throughput.install_training_log_hook()`: the `[overlap_tp]` log line and scalars.
+- `overlap_tp.training.fp8_steps.install_fp8_weight_steps()`: FP8 layers quantize their weights once per step.
 - `overlap_tp.launch.pretrain.separate_adam_steps()`: where megatron-core runs torch's AdamW (no Apex or
   Transformer Engine), each parameter keeps its own Adam step after a distributed-optimizer checkpoint load (a
   resumed run otherwise advances one shared step per parameter: see that function).
@@ -186,10 +187,12 @@ class Launch:
         training.get_model = self.get_model(_unwrapped(training.get_model))
         if self.training_hooks:
             from overlap_tp.launch.pretrain import separate_adam_steps, use_prebuilt_dataset_helpers
+            from overlap_tp.training.fp8_steps import install_fp8_weight_steps
             from overlap_tp.training.throughput import install_training_log_hook
             use_prebuilt_dataset_helpers()
             separate_adam_steps()
             install_training_log_hook()
+            install_fp8_weight_steps()
 
 
 def _unwrapped(function):

@@ -184,8 +184,10 @@ def overlap_layer_spec(config, vp_stage=None):
     final_norm = te_norm_module(getattr(transformer, "transformer_impl", None)) or OverlapRMSNorm
     pattern = moe_layer_pattern(transformer)
     if pattern is not None and not all(pattern):   # --moe-layer-freq: dense layers between MoE layers
-        dense, moe = (overlap_transformer_layer_spec(config, vp_stage, dense=True),
-                      overlap_transformer_layer_spec(config, vp_stage))
+        from overlap_tp.megatron.transformer_layer import LayerChain
+        chain = LayerChain()   # one block: a dense layer links to the MoE layer after it, and the other way round
+        dense, moe = (overlap_transformer_layer_spec(config, vp_stage, dense=True, chain=chain),
+                      overlap_transformer_layer_spec(config, vp_stage, chain=chain))
         return TransformerBlockSubmodules(
             layer_specs=[moe if pattern[i] else dense for i in stage_layer_ids(transformer, vp_stage)],
             layer_norm=final_norm)
@@ -197,11 +199,12 @@ def overlap_layer_spec(config, vp_stage=None):
                                       layer_norm=final_norm)
 
 
-def overlap_transformer_layer_spec(config, vp_stage=None, dense=False):
+def overlap_transformer_layer_spec(config, vp_stage=None, dense=False, chain=None):
     """One TransformerLayer ModuleSpec with overlap_tp's linears and norms (see overlap_layer_spec), built with the
     settings apply() built; for an MoE model its MLP is OverlapMoELayer with --overlap-moe on, else Megatron's own MoE
     module, and with `dense` (the dense layers of a --moe-layer-freq pattern) the dense MLP of ffn_hidden_size. The
-    layer is OverlapTransformerLayer, or Megatron's TransformerLayer with layers.fused_norms false."""
+    layer is OverlapTransformerLayer, or Megatron's TransformerLayer with layers.fused_norms false. chain: the block's
+    LayerChain where several layer specs make one block (None: the spec's own)."""
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
 
     transformer = getattr(config, "transformer", config)
@@ -217,6 +220,7 @@ def overlap_transformer_layer_spec(config, vp_stage=None, dense=False):
         "config": transformer,
         "vp_stage": vp_stage,
         "settings": settings,
+        "chain": chain,
     }
     parameters = inspect.signature(get_gpt_layer_overlap_spec).parameters
     kwargs = {name: value for name, value in offered.items() if name in parameters}

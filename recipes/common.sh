@@ -81,8 +81,18 @@ run_moe_recipe() {
 
 run_recipe() {
   _check_layout || return
-  local out_dir=${OUT_DIR:-runs/$RECIPE-$OVERLAP}
-  local exp_name=${EXP_NAME:-$RECIPE-$OVERLAP}
+  local fp8_args=() fp8_tag=""
+  if [[ -n ${FP8:-} ]]; then   # FORMAT/RECIPE: Megatron's own FP8 flags (docs/fp8.md)
+    if [[ ! $FP8 =~ ^(e4m3|hybrid)/(tensorwise|blockwise)$ ]]; then
+      echo "[recipe] FP8=$FP8: expected FORMAT/RECIPE with FORMAT e4m3 or hybrid and RECIPE tensorwise or" \
+           "blockwise (e.g. FP8=e4m3/tensorwise)" >&2
+      return 2
+    fi
+    fp8_args=(--fp8-format "${FP8%/*}" --fp8-recipe "${FP8#*/}")
+    fp8_tag=-fp8-${FP8%/*}-${FP8#*/}
+  fi
+  local out_dir=${OUT_DIR:-runs/$RECIPE-$OVERLAP$fp8_tag}
+  local exp_name=${EXP_NAME:-$RECIPE-$OVERLAP$fp8_tag}
   local impl=${TRANSFORMER_IMPL:-}
   if [[ -z $impl ]]; then
     if _imports transformer_engine; then impl=transformer_engine; else impl=local; fi
@@ -160,7 +170,7 @@ run_recipe() {
     rendezvous=(--rdzv-backend c10d --rdzv-endpoint "$RDZV_ENDPOINT" --rdzv-id "${RDZV_ID:-overlap_tp}")
   fi
   local args=(--tensor-model-parallel-size "$TP" --sequence-parallel --transformer-impl "$impl"
-              "${MODEL_ARGS[@]}" "${TRAIN_ARGS[@]}" "${log_args[@]}" "${overlap_args[@]}" "${te_args[@]}"
+              "${MODEL_ARGS[@]}" "${fp8_args[@]}" "${TRAIN_ARGS[@]}" "${log_args[@]}" "${overlap_args[@]}" "${te_args[@]}"
               "${env_args[@]}" "${graph_args[@]}" "$@")
   local cmd=(torchrun --nproc-per-node "$NPROC" --nnodes "${NNODES:-1}" "${rendezvous[@]}"
              -m overlap_tp.launch.pretrain "${args[@]}")

@@ -11,6 +11,10 @@ tokens). Every GEMM is C[M, N] = A[M, K] @ B[N, K].T with both FP8 operands K-ma
   bf16 cuBLAS             torch.matmul on the bf16 operands
   cublas tensorwise       torch._scaled_mm, e4m3 x e4m3, per-tensor scales, use_fast_accum False and True
   cublas blockwise        torch.nn.functional.scaled_mm, BlockWise1x128 x BlockWise128x128 (wgrad: 1x128 x 1x128)
+  FP8 wgrad (wgrad only)  the FP8 layers' whole weight gradient from the bf16 dY and X (fp8_linear.fp8_weight_grad:
+                          both transposed quantizers, then cuBLAS), tensorwise and blockwise: whether it beats bf16;
+                          and, tensorwise, with dY's transposed copy written by the dgrad's quantizer
+                          (fp8_linear.quantize_grad) beside that quantizer alone: what the FP8 wgrad adds in a layer
   ours tensorwise / blockwise, per tile config, sync on and off: "on" runs the op's synchronisation (gemm_rs plan:
                           the signal atomics; ag_gemm plan: every tile waits on its raised ready flag), "off" neither
 Each variant's output is checked first against the float64 product of the dequantized operands on 256 sampled rows
@@ -35,6 +39,7 @@ from overlap_tp import OverlapConfig
 from overlap_tp.bench.gemm import interleaved, layer_gemms
 from overlap_tp.kernels import fp8_quant as Q
 from overlap_tp.kernels.fp8_gemm import fp8_signaled_gemm
+from overlap_tp.megatron.fp8_linear import Fp8Recipe, fp8_weight_grad, quantize_grad
 from overlap_tp.ops.plan_base import gemm_programs
 from overlap_tp.ops.tile_plan import ag_plan, make_plan
 
@@ -42,6 +47,9 @@ TENSORWISE_CONFIGS = "128x256x128/3/8,128x128x128/4/8,128x256x64/4/8"
 BLOCKWISE_CONFIGS = "64x128x128/3/4,128x128x128/3/8,128x256x128/3/8"
 CHECK_ROWS = 256
 MAX_REL_ERR = 2 ** -6
+WGRAD = "FP8 wgrad, quantizers + cuBLAS"
+WGRAD_FUSED = "FP8 wgrad with the dgrad's dY quantizer"
+DGRAD_QUANTIZER = "dgrad's dY quantizer alone"
 
 
 def parse_args(argv):
@@ -174,6 +182,23 @@ def bench_one(name, op, m, n, k, tp, args, configs, gen):
         out["c"] = F.scaled_mm(ba.q, bb.q.t(), Q.scale_view_1x128(ba.ds), F.ScalingType.BlockWise1x128, scale_b,
                                recipe_b, output_dtype=torch.bfloat16)
     add("cuBLAS blockwise", "blockwise", "", cublas_blockwise, lambda: out["c"][rows])
+    if wgrad:   # the FP8 layers' whole weight gradient from bf16 dY [tokens, N] and X [tokens, K]: both transposed
+        dy, x = a.t().contiguous(), b.t().contiguous()   # quantizers, then the scaled GEMM (fp8_weight_grad)
+        for scaling in ("tensorwise", "blockwise"):
+            recipe, out = Fp8Recipe("e4m3", scaling), {}
+
+            def whole_wgrad(recipe=recipe, out=out):
+                out["c"] = fp8_weight_grad(dy, x, recipe)
+            add(f"{WGRAD} {scaling}", scaling, "", whole_wgrad, lambda out=out: out["c"][rows])
+        # what the FP8 wgrad adds to a tensorwise layer's backward, whose dgrad quantizes dY anyway: dY's quantizer
+        # writing the transposed copy too (fp8_linear.quantize_grad), X.T's quantizer, the GEMM; minus dY's quantizer
+        recipe, out = Fp8Recipe("e4m3", "tensorwise", True), {}
+
+        def with_dgrad_quantizer(recipe=recipe, out=out):
+            _, dy_t8 = quantize_grad(dy, recipe)
+            out["c"] = fp8_weight_grad(dy, x, recipe, dy_t8)
+        add(f"{WGRAD_FUSED} tensorwise", "tensorwise", "", with_dgrad_quantizer, lambda out=out: out["c"][rows])
+        add(DGRAD_QUANTIZER, "none", "", lambda: Q.quantize_tensorwise(dy, "e4m3"), None)
 
     for scaling, (qa, qb) in (("tensorwise", tensorwise), ("blockwise", blockwise)):
         for config in configs[scaling]:
@@ -280,6 +305,29 @@ def main(argv):
                 if ratios:
                     lines.append(f"- t {tp}: {cublas} / ours {scaling} sync {sync}: median {statistics.median(ratios):.3f} "
                                  f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} GEMMs)")
+    lines += ["", "The weight gradient in FP8 as the layers run it (both transposed quantizers from bf16, then cuBLAS) "
+              "against the bf16 GEMM, medians over the wgrad GEMMs of bf16 time / FP8 time (above 1: FP8 faster):"]
+    for tp in sorted({r["t"] for r in results}):
+        for scaling in ("tensorwise", "blockwise"):
+            ratios = []
+            for g in sorted({r["gemm"] for r in results if r["t"] == tp and r["op"] == "plain"}):
+                rows = [r for r in results if r["t"] == tp and r["gemm"] == g and r["ms"]]
+                fp8 = [r for r in rows if r["variant"] == f"{WGRAD} {scaling}"]
+                bf16 = [r for r in rows if r["variant"] == "bf16 cuBLAS"]
+                if fp8 and bf16:
+                    ratios.append(bf16[0]["ms"] / fp8[0]["ms"])
+            if ratios:
+                lines.append(f"- t {tp}: bf16 cuBLAS / {WGRAD} {scaling}: median {statistics.median(ratios):.3f} "
+                             f"(min {min(ratios):.3f}, max {max(ratios):.3f}, {len(ratios)} GEMMs)")
+        ratios = []   # in the layer: bf16 wgrad against what the FP8 wgrad adds to the dgrad's quantizer
+        for g in sorted({r["gemm"] for r in results if r["t"] == tp and r["op"] == "plain"}):
+            ms = {r["variant"]: r["ms"] for r in results if r["t"] == tp and r["gemm"] == g and r["ms"]}
+            if {"bf16 cuBLAS", f"{WGRAD_FUSED} tensorwise", DGRAD_QUANTIZER} <= set(ms):
+                ratios.append(ms["bf16 cuBLAS"] / (ms[f"{WGRAD_FUSED} tensorwise"] - ms[DGRAD_QUANTIZER]))
+        if ratios:
+            lines.append(f"- t {tp}: bf16 cuBLAS / (({WGRAD_FUSED}) - ({DGRAD_QUANTIZER})) tensorwise, what the FP8 "
+                         f"wgrad adds in the layer: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, "
+                         f"max {max(ratios):.3f}, {len(ratios)} GEMMs)")
     if skipped:
         lines += ["", f"Not measured (past --deadline-s): {', '.join(skipped)}"]
     with open(os.path.join(args.out, "fp8_gemm.md"), "w") as f:

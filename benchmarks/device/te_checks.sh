@@ -7,6 +7,8 @@
 #   te_gpu     pytest -m gpu tests/gpu/test_te_gpu.py: our spec with TE's attention and norms at t = 2 against
 #              Megatron's TE layer at t = 1; --tp-comm-overlap with --overlap-tp an error; the smoke recipe's first
 #              steps at TP 1 on Megatron's TE layers
+#   mla_te     pytest -m gpu tests/gpu/test_mla_gpu.py -k captured: the MLA layer captured and replayed bit for bit
+#              at t = 2 (with TE its down projections are TELinear, which a graph can capture; without TE it skips)
 #   te_gemm    python -m overlap_tp.bench te_gemm: the FP8 GEMM anchor (te.Linear under Float8CurrentScaling and
 #              Float8BlockScaling, torch._scaled_mm, bf16) on the l8b / l70b forward GEMMs at t = 2, s 8192:
 #              $OUT/te_gemm.{json,md} and $OUT/te_gemm.jsonl (results.jsonl's fields)
@@ -29,6 +31,7 @@ python3 -c "import transformer_engine as te, transformer_engine.pytorch; print('
   || { echo "Transformer Engine does not import: nothing to check"; exit 1; }
 workdir te_checks
 tests te_gpu 180 "$REPO/tests/gpu/test_te_gpu.py"
+tests mla_te 120 "$REPO/tests/gpu/test_mla_gpu.py" -k captured
 step te_gemm 100 python3 -m overlap_tp.bench te_gemm --out "$OUT" --jsonl "$OUT/te_gemm.jsonl"
 grep -E "^\S+ \| " "$W/te_gemm.out" | cut -c1-150 | head -40
 step layer_te 90 torchrun --nproc-per-node 1 -m overlap_tp.bench layer --models smoke --seq 2048 --micro-batch 2 \

@@ -60,7 +60,13 @@ process on the same inputs and the same weights:
                 [s * b, h], bf16, TE's default overlap methods, NCCL bootstrap) with UB_SKIPMC=1 (no NVLink
                 multicast). TE's linears overlap only with SP: at t = 1 te-ub runs with userbuffers initialised
                 and no linear on them (column 'UB linears' counts those that are; te_baselines.py)
-  <any of ours>-split
+  <any of ours>-fp8
+                (not in the default list; TP >= 2) that configuration with the layer's TP linears in FP8
+                (docs/fp8.md): Megatron's config.fp8 / fp8_recipe from --fp8 FORMAT/RECIPE (default e4m3/tensorwise),
+                fwd, dgrad and wgrad; the weights quantized at every step (a step here is one micro-batch: a run
+                of several micro-batches per optimizer step quantizes them once, training/fp8_steps.py). Checked
+                against megatron's bf16 layer within --fp8-check-tol (the FP8 rounding of the operands)
+  <any of ours>-split, <any of ours>-fp8-split
                 (not in the default list; --micro-batch even) that configuration with the layer built under
                 OverlapSettings.token_split: the micro-batch's sequences in two halves, run
                 interleaved so that one half's transfers run beside the other half's compute
@@ -170,7 +176,17 @@ def configurations(device_type):
 
 IN_PLACE_SUFFIX = "-inplace"   # a configuration whose layer gathers in place (OverlapSettings)
 DEFER_WGRAD_SUFFIX = "-inplace-dw"   # ... and defers fc1's wgrad
-SPLIT_SUFFIX = "-split"   # after any of ours: the layer runs the token split (needs --micro-batch 2, 4, ..)
+FP8_SUFFIX = "-fp8"       # after any of ours: the layer's TP linears run FP8 (--fp8)
+SPLIT_SUFFIX = "-split"   # after any of ours (or its -fp8): the layer runs the token split (needs --micro-batch 2, 4, ..)
+
+
+def base_of(name: str) -> str:
+    """The configurations() entry a configuration name builds on (without -fp8 and -split)."""
+    return name.removesuffix(SPLIT_SUFFIX).removesuffix(FP8_SUFFIX)
+
+
+def is_fp8(name: str) -> bool:
+    return name.removesuffix(SPLIT_SUFFIX).endswith(FP8_SUFFIX)
 
 
 def parse_args(argv):
@@ -190,6 +206,12 @@ def parse_args(argv):
     p.add_argument("--input-sets", type=int, default=3)
     p.add_argument("--check-tol", type=float, default=3e-2,
                    help="max relative error against megatron (output, input grad, parameter grads)")
+    p.add_argument("--fp8", default="e4m3/tensorwise", metavar="FORMAT/RECIPE",
+                   help="the -fp8 configurations' Megatron --fp8-format (e4m3, hybrid) and --fp8-recipe "
+                        "(tensorwise, blockwise)")
+    p.add_argument("--fp8-check-tol", type=float, default=0.25,
+                   help="--check-tol of the -fp8 configurations (e4m3 operands: about 2**-4 relative per element; "
+                        "e5m2 gradients under hybrid: 2**-3)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--fusions", choices=("on", "off"), default=None,
                    help="Megatron's bias-SwiGLU / bias-dropout-add fusions (torch.compile); default on for cuda, "
@@ -219,13 +241,17 @@ def parse_args(argv):
         args.configs = CPU_CONFIGS if args.device == "cpu" else DEFAULT_CONFIGS
     configs = args.configs.split(",")
     ours = {name for name, (kind, _, _) in configurations(args.device).items() if kind == "ours"}
-    unknown = {name for name in configs if name.removesuffix(SPLIT_SUFFIX) not in configurations(args.device)
-               or (name.endswith(SPLIT_SUFFIX) and name.removesuffix(SPLIT_SUFFIX) not in ours)}
+    unknown = {name for name in configs if base_of(name) not in configurations(args.device)
+               or (base_of(name) != name and base_of(name) not in ours)}
     if unknown:
         p.error(f"unknown configs {sorted(unknown)}")
     if any(name.endswith(SPLIT_SUFFIX) for name in configs) and args.micro_batch % 2:
         p.error(f"the {SPLIT_SUFFIX} configurations split the micro-batch in two halves: --micro-batch {args.micro_batch} "
                 f"must be even")
+    fmt, _, recipe = args.fp8.partition("/")
+    if fmt not in ("e4m3", "hybrid") or recipe not in ("tensorwise", "blockwise"):
+        p.error(f"--fp8 {args.fp8}: expected FORMAT/RECIPE with FORMAT e4m3 or hybrid, RECIPE tensorwise or "
+                f"blockwise")
     if configs[0] != "megatron":
         p.error("--configs must start with megatron (the reference every other configuration is checked against)")
     te_configs = [name for name in configs if name in te_baselines.TE_SPECS]
@@ -244,6 +270,13 @@ def parse_args(argv):
 # ---------------------------------------------------------------------------------------------------
 # The layer
 # ---------------------------------------------------------------------------------------------------
+
+def fp8_layer_config(config, fp8: str):
+    """config with Megatron's FP8 fields from FORMAT/RECIPE (--fp8)."""
+    import dataclasses
+    fmt, _, recipe = fp8.partition("/")
+    return dataclasses.replace(config, fp8=fmt, fp8_recipe=recipe)
+
 
 def layer_config(model, tp, device_type, fusions=None):
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -445,7 +478,7 @@ def write_report(args, rows, command, group):
     summary, lines = summarize(rows)
     settings = dict(_versions(), seq=args.seq, micro_batch=args.micro_batch, tp=dist.get_world_size(group),
                     reps=args.reps, rounds=args.rounds, warmup=args.warmup, input_sets=args.input_sets,
-                    check_tol=args.check_tol,
+                    check_tol=args.check_tol, fp8=args.fp8, fp8_check_tol=args.fp8_check_tol,
                     device=args.device, megatron_fusions=args.fusions, graphs=args.graphs)
     timing = ("each configuration's --input-sets steps captured once in a CUDA graph, the replays timed"
               if args.graphs else "eager, back-to-back steps")
@@ -501,7 +534,7 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
     """Build configuration `name`'s layer with `weights` (None: keep its own: megatron's, the first), check it
     on sets[0] (megatron: capture the reference). Returns (row, layer or None, captured result or None)."""
     from overlap_tp.bench.reference_spec import count_collectives
-    base = name.removesuffix(SPLIT_SUFFIX)
+    base, split = base_of(name), name.endswith(SPLIT_SUFFIX)
     spec_kind, overlap, nocomm = table[base]
     row, layer, result = {"config": name}, None, None
     before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
@@ -512,9 +545,9 @@ def _prepare(name, table, config, weights, sets, rope, group, device):
     try:
         x = sets[0][0]
         layer = build_layer(spec_kind, config, device, in_place=base.endswith((IN_PLACE_SUFFIX, DEFER_WGRAD_SUFFIX)),
-                            defer_wgrad=base.endswith(DEFER_WGRAD_SUFFIX), token_split=base != name,
+                            defer_wgrad=base.endswith(DEFER_WGRAD_SUFFIX), token_split=split,
                             tokens=x.shape[0] * x.shape[1] * dist.get_world_size(group))
-        if base != name and not layer.token_split:
+        if split and not layer.token_split:
             raise RuntimeError("the layer does not split (a warning said why)")
         if spec_kind in te_baselines.TE_SPECS:
             row["userbuffers"] = te_baselines.active_userbuffers(layer)
@@ -570,15 +603,17 @@ def bench_model(model, args, group, device, rows, command):
 
     # 1. Build and check every configuration; keep the layers that passed on every rank.
     for name in args.configs.split(","):
-        row, layer, result = _prepare(name, table, config, weights, sets, rope, group, device)
+        row, layer, result = _prepare(name, table, fp8_layer_config(config, args.fp8) if is_fp8(name) else config,
+                                      weights, sets, rope, group, device)
         row = {"model": model, **row}
         if name == "megatron" and result is not None:
             reference = result
             weights = {n: p.detach().clone() for n, p in layer.named_parameters()}
-        elif result is not None and not table[name.removesuffix(SPLIT_SUFFIX)][2]:
+        elif result is not None and not table[base_of(name)][2]:
             row["check_err"], row["check_worst"] = _max_error(result, reference)
-            if not row["check_err"] <= args.check_tol:
-                row["error"] = f"check failed: {row['check_worst']} {row['check_err']:.3g} > {args.check_tol}"
+            tol = args.fp8_check_tol if is_fp8(name) else args.check_tol
+            if not row["check_err"] <= tol:
+                row["error"] = f"check failed: {row['check_worst']} {row['check_err']:.3g} > {tol}"
         del result
         if _all_ok("error" not in row, group, device):
             ready[name] = functools.partial(step, layer, rope=rope)
@@ -617,13 +652,13 @@ def bench_model(model, args, group, device, rows, command):
         return result
 
     def capture(name):
-        with _communication(table[name.removesuffix(SPLIT_SUFFIX)][2]):
+        with _communication(table[base_of(name)][2]):
             return CapturedCalls(ready[name], sets, warmup=args.warmup)
 
     def timed_round(name):
         if args.graphs:
             return captured[name].samples(per_round, group)
-        with _communication(table[name.removesuffix(SPLIT_SUFFIX)][2]):
+        with _communication(table[base_of(name)][2]):
             return timed_samples(ready[name], sets, per_round, group, warmup=args.warmup, device=device)
 
     if args.graphs:
@@ -675,7 +710,7 @@ def bench_model(model, args, group, device, rows, command):
     for name in ready:
         row = model_rows[name]
         try:
-            with _communication(table[name.removesuffix(SPLIT_SUFFIX)][2]):
+            with _communication(table[base_of(name)][2]):
                 if device.type == "cuda":
                     row["host_ms"], row["gpu_ms"] = queued_ms(ready[name], sets, group)
                 if args.profile and not args.graphs:

@@ -40,7 +40,7 @@ from overlap_tp.megatron.mla import mla_self_attention_spec
 from overlap_tp.megatron.moe_layer import OverlapGroupedMLP, OverlapMoELayer
 from overlap_tp.megatron.norm import OverlapRMSNorm
 from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OverlapSettings
-from overlap_tp.megatron.transformer_layer import OverlapTransformerLayer
+from overlap_tp.megatron.transformer_layer import LayerChain, OverlapTransformerLayer
 
 __all__ = ["OverlapQKRMSNorm", "OverlapSpecProvider", "get_gpt_layer_overlap_spec", "get_moe_overlap_module_spec"]
 
@@ -128,7 +128,8 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
                                fp8: Optional[str] = None, moe_use_legacy_grouped_gemm: Optional[bool] = False,
                                normalization: Optional[str] = None, qk_l2_norm: Optional[bool] = False,
                                transformer_impl: Optional[str] = None, fused_norms: Optional[bool] = None,
-                               settings: Optional[OverlapSettings] = None, **unused_kwargs) -> ModuleSpec:
+                               settings: Optional[OverlapSettings] = None, chain: Optional[LayerChain] = None,
+                               **unused_kwargs) -> ModuleSpec:
     """A TransformerLayer spec (the arguments of get_gpt_layer_local_spec) on overlap_tp's layers; with
     num_experts the MLP is OverlapMoELayer (moe_grouped_gemm and moe_use_legacy_grouped_gemm change nothing).
 
@@ -139,6 +140,8 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
 
     settings: the OverlapSettings every overlap_tp module of the spec is built with (ModuleSpec params): the linears'
     configs per op kind, the MoE experts' config, the layer's switches. None: the defaults (OverlapSettings()).
+    chain: the LayerChain the layers built from this spec link through (the MLP boundary); None: a new one, so that
+    the layers one spec builds in a block link; a block spec of several layer specs (dense and MoE) passes one.
     fused_norms (default: settings.fused_norms) False: the layer is Megatron's TransformerLayer, which runs the
     bias-dropout-adds and the norms as separate kernels (same submodules, same checkpoint keys)."""
     if fused_norms is None:
@@ -146,8 +149,9 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
     if multi_latent_attention and qk_l2_norm:
         raise NotImplementedError("overlap_tp: qk_l2_norm with multi-latent attention (Megatron does not support it "
                                   "either)")
-    if fp8 is not None:
-        raise NotImplementedError("overlap_tp: FP8 is not supported by the overlap layers (bf16/fp16 GEMMs)")
+    if fp8 is not None and num_experts is not None:
+        raise NotImplementedError("overlap_tp: FP8 with MoE layers: the expert ops are bf16 (docs/fp8.md); the dense "
+                                  "linears run FP8 from the model config (config.fp8, config.fp8_recipe)")
     if normalization not in (None, "RMSNorm"):
         raise NotImplementedError(f"overlap_tp: normalization={normalization!r}: the overlap spec provides RMSNorm "
                                   f"only (OverlapRMSNorm)")
@@ -175,7 +179,8 @@ def get_gpt_layer_overlap_spec(num_experts: Optional[int] = None, moe_grouped_ge
         )
     return ModuleSpec(
         module=OverlapTransformerLayer if fused_norms else TransformerLayer,
-        params={"settings": settings} if fused_norms and settings is not None else {},
+        params=({"chain": chain if chain is not None else LayerChain(),
+                 **({"settings": settings} if settings is not None else {})} if fused_norms else {}),
         submodules=TransformerLayerSubmodules(
             input_layernorm=layer_norm,
             self_attention=self_attention,

@@ -41,15 +41,18 @@ except ImportError as error:  # pragma: no cover - exercised only without megatr
                       "'megatron-core>=0.16')") from error
 
 from overlap_tp.kernels.fused_add_rmsnorm import accept_deferred_grad
+from overlap_tp.megatron.fp8_linear import Fp8ColumnParallelFn, Fp8Recipe, Fp8RowParallelFn, Fp8WeightCache
 from overlap_tp.megatron.linear_functions import (LayerOverlapConfig, _check_main_grad, _ColumnParallelFn,
                                                   _GatherLastDim, _LinearArgs, _resolve_config, _RowParallelFn,
                                                   _ScatterLastDim)
+from overlap_tp.megatron.norm import fp8_rows
 from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OP_KINDS, OverlapSettings
 from overlap_tp.ops.ag_gemm import OwnGather
 from overlap_tp.ops.config import OverlapConfig
 from overlap_tp.ops.resolve import resolve
 
-__all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "set_overlap_config"]
+__all__ = ["OP_KINDS", "OverlapColumnParallelLinear", "OverlapRowParallelLinear", "set_op_observer",
+           "set_overlap_config"]
 
 
 def _check_overlap_config(value: LayerOverlapConfig) -> LayerOverlapConfig:
@@ -78,8 +81,17 @@ def set_overlap_config(model: torch.nn.Module, config: LayerOverlapConfig):
     return count
 
 
-# Training telemetry (overlap_tp.training.sampling) observes the layers' synchronous op calls through this
-# hook: observer(kind, call, a, w, group) runs call() (the op on a, w) and returns its output.
+def set_op_observer(model: torch.nn.Module, observer: Optional[Callable]) -> int:
+    """Route the synchronous gemm_rs / gemm_ar / ag_gemm calls of every overlapped linear layer of `model` through
+    `observer(kind, call, a, w, group)`, which runs call() (the op on a, w) and returns its output (None: called
+    directly, the default); returns how many layers were set. Training telemetry (overlap_tp.training.sampling)
+    observes the layers this way."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (OverlapColumnParallelLinear, OverlapRowParallelLinear)):
+            module.op_observer = observer
+            count += 1
+    return count
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,10 +100,13 @@ def set_overlap_config(model: torch.nn.Module, config: LayerOverlapConfig):
 
 def _check_megatron_config(config, layer: str):
     """Refuse what the layers do not implement, before any weight exists."""
-    for option in ("fp8", "fp4"):
-        if getattr(config, option, None):
-            raise NotImplementedError(f"{layer}: config.{option}={getattr(config, option)!r} is not supported "
-                                      f"(the overlapped ops are bf16/fp16 GEMMs); use Transformer Engine's layers")
+    if getattr(config, "fp4", None):
+        raise NotImplementedError(f"{layer}: config.fp4={config.fp4!r} is not supported (the overlapped ops are "
+                                  f"bf16/fp16 or FP8 GEMMs); use Transformer Engine's layers")
+    try:
+        Fp8Recipe.of(config)
+    except ValueError as error:
+        raise NotImplementedError(f"{layer}: {error}") from None
     if getattr(config, "delay_wgrad_compute", False):
         raise NotImplementedError(f"{layer}: config.delay_wgrad_compute=True is not supported (backward_dw would "
                                   f"have to replay the wgrad); turn it off")
@@ -122,6 +137,8 @@ class _OverlapLinearBase(torch.nn.Module):
     # (OverlapTransformerLayer) runs its second half with 1, so that both halves' calls of one shape can be in flight
     # at once, each with its own buffers and synchronisation state.
     plan_instance = 0
+    # what the layer's synchronous op calls run through (set_op_observer); None: called directly
+    op_observer: Optional[Callable] = None
 
     def _init_common(self, config, is_expert, tp_group, overlap_config, settings, layer):
         _check_megatron_config(config, layer)
@@ -139,10 +156,20 @@ class _OverlapLinearBase(torch.nn.Module):
         if settings is not None and not isinstance(settings, OverlapSettings):
             raise TypeError(f"{layer}: settings must be an OverlapSettings, got {type(settings).__name__}")
         self.settings = settings if settings is not None else DEFAULT_SETTINGS
+        # FP8 (fp8_linear.py): Megatron's config.fp8 / fp8_recipe (the wgrad too with settings.fp8_wgrad); the
+        # weights' FP8 copies
+        self.fp8 = Fp8Recipe.of(config, self.settings.fp8_wgrad)
+        self.fp8_weights = Fp8WeightCache() if self.fp8 is not None else None
         # Megatron's hook adding a default empty _extra_state for state dict
         self._register_load_state_dict_pre_hook(
             lambda state_dict, prefix, *args, **kwargs: state_dict.setdefault(f"{prefix}_extra_state"))
         return world_size, rank
+
+    def _refuse_fp8_without_sequence_parallel(self, layer: str):
+        if self.fp8 is not None and not self.sequence_parallel:
+            raise NotImplementedError(f"{layer}: FP8 (config.fp8={self.config.fp8!r}) runs with sequence parallelism "
+                                      f"at TP >= 2 (--sequence-parallel): the FP8 ops are the AllGather+GEMM and "
+                                      f"GEMM+ReduceScatter; without it use Transformer Engine's layers")
 
     def __setattr__(self, name, value):
         if name == "overlap_config":
@@ -262,6 +289,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
             raise ValueError(f"{layer}: gather_output=True with sequence_parallel is not supported "
                              f"(the output would be sequence-gathered and hidden-gathered)")
         self.allreduce_dgrad = world_size > 1 and not self.sequence_parallel and not disable_grad_reduce
+        self._refuse_fp8_without_sequence_parallel(layer)
         self._own_gathers = {}   # {plan instance: OwnGather}: the gathered buffers (gather_in_place; plan_instance)
 
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
@@ -287,7 +315,11 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         args = _LinearArgs(self, self.allreduce_dgrad, dgrad_link=link, own_gather=own,
                            wgrad_handoff=self.wgrad_handoff if own is not None else None)
         _check_main_grad(weight, self.gradient_accumulation_fusion)
-        out2d = _ColumnParallelFn.apply(x2d, weight, bias, args)
+        if self.fp8 is not None:   # the rows' FP8 copy, where the norm that produced them wrote one (norm.py)
+            x8 = fp8_rows(input_, self.fp8.forward_format, self.fp8.row_scaling)
+            out2d = Fp8ColumnParallelFn.apply(x2d, weight, bias, args, self.fp8, self.fp8_weights, x8)
+        else:
+            out2d = _ColumnParallelFn.apply(x2d, weight, bias, args)
         rows = input_.shape[0] * (get_pg_size(self.tp_group) if self.sequence_parallel else 1)
         output = out2d.view(rows, *input_.shape[1:-1], self.output_size_per_partition)
         if gather_output and get_pg_size(self.tp_group) > 1:
@@ -303,7 +335,7 @@ class OverlapColumnParallelLinear(_OverlapLinearBase):
         ag_gemm call that follows runs the same config): in place where it picks signal or decompose on p2p."""
         device = torch.device(device)
         if (not self.gather_in_place or not self.sequence_parallel or shape[-1] != self.input_size
-                or dtype not in (torch.bfloat16, torch.float16)):
+                or dtype not in (torch.bfloat16, torch.float16) or self.fp8 is not None):
             return None
         m = math.prod(shape) // self.input_size
         if self._in_place_config(m, dtype, device) is None:
@@ -374,6 +406,7 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
             raise RuntimeError("To enable `sequence_parallel`, `input_is_parallel` must be `True`")
         world_size, rank = self._init_common(config, is_expert, tp_group, overlap_config, settings, layer)
         self.input_size_per_partition = divide(input_size, world_size)
+        self._refuse_fp8_without_sequence_parallel(layer)
 
         self.weight = self._new_param(self.output_size, self.input_size_per_partition)
         self._init_weight(output_size, input_size, self.input_size_per_partition, 1, init_method, stride,
@@ -406,7 +439,10 @@ class OverlapRowParallelLinear(_OverlapLinearBase):
             raise ValueError(f"OverlapRowParallelLinear: sequence length {input_.shape[0]} is not divisible by the "
                              f"tensor-parallel size {t} (sequence parallel)")
         _check_main_grad(self.weight, self.gradient_accumulation_fusion)
-        out2d = _RowParallelFn.apply(y2d, self.weight, bias, args, handed)
+        if self.fp8 is not None:   # its sum is not deferred and no wgrad handed to it (fp8_linear.py)
+            out2d = Fp8RowParallelFn.apply(y2d, self.weight, bias, args, self.fp8, self.fp8_weights)
+        else:
+            out2d = _RowParallelFn.apply(y2d, self.weight, bias, args, handed)
         rows = input_.shape[0] // t if self.sequence_parallel else input_.shape[0]
         output = out2d.view(rows, *input_.shape[1:-1], self.output_size)
         self.deferred_sum = args.deferred_sum

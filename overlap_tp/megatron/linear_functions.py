@@ -1,7 +1,8 @@
 """The autograd Functions of overlap_tp's tensor-parallel linears (layers.py) and what they need besides tensors:
 forward and backward through the overlapped ops (DESIGN.md section 2), the weight gradient (with Megatron's
 gradient_accumulation_fusion), the op-kind configs a call runs (the layer's own, else its OverlapSettings'), and the
-telemetry hook through which training observes the synchronous op calls."""
+layer's op observer through which training observes the synchronous op calls (_LinearArgs.observe). The FP8
+Functions: fp8_linear.py."""
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
@@ -33,19 +34,6 @@ def _resolve_config(layer_config: LayerOverlapConfig, op: str, settings: Overlap
     return settings.config(op)
 
 
-_op_observer = None
-
-
-def set_op_observer(observer: Optional[Callable]):
-    """Route every synchronous gemm_rs / gemm_ar / ag_gemm call of the layers through `observer` (None: off)."""
-    global _op_observer
-    _op_observer = observer
-
-
-def _observed(kind: str, call: Callable[[], Any], a: torch.Tensor, w: torch.Tensor, group):
-    return call() if _op_observer is None else _op_observer(kind, call, a, w, group)
-
-
 _addmm_out_dtype_works = True
 
 
@@ -69,15 +57,20 @@ def _accumulate_wgrad(main_grad: torch.Tensor, dy: torch.Tensor, x: torch.Tensor
     main_grad.add_(dy.t().matmul(x))   # the GEMM rounds to dy's dtype once, as the unfused path does
 
 
-def _weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor):
+def weight_grad(ctx, weight: torch.Tensor, dy: torch.Tensor, x: torch.Tensor,
+                product: Optional[Callable[[], torch.Tensor]] = None):
     """The wgrad dy.T @ x, or with gradient_accumulation_fusion its accumulation into weight.main_grad and
     what Megatron's DDP expects back (Megatron's LinearWithGradAccumulationAndAsyncCommunication): a dummy
-    grad (zeros with zero_out_wgrad) with grad_added_to_main_grad = True where DDP tracks it, else None."""
+    grad (zeros with zero_out_wgrad) with grad_added_to_main_grad = True where DDP tracks it, else None.
+    product: computes dy.T @ x another way (the FP8 wgrad), in dy's dtype; then main_grad adds its result."""
     if not ctx.gradient_accumulation_fusion:
-        return dy.t().matmul(x)
+        return product() if product is not None else dy.t().matmul(x)
     main_grad = ctx.main_grad
     weight.main_grad = main_grad    # the layer may have been reused (MTP): restore what forward saw
-    _accumulate_wgrad(main_grad, dy, x)
+    if product is not None:
+        main_grad.add_(product())
+    else:
+        _accumulate_wgrad(main_grad, dy, x)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
@@ -90,7 +83,8 @@ class _LinearArgs:
     """What a layer's autograd Function needs besides tensors."""
 
     __slots__ = ("group", "sequence_parallel", "allreduce_dgrad", "gradient_accumulation_fusion", "layer_config",
-                 "settings", "defer_sum", "deferred_sum", "dgrad_link", "own_gather", "wgrad_handoff", "instance")
+                 "settings", "defer_sum", "deferred_sum", "dgrad_link", "own_gather", "wgrad_handoff", "instance",
+                 "observer")
 
     def __init__(self, layer, allreduce_dgrad, defer_sum=False, dgrad_link=None, own_gather=None,
                  wgrad_handoff=None):
@@ -108,12 +102,19 @@ class _LinearArgs:
         self.own_gather = own_gather    # column, SP: the layer's OwnGather, whose claimed region is this input
         self.wgrad_handoff = wgrad_handoff   # column: where its wgrad may be left; row: where one may wait for it
         self.instance = layer.plan_instance   # the ops' plans, forward and backward (plan_instance)
+        self.observer = layer.op_observer     # what the synchronous op calls run through (None: called directly)
 
     def config(self, op):
         return _resolve_config(self.layer_config, op, self.settings)
 
+    def observe(self, kind: str, call: Callable[[], Any], a: torch.Tensor, w: torch.Tensor):
+        """call() (the layer's synchronous op `kind` on a, w), through the layer's op observer where one is set
+        (layers.set_op_observer): observer(kind, call, a, w, group) runs call() and returns its output."""
+        return call() if self.observer is None else self.observer(kind, call, a, w, self.group)
 
-def _save_common(ctx, weight, bias, args: _LinearArgs):
+
+def save_common(ctx, weight, bias, args: _LinearArgs):
+    """What a linear's backward reads off ctx besides its saved tensors (the bf16 and the FP8 Functions alike)."""
     ctx.args = args
     ctx.use_bias = bias is not None
     ctx.gradient_accumulation_fusion = args.gradient_accumulation_fusion and weight.requires_grad
@@ -137,21 +138,23 @@ class _ColumnParallelFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, args: _LinearArgs):
-        _save_common(ctx, weight, bias, args)
+        save_common(ctx, weight, bias, args)
         ctx.x_shape = x.shape
         ctx.kept_gathered = args.own_gather is not None
         if ctx.kept_gathered:
             # x is the layer's own gathered buffer's region, written by the norm: nothing staged, and the gathered
             # input stays in that buffer (the layer's alone) until the backward, which reads it with no re-gather
-            out, gathered = _observed("ag_gemm", lambda: args.own_gather.ag_gemm(x, weight, bias, args.config("ag_gemm")),
-                                      x, weight, args.group)
+            out, gathered = args.observe("ag_gemm", lambda: args.own_gather.ag_gemm(x, weight, bias,
+                                                                                    args.config("ag_gemm")),
+                                         x, weight)
             ctx.save_for_backward(gathered, weight)
             return out
         if args.sequence_parallel:
             # The gathered input is not kept: backward re-gathers it (Megatron's choice; keeping it
             # costs t times this layer's input activation memory).
-            out = _observed("ag_gemm", lambda: ag_gemm(x, weight, args.group, bias=bias, config=args.config("ag_gemm"),
-                                                       instance=args.instance), x, weight, args.group)
+            out = args.observe("ag_gemm", lambda: ag_gemm(x, weight, args.group, bias=bias,
+                                                          config=args.config("ag_gemm"), instance=args.instance),
+                               x, weight)
         else:
             out = torch.matmul(x, weight.t())
             if bias is not None:
@@ -187,8 +190,8 @@ class _ColumnParallelFn(torch.autograd.Function):
         # row-parallel backward that follows (WgradHandoff), which returns the gradient; that backward needs our dx
         # (it reaches it through the norm)
         if need_dw and not (ctx.kept_gathered and need_dx and handoff is not None and
-                            handoff.leave(lambda: _weight_grad(ctx, weight, dy, gathered))):
-            dw = _weight_grad(ctx, weight, dy, gathered)
+                            handoff.leave(lambda: weight_grad(ctx, weight, dy, gathered))):
+            dw = weight_grad(ctx, weight, dy, gathered)
         link = args.dgrad_link
         if (reducing_dx is not None and reducing_dx.deferred_sum is not None and link is not None
                 and not link.shared):
@@ -209,7 +212,7 @@ class _RowParallelFn(torch.autograd.Function):
     def forward(ctx, y, weight, bias, args: _LinearArgs, handed_weight=None):
         """handed_weight: the weight whose gradient args.wgrad_handoff may leave to this backward (an input only so
         that autograd takes that gradient from here); unused by the forward."""
-        _save_common(ctx, weight, bias, args)
+        save_common(ctx, weight, bias, args)
         if args.sequence_parallel and args.defer_sum:   # not observed: its sum lands in the consumer's kernel
             pending = gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs"), async_op=True,
                               instance=args.instance)
@@ -222,11 +225,12 @@ class _RowParallelFn(torch.autograd.Function):
                 out = torch.empty(y.shape[0] // get_pg_size(args.group), weight.shape[0], dtype=y.dtype,
                                   device=y.device)
         elif args.sequence_parallel:
-            out = _observed("gemm_rs", lambda: gemm_rs(y, weight, args.group, bias=bias, config=args.config("gemm_rs"),
-                                                       instance=args.instance), y, weight, args.group)
+            out = args.observe("gemm_rs", lambda: gemm_rs(y, weight, args.group, bias=bias,
+                                                          config=args.config("gemm_rs"), instance=args.instance),
+                               y, weight)
         else:
-            out = _observed("gemm_ar", lambda: gemm_ar(y, weight, args.group, bias=bias, config=args.config("gemm_ar")),
-                            y, weight, args.group)
+            out = args.observe("gemm_ar", lambda: gemm_ar(y, weight, args.group, bias=bias,
+                                                          config=args.config("gemm_ar")), y, weight)
         ctx.save_for_backward(y, weight)
         return out
 
@@ -247,14 +251,15 @@ class _RowParallelFn(torch.autograd.Function):
             if need_dy and wgrad is not None:
                 dy, dz_full, handed_grad = _ag_gemm_around(dz, weight.t(), args, wgrad)
             elif need_dy:   # the gathered dZ comes back with the dgrad and is reused for the wgrad
-                dy, dz_full = _observed("ag_gemm", lambda: ag_gemm(dz, weight.t(), args.group, config=args.config("ag_gemm"),
-                                                                   return_gathered=True, instance=args.instance),
-                                        dz, weight.t(), args.group)
+                dy, dz_full = args.observe("ag_gemm", lambda: ag_gemm(dz, weight.t(), args.group,
+                                                                      config=args.config("ag_gemm"),
+                                                                      return_gathered=True, instance=args.instance),
+                                           dz, weight.t())
             elif need_dw:
                 dz_full = gather_rows(dz, args.group, args.config("ag_gemm")).wait()
         elif need_dy:
             dy = dz.matmul(weight)
-        dw = _weight_grad(ctx, weight, dz_full, y) if need_dw else None
+        dw = weight_grad(ctx, weight, dz_full, y) if need_dw else None
         # SP: this rank's rows only; the bias carries sequence_parallel=True, so Megatron's
         # finalize_model_grads all-reduces it over the TP group (as for Megatron's own layer).
         db = dz.sum(dim=0) if ctx.use_bias and ctx.needs_input_grad[2] else None

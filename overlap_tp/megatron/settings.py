@@ -16,7 +16,7 @@ from typing import Optional
 from overlap_tp.ops.config import OverlapConfig
 
 OP_KINDS = ("ag_gemm", "gemm_rs", "gemm_ar")   # the dense layers' op kinds
-LAYER_SWITCHES = ("fused_norms", "gather_in_place", "defer_wgrad", "token_split")
+LAYER_SWITCHES = ("fused_norms", "gather_in_place", "defer_wgrad", "token_split", "fp8_wgrad")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,9 @@ class OverlapSettings:
     fused_norms: OverlapTransformerLayer (bias-dropout-add and norm in one kernel) rather than Megatron's layer.
     gather_in_place: the norms write into linear_qkv's and linear_fc1's own gathered buffers (OverlapTransformerLayer).
     defer_wgrad: with gather_in_place, linear_fc1's wgrad runs inside linear_proj's backward (WgradHandoff).
-    token_split: each micro-batch as two interleaved halves of its sequences (OverlapTransformerLayer)."""
+    token_split: each micro-batch as two interleaved halves of its sequences (OverlapTransformerLayer).
+    fp8_wgrad: under Megatron's FP8 flags, the linears' weight gradients in FP8 too (fp8_linear.py; Megatron's
+    --no-fp8-wgrad keeps them bf16 whatever this says)."""
 
     ag_gemm: OverlapConfig = OverlapConfig()
     gemm_rs: OverlapConfig = OverlapConfig()
@@ -37,6 +39,7 @@ class OverlapSettings:
     gather_in_place: bool = False
     defer_wgrad: bool = False
     token_split: bool = False
+    fp8_wgrad: bool = False
 
     def __post_init__(self):
         for op in OP_KINDS + ("moe",):

@@ -23,7 +23,10 @@ from overlap_tp.ops.config import OverlapConfig
 #                    end to end there, a tie at TP 2, nothing hidden eagerly.
 #   token_split      off: measured slower (docs/performance.md, The token split); the config file turns it on.
 #   fused_norms      on: the fused bias-dropout-add + norm; off only as an A/B (the config file).
-LAYER_RULES = ("gather_in_place", "defer_wgrad", "token_split", "fused_norms")
+#   fp8_wgrad        off: the FP8 wgrad with its two transposed quantizers measured 1.03x (tensorwise) and 0.92x
+#                    (blockwise) the bf16 GEMM on the 8B layer's wgrads at TP 2 (benchmarks/fp8-gemm_h100x1_2026-12-07.md);
+#                    the config file turns it on.
+LAYER_RULES = ("gather_in_place", "defer_wgrad", "token_split", "fused_norms", "fp8_wgrad")
 
 
 def graphs_on(args) -> bool:
@@ -66,4 +69,5 @@ def settings_from_args(args) -> OverlapSettings:
         defer = in_place and tp >= 4 and graphs_on(args)
     return dataclasses.replace(OverlapSettings(**configs), moe=moe_config, fused_norms=fused_norms,
                                gather_in_place=in_place, defer_wgrad=defer,
-                               token_split=layers.get("token_split", False))
+                               token_split=layers.get("token_split", False),
+                               fp8_wgrad=layers.get("fp8_wgrad", False))

@@ -24,7 +24,8 @@ TransformerLayer unchanged, and says so once (a warning naming the reason).
 The MLP boundary, the same fusion across two layers: Megatron runs this layer's MLP bias-dropout-add, then
 the next layer's input_layernorm on its output. Two layers are linked when they are built: Megatron's
 TransformerBlock builds its layers one after the other with one config and consecutive layer numbers, and passes
-each layer's output straight to the next. The previous layer's `mlp_bda` then runs the fused kernel with the next
+each layer's output straight to the next; the layers built from one block spec share a LayerChain (the layer spec's
+params), which links each to the one built before it. The previous layer's `mlp_bda` then runs the fused kernel with the next
 layer's norm weight and hands the normalized rows to that norm (OverlapRMSNorm.hand_over), which returns them
 instead of normalizing again; fc2's p2p sum is left to the same kernel. Linked at build time, not at the first
 forward, so that every forward runs the same kernels: a process's first microbatch included, which is what makes a
@@ -82,11 +83,12 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 import torch
 
 from overlap_tp.megatron.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
-from overlap_tp.megatron.norm import OverlapRMSNorm, fused_add_rmsnorm
+from overlap_tp.kernels.fp8_quant import BLOCK as FP8_BLOCK
+from overlap_tp.megatron.norm import Fp8Output, OverlapRMSNorm, fused_add_rmsnorm
 from overlap_tp.megatron.settings import DEFAULT_SETTINGS, OverlapSettings
 from overlap_tp.megatron.wgrad_handoff import WgradHandoff
 
-__all__ = ["OverlapTransformerLayer"]
+__all__ = ["LayerChain", "OverlapTransformerLayer"]
 
 _warned = set()
 
@@ -95,8 +97,24 @@ def _warn_once(message: str):
     if message not in _warned:
         _warned.add(message)
         warnings.warn(message)
-# the last OverlapTransformerLayer built, as a weak reference: the next one built links to it (the MLP boundary)
-_last_built = [None]
+class LayerChain:
+    """The OverlapTransformerLayers built from one block spec, in build order (the layer spec's params carry it to
+    every layer the spec builds, dense and MoE alike): link(layer) returns the layer built just before it, held
+    weakly, or None, and remembers `layer` for the next. OverlapTransformerLayer links the two where they are
+    consecutive layers of one block (_link_to_previous_built)."""
+
+    def __init__(self):
+        self._last = None
+
+    def __deepcopy__(self, memo):
+        """A copy of a layer spec (one per layer, as overlap_tp.bench.reference_spec.gpt_block_spec makes) builds
+        layers of the same block: it keeps the chain."""
+        return self
+
+    def link(self, layer) -> Optional["OverlapTransformerLayer"]:
+        previous = self._last() if self._last is not None else None
+        self._last = weakref.ref(layer)
+        return previous
 
 
 def _sum_deferred(linear: OverlapRowParallelLinear, block, defer: bool = True):
@@ -144,9 +162,11 @@ def captured_per_layer(config) -> bool:
 class OverlapTransformerLayer(TransformerLayer):
     """TransformerLayer whose self-attention bias-dropout-add and pre-MLP RMSNorm run as one kernel."""
 
-    def __init__(self, *args, settings: Optional[OverlapSettings] = None, **kwargs):
+    def __init__(self, *args, settings: Optional[OverlapSettings] = None, chain: Optional[LayerChain] = None,
+                 **kwargs):
         """settings: gather_in_place, defer_wgrad and token_split are read here (the layer spec passes the same
-        OverlapSettings to the layer and to its linears)."""
+        OverlapSettings to the layer and to its linears); chain: the LayerChain of the block spec this layer is built
+        from (None: the layer links to no other, its MLP boundary unfused)."""
         super().__init__(*args, **kwargs)
         if settings is not None and not isinstance(settings, OverlapSettings):
             raise TypeError(f"OverlapTransformerLayer: settings must be an OverlapSettings, got "
@@ -177,6 +197,7 @@ class OverlapTransformerLayer(TransformerLayer):
         self.takes_input_handover = (type(self.input_layernorm) is OverlapRMSNorm
                                      and not getattr(self, "recompute_input_layernorm", False)
                                      and not getattr(self, "offload_attn_norm", False))
+        self.chain = chain
         self._link_to_previous_built()
         # the backward mirror: the column-parallel layers whose input is a norm's output and nothing else's (qkv, a
         # dense MLP's fc1) leave their dgrad's p2p sum to that norm's backward kernel
@@ -186,6 +207,7 @@ class OverlapTransformerLayer(TransformerLayer):
                 linear.sum_dgrad_in_norm = True
         if settings.gather_in_place:
             self._gather_inputs_in_place()
+        self._quantize_inputs_in_norms()
         self.token_split = False
         if settings.token_split:
             reason = self._unsplittable_reason()
@@ -227,14 +249,16 @@ class OverlapTransformerLayer(TransformerLayer):
             reason = "pipeline parallelism keeps several micro-batches' gathered inputs alive at once"
         elif getattr(config, "cpu_offloading", False) or getattr(config, "fine_grained_activation_offloading", False):
             reason = "activations are offloaded to the CPU"
+        elif getattr(config, "fp8", None):
+            reason = ("the linears run FP8 (their AllGathers move the quantized rows, not the norm's output; "
+                      "overlap_tp.megatron.fp8_linear)")
         if reason is not None:
             if reason not in _warned:
                 _warned.add(reason)
                 warnings.warn(f"OverlapTransformerLayer: gather-in-place is off because {reason}; the "
                               f"AllGathers stage their inputs and the backward re-gathers them")
             return
-        pairs = ((self.input_layernorm, getattr(self.self_attention, "linear_qkv", None)),
-                 (self.pre_mlp_layernorm, getattr(self.mlp, "linear_fc1", None) if type(self.mlp) is MLP else None))
+        pairs = self._norm_fed_linears()
         for norm, linear in pairs:
             if type(norm) is OverlapRMSNorm and isinstance(linear, OverlapColumnParallelLinear):
                 linear.gather_in_place = True
@@ -244,6 +268,22 @@ class OverlapTransformerLayer(TransformerLayer):
                 and isinstance(proj, OverlapRowParallelLinear) and proj.sequence_parallel):
             # fc1's wgrad runs beside proj's dgrad AllGather (WgradHandoff): fc1's backward leaves it, proj's takes it
             fc1.wgrad_handoff = proj.wgrad_handoff = WgradHandoff(fc1)
+
+    def _norm_fed_linears(self):
+        """(norm, column-parallel linear) where the linear's input is the norm's output and nothing else's:
+        (input_layernorm, linear_qkv) and, with a dense MLP, (pre_mlp_layernorm, linear_fc1)."""
+        return ((self.input_layernorm, getattr(self.self_attention, "linear_qkv", None)),
+                (self.pre_mlp_layernorm, getattr(self.mlp, "linear_fc1", None) if type(self.mlp) is MLP else None))
+
+    def _quantize_inputs_in_norms(self):
+        """An FP8 linear_qkv / dense linear_fc1 fed by an OverlapRMSNorm takes its input's FP8 copy from that norm's
+        pass (norm.py, fp8_output; bit-equal to quantizing it in the linear, one pass over the rows less)."""
+        for norm, linear in self._norm_fed_linears():
+            recipe = getattr(linear, "fp8", None)
+            if (type(norm) is OverlapRMSNorm and isinstance(linear, OverlapColumnParallelLinear)
+                    and recipe is not None and linear.sequence_parallel
+                    and (recipe.row_scaling != "1x128" or linear.input_size % FP8_BLOCK == 0)):
+                norm.fp8_output = Fp8Output(recipe.forward_format, recipe.row_scaling)
 
     def _unfusable_reason(self) -> Optional[str]:
         if type(self.pre_mlp_layernorm) is not OverlapRMSNorm:
@@ -272,7 +312,7 @@ class OverlapTransformerLayer(TransformerLayer):
             normed, hidden = fused_add_rmsnorm(
                 x, residual, norm.weight, bias, eps=norm.eps, zero_centered_gamma=norm.zero_centered_gamma,
                 dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum,
-                y_out=norm.output_buffer(residual.shape, x.dtype, x.device))
+                y_out=norm.output_buffer(residual.shape, x.dtype, x.device), fp8=norm.fp8_output)
             norm.hand_over(hidden, normed)
             return hidden
 
@@ -394,8 +434,9 @@ class OverlapTransformerLayer(TransformerLayer):
         of one block: the same config object and the next layer number (TransformerBlock builds its layers in
         order; virtual pipeline chunks, separate models and the next pipeline stage fail one of the two). Never an
         MTP layer: each is fed through its own projection, and MTP layers are numbered 1, 2, ... of their own."""
-        previous = _last_built[0]() if _last_built[0] is not None else None
-        _last_built[0] = weakref.ref(self)
+        if self.chain is None:
+            return
+        previous = self.chain.link(self)
         if (previous is not None and previous.config is self.config and previous.layer_number + 1 == self.layer_number
                 and previous.fused_mlp_boundary and self.takes_input_handover
                 and not getattr(previous, "is_mtp_layer", False) and not getattr(self, "is_mtp_layer", False)):
@@ -423,7 +464,7 @@ class OverlapTransformerLayer(TransformerLayer):
             normed, hidden = fused_add_rmsnorm(
                 x, residual, norm.weight, bias, eps=norm.eps, zero_centered_gamma=norm.zero_centered_gamma,
                 dropout_p=prob, training=training, fp32_residual=self.config.fp32_residual_connection, x_sum=x_sum,
-                y_out=norm.output_buffer(residual.shape, x.dtype, x.device))
+                y_out=norm.output_buffer(residual.shape, x.dtype, x.device), fp8=norm.fp8_output)
             norm.hand_over(hidden, normed)
             return hidden
 

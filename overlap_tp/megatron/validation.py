@@ -127,8 +127,23 @@ def validate_overlap_args(args, *, warn=_warn):
             f"{flag} with --normalization {normalization}: overlap_tp's layer spec provides RMSNorm "
             f"only (OverlapRMSNorm, sequence-parallel). Use --normalization RMSNorm, or {off}.")
     if getattr(args, "fp8", None):
-        raise OverlapArgumentError(
-            f"{flag} with --fp8-format: the overlapped GEMMs are bf16/fp16. Use --bf16, or {off}.")
+        recipe = getattr(getattr(args, "fp8_recipe", "delayed"), "value", getattr(args, "fp8_recipe", "delayed"))
+        if args.fp8 not in ("e4m3", "hybrid") or recipe not in ("tensorwise", "blockwise"):
+            raise OverlapArgumentError(
+                f"{flag} with --fp8-format {args.fp8} --fp8-recipe {recipe}: overlap_tp's FP8 layers run "
+                f"--fp8-format e4m3 or hybrid with --fp8-recipe tensorwise or blockwise (current scaling; "
+                f"docs/fp8.md). Change the recipe, or use {off}.")
+        if moe != "off":
+            raise OverlapArgumentError(
+                f"--overlap-moe {moe} with --fp8-format: the expert ops are bf16 (docs/fp8.md). Use --overlap-moe "
+                f"off, or --bf16.")
+        if method == "decompose":
+            raise OverlapArgumentError(
+                "--overlap-tp decompose with --fp8-format: the FP8 ops run the FP8 signaled GEMM (method signal) or "
+                "method off; cuBLAS per chunk has no FP8 path. Use --overlap-tp signal or auto.")
+        if method == "auto":
+            note("--overlap-tp auto with --fp8-format: the FP8 linears run method signal (the tuner times bf16 "
+                 "GEMMs); transport and chunking are resolved as for bf16.")
     for name, what in (("yaml_cfg", "--yaml-cfg"),
                        ("heterogeneous_layers_config_path", "--heterogeneous-layers-config-path"),
                        ("experimental_attention_variant", "--experimental-attention-variant")):

@@ -19,7 +19,7 @@ class WgradHandoff:
 
     How the gradient gets home: fc1's weight is also an input of proj's autograd Function (`consumer_input`, passed at
     proj's forward), so fc1's backward returns no weight gradient and proj's backward returns it, computed by the
-    same _weight_grad (main_grad accumulation and Megatron's dummy with gradient_accumulation_fusion). Autograd sums
+    same weight_grad (main_grad accumulation and Megatron's dummy with gradient_accumulation_fusion). Autograd sums
     the two edges and accumulates fc1's weight once, after proj's backward: DDP's hooks, --overlap-grad-reduce and
     the gradient capture of Megatron's CUDA graphs see it as any other weight's. Bit for bit the undeferred path.
 

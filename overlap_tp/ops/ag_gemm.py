@@ -40,22 +40,33 @@ AgGemm(...) returns the plan of the strategy that runs the resolved config (AgGe
                                exchange, each chunk's flag and PULLED are its own stores and spins, where the copy
                                engines' path has stream memory operations, each several times a kernel's store and spin
                                inside a graph (docs/performance.md): one launch per call (GatherBuffer.signaled_pull).
+With FP8 operands (a_shard and w kernels.fp8_quant.ScaledFp8, ops/fp8.py) the FP8 counterparts gather the shards'
+FP8 rows (one byte per element) and every rank's scales, and run the FP8 GEMM over the same tables:
+  AgGemmOffFp8            `off`: torch.distributed's all-gathers of the rows and the scales, then torch's scaled GEMM
+                          per rank's rows (the reference).
+  AgGemmSignaledNcclFp8   `signal` over `nccl`: the scales' broadcasts ahead of the first chunk's rows.
+  AgGemmSignaledP2PFp8    `signal` over `p2p` with the copy engines' pulls (comm_sms 0, one copy lane): the scales
+                          pulled with the first chunk, from a symmetric scale buffer under the rows' signals.
+  (`decompose`, the SM pulls and copy lanes have no FP8 strategy: a ValueError names what to use.)
 Method `auto` is the tuner's choice, resolved when the plan is built (`off` on CPU tensors).
 Rows always land at their standard position, so no reorder pass follows the transfer. Eagerly, a signal call on the
 p2p transport whose operand addresses the plan has seen before launches as one CUDA graph (ops/replay.py).
 """
+import math
 from collections import OrderedDict
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from overlap_tp.kernels.signaled_gemm import SignaledGemm, default_offsets, check_operands
+from overlap_tp.kernels.fp8_quant import ScaledFp8
+from overlap_tp.kernels.signaled_gemm import default_offsets
 from overlap_tp.ops import comm, memops, replay
 from overlap_tp.ops.config import OverlapConfig
-from overlap_tp.ops.p2p_gather import GatherBuffer
+from overlap_tp.ops.fp8 import Fp8Plan, fp8_counterpart
+from overlap_tp.ops.p2p_gather import GatherBuffer, ScaledGatherBuffer
 from overlap_tp.ops.plan_base import (OpPlan, Pending, after_work, cached_plan, check_not_capturing, chunk_bounds,
-                                       gemm_programs, joined)
+                                       gemm_programs, joined, operand_plan_args)
 from overlap_tp.ops.resolve import fill_defaults
 from overlap_tp.ops.tile_plan import ag_plan
 from overlap_tp.ops.watchdog import Watched
@@ -74,7 +85,17 @@ class AgGemm(OpPlan):
     op = "ag_gemm"
 
     def strategy_for(self, gather: Optional[GatherBuffer] = None) -> type:
-        """The strategy of the resolved config's method, transport and pulls; a ValueError where none runs it here."""
+        """The strategy of the resolved config's method, transport and pulls (FP8 operands: its FP8 counterpart); a
+        ValueError where none runs it here."""
+        strategy = self._bf16_strategy(gather)
+        if self.fp8 is None:
+            return strategy
+        if gather is not None:
+            raise ValueError("overlap_tp ag_gemm with FP8 operands: the plan gathers into a buffer of its own; pass no "
+                             "gather buffer (gathering in place, OwnGather, takes bf16 shards)")
+        return fp8_counterpart(self, strategy, FP8_STRATEGIES)
+
+    def _bf16_strategy(self, gather: Optional[GatherBuffer]) -> type:
         config, device, method = self.config, self.device, self.method
         if gather is not None and not OwnGather.supports(config, device):
             raise ValueError(f"ag_gemm: a gather buffer of its own is for the p2p transport (method signal or "
@@ -116,7 +137,7 @@ class AgGemm(OpPlan):
     def __call__(self, a_shard: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
                  return_gathered: bool = False):
         self.check_call(a_shard, w, bias)
-        out = torch.empty(self.out_shape, dtype=a_shard.dtype, device=a_shard.device)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
         gathered = self._run(a_shard, w, bias, out)
         return (out, gathered) if return_gathered else out
 
@@ -129,15 +150,25 @@ class AgGemm(OpPlan):
         raise ValueError(f"{self.describe()}: start()/finish() split the signaled AllGather+GEMM; this plan runs "
                          f"method={self.method!r} (call the plan instead)")
 
+    def _check_a(self, a_shard: torch.Tensor):
+        """start()'s shard is one the plan was built for (finish() checks the whole call); else a ValueError."""
+        if (a_shard.shape != (self.m, self.k) or a_shard.dtype != self.dtype or a_shard.device != self.device
+                or not a_shard.is_contiguous()):
+            raise ValueError(f"{self.describe()}: start() with a contiguous [{self.m}, {self.k}] {self.dtype} shard on "
+                             f"{self.device}; got {tuple(a_shard.shape)} {a_shard.dtype} on {a_shard.device}")
+
     def _pull_into_gather_buffer(self, gather: Optional[GatherBuffer]):
         """The p2p transport's state: the gathered buffer to pull into (`gather`, or the shape's, shared with the other
         AllGathers of the shape) and the streams its pulls are split over (config.copy_lanes; None: the comm stream
         alone)."""
-        self.gather = (gather if gather is not None else
-                       row_gather(self.group, self.m, self.k, self.dtype, self.device).buffer)
+        self.gather = self._gather_buffer(gather)
         self.lanes = comm.comm_engine(self.device, self.instance).copy_lanes(self.config.copy_lanes)
         if self.watched is not None:   # a stuck call names the stage's and the pulls' signals too
             self.watched.words += (("peer signals [PULLED, READY] x rank", self.gather.signals.words),)
+
+    def _gather_buffer(self, gather: Optional[GatherBuffer]) -> GatherBuffer:
+        """`gather`, or the shape's buffer (shared with the other AllGathers of the shape)."""
+        return gather if gather is not None else row_gather(self.group, self.m, self.k, self.dtype, self.device).buffer
 
 
 class AgGemmOff(AgGemm):
@@ -147,10 +178,14 @@ class AgGemmOff(AgGemm):
     variant = "off"
 
     def _run(self, a_shard, w, bias, out):
-        gathered, _ = comm.all_gather_rows(a_shard, self.group)
-        torch.mm(gathered, w.t(), out=out)
+        gathered = self._gathered(a_shard)
+        self._mm(gathered, w, out)
         if bias is not None:
             out += bias
+        return gathered
+
+    def _gathered(self, a_shard):
+        gathered, _ = comm.all_gather_rows(a_shard, self.group)
         return gathered
 
 
@@ -259,13 +294,13 @@ class AgGemmSignaled(AgGemm):
         super().build()
         config, device, t, m = self.config, self.device, self.t, self.m
         plan = ag_plan(t * m, self.n, self.k, t, self.rank, config.block_m, config.block_n, config.groups,
-                       torch.finfo(self.dtype).bits // 8, config.chunk_by)
+                       self.operand_bytes, config.chunk_by)
         self.chunks = tuple((c.src_lo, c.src_hi) for c in plan.collectives)
         self.chunk_peers = plan.chunk_peers   # chunk_by 'peer': each chunk's one peer (None: every peer)
         self.tiles = plan.tiles.to(device)
         self.flags = torch.zeros(max(1, len(self.chunks)), dtype=torch.int32, device=device)
-        self.gemm = SignaledGemm(self.tiles, gemm_programs(device, config), config, bias_rows=(0, t * m),
-                                 flags=self.flags, wait_target=READY)
+        self.gemm = self.launcher(self.tiles, gemm_programs(device, config), config, bias_rows=(0, t * m),
+                                  flags=self.flags, wait_target=READY)
         self.ready = comm.ReadyFlags(self.flags)
         if self.watched is not None:
             self.watched.words = (("ready flags", self.flags),)
@@ -300,10 +335,7 @@ class AgGemmSignaled(AgGemm):
         if self._started is not None:
             raise RuntimeError(f"{self.describe()}: start() while the previous start() has not been finished; a plan "
                                f"has one call in flight (build one plan, with its own gathered buffer, per half)")
-        if (a_shard.shape != (self.m, self.k) or a_shard.dtype != self.dtype or a_shard.device != self.device
-                or not a_shard.is_contiguous()):
-            raise ValueError(f"{self.describe()}: start() with a contiguous [{self.m}, {self.k}] {self.dtype} shard on "
-                             f"{self.device}; got {tuple(a_shard.shape)} {a_shard.dtype} on {a_shard.device}")
+        self._check_a(a_shard)
         gathered, transfers, current, capturing = self._start_transfers(a_shard)
         done = None if engine.stream is None else self._transfers_done[capturing]
         engine.transfers_ahead(transfers, current, capturing, done)
@@ -353,11 +385,14 @@ class AgGemmSignaledNccl(AgGemmSignaled):
         self._broadcasts = None
         if hasattr(self.coll, "all_gather_rows_at"):
             from overlap_tp.ops.nccl import gather_spans   # as comm.collectives: NCCL's module on CUDA only
-            self._broadcasts = tuple(gather_spans(t, m, self.k, torch.finfo(self.dtype).bits // 8, lo, hi)
-                                     for lo, hi in self.chunks)
+            self._broadcasts = tuple(gather_spans(t, m, self.k, self.operand_bytes, lo, hi) for lo, hi in self.chunks)
+
+    def _new_gathered(self):
+        """The call's gathered input, not written yet."""
+        return torch.empty(self.t * self.m, self.k, dtype=self.dtype, device=self.device)
 
     def _run(self, a_shard, w, bias, out):
-        gathered = torch.empty(self.t * self.m, self.k, dtype=a_shard.dtype, device=a_shard.device)
+        gathered = self._new_gathered()
         transfers, current = self._transfers(a_shard, gathered)
         gemm = self.gemm.launch_checked   # the bias in the GEMM's epilogue
         self.engine.transfers_then_gemm(transfers, lambda: gemm(gathered, w, out, bias), self.ready, self.watched,
@@ -365,7 +400,7 @@ class AgGemmSignaledNccl(AgGemmSignaled):
         return gathered
 
     def _start_transfers(self, a_shard):
-        gathered = torch.empty(self.t * self.m, self.k, dtype=a_shard.dtype, device=a_shard.device)
+        gathered = self._new_gathered()
         transfers, current = self._transfers(a_shard, gathered)
         return gathered, transfers, current, self.engine.capturing()
 
@@ -503,6 +538,108 @@ class AgGemmSignaledSMPulls(AgGemmSignaledP2P):
         self.puller(stream)
 
 
+class AgGemmOffFp8(Fp8Plan, AgGemmOff):
+    """AgGemmOff with FP8 operands: torch.distributed's all-gathers of the shards' FP8 rows (as bytes) and of their
+    scales, stacked in rank order (fp8_quant's gathered layout: tensorwise [t], 1x128 [t, K/128, m]), then torch's
+    scaled GEMM of each rank's rows with that rank's scales (ops/fp8.py scaled_mm), the bias added after: the FP8
+    strategies' reference. Returns the gathered ScaledFp8 (new tensors, the caller's)."""
+
+    def _gathered(self, a_shard: ScaledFp8) -> ScaledFp8:
+        rows, _ = comm.all_gather_rows(a_shard.q.view(torch.uint8), self.group)
+        scales, _ = comm.all_gather_rows(a_shard.ds.unsqueeze(0), self.group)
+        shape = self.fp8.gathered_scale_shape(self.t, self.m, self.k)
+        return ScaledFp8(rows.view(a_shard.q.dtype), scales.view(shape), a_shard.scaling)
+
+
+class AgGemmSignaledNcclFp8(Fp8Plan, AgGemmSignaledNccl):
+    """AgGemmSignaledNccl with FP8 operands. The gathered input is a new ScaledFp8 per call: the shards' FP8 rows
+    [t * m, K] (moved as bytes: half of bf16's) and every rank's scales stacked ([t] or [t, K/128, m]: fp8_quant's
+    gathered layout, which the FP8 GEMM reads as they are). This rank's rows and scales are copied into their places
+    on the caller's stream before the GEMM, so the local rows' tiles, which wait for no flag, read them at once.
+    The peers' scales are gathered whole, with the first chunk: on the comm stream one broadcast per rank of its
+    scales (in place, as the rows'; 4 bytes per rank tensorwise, 4 per 128 elements of a row blockwise: 1/32 of the
+    rows' bytes) precedes chunk 0's rows, so chunk 0's flag, and every later one, is raised after them; every peer
+    tile waits for a flag, so none reads a peer's scale before it landed, and the GEMM's start waits for no
+    collective. Then each chunk's rows and flag as in bf16."""
+
+    def build(self, gather=None):
+        super().build()
+        a_ds, _ = self.fp8.scale_shapes(self.m, self.n, self.k)
+        self._scale_elems = math.prod(a_ds)   # one rank's scales
+        self._scale_spans = None
+        if self._broadcasts is not None:   # the raw communicator (CUDA): every rank's scales by address, made once
+            from overlap_tp.ops.nccl import gather_spans
+            self._scale_spans = gather_spans(self.t, 1, self._scale_elems, 4, 0, 1)
+
+    def _new_gathered(self) -> ScaledFp8:
+        fp8 = self.fp8
+        return ScaledFp8(torch.empty(self.t * self.m, self.k, dtype=fp8.a_dtype, device=self.device),
+                         torch.empty(fp8.gathered_scale_shape(self.t, self.m, self.k), dtype=torch.float32,
+                                     device=self.device), fp8.a_scaling)
+
+    def _transfers(self, a_shard: ScaledFp8, gathered: ScaledFp8):
+        engine, current, t, rank = self.engine, None, self.t, self.rank
+        rows, shard_rows = gathered.q.view(torch.uint8), a_shard.q.view(torch.uint8)
+        scales, shard_scales = gathered.ds.view(t, self._scale_elems), a_shard.ds.view(1, self._scale_elems)
+        if engine.stream is None:
+            rows.narrow(0, rank * self.m, self.m).copy_(shard_rows)
+            scales[rank].copy_(shard_scales[0])
+        else:   # copy-engine copies through the driver, as the bf16 shard's
+            current = engine.current()
+            nbytes, scale_bytes = shard_rows.numel(), 4 * self._scale_elems
+            memops.copy(current, rows.data_ptr() + rank * nbytes, shard_rows.data_ptr(), nbytes)
+            memops.copy(current, scales.data_ptr() + rank * scale_bytes, shard_scales.data_ptr(), scale_bytes)
+
+        if self._broadcasts is not None:   # the raw communicator (CUDA): by address
+            coll, rows_base, scales_base = self.coll, rows.data_ptr(), scales.data_ptr()
+
+            def transfers(stream):
+                coll.all_gather_rows_at(scales_base, self._scale_spans, torch.float32, stream)
+                for spans, flag in zip(self._broadcasts, self.ready.addresses):
+                    coll.all_gather_rows_at(rows_base, spans, torch.uint8, stream)
+                    memops.write_value(stream, flag, READY)
+        else:
+            def transfers(stream):
+                self.coll.all_gather_rows(scales, shard_scales, 0, 1, stream=stream)
+                for c, (lo, hi) in enumerate(self.chunks):
+                    self.coll.all_gather_rows(rows, shard_rows, lo, hi, stream=stream)
+                    engine.raise_flag(self.ready, c)
+        return transfers, current
+
+
+class AgGemmSignaledP2PFp8(Fp8Plan, AgGemmSignaledCopyEngines):
+    """AgGemmSignaledCopyEngines with FP8 operands (transport 'p2p', comm_sms 0, one copy lane; chunk_by either): the
+    plan's own ScaledGatherBuffer (ops/p2p_gather.py) holds the FP8 rows (one byte per element) and, in a symmetric
+    buffer of its own under the same PULLED / READY signals, every rank's scales. The stage copies the shard's rows
+    and scales into this rank's regions on the caller's stream (the local rows' tiles read them there); the peers'
+    scales are pulled whole with the first chunk, ahead of its rows in its copy list, so the first flag, and every
+    later one, rises after them (the argument of AgGemmSignaledNcclFp8). Returns the gathered ScaledFp8: the plan's
+    buffers, valid until its next call (a call while it is still referenced is refused, as GatherBuffer's)."""
+
+    def _gather_buffer(self, gather):
+        a_ds, _ = self.fp8.scale_shapes(self.m, self.n, self.k)
+        return ScaledGatherBuffer(self.group, self.rank, self.t, self.m, self.k, self.fp8.a_dtype, self.fp8.a_scaling,
+                                  a_ds, self.device, self.describe())
+
+    def _list_pulls(self):
+        super()._list_pulls()
+        if self._pulls:   # the peers' scales first in chunk 0's copies
+            (copies, flag), rest = self._pulls[0], self._pulls[1:]
+            self._pulls = ((tuple(self.gather.scale_copies()) + copies, flag),) + rest
+
+
+# each bf16 strategy's FP8 counterpart, or why it has none (ops/fp8.py fp8_counterpart; method 'decompose' has none)
+FP8_STRATEGIES = {
+    AgGemmOff: AgGemmOffFp8,
+    AgGemmSignaledNccl: AgGemmSignaledNcclFp8,
+    AgGemmSignaledCopyEngines: AgGemmSignaledP2PFp8,
+    AgGemmSignaledCopyLanes: "the copy engines' pulls split over copy_lanes streams take bf16 rows only; use "
+                             "copy_lanes=1",
+    AgGemmSignaledSMPulls: "the pulls on SMs (transport='p2p' with comm_sms > 0) take bf16 rows only; use comm_sms=0 "
+                           "(the copy engines' pulls) or transport='nccl'",
+}
+
+
 class StartedAgGemm:
     """A call that AgGemm.start() issued: what finish() needs (the shard, the gathered buffer, the caller's stream and
     capture state, the event behind the transfers). It references the shard and the buffer until finish()."""
@@ -522,20 +659,25 @@ def _mm(x, wt, out, bias):
         torch.addmm(bias, x, wt, out=out)
 
 
-def ag_gemm(a_shard: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
-            config: Optional[OverlapConfig] = None, return_gathered: bool = False, instance: int = 0):
-    """all_gather(a_shard) @ w.T + bias; with return_gathered=True returns (out, gathered). Runs the cached
-    AgGemm plan of this shape (of `instance`: cached_plan)."""
-    check_operands(a_shard, w, bias)
-    return ag_gemm_plan(a_shard, w, group, config, instance)(a_shard, w, bias, return_gathered=return_gathered)
+def ag_gemm(a_shard, w, group=None, *, bias: Optional[torch.Tensor] = None, config: Optional[OverlapConfig] = None,
+            return_gathered: bool = False, instance: int = 0):
+    """all_gather(a_shard) @ w.T + bias; with return_gathered=True returns (out, gathered). a_shard and w: bf16 / fp16
+    tensors, or both ScaledFp8 (FP8, K-major; out bf16, gathered the ScaledFp8 of every rank's rows with their scales
+    stacked: fp8_quant's gathered layout). Runs the cached AgGemm plan of this shape and operands (of `instance`:
+    cached_plan)."""
+    plan = _cached(a_shard, w, bias, group, config, instance, check=True)
+    return plan(a_shard, w, bias, return_gathered=return_gathered)
 
 
-def ag_gemm_plan(a_shard: torch.Tensor, w: torch.Tensor, group=None, config: Optional[OverlapConfig] = None,
-                 instance: int = 0) -> AgGemm:
+def ag_gemm_plan(a_shard, w, group=None, config: Optional[OverlapConfig] = None, instance: int = 0) -> AgGemm:
     """The cached AgGemm plan that ag_gemm(a_shard, w, group, config=config, instance=instance) runs (for its
     start()/finish())."""
-    return cached_plan(AgGemm, comm.resolve_group(group), a_shard.shape[0], w.shape[0], w.shape[1], a_shard.dtype,
-                       a_shard.device, config, instance)
+    return _cached(a_shard, w, None, group, config, instance, check=False)
+
+
+def _cached(a_shard, w, bias, group, config, instance, check: bool) -> AgGemm:
+    m, n, k, dtype, device, fp8 = operand_plan_args(a_shard, w, bias, check)
+    return cached_plan(AgGemm, comm.resolve_group(group), m, n, k, dtype, device, config, instance, fp8)
 
 
 class OwnGather:

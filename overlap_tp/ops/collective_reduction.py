@@ -40,14 +40,15 @@ def device_plan(schedule: str, m: int, n: int, world: int, config, elem_bytes: i
 
 class SignaledReduction:
     """One tile plan on the device: its table, counters and TileOrder, the GEMM launcher, the counters' waits
-    and the group collectives as (output rows, staging rows)."""
+    and the group collectives as (output rows, staging rows). launcher: the GEMM's (SignaledGemm, or for FP8
+    operands kernels.fp8_gemm.Fp8SignaledGemm: the same tables, counters and stores)."""
 
     def __init__(self, plan: TilePlan, device: torch.device, config, programs: int, bias_rows, coll, collective: str,
-                 engine=None):
+                 engine=None, launcher=SignaledGemm):
         self.plan, self.device, self.coll = plan, device, coll
         on_device = DevicePlan(plan, device)
         self.tiles, self.counters, self.order = on_device.tiles, on_device.counters, on_device.tile_order
-        self.gemm = SignaledGemm(self.tiles, programs, config, counters=self.counters, bias_rows=bias_rows)
+        self.gemm = launcher(self.tiles, programs, config, counters=self.counters, bias_rows=bias_rows)
         self.engine = comm.comm_engine(device) if engine is None else engine
         self.waits = comm.CounterWaits(self.counters, plan.group_tiles)
         self.steps = tuple((c.dst_lo, c.dst_hi, c.src_lo, c.src_hi) for c in plan.collectives)

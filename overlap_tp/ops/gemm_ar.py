@@ -16,6 +16,8 @@ gemm_rs's (ops/gemm_rs.py) with an all-reduce per group:
                         engines pull the peers' regions into the output (ops/p2p_reduction.py P2PAllReduce): no
                         collective and no SM spent on communication, and with no NCCL inside, an eager call replays
                         from a CUDA graph (ops/replay.py).
+With FP8 operands (kernels.fp8_quant.ScaledFp8, ops/fp8.py) the FP8 counterparts, the GEMM in FP8 and the partials
+bf16, reduced as above: GemmAROffFp8, GemmARSignaledNcclFp8, GemmAROverP2PFp8 (method `signal`; `decompose` has none).
 The bias is added once: by rank 0's epilogue (signal), after the reduction (off, decompose), or into each region by
 its owner's GEMM (p2p). async_op returns a Pending (on the p2p transport, of the call already joined on the caller's
 stream).
@@ -24,13 +26,13 @@ from typing import Optional
 
 import torch
 
-from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
 from overlap_tp.ops.collective_reduction import SignaledReduction, decomposed
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.fp8 import Fp8Plan, fp8_counterpart
 from overlap_tp.ops.p2p_reduction import P2PAllReduce
 from overlap_tp.ops.plan_base import (OpPlan, Pending, after_work, cached_plan, chunk_bounds, gemm_programs, joined,
-                                       plus_bias)
+                                       operand_plan_args, plus_bias)
 from overlap_tp.ops.tile_plan import make_plan
 
 
@@ -42,7 +44,12 @@ class GemmAR(OpPlan):
     op = "gemm_ar"
 
     def strategy_for(self) -> type:
-        """The strategy of the resolved config's method and transport; a ValueError where it cannot run here."""
+        """The strategy of the resolved config's method and transport (FP8 operands: its FP8 counterpart); a
+        ValueError where it cannot run here."""
+        strategy = self._bf16_strategy()
+        return strategy if self.fp8 is None else fp8_counterpart(self, strategy, FP8_STRATEGIES)
+
+    def _bf16_strategy(self) -> type:
         config, m, t = self.config, self.m, self.t
         if self.method == "off":
             return GemmAROff
@@ -72,7 +79,8 @@ class GemmAROff(GemmAR):
 
     def __call__(self, a, w, bias=None, *, async_op=False):
         self.check_call(a, w, bias)
-        out = a @ w.t()
+        out = torch.empty(self.m, self.n, dtype=self.dtype, device=self.device)
+        self._mm(a, w, out)
         pending = Pending(after_work(self.coll.all_reduce(out, async_op=async_op), plus_bias(out, bias)))
         return pending if async_op else pending.wait()
 
@@ -118,14 +126,15 @@ class GemmARSignaledNccl(GemmAR):
                          torch.finfo(self.dtype).bits // 8)
         self.signaled = SignaledReduction(plan, device, config, gemm_programs(device, config),
                                           (0, m) if self.rank == 0 else (0, 0),
-                                          comm.collectives(self.group, device, config.comm_sms), "all_reduce")
+                                          comm.collectives(self.group, device, config.comm_sms), "all_reduce",
+                                          launcher=self.launcher)
         if self.watched is not None:
             self.watched.words = (("counters", self.signaled.counters),)
 
     def __call__(self, a, w, bias=None, *, async_op=False):
         self.check_call(a, w, bias)
         signaled = self.signaled
-        out = torch.empty(signaled.plan.out_shape, dtype=a.dtype, device=a.device)
+        out = torch.empty(signaled.plan.out_shape, dtype=self.dtype, device=self.device)
         join = signaled.run(a, w, bias, out, out, self.watched)   # stored in place, reduced in place
 
         def finish():
@@ -153,7 +162,7 @@ class GemmAROverP2P(GemmAR):
         programs = gemm_programs(self.device, config, spare_sms=int(self.method == "signal"
                                                                     and config.rs_transfer == "copy"))
         self.p2p = P2PAllReduce(self.group, self.rank, self.t, self.m, self.n, self.dtype, self.device, config,
-                                programs, self.watched, self.instance)
+                                programs, self.watched, self.instance, launcher=self.launcher)
 
     def __call__(self, a, w, bias=None, *, async_op=False):
         self.check_call(a, w, bias)
@@ -161,11 +170,30 @@ class GemmAROverP2P(GemmAR):
         return Pending(lambda: out, out) if async_op else out
 
 
-def gemm_ar(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
-            config: Optional[OverlapConfig] = None, async_op: bool = False):
-    """all_reduce(a @ w.T) + bias, bias added once. async_op=True: a Pending whose wait() returns that.
-    Runs the cached GemmAR plan of this shape."""
-    check_operands(a, w, bias)
-    plan = cached_plan(GemmAR, comm.resolve_group(group), a.shape[0], w.shape[0], w.shape[1], a.dtype, a.device,
-                       config)
+class GemmAROffFp8(Fp8Plan, GemmAROff):
+    """GemmAROff with FP8 operands: torch's scaled GEMM (ops/fp8.py scaled_mm) into a bf16 product, then the same
+    all-reduce and bias: the FP8 strategies' reference."""
+
+
+class GemmARSignaledNcclFp8(Fp8Plan, GemmARSignaledNccl):
+    """GemmARSignaledNccl with FP8 operands: the FP8 signaled GEMM over the same one-region plan, bf16 tiles stored in
+    place and all-reduced in bf16 behind the same counters."""
+
+
+class GemmAROverP2PFp8(Fp8Plan, GemmAROverP2P):
+    """GemmAROverP2P with FP8 operands, method 'signal': P2PAllReduce with the FP8 signaled GEMM storing the bf16
+    partials into the owners' slots; the sums and the pulls unchanged."""
+
+
+# each bf16 strategy's FP8 counterpart (ops/fp8.py fp8_counterpart; method 'decompose' has none)
+FP8_STRATEGIES = {GemmAROff: GemmAROffFp8, GemmARSignaledNccl: GemmARSignaledNcclFp8, GemmAROverP2P: GemmAROverP2PFp8}
+
+
+def gemm_ar(a, w, group=None, *, bias: Optional[torch.Tensor] = None, config: Optional[OverlapConfig] = None,
+            async_op: bool = False):
+    """all_reduce(a @ w.T) + bias, bias added once. async_op=True: a Pending whose wait() returns that. a and w: bf16 /
+    fp16 tensors, or both ScaledFp8 (FP8, K-major; the result bf16). Runs the cached GemmAR plan of this shape and
+    operands."""
+    m, n, k, dtype, device, fp8 = operand_plan_args(a, w, bias)
+    plan = cached_plan(GemmAR, comm.resolve_group(group), m, n, k, dtype, device, config, fp8=fp8)
     return plan(a, w, bias, async_op=async_op)

@@ -16,6 +16,9 @@ GemmRS(...) returns the plan of the strategy that runs the resolved config (Gemm
                         owner's region (ops/p2p_reduction.py RegionGemms), or with rs_transfer 'copy' (the default
                         where t > 2) into a local staging matrix that the copy engines push to the owners group by
                         group; each rank then sums its t slots (ops/p2p_reduction.py P2PReduceScatter).
+With FP8 operands (a and w kernels.fp8_quant.ScaledFp8, ops/fp8.py), the FP8 counterparts: the GEMM in FP8 over
+the same tile tables (or torch's scaled GEMM for `off`), the partial sums bf16 and reduced exactly as above:
+  GemmRSOffFp8, GemmRSSignaledNcclFp8, GemmRSOverP2PFp8 (method `signal` only: `decompose` has no FP8 strategy).
 The NCCL transport's collectives go through a raw NCCL communicator (ops/nccl.py) on CUDA; method `auto` is the
 tuner's choice, resolved when the plan is built. On CPU tensors `signal` runs its Triton kernel in the interpreter and
 the same per-group collectives, so the whole signaled data path is tested without a GPU.
@@ -32,13 +35,13 @@ from typing import Optional
 
 import torch
 
-from overlap_tp.kernels.signaled_gemm import check_operands
 from overlap_tp.ops import comm
 from overlap_tp.ops.collective_reduction import SignaledReduction, decomposed
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.fp8 import Fp8Plan, fp8_counterpart
 from overlap_tp.ops.p2p_reduction import P2PReduceScatter
 from overlap_tp.ops.plan_base import (OpPlan, Pending, after_work, cached_plan, chunk_bounds, gemm_programs, joined,
-                                       plus_bias)
+                                       operand_plan_args, plus_bias)
 from overlap_tp.ops.tile_plan import make_plan
 
 
@@ -51,7 +54,12 @@ class GemmRS(OpPlan):
     rows_split = True
 
     def strategy_for(self) -> type:
-        """The strategy of the resolved config's method and transport; a ValueError where it cannot run here."""
+        """The strategy of the resolved config's method and transport (FP8 operands: its FP8 counterpart); a
+        ValueError where it cannot run here."""
+        strategy = self._bf16_strategy()
+        return strategy if self.fp8 is None else fp8_counterpart(self, strategy, FP8_STRATEGIES)
+
+    def _bf16_strategy(self) -> type:
         config = self.config
         if self.method == "off":
             return GemmRSOff
@@ -83,8 +91,9 @@ class GemmRSOff(GemmRS):
 
     def __call__(self, a, w, bias=None, *, async_op=False):
         self.check_call(a, w, bias)
-        out = torch.empty(self.m_local, self.n, dtype=a.dtype, device=a.device)
-        partial = a @ w.t()
+        out = torch.empty(self.m_local, self.n, dtype=self.dtype, device=self.device)
+        partial = torch.empty(self.m, self.n, dtype=self.dtype, device=self.device)
+        self._mm(a, w, partial)
         pending = Pending(after_work(self.coll.reduce_scatter(out, partial, async_op=async_op), plus_bias(out, bias)),
                           partial)
         return pending if async_op else pending.wait()
@@ -137,7 +146,8 @@ class GemmRSSignaledNccl(GemmRS):
                          torch.finfo(self.dtype).bits // 8)
         self.signaled = SignaledReduction(plan, device, config, gemm_programs(device, config),
                                           (self.rank * self.m_local, (self.rank + 1) * self.m_local),
-                                          comm.collectives(self.group, device, config.comm_sms), "reduce_scatter")
+                                          comm.collectives(self.group, device, config.comm_sms), "reduce_scatter",
+                                          launcher=self.launcher)
         if self.watched is not None:
             self.watched.words = (("counters", self.signaled.counters),)
 
@@ -145,9 +155,9 @@ class GemmRSSignaledNccl(GemmRS):
         self.check_call(a, w, bias)
         signaled = self.signaled
         order = signaled.order
-        out = torch.empty(self.m_local, self.n, dtype=a.dtype, device=a.device)
-        received = out if order is None else torch.empty(signaled.plan.out_shape, dtype=a.dtype, device=a.device)
-        staging = torch.empty(signaled.plan.staging_shape, dtype=a.dtype, device=a.device)
+        out = torch.empty(self.m_local, self.n, dtype=self.dtype, device=self.device)
+        received = out if order is None else torch.empty(signaled.plan.out_shape, dtype=self.dtype, device=self.device)
+        staging = torch.empty(signaled.plan.staging_shape, dtype=self.dtype, device=self.device)
         join = signaled.run(a, w, bias, received, staging, self.watched)
 
         def finish():
@@ -179,7 +189,7 @@ class GemmRSOverP2P(GemmRS):
         programs = gemm_programs(self.device, config, spare_sms=int(self.method == "signal"
                                                                     and config.rs_transfer == "copy"))
         self.p2p = P2PReduceScatter(self.group, self.rank, self.t, self.m, self.n, self.dtype, self.device, config,
-                                    programs, self.watched, self.instance)
+                                    programs, self.watched, self.instance, launcher=self.launcher)
 
     def __call__(self, a, w, bias=None, *, async_op=False):
         self.check_call(a, w, bias)
@@ -192,12 +202,32 @@ class GemmRSOverP2P(GemmRS):
         return Pending(deferred, deferred_sum=deferred)
 
 
-def gemm_rs(a: torch.Tensor, w: torch.Tensor, group=None, *, bias: Optional[torch.Tensor] = None,
-            config: Optional[OverlapConfig] = None, async_op: bool = False, instance: int = 0):
+class GemmRSOffFp8(Fp8Plan, GemmRSOff):
+    """GemmRSOff with FP8 operands: torch's scaled GEMM (ops/fp8.py scaled_mm) into a bf16 partial, then the same
+    reduce-scatter and bias: the FP8 strategies' reference."""
+
+
+class GemmRSSignaledNcclFp8(Fp8Plan, GemmRSSignaledNccl):
+    """GemmRSSignaledNccl with FP8 operands: the FP8 signaled GEMM (kernels/fp8_gemm.py) over the same tile plan stores
+    bf16 tiles into the staging matrix and raises the same counters; the groups' bf16 reduce-scatters and the tile
+    order are unchanged."""
+
+
+class GemmRSOverP2PFp8(Fp8Plan, GemmRSOverP2P):
+    """GemmRSOverP2P with FP8 operands, method 'signal': the FP8 signaled GEMM's epilogue stores the bf16 partials into
+    the owners' slots (or, rs_transfer 'copy', into the staging matrix the copy engines push from); the peer signals
+    and the slot sum (bf16 slots, summed in fp32) are unchanged."""
+
+
+# each bf16 strategy's FP8 counterpart (ops/fp8.py fp8_counterpart; method 'decompose' has none)
+FP8_STRATEGIES = {GemmRSOff: GemmRSOffFp8, GemmRSSignaledNccl: GemmRSSignaledNcclFp8, GemmRSOverP2P: GemmRSOverP2PFp8}
+
+
+def gemm_rs(a, w, group=None, *, bias: Optional[torch.Tensor] = None, config: Optional[OverlapConfig] = None,
+            async_op: bool = False, instance: int = 0):
     """reduce_scatter(a @ w.T + bias) along dim 0: rank k gets rows [k*M/t, (k+1)*M/t), bias added once.
-    async_op=True: a Pending whose wait() returns that. Runs the cached GemmRS plan of this shape (of `instance`:
-    cached_plan)."""
-    check_operands(a, w, bias)
-    plan = cached_plan(GemmRS, comm.resolve_group(group), a.shape[0], w.shape[0], w.shape[1], a.dtype, a.device,
-                       config, instance)
+    async_op=True: a Pending whose wait() returns that. a and w: bf16 / fp16 tensors, or both ScaledFp8 (FP8, K-major;
+    the result bf16). Runs the cached GemmRS plan of this shape and operands (of `instance`: cached_plan)."""
+    m, n, k, dtype, device, fp8 = operand_plan_args(a, w, bias)
+    plan = cached_plan(GemmRS, comm.resolve_group(group), m, n, k, dtype, device, config, instance, fp8)
     return plan(a, w, bias, async_op=async_op)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 NCCL_SUM = 0
-NCCL_DTYPES = {torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
+NCCL_DTYPES = {torch.uint8: 1, torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}   # uint8: FP8 rows as bytes
 CONFIG_UNDEF_INT = -(2 ** 31)
 CONFIG_MAGIC = 0xCAFEBEEF
 CONFIG_LAYOUT_VERSION = 22800       # the field list below is ncclConfig_v22800 (nccl.h of NCCL 2.28)

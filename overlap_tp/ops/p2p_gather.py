@@ -10,8 +10,11 @@ One buffer and one-shot signals (overlap_tp/ops/sync.py: raised by the producer,
 eager or a replay of a captured graph, runs the same protocol; its order argument is written next to it. The
 AllGather's gathered buffer is shared by the plans of one shard shape (or owned by one consumer: ag_gemm.OwnGather).
 """
+import math
+
 import torch
 
+from overlap_tp.kernels.fp8_quant import ScaledFp8
 from overlap_tp.kernels.peer_copy import SignaledPull
 from overlap_tp.ops import memops, symmetric, watchdog
 from overlap_tp.ops.sync import PeerSignals
@@ -179,3 +182,48 @@ class GatherBuffer:
 
     def finish(self, stream: int):
         self.signals.signal(stream, self.PULLED)
+
+
+class ScaledGatherBuffer(GatherBuffer):
+    """A GatherBuffer of FP8 rows [t * m, k] (one byte per element) with their scales: AllGather+GEMM's FP8 input
+    (ag_gemm.AgGemmSignaledP2PFp8, one per plan). The scales are in a symmetric fp32 buffer of their own, rank r's
+    region holding r's shard's scales as its rank quantized them (`shard_scales`: tensorwise (1,), 1x128 (k/128, m)),
+    so the buffer, read whole, is fp8_quant's gathered layout, which the FP8 GEMM reads as it is. The scale regions
+    follow the rows' protocol and signals (GatherBuffer's order argument covers them): stage copies the shard's
+    scales into our region right after its rows, behind the PULLED wait and before READY; a puller copies the peers'
+    scale regions (scale_copies) after READY and before PULLED, ahead of the first chunk's rows. gathered() is the
+    ScaledFp8 of both; the reference check counts both buffers' users. No claim (writing in place): FP8 shards are
+    staged."""
+
+    def __init__(self, group, rank, t, m, k, dtype, scaling: str, shard_scales, device, describe):
+        from torch.distributed import _symmetric_memory as symm_mem
+        self.scaling = scaling
+        numel = math.prod(shard_scales)
+        self.scale_shape = (t,) if scaling == "tensorwise" else (t, *shard_scales)
+        self.scales = symmetric.empty(t, numel, dtype=torch.float32, device=device, kind="FP8 AllGather scales")
+        handle = symm_mem.rendezvous(self.scales, group)
+        within = self.scales.data_ptr() - handle.buffer_ptrs[rank]   # the same on every rank
+        self.scale_bytes = 4 * numel
+        # each rank's scale region: ours in our buffer, a peer's in its buffer (the pulls' sources)
+        self.scale_own = [handle.buffer_ptrs[p] + within + p * self.scale_bytes for p in range(t)]
+        self.scale_handle = handle
+        super().__init__(group, rank, t, m, k, dtype, device, describe, memory_kind="FP8 AllGather buffers")
+
+    def _references(self) -> int:
+        use_count = torch._C._storage_Use_Count
+        return (use_count(self.buf.untyped_storage()._cdata) + use_count(self.scales.untyped_storage()._cdata))
+
+    def gathered(self) -> ScaledFp8:
+        """This call's gathered rows and every rank's scales (new tensors over the buffers' storage)."""
+        return ScaledFp8(self.buf.detach(), self.scales.detach().view(self.scale_shape), self.scaling)
+
+    def stage(self, stream: int, a_shard: ScaledFp8, capturing: bool):
+        """Our shard's rows and scales into our regions, once every peer pulled the previous ones."""
+        super().stage(stream, a_shard.q, capturing)
+        memops.copy(stream, self.scale_own[self.rank], a_shard.ds.data_ptr(), self.scale_bytes)
+
+    def scale_copies(self):
+        """The copy-engine copies that pull every peer's scale region into ours, as (dst, src, bytes), the peers in
+        ring order."""
+        base = self.scales.data_ptr()
+        return [(base + p * self.scale_bytes, self.scale_own[p], self.scale_bytes) for p in self.peers]

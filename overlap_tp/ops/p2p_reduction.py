@@ -66,12 +66,14 @@ class P2PReduceScatter:
 
     SUMMED, ARRIVED = 0, 1
 
-    def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched, instance=0, replays=True):
-        """config.method 'signal': the signaled GEMM stores the tiles (programs: its grid); 'decompose': cuBLAS
-        (RegionGemms). config.rs_transfer (resolved: 'epilogue' or 'copy') says whether the GEMMs store into the
-        owners' buffers or the copy engines push what they stored locally (_build_pushes, push_half). instance: the
-        plan's (OpPlan.instance), whose comm stream the pushes run on. replays: summed's eager calls replayed from
-        graphs (P2PAllReduce, which replays its whole call, passes False)."""
+    def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched, instance=0, replays=True,
+                 launcher=SignaledGemm):
+        """config.method 'signal': the signaled GEMM stores the tiles (programs: its grid; launcher: its launcher,
+        SignaledGemm or for FP8 operands Fp8SignaledGemm); 'decompose': cuBLAS (RegionGemms). config.rs_transfer
+        (resolved: 'epilogue' or 'copy') says whether the GEMMs store into the owners' buffers or the copy engines push
+        what they stored locally (_build_pushes, push_half). instance: the plan's (OpPlan.instance), whose comm stream
+        the pushes run on. replays: summed's eager calls replayed from graphs (P2PAllReduce, which replays its whole
+        call, passes False)."""
         from torch.distributed import _symmetric_memory as symm_mem
         self.t, self.m_local, self.n, self.watched, self.instance = t, m // t, n, watched, instance
         self.buf = symmetric.empty(t * self.m_local, n, dtype=dtype, device=device, kind="reduce-scatter slots")
@@ -88,14 +90,14 @@ class P2PReduceScatter:
         if config.method == "decompose" and not self.copy:
             self.store = RegionGemms.into_owners(handle, self.buf, rank, t, within // self.buf.element_size())
         elif self.copy:
-            self._build_pushes(group, rank, t, m, n, dtype, device, config, programs, handle, within)
+            self._build_pushes(group, rank, t, m, n, dtype, device, config, programs, handle, within, launcher)
         else:
             tiles = p2p_plan(m, n, t, rank, config.block_m, config.block_n).tiles.to(device)
             offsets = torch.tensor([off // self.buf.element_size() for off in byte_offsets], dtype=torch.int64,
                                    device=device)
             default_offsets(device)
-            gemm = SignaledGemm(tiles, programs, config, dst_offsets=offsets,
-                                bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
+            gemm = launcher(tiles, programs, config, dst_offsets=offsets,
+                            bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
             buf = self.buf
             self.store = lambda a, w, bias: gemm.launch_checked(a, w, buf, bias)
         self.signals = PeerSignals(group, rank, t, device, initial=(1, 0), describe=watched.describe,
@@ -114,7 +116,7 @@ class P2PReduceScatter:
         if self.copy and self.regions is None:
             watched.words += (("push group counters", self.waits.counters),)
 
-    def _build_pushes(self, group, rank, t, m, n, dtype, device, config, programs, handle, within):
+    def _build_pushes(self, group, rank, t, m, n, dtype, device, config, programs, handle, within, launcher):
         """rs_transfer 'copy': the staging matrix, the GEMM over p2p_copy_plan raising its push groups' counters (or,
         for method 'decompose', one cuBLAS GEMM per run of rows: RegionGemms), and each group's copy (dst in the
         owner's slot `rank`, src in the staging matrix, bytes), made once. `programs` must leave an SM free for the
@@ -149,8 +151,8 @@ class P2PReduceScatter:
         self.waits = comm.CounterWaits(counters, plan.group_tiles[:pushes],
                                        unwaited=((pushes, plan.group_tiles[pushes]),))
         default_offsets(device)
-        gemm = SignaledGemm(plan.tiles.to(device), programs, config, counters=counters, dst_offsets=offsets,
-                            bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
+        gemm = launcher(plan.tiles.to(device), programs, config, counters=counters, dst_offsets=offsets,
+                        bias_rows=(rank * self.m_local, (rank + 1) * self.m_local))
         staging = self.staging
         self.store = lambda a, w, bias: gemm.launch_checked(a, w, staging, bias)
 
@@ -310,9 +312,11 @@ class P2PAllReduce:
     it) and this call's join (our own copy of it is done). The bias goes into each region once, by its owner's GEMM
     (P2PReduceScatter's bias rows), so once into every row of the output."""
 
-    def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched, instance=0):
+    def __init__(self, group, rank, t, m, n, dtype, device, config, programs, watched, instance=0,
+                 launcher=SignaledGemm):
+        """launcher: the signaled GEMM's (P2PReduceScatter's)."""
         self.reduce_scatter = P2PReduceScatter(group, rank, t, m, n, dtype, device, config, programs, watched, instance,
-                                               replays=False)
+                                               replays=False, launcher=launcher)
         self.gather = gather = GatherBuffer(group, rank, t, m // t, n, dtype, device, watched.describe,
                                             memory_kind="all-reduce regions")
         self.m, self.n, self.dtype, self.device, self.watched = m, n, dtype, device, watched

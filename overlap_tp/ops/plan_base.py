@@ -18,9 +18,11 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from overlap_tp.kernels.signaled_gemm import check_operands, tma_unsupported_reason, weight_layout
+from overlap_tp.kernels.fp8_quant import ScaledFp8
+from overlap_tp.kernels.signaled_gemm import SignaledGemm, check_operands, tma_unsupported_reason, weight_layout
 from overlap_tp.ops import comm
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.fp8 import OUT_DTYPE, Fp8Operands, fp8_config
 from overlap_tp.ops.resolve import resolve
 from overlap_tp.ops.watchdog import Watched
 
@@ -119,19 +121,26 @@ class OpPlan:
     the op (a method on a transport: decompose over NCCL, signal over the copy engines, ...): it sets `variant` (its
     label in describe()), builds its state in `build` and launches in __call__. A config that no strategy runs is a
     ValueError naming why (strategy_for). Calling a strategy's class builds that strategy, or raises where the
-    resolved config names another."""
+    resolved config names another.
+
+    FP8 operands (ops/fp8.py): a plan built with `fp8` (an Fp8Operands: a's and w's formats and scalings) takes
+    ScaledFp8 a and w and returns `dtype` (bf16); its strategy is the FP8 counterpart of the one its config names."""
 
     op = ""
     rows_split = False
     variant = ""   # a strategy's label in describe(): its method (and transport)
+    fp8 = None     # the plan's Fp8Operands, or None: bf16 / fp16 operands
+    launcher = SignaledGemm   # the signaled strategies' GEMM launcher (Fp8Plan's for FP8 operands)
 
     def __new__(cls, group, m: int, n: int, k: int, dtype=torch.bfloat16, device=None,
-                config: Optional[OverlapConfig] = None, instance: int = 0, **options):
+                config: Optional[OverlapConfig] = None, instance: int = 0, fp8: Optional[Fp8Operands] = None,
+                **options):
         """instance: which plan of this shape (cached_plan); each instance's transfers run on a comm stream of its own
         (comm.comm_engine), so that two plans' calls in flight at once (the token split's halves) do not queue behind
-        each other. options: the op's own (AgGemm: gather), for strategy_for and build."""
+        each other. fp8: the FP8 operands' Fp8Operands (None: dtype's). options: the op's own (AgGemm: gather), for
+        strategy_for and build."""
         plan = super().__new__(cls)
-        plan._set_up(group, m, n, k, dtype, device, config, instance)
+        plan._set_up(group, m, n, k, dtype, device, config, instance, fp8)
         strategy = plan.strategy_for(**options)
         if not issubclass(strategy, cls):
             raise ValueError(f"overlap_tp {cls.op}: {cls.__name__} does not run this config ({strategy.__name__} "
@@ -141,7 +150,7 @@ class OpPlan:
         plan.build(**options)
         return plan
 
-    def _set_up(self, group, m, n, k, dtype, device, config, instance):
+    def _set_up(self, group, m, n, k, dtype, device, config, instance, fp8):
         """The arguments checked, the group's agreement on them, the config resolved (_resolve)."""
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
         if device.type == "meta":
@@ -156,8 +165,11 @@ class OpPlan:
                 raise ValueError(f"overlap_tp {self.op}: {name}={value!r}: expected an int >= 0")
         if not isinstance(instance, int) or instance < 0:
             raise ValueError(f"overlap_tp {self.op}: instance={instance!r}: expected an int >= 0")
+        if fp8 is not None and (not isinstance(fp8, Fp8Operands) or dtype != OUT_DTYPE):
+            raise ValueError(f"overlap_tp {self.op}: fp8={fp8!r} with dtype {dtype}: FP8 operands are described by "
+                             f"an Fp8Operands and give {OUT_DTYPE}")
         check_not_capturing(device, self.op)
-        self.instance = instance
+        self.instance, self.fp8 = instance, fp8
         self.group = comm.resolve_group(group)
         self.t, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.m, self.n, self.k, self.dtype, self.device = m, n, k, dtype, device
@@ -166,7 +178,7 @@ class OpPlan:
             raise TypeError(f"overlap_tp {self.op}: config must be an OverlapConfig, got {type(config).__name__}")
         if self.rows_split and m % self.t:
             raise ValueError(f"{self.op}: M={m} is not divisible by the group size t={self.t}")
-        comm.agree(self.group, dict(op=self.op, m=m, n=n, k=k, dtype=dtype, config=config),
+        comm.agree(self.group, dict(op=self.op, m=m, n=n, k=k, dtype=dtype, fp8=fp8, config=config),
                    self._describe(config.method or "auto"))   # unset: as given
         self.config = self._resolve(config)
         self.method = self.config.method
@@ -190,12 +202,24 @@ class OpPlan:
         return self._describe(self.variant)
 
     def _describe(self, how: str) -> str:
-        return f"{self.op}(M={self.m}, N={self.n}, K={self.k}, t={self.t}, {how})"
+        fp8 = "" if self.fp8 is None else f", {self.fp8}"
+        return f"{self.op}(M={self.m}, N={self.n}, K={self.k}, t={self.t}, {how}{fp8})"
+
+    @property
+    def operand_bytes(self) -> int:
+        """Bytes per element of the operands a gathers and tile plans size their chunks by (Fp8Plan: 1)."""
+        return torch.finfo(self.dtype).bits // 8
+
+    def _mm(self, a, w, out):
+        """out = a @ w.T: the off strategies' GEMM (cuBLAS; Fp8Plan's is the scaled GEMM)."""
+        torch.mm(a, w.t(), out=out)
 
     def _resolve(self, config: OverlapConfig) -> OverlapConfig:
         """config with every field resolved (ops/resolve.py: 'auto' through the tuner, 'off' where the result is empty
         or on CPU tensors for 'auto', the tile by shape) and checked to be runnable."""
         rows = self.m * self.t if self.op == "ag_gemm" else self.m   # the GEMM's rows (ag_gemm: gathered)
+        if self.fp8 is not None:
+            config = fp8_config(config, self.op, self.device, self.fp8)
         config = resolve(config, self.op, device=self.device, t=self.t, group=self.group, m=rows, n=self.n, k=self.k,
                          dtype=self.dtype, programs=lambda c: gemm_programs(self.device, c))
         if config.method == "signal":
@@ -205,7 +229,11 @@ class OpPlan:
         return config
 
     def _signal_unsupported_reason(self, config: OverlapConfig) -> Optional[str]:
-        if self.k % 8:
+        if self.fp8 is not None:
+            reason = self.fp8.signal_unsupported_reason(self.k, config)
+            if reason is not None:
+                return reason
+        elif self.k % 8:
             return f"K={self.k} is not a multiple of 8 (TMA needs 16-byte row strides)"
         if self.device.type == "cuda" and device_properties(self.device).major < 9:
             return (f"the signaled GEMM needs TMA (compute capability >= 9.0), "
@@ -238,20 +266,33 @@ MAX_CACHED_PLANS = 256
 _plans = OrderedDict()
 
 
-def cached_plan(cls, group, m, n, k, dtype, device, config, instance: int = 0):
+def cached_plan(cls, group, m, n, k, dtype, device, config, instance: int = 0, fp8: Optional[Fp8Operands] = None):
     """The plan of `cls` for these arguments, built at the first call (least recently used ones dropped past
     MAX_CACHED_PLANS, so shapes that change every step do not hold buffers forever). `instance` > 0: another plan of
     the same arguments, with buffers and synchronisation state of its own, for two calls of one shape in flight at
-    once (the token split's halves: half A's p2p ReduceScatter is summed after half B's was issued)."""
-    key = (cls, group, m, n, k, dtype, device, config, instance)
+    once (the token split's halves: half A's p2p ReduceScatter is summed after half B's was issued). fp8: the FP8
+    operands' formats and scalings (operand_plan_args), part of the key."""
+    key = (cls, group, m, n, k, dtype, device, config, instance, fp8)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = cls(group, m, n, k, dtype, device, config, instance=instance)
+        plan = _plans[key] = cls(group, m, n, k, dtype, device, config, instance=instance, fp8=fp8)
         if len(_plans) > MAX_CACHED_PLANS:
             _plans.popitem(last=False)
     else:
         _plans.move_to_end(key)
     return plan
+
+
+def operand_plan_args(a, w, bias=None, check: bool = True):
+    """(m, n, k, dtype, device, fp8): what the functional API's plan for the operands a[m, k] and w[n, k] is built
+    for. ScaledFp8 operands: their Fp8Operands (checked: Fp8Operands.of), the output OUT_DTYPE; tensors: their dtype,
+    fp8 None, checked by check_operands (check=False: shapes only, for a caller that checks per call itself)."""
+    if isinstance(a, ScaledFp8) or isinstance(w, ScaledFp8):
+        fp8 = Fp8Operands.of(a, w, bias)
+        return a.q.shape[0], w.q.shape[0], w.q.shape[1], OUT_DTYPE, a.q.device, fp8
+    if check:
+        check_operands(a, w, bias)
+    return a.shape[0], w.shape[0], w.shape[1], a.dtype, a.device, None
 
 
 def clear_plans():

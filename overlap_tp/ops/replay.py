@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from overlap_tp.kernels.fp8_quant import ScaledFp8
+
 ENV = "OVERLAP_TP_EAGER_GRAPHS"
 MAX_GRAPHS = 128   # graphs per plan: driver state only (nothing is allocated inside a capture)
 MAX_SEEN = 4096    # first-seen keys remembered per plan (forgotten all at once past this)
@@ -47,8 +49,12 @@ def enabled(device: torch.device) -> bool:
     return device.type == "cuda" and from_env()
 
 
-def operands_key(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, bias) -> tuple:
-    """What a dense plan's call issues depends on at the plan's fixed shape: the operands' addresses and w's layout."""
+def operands_key(a, w, out: torch.Tensor, bias) -> tuple:
+    """What a dense plan's call issues depends on at the plan's fixed shape: the operands' addresses and w's layout
+    (FP8 operands, ScaledFp8: their values' and their scales' addresses; they are K-major)."""
+    if isinstance(a, ScaledFp8):
+        return (a.q.data_ptr(), a.ds.data_ptr(), w.q.data_ptr(), w.ds.data_ptr(), out.data_ptr(),
+                0 if bias is None else bias.data_ptr())
     return a.data_ptr(), w.data_ptr(), w.stride(0), out.data_ptr(), 0 if bias is None else bias.data_ptr()
 
 

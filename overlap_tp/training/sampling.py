@@ -2,7 +2,8 @@
 call against its GEMM alone and its collective alone on the same shapes (the figures:
 overlap_tp.training.throughput, "Overlap statistics").
 
-    SAMPLER.install()         (once: the Megatron layers' op observer, overlap_tp.megatron.linear_functions.set_op_observer)
+    SAMPLER.attach(model)     (the train_step hook: the model's overlapped linears observe their op calls through
+                              SAMPLER.observe, overlap_tp.megatron.layers.set_op_observer; once per model chunk)
     SAMPLER.armed = True      (the train_step hook, for the iteration whose end is logged)
     the layers' gemm_rs / gemm_ar / ag_gemm calls -> a start and an end stamp around each synchronous call
     SAMPLER.collect(stats)    (the training_log hook, on every rank) -> stats.record(kind, op, gemm, comm,
@@ -29,6 +30,7 @@ host-bound and its figures are left out). On CPU tensors (gloo tests) the stamps
 """
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -135,6 +137,7 @@ class OpSampler:
         self.measure = measure
         self.samples = []
         self.references = {}
+        self._attached = weakref.WeakSet()   # the model chunks whose layers observe through this sampler
 
     @property
     def armed(self):
@@ -145,15 +148,20 @@ class OpSampler:
         self._armed = bool(value)
         self.was_armed = self.was_armed or self._armed
 
-    def install(self):
-        """Observe the Megatron layers' synchronous op calls (idempotent). Without megatron-core there are no
-        layers to observe: returns False."""
+    def attach(self, model) -> int:
+        """Observe the synchronous op calls of the overlapped linear layers of `model` (a module, or Megatron's list
+        of model chunks); each chunk once (later calls with it cost a set lookup). Returns how many layers were newly
+        set. Without megatron-core there are no such layers: 0."""
         try:
-            from overlap_tp.megatron.linear_functions import set_op_observer
+            from overlap_tp.megatron.layers import set_op_observer
         except ImportError:
-            return False
-        set_op_observer(self.observe)
-        return True
+            return 0
+        count = 0
+        for chunk in (model if isinstance(model, (list, tuple)) else [model]):
+            if isinstance(chunk, torch.nn.Module) and chunk not in self._attached:
+                count += set_op_observer(chunk, self.observe)
+                self._attached.add(chunk)
+        return count
 
     def observe(self, kind, call, a, w, group):
         """The layers' op observer: call() as is while disarmed, stamped around while armed."""

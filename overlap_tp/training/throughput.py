@@ -323,7 +323,8 @@ def stats_enabled(args) -> bool:
 
 def install_training_log_hook(args=None, module=None):
     """Wrap `megatron.training.training.training_log` (once) to run a ThroughputLogger after it, and
-    `train_step` (once) to arm overlap_tp.training.sampling.SAMPLER for the step whose end is logged.
+    `train_step` (once) to arm overlap_tp.training.sampling.SAMPLER for the step whose end is logged (attached to
+    that step's model: Megatron's train_step(forward_step_func, data_iterator, model, ...)).
 
     `module` defaults to `megatron.training.training`; tests pass a stand-in. Returns the logger
     (None until the first log when `args` is None: it reads Megatron's args then).
@@ -339,8 +340,6 @@ def install_training_log_hook(args=None, module=None):
         a = run_args()
         return ThroughputLogger(a, sampler=SAMPLER if stats_enabled(a) else None)
 
-    SAMPLER.install()
-
     original_step = getattr(module, "train_step", None)
     if original_step is not None and not getattr(original_step, "_overlap_tp_sampling", False):
         @functools.wraps(original_step)
@@ -348,6 +347,8 @@ def install_training_log_hook(args=None, module=None):
             current = run_args()
             iteration = kw.get("iteration", getattr(current, "curr_iteration", None))
             SAMPLER.armed = stats_enabled(current) and sample_iteration(iteration, current.log_interval)
+            if SAMPLER.armed:
+                SAMPLER.attach(kw["model"] if "model" in kw else a[2])
             try:
                 return original_step(*a, **kw)
             finally:

@@ -271,3 +271,30 @@ def test_layer_bench_split_configurations_need_an_even_micro_batch_and_our_layer
         with pytest.raises(SystemExit):
             layer.parse_args(argv)
         assert message in capsys.readouterr().err
+
+
+def _run_fp8_bench(rank, world, out_dir):
+    _quiet()
+    from overlap_tp.bench import layer
+    args = layer.parse_args(["--tiny", "--out", out_dir, "--reps", "2", "--warmup", "1",
+                             "--configs", "megatron,off,off-fp8,signal-fp8", "--fp8", "hybrid/tensorwise"])
+    by = {r["config"]: r for r in layer.run(args, command="test_layer_bench fp8")}
+    for name in ("off", "off-fp8", "signal-fp8"):
+        assert "error" not in by[name] and by[name]["same_init"] is True, by[name]
+    # the -fp8 layers ran FP8: further from megatron's bf16 layer than bf16's off, within the FP8 tolerance
+    for name in ("off-fp8", "signal-fp8"):
+        assert by["off"]["check_err"] * 4 < by[name]["check_err"] <= args.fp8_check_tol, (by["off"], by[name])
+
+
+def test_layer_bench_fp8_configurations(tmp_path, capsys):
+    run_distributed(2, _run_fp8_bench, str(tmp_path))
+    data = json.loads((tmp_path / "layer.json").read_text())
+    assert data["settings"]["fp8"] == "hybrid/tensorwise"
+    from overlap_tp.bench import layer
+    for argv, message in ((["--tiny", "--configs", "megatron,megatron-fp8"], "unknown configs"),
+                          (["--tiny", "--fp8", "e5m2/tensorwise"], "FORMAT/RECIPE"),
+                          (["--tiny", "--fp8", "e4m3/delayed"], "FORMAT/RECIPE")):
+        with pytest.raises(SystemExit):
+            layer.parse_args(argv)
+        assert message in capsys.readouterr().err
+    assert layer.parse_args(["--tiny", "--micro-batch", "2", "--configs", "megatron,signal-fp8-split"])

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from distributed import run_distributed
 from gpu_checks import rel_error
+from problems import per_expert
 
 pytestmark = pytest.mark.gpu
 
@@ -83,25 +84,10 @@ def _block(ours, config, seed=1234):
     return TransformerBlock(config, TransformerBlockSubmodules(layer_specs=specs, layer_norm=OverlapRMSNorm)).cuda()
 
 
-def _per_expert(block, value):
-    """Megatron's parameter names -> value(param) for every parameter of `block`; OverlapGroupedMLP's stacked weights
-    (and their grads) split per local expert under SequentialMLP's names."""
-    out = {}
-    for name, param in block.named_parameters():
-        item = value(param)
-        if name.endswith(("experts.weight1", "experts.weight2")):
-            linear = "linear_fc1" if name.endswith("1") else "linear_fc2"
-            prefix = name[:-len("weight1")]
-            out.update({f"{prefix}local_experts.{e}.{linear}.weight": item[e] for e in range(item.shape[0])})
-        else:
-            out[name] = item
-    return out
-
-
 def _grads(block):
     """Every parameter's grad by Megatron's name; the sequence-parallel ones (the norms) all-reduced over TP, as
     Megatron's finalize_model_grads does."""
-    grads = _per_expert(block, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
+    grads = per_expert(block, lambda p: p.grad if p.grad is not None else torch.zeros_like(p))
     for name, param in block.named_parameters():
         if getattr(param, "sequence_parallel", False):
             host = grads[name].float().cpu()
@@ -136,7 +122,7 @@ def _check_block(rank, world):
             out = block(hidden_states=xi, attention_mask=None)
             out = out[0] if isinstance(out, tuple) else out
             out.backward(g)
-            results[ours] = (out.detach(), xi.grad, _per_expert(block, lambda p: p.detach().clone()), _grads(block))
+            results[ours] = (out.detach(), xi.grad, per_expert(block, lambda p: p.detach().clone()), _grads(block))
             del block
     torch.cuda.synchronize()
     got, want = results[True], results[False]

@@ -12,6 +12,7 @@ from overlap_tp.kernels import fp8_quant as Q
 from overlap_tp.kernels.fp8_gemm import fp8_gemm_reference, fp8_signaled_gemm
 from overlap_tp.ops.plan_base import gemm_programs
 from overlap_tp.ops.tile_plan import ag_plan, make_plan
+from problems import staged_as_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -81,18 +82,13 @@ def _operands(m, n, k, recipe, gen, shard_scales=1):
     x = torch.randn(m, k, device="cuda", generator=gen) * torch.exp(torch.randn(m, 1, device="cuda", generator=gen))
     w = 0.02 * torch.randn(n, k, device="cuda", generator=gen)
     x, w = x.bfloat16(), w.bfloat16()
-    if recipe == "tensorwise" and shard_scales > 1:
-        shards = [Q.quantize_tensorwise(s.contiguous()) for s in x.chunk(shard_scales)]
-        a = Q.ScaledFp8(torch.cat([s.q for s in shards]), torch.cat([s.ds for s in shards]), "tensorwise")
+    if shard_scales > 1:   # a gathered a: each shard quantized on its own, the scales stacked (fp8_quant's layouts)
+        shards = [qa(s.contiguous()) for s in x.chunk(shard_scales)]
+        stack = torch.cat if recipe == "tensorwise" else torch.stack
+        a = Q.ScaledFp8(torch.cat([s.q for s in shards]), stack([s.ds for s in shards]), shards[0].scaling)
     else:
         a = qa(x)
     return a, qw(w)
-
-
-def _dequantized(a):
-    if a.scaling == "tensorwise" and a.ds.numel() > 1:
-        return a.q.double() * a.ds.double().repeat_interleave(a.q.shape[0] // a.ds.numel())[:, None]
-    return Q.dequantize_reference(a)
 
 
 def assert_fp8_gemm_close(got, a, w, added=None):
@@ -104,23 +100,12 @@ def assert_fp8_gemm_close(got, a, w, added=None):
     ref = fp8_gemm_reference(a, w)
     if added is not None:
         ref = ref + added.double()
-    da, dw = _dequantized(a), Q.dequantize_reference(w)
+    da, dw = Q.dequantize_reference(a), Q.dequantize_reference(w)
     bound = ref.abs() * 2 ** -8 + 2 ** -9 * (da.abs() @ dw.abs().t())
     err = (got.double() - ref).abs()
     assert not got.isnan().any(), "an output element was never written (NaN-poisoned)"
     assert (err <= bound).all(), f"{int((err > bound).sum())} elements out of bound, worst {float((err - bound).max())}"
     assert float(err.norm() / ref.norm()) < 2 ** -8
-
-
-def _row_order(staging, plan):
-    """The row_slice staging read back in C's row order."""
-    t, m_local = plan.world, plan.m // plan.world
-    out = torch.empty((plan.m, plan.n), dtype=staging.dtype, device=staging.device)
-    for c in plan.collectives:
-        rows = c.dst_hi - c.dst_lo
-        for k in range(t):
-            out[k * m_local + c.dst_lo:k * m_local + c.dst_hi] = staging[c.src_lo + k * rows:c.src_lo + (k + 1) * rows]
-    return out
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
@@ -150,7 +135,7 @@ def test_signaled_fp8_gemm_row_slice_matches_the_float64_reference(recipe, confi
         stored.append(staging.clone())
     bias_on_rows = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
     bias_on_rows[: m // 2] = bias
-    assert_fp8_gemm_close(_row_order(stored[0], plan), a, w, added=bias_on_rows)
+    assert_fp8_gemm_close(staged_as_rows(stored[0], plan), a, w, added=bias_on_rows)
     assert torch.equal(stored[0], stored[1])
 
 
@@ -158,7 +143,8 @@ def test_signaled_fp8_gemm_row_slice_matches_the_float64_reference(recipe, confi
 @pytest.mark.parametrize("m,n,k", [(8192, 3072, 4096), (2000, 1000, 1024)])
 def test_allgather_plan_with_raised_flags_and_per_rank_scales(recipe, m, n, k):
     """The AllGather+GEMM table at t = 2 (rank 1: its own rows first, then the chunks, each waiting on its ready
-    flag, raised before the launch); tensorwise with one scale per source rank's shard."""
+    flag, raised before the launch); the gathered a carries each source rank's shard's own scales (tensorwise [2],
+    1x128 [2, K/128, M/2]: the scales stacked as an AllGather moves them)."""
     _needs_fp8()
     gen = torch.Generator(device="cuda").manual_seed(m + n + k)
     a, w = _operands(m, n, k, recipe, gen, shard_scales=2)
@@ -182,7 +168,7 @@ def test_fresh_data_each_call():
         a, w = _operands(m, n, k, recipe, gen)
         out = torch.full(plan.staging_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
         fp8_signaled_gemm(a, w, out, tiles, None, gemm_programs(a.q.device, WIDE), WIDE)
-        assert_fp8_gemm_close(_row_order(out, plan), a, w)
+        assert_fp8_gemm_close(staged_as_rows(out, plan), a, w)
 
 
 @pytest.mark.parametrize("scaling", ["1x128", "tensorwise"])
@@ -276,4 +262,4 @@ def test_captured_fp8_gemm_replays_count_and_store_the_same_bits():
             mine.ds.copy_(new.ds)
         graph.replay()
         torch.cuda.synchronize()
-        assert_fp8_gemm_close(_row_order(out, plan), a, w)
+        assert_fp8_gemm_close(staged_as_rows(out, plan), a, w)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from gpu_checks import rel_error
+from gpu_checks import rel_error, replays_equal_eager
 
 pytestmark = pytest.mark.gpu
 
@@ -160,7 +160,6 @@ def _check_captured(rank, world):
     from peers_on_one_gpu import install
     import test_layers_gpu as L
     from overlap_tp.megatron.layers import set_overlap_config
-    from overlap_tp.tune.timing import CapturedCalls
     os.environ.setdefault("OVERLAP_TP_WATCHDOG_S", "120")
     torch.cuda.set_device(0)
     install()
@@ -170,19 +169,7 @@ def _check_captured(rank, world):
     layer = _build(True, _config(512, deterministic=True))
     set_overlap_config(layer, L._p2p_configs("signal"))
     steps = list(L._fresh_steps(9 + rank, SEQ // world, 1024, 4))
-    eager = [[t.detach().clone() for t in L._fwd_bwd([layer], x, g)] for x, g in steps]
-    static_x, static_g = steps[0][0].clone(), steps[0][1].clone()
-    captured = CapturedCalls(lambda x, g: L._fwd_bwd([layer], x, g), [(static_x, static_g)], warmup=2)
-    for replay in range(8):
-        i = replay % len(steps)
-        static_x.copy_(steps[i][0])
-        static_g.copy_(steps[i][1])
-        captured.graph.replay()
-        torch.cuda.synchronize()
-        for j, (got, want) in enumerate(zip(captured.outputs[0], eager[i])):
-            assert torch.equal(got, want), f"replay {replay} rank {rank}: tensor {j} differs from the eager step"
-    del captured
-    torch.cuda.synchronize()
+    replays_equal_eager(lambda x, g: L._fwd_bwd([layer], x, g), steps, rank)
     dist.barrier()
     ps.destroy_model_parallel()
 

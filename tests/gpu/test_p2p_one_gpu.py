@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from gpu_checks import rel_error, run_two_ranks
+from gpu_checks import rel_error, replays_equal_eager, run_two_ranks
 from overlap_tp import OverlapConfig, ag_gemm, gemm_rs
 from overlap_tp.megatron.norm import fused_add_rmsnorm
 from overlap_tp.ops.ag_gemm import gather_rows
@@ -222,7 +222,6 @@ def _check_layer_captured(rank, world, method="signal", in_place=False):
     from megatron.core.transformer.spec_utils import build_module
     from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
     from overlap_tp.megatron.layers import set_overlap_config
-    from overlap_tp.tune.timing import CapturedCalls
     L._quiet()
     L._deterministic()
     ps = L._setup(world, "cuda")
@@ -233,26 +232,7 @@ def _check_layer_captured(rank, world, method="signal", in_place=False):
     assert layer.self_attention.linear_qkv.gather_in_place == in_place
     set_overlap_config(layer, p2p_configs)
     steps = list(L._fresh_steps(9 + rank, 2048 // world, config.hidden_size, 4))
-    # detached: a kept output would keep its autograd graph, whose parameters' AccumulateGrad nodes remember the
-    # stream of this eager step (the legacy default stream), and the captured backward would then sync with it
-    eager = [[t.detach().clone() for t in L._fwd_bwd([layer], x, g)] for x, g in steps]
-    static_x, static_g = steps[0][0].clone(), steps[0][1].clone()
-
-    def step(x, g):
-        return L._fwd_bwd([layer], x, g)
-    captured = CapturedCalls(step, [(static_x, static_g)], warmup=2)
-    for replay in range(8):
-        i = replay % len(steps)
-        static_x.copy_(steps[i][0])
-        static_g.copy_(steps[i][1])
-        if rank == 1 and replay % 3 == 1:
-            torch.cuda._sleep(100_000_000)
-        captured.graph.replay()
-        torch.cuda.synchronize()
-        for j, (got, want) in enumerate(zip(captured.outputs[0], eager[i])):
-            assert torch.equal(got, want), f"replay {replay} rank {rank}: tensor {j} differs from the eager step"
-    del captured
-    torch.cuda.synchronize()
+    replays_equal_eager(lambda x, g: L._fwd_bwd([layer], x, g), steps, rank, late=True)
     ps.destroy_model_parallel()
 
 

@@ -9,12 +9,13 @@ TE on PYTHONPATH):
   linears and attention) at t = 1 with the same weights: this rank's rows of the output and of the input grad,
   this rank's shard of every parameter grad (the norms' summed over the ranks, as Megatron's finalize_model_grads
   does), each within bf16 tolerance;
+- the FP8 boundary: our FP8 linears with TE present give the same bits inside Megatron's FP8 context (TE's
+  fp8_autocast) as outside it: TE quantizes nothing of the layer, our linears quantize once;
 - `--tp-comm-overlap` with `--overlap-tp` is one clear error with TE importable, and Megatron accepts the
   Transformer Engine baseline's flags (recipes' OVERLAP=te-ub) with it (CHECK=1, no GPU needed by the check);
 - the smoke recipe's first steps at TP 1 with OVERLAP=te: Megatron's TE layers through overlap_tp's launcher, for
   real (at TP 1 nothing is overlapped: the TE code paths of the launcher and the recipe are what runs).
 """
-import functools
 import os
 import re
 import subprocess
@@ -162,6 +163,50 @@ def _recipe(name, *extra, **env):
     environ = dict(os.environ, PYTHON=sys.executable, WANDB_PROJECT="", **env)
     return subprocess.run(["bash", os.path.join(ROOT, "recipes", f"{name}.sh"), *extra], env=environ, cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
+
+
+def _check_fp8_boundary(rank, world):
+    """Our FP8 linears with TE present: inside the FP8 context Megatron opens around each layer (fp8_utils.
+    get_fp8_context: TE's fp8_autocast with the config's recipe), a step is bit for bit the same step outside it, so
+    TE quantizes nothing of the layer (its core attention stays bf16 without fp8_dot_product_attention; its norms do
+    not quantize) and our linears quantize their inputs once; and the layer does run FP8 (not the bf16 layer's bits)."""
+    warnings.filterwarnings("ignore")
+    from peers_on_one_gpu import install
+    torch.cuda.set_device(0)
+    install()
+    import dataclasses
+    from megatron.core import parallel_state as ps
+    from megatron.core.fp8_utils import get_fp8_context
+    from megatron.core.transformer.spec_utils import build_module
+    from overlap_tp.megatron.layer_spec import get_gpt_layer_overlap_spec
+    from overlap_tp.megatron.layers import set_overlap_config
+    from test_layers_gpu import _p2p_configs, _settings
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    spec = get_gpt_layer_overlap_spec(qk_layernorm=True, transformer_impl="transformer_engine", settings=_settings())
+    layers = {}
+    for name, extra in (("fp8", dict(fp8="e4m3", fp8_recipe="tensorwise")), ("bf16", {})):
+        _seed(4321)
+        config = dataclasses.replace(_config(world), **extra)
+        layers[name] = build_module(spec, config=config, layer_number=1).cuda()
+        assert set_overlap_config(layers[name], _p2p_configs("signal")) == 4
+    gen = torch.Generator(device="cuda").manual_seed(5 + rank)
+    rows = SIZES["seq"] // world
+    x, g = (torch.randn(rows, 1, SIZES["hidden"], device="cuda", generator=gen).bfloat16() for _ in range(2))
+    outside = _step(layers["fp8"], x, g)
+    with get_fp8_context(layers["fp8"].config):
+        inside = _step(layers["fp8"], x, g)
+    assert torch.equal(inside[0], outside[0]) and torch.equal(inside[1], outside[1])
+    assert all(torch.equal(inside[2][n], outside[2][n]) for n in outside[2]), "TE changed a gradient"
+    bf16 = _step(layers["bf16"], x, g)
+    assert not torch.equal(outside[0], bf16[0]), "the FP8 layer gave the bf16 layer's bits"
+    assert rel_error(outside[0], bf16[0].float()) < 0.1
+    torch.cuda.synchronize()
+    ps.destroy_model_parallel()
+
+
+def test_fp8_linears_with_te_quantize_once_inside_megatrons_fp8_context():
+    _require_te()
+    run_distributed(T, _check_fp8_boundary, backend="gloo")
 
 
 def test_tp_comm_overlap_with_overlap_tp_is_an_error_with_te_installed():

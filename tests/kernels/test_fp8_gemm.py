@@ -22,25 +22,24 @@ RECIPES = {
 def _operands(m, n, k, recipe, gen, fmt_a="e4m3"):
     qa, qw, config = RECIPES[recipe]
     a = (torch.randn(m, k, generator=gen) * torch.exp(torch.randn(m, 1, generator=gen))).to(torch.bfloat16)
-    w = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
-    return qa(a, fmt_a), qw(w), config
+    # each 128x128 block of w its own power-of-two magnitude: a scale taken from the wrong weight block is far off
+    blocks = 2.0 ** torch.randint(-3, 4, (-(-n // 128), -(-k // 128)), generator=gen)
+    w = (torch.randn(n, k, generator=gen) * 0.05 * blocks.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k])
+    return qa(a, fmt_a), qw(w.to(torch.bfloat16)), config
 
 
 def _check_close(got, ref, a, w):
     """One bf16 ulp of the output (2**-7 relative: the interpreter's bf16 conversion may truncate) plus the fp32
     accumulation's error, bounded by 2**-20 * (|A| @ |W|.T) per element (the interpreter multiplies fp32 upcasts:
     exact products)."""
-    if a.scaling == "tensorwise" and a.ds.numel() > 1:   # per-shard scales
-        da = a.q.double() * a.ds.double().repeat_interleave(a.q.shape[0] // a.ds.numel())[:, None]
-    else:
-        da = Q.dequantize_reference(a)
+    da = Q.dequantize_reference(a)   # a gathered a shard by shard
     bound = ref.abs() * 2 ** -7 + 2 ** -20 * (da.abs() @ Q.dequantize_reference(w).abs().t())
     err = (got.double() - ref).abs()
     assert (err <= bound + 1e-30).all(), float((err - bound).max())
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-@pytest.mark.parametrize("m,n,k", [(96, 80, 256), (40, 64, 128)])
+@pytest.mark.parametrize("m,n,k", [(96, 80, 256), (40, 64, 128), (32, 320, 384)])
 def test_row_slice_staging_holds_the_scaled_product_and_counts_each_group(recipe, m, n, k):
     gen = torch.Generator().manual_seed(m + n + k)
     a, w, config = _operands(m, n, k, recipe, gen)
@@ -58,21 +57,29 @@ def test_row_slice_staging_holds_the_scaled_product_and_counts_each_group(recipe
         _check_close(got, ref, a, w)
 
 
+def gathered(x, t, quantize):
+    """x's t row shards quantized each on its own (as their ranks would) and gathered: the rows concatenated, the
+    scales stacked (tensorwise [t]; 1x128 [t, K/128, M/t])."""
+    shards = [quantize(s.contiguous()) for s in x.chunk(t)]
+    ds = torch.cat([s.ds for s in shards]) if shards[0].scaling == "tensorwise" else torch.stack([s.ds for s in shards])
+    return Q.ScaledFp8(torch.cat([s.q for s in shards]), ds, shards[0].scaling)
+
+
+@pytest.mark.parametrize("t, m", [(2, 64), (4, 72)])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
-def test_allgather_plan_waits_on_raised_flags_and_per_shard_scales(recipe):
-    """The AllGather+GEMM table (WAIT fields, flags already raised): the standard-order output; for tensorwise the
-    gathered A carries one scale per source rank (each shard quantized on its own)."""
-    gen = torch.Generator().manual_seed(5)
-    t, m, n, k = 2, 64, 96, 256
+def test_allgather_plan_waits_on_raised_flags_and_per_shard_scales(recipe, t, m):
+    """The AllGather+GEMM table (WAIT fields, flags already raised): the standard-order output, the gathered A
+    carrying each source rank's own scales (each shard quantized on its own, its amax its own; at M/t = 18 the
+    shards' rows end inside a tile), and the same product as the shards' GEMMs one by one."""
+    gen = torch.Generator().manual_seed(5 + t)
+    n, k = 96, 256
     qa, qw, config = RECIPES[recipe]
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-    x[m // 2:] *= 30   # the second shard's amax differs
+    x[m // 2:] *= 30   # the later shards' amax differs
     w = qw((torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16))
-    if recipe == "tensorwise":
-        shards = [Q.quantize_tensorwise(x[r * m // t:(r + 1) * m // t].contiguous()) for r in range(t)]
-        a = Q.ScaledFp8(torch.cat([s.q for s in shards]), torch.cat([s.ds for s in shards]), "tensorwise")
-    else:
-        a = qa(x)
+    a = gathered(x, t, qa)
+    assert Q.shard_count(a) == t and Q.is_gathered(a)
+    assert torch.equal(Q.dequantize_reference(a), torch.cat([Q.dequantize_reference(s) for s in Q.shards(a)]))
     plan = ag_plan(m, n, k, t, 0, config.block_m, config.block_n, groups=2, elem_bytes=1)
     flags = torch.ones(plan.num_groups, dtype=torch.int32)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
@@ -125,6 +132,11 @@ def test_the_contract_is_checked():
         check_fp8_operands(a, Q.ScaledFp8(w.q.t().contiguous().t(), w.ds, w.scaling), config)
     with pytest.raises(ValueError, match="stored"):
         check_fp8_operands(Q.ScaledFp8(a.q, a.ds.t(), a.scaling), w, config)
+    with pytest.raises(ValueError, match=r"M % G == 0"):   # 1x128 scales of 3 shards for 32 rows
+        check_fp8_operands(Q.ScaledFp8(a.q, a.ds.view(2, 32).repeat(3, 1).view(3, 2, 32)[:, :, :10].contiguous(),
+                                       a.scaling), w, config)
+    with pytest.raises(ValueError, match="ScaledFp8"):
+        check_fp8_operands(a.q, w, config)
     t = Q.quantize_tensorwise(torch.randn(30, 256))
     with pytest.raises(ValueError, match="M % G"):
         check_fp8_operands(Q.ScaledFp8(t.q, torch.ones(4), "tensorwise"), Q.quantize_tensorwise(torch.randn(8, 256)),

@@ -69,3 +69,29 @@ def test_bad_fp8_outputs_are_refused():
         check_fp8_out(NormFp8Out("amax", amax=torch.zeros(2)), y)
     with pytest.raises(ValueError, match="scaling must be"):
         add_rmsnorm_fp8(y, None, torch.ones(256, dtype=torch.bfloat16), scaling="rowwise")
+
+
+@pytest.mark.parametrize("scaling", ["1x128", "tensorwise"])
+def test_the_norms_fp8_copy_travels_on_its_output_and_is_refused_once_stale(scaling):
+    """overlap_tp.megatron.norm: rmsnorm / fused_add_rmsnorm with fp8=Fp8Output write the output's FP8 copy in their
+    pass; fp8_rows hands it over once, bit-equal to quantizing the output afterwards, and refuses it (None) for
+    another format or scaling, after the output was written in place, or on a tensor that carries none."""
+    from overlap_tp.megatron.norm import Fp8Output, fp8_rows, fused_add_rmsnorm, rmsnorm
+    gen = torch.Generator().manual_seed(7)
+    x, residual, weight, bias = _inputs(32, 256, gen)
+    x3, residual3 = x.view(16, 2, 256), residual.view(16, 2, 256)   # [s, b, h] as the layers see them
+    quantize = Q.quantize_1x128 if scaling == "1x128" else Q.quantize_tensorwise
+    plain = rmsnorm(x3, weight, fp8=Fp8Output("e4m3", scaling))
+    fused, _ = fused_add_rmsnorm(x3, residual3, weight, bias, fp8=Fp8Output("e4m3", scaling))
+    for y in (plain, fused):
+        got, want = fp8_rows(y, "e4m3", scaling), quantize(y.reshape(-1, 256), "e4m3")
+        assert got.scaling == want.scaling and _equal_bits(got.q, want.q) and torch.equal(got.ds, want.ds)
+        assert fp8_rows(y, "e4m3", scaling) is None   # taken once: the output no longer keeps it alive
+    assert torch.equal(plain, rmsnorm(x3, weight))   # the FP8 copy changes nothing of the output
+    assert fp8_rows(rmsnorm(x3, weight), "e4m3", scaling) is None
+    other = "tensorwise" if scaling == "1x128" else "1x128"
+    for fmt, wanted in (("e5m2", scaling), ("e4m3", other)):
+        assert fp8_rows(rmsnorm(x3, weight, fp8=Fp8Output("e4m3", scaling)), fmt, wanted) is None
+    written = rmsnorm(x3, weight, fp8=Fp8Output("e4m3", scaling))
+    written.add_(1)
+    assert fp8_rows(written, "e4m3", scaling) is None

@@ -155,6 +155,9 @@ def test_tensorwise_kernels_equal_the_reference(fmt, r, c):
     assert torch.equal(got.ds, ref.ds) and torch.equal(got_t.ds, ref.ds)
     _assert_fp8_equal(got.q, ref.q)
     _assert_fp8_equal(got_t.q, ref.q.t())
+    alone = Q.quantize_tensorwise_transposed(x, fmt)   # x.T's q without x's
+    assert torch.equal(alone.ds, ref.ds)
+    _assert_fp8_equal(alone.q, ref.q.t())
     # a known amax skips the first pass and gives the same result
     amax = x.float().abs().amax().reshape(1)
     known = Q.quantize_tensorwise(x, fmt, amax=amax)

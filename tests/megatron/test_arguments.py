@@ -275,13 +275,33 @@ def test_transformer_engine_gets_a_precedence_note():
     ({"spec": ["my.module", "my_spec"]}, "Remove --spec"),
     ({"tp_comm_overlap": True}, "--tp-comm-overlap"),
     ({"normalization": "LayerNorm"}, "RMSNorm"),
-    ({"fp8": "hybrid"}, "bf16"),
+    ({"fp8": "hybrid", "fp8_recipe": "delayed"}, "--fp8-recipe tensorwise or blockwise"),
+    ({"fp8": "e4m3", "fp8_recipe": "mxfp8"}, "current scaling"),
     ({"overlap_tp_config": {"ag_gemm": {"comm_sms": -1}}}, ">= 0"),
     ({"overlap_tp_config": {"ag_gemm": {"copy_lanes": 0}}}, "OverlapConfig.copy_lanes=0: expected an int >= 1"),
 ])
 def test_conflicts_say_what_to_change(overrides, match):
     with pytest.raises(OverlapArgumentError, match=match):
         validate_overlap_args(megatron_like(**overrides), warn=None)
+
+
+def test_fp8_runs_signal_or_off():
+    with pytest.raises(OverlapArgumentError, match="no FP8 path"):
+        validate_overlap_args(megatron_like(overlap_tp="decompose", fp8="e4m3", fp8_recipe="tensorwise"), warn=None)
+    notes = validate_overlap_args(megatron_like(overlap_tp="auto", fp8="hybrid", fp8_recipe="blockwise"), warn=None)
+    assert any("FP8 linears run method signal" in n for n in notes), notes
+
+
+def test_fp8_with_the_expert_ops_says_they_are_bf16():
+    with pytest.raises(OverlapArgumentError, match="expert ops are bf16"):
+        validate_overlap_args(moe_like(overlap_tp="signal", fp8="e4m3", fp8_recipe="blockwise"), warn=None)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
+def test_fp8_current_scaling_is_accepted(fmt, recipe):
+    """Megatron's own FP8 flags: the dense linears run them (overlap_tp.megatron.fp8_linear)."""
+    validate_overlap_args(megatron_like(fp8=fmt, fp8_recipe=recipe), warn=None)
 
 
 P2P = {op: {"transport": "p2p"} for op in ("ag_gemm", "gemm_rs")}

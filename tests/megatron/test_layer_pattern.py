@@ -86,8 +86,9 @@ def test_block_spec_puts_our_moe_and_dense_layers_where_megatron_puts_its(num_la
     megatron = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", pp_rank=0)
     ours = patches.overlap_layer_spec(config)
     assert len(ours.layer_specs) == len(megatron.layer_specs) == num_layers
+    chain = ours.layer_specs[0].params["chain"]   # one block: dense and MoE layers link through one LayerChain
     for layer, (our, their) in enumerate(zip(ours.layer_specs, megatron.layer_specs)):
-        assert our.module is OverlapTransformerLayer
+        assert our.module is OverlapTransformerLayer and our.params["chain"] is chain
         if _is_moe(their):
             assert _module(our.submodules.mlp) is OverlapMoELayer, layer
             assert "pre_mlp_layernorm." not in our.submodules.sharded_state_dict_keys_map

@@ -11,7 +11,6 @@ Each test spawns its processes once and checks many cases inside (process start-
 """
 import os
 import warnings
-import weakref
 
 import pytest
 import torch
@@ -313,7 +312,7 @@ def _megatron_linears_spec(spec):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.transformer_layer import TransformerLayer
     spec = copy.deepcopy(spec)
-    spec.module = TransformerLayer
+    spec.module, spec.params = TransformerLayer, {}   # Megatron's layer takes no settings or chain
     attn = spec.submodules.self_attention.submodules
     attn.linear_qkv, attn.linear_proj = ColumnParallelLinear, RowParallelLinear
     mlp = spec.submodules.mlp.submodules
@@ -879,13 +878,26 @@ def _check_links_when_built(rank, world):
     assert links[1] is None and links[2] is None                # another config; a gap in the numbers
     assert links[3] is built[4].input_layernorm and links[4] is None
     # an MTP layer built next with the next number is not linked (megatron-core >= 0.19 passes is_mtp_layer; set here)
-    from overlap_tp.megatron import transformer_layer
     mtp = build_module(spec, config=other, layer_number=7)
     assert built[4].next_input_norm is mtp.input_layernorm      # as a decoder layer it would be
     built[4].next_input_norm, mtp.is_mtp_layer = None, True
-    transformer_layer._last_built[0] = weakref.ref(built[4])
+    mtp.chain.link(built[4])                                     # built[4] the last one built again
     mtp._link_to_previous_built()
     assert built[4].next_input_norm is None
+    # the chain is the block spec's: layers of another spec do not link; specs sharing a chain (a block of dense and
+    # MoE layer specs) do
+    from overlap_tp.megatron.transformer_layer import LayerChain
+    first = build_module(get_gpt_layer_overlap_spec(qk_layernorm=True), config=config, layer_number=3)
+    second = build_module(get_gpt_layer_overlap_spec(qk_layernorm=True), config=config, layer_number=4)
+    assert first.next_input_norm is None
+    chain = LayerChain()
+    first = build_module(get_gpt_layer_overlap_spec(qk_layernorm=True, chain=chain), config=config, layer_number=3)
+    second = build_module(get_gpt_layer_overlap_spec(qk_layernorm=True, chain=chain), config=config, layer_number=4)
+    assert first.next_input_norm is second.input_layernorm
+    import copy
+    spec = get_gpt_layer_overlap_spec(qk_layernorm=True)
+    first, second = (build_module(copy.deepcopy(spec), config=config, layer_number=n) for n in (3, 4))
+    assert first.next_input_norm is second.input_layernorm      # a copied spec keeps its chain (gpt_block_spec)
     ps.destroy_model_parallel()
 
 
@@ -926,7 +938,12 @@ def _check_errors(rank, world):
         return cfg
 
     cases = [
-        (lambda: build(cfg=config_with(fp8="e4m3")), NotImplementedError, "fp8"),
+        (lambda: build(cfg=config_with(fp8="e4m3")), NotImplementedError, "--fp8-recipe tensorwise or blockwise"),
+        (lambda: build(cfg=config_with(fp8="e4m3", fp8_recipe="tensorwise")), NotImplementedError,
+         "sequence parallelism"),
+        (lambda: build("row", cfg=config_with(fp8="hybrid", fp8_recipe="blockwise")), NotImplementedError,
+         "sequence parallelism"),
+        (lambda: build(cfg=config_with(fp4="nvfp4")), NotImplementedError, "fp4"),
         (lambda: build(cfg=config_with(delay_wgrad_compute=True)), NotImplementedError, "delay_wgrad_compute"),
         (lambda: build(cfg=_config(world, dtype=torch.float32)), ValueError, "bf16 or fp16"),
         (lambda: build(cfg=_config(world, sp=True), gather_output=True), ValueError, "gather_output"),
@@ -981,7 +998,8 @@ def test_spec_and_provider():
     provider = OverlapSpecProvider()
     assert provider.fuse_layernorm_and_linear() is False and provider.column_parallel_layer_norm_linear() is None
     get_gpt_layer_overlap_spec(moe_grouped_gemm=True, normalization="RMSNorm", config=None, vp_stage=None)
-    for bad in (dict(normalization="LayerNorm"), dict(multi_latent_attention=True, qk_l2_norm=True), dict(fp8="hybrid")):
+    for bad in (dict(normalization="LayerNorm"), dict(multi_latent_attention=True, qk_l2_norm=True),
+                dict(fp8="hybrid", num_experts=8)):
         with pytest.raises(NotImplementedError):
             get_gpt_layer_overlap_spec(**bad)
     with pytest.raises(NotImplementedError, match="MoE"):

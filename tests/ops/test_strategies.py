@@ -9,7 +9,10 @@ import torch
 from overlap_tp.ops import ag_gemm as ag
 from overlap_tp.ops import gemm_ar as ar
 from overlap_tp.ops import gemm_rs as rs
+from overlap_tp.kernels.fp8_gemm import Fp8SignaledGemm
+from overlap_tp.kernels.signaled_gemm import SignaledGemm
 from overlap_tp.ops.config import OverlapConfig
+from overlap_tp.ops.fp8 import FP8_TILES, Fp8Operands, Fp8Plan, fp8_config
 from overlap_tp.ops.resolve import common_defaults
 from distributed import run_distributed
 from problems import SMALL_TILES
@@ -151,3 +154,86 @@ def _check_factories(rank, world):
 
 def test_the_op_classes_return_their_strategies_plans():
     run_distributed(2, _check_factories)
+
+
+# ---------------------------------------------------------------------------------------------------
+# FP8 operands: each strategy's FP8 counterpart, or a ValueError naming what to use
+# ---------------------------------------------------------------------------------------------------
+
+TENSORWISE = Fp8Operands(torch.float8_e4m3fn, "tensorwise", torch.float8_e4m3fn, "tensorwise")
+BLOCKWISE = Fp8Operands(torch.float8_e4m3fn, "1x128", torch.float8_e4m3fn, "128x128")
+
+FP8_CASES = [   # (op's class, config, device, the strategy or a ValueError's message)
+    (ag.AgGemm, _config(method="off"), CPU, ag.AgGemmOffFp8),
+    (ag.AgGemm, _config(method="signal"), CPU, ag.AgGemmSignaledNcclFp8),
+    (ag.AgGemm, _config(method="signal", comm_sms=16), CUDA, ag.AgGemmSignaledNcclFp8),
+    (ag.AgGemm, _config(method="signal", transport="p2p", comm_sms=0), CUDA, ag.AgGemmSignaledP2PFp8),
+    (ag.AgGemm, _config(method="signal", transport="p2p", comm_sms=0, chunk_by="peer"), CUDA, ag.AgGemmSignaledP2PFp8),
+    (ag.AgGemm, _config(method="signal", transport="p2p", comm_sms=0, copy_lanes=2), CUDA, "use copy_lanes=1"),
+    (ag.AgGemm, _config(method="signal", transport="p2p", comm_sms=16), CUDA, "use comm_sms=0"),
+    (ag.AgGemm, _config(method="decompose"), CUDA, "method='decompose' .* has no FP8 strategy; use method='signal'"),
+    (ag.AgGemm, _config(method="decompose", transport="p2p"), CUDA, "has no FP8 strategy"),
+    (ag.AgGemm, _config(method="signal", comm_sms=0), CUDA, "needs comm_sms >= 1"),   # the bf16 rule holds
+    (rs.GemmRS, _config(method="off"), CPU, rs.GemmRSOffFp8),
+    (rs.GemmRS, _config(method="signal"), CPU, rs.GemmRSSignaledNcclFp8),
+    (rs.GemmRS, _config(method="signal", transport="p2p"), CUDA, rs.GemmRSOverP2PFp8),
+    (rs.GemmRS, _config(method="signal", transport="p2p", rs_transfer="copy"), CUDA, rs.GemmRSOverP2PFp8),
+    (rs.GemmRS, _config(method="decompose", transport="p2p"), CUDA, "has no FP8 strategy"),
+    (rs.GemmRS, _config(method="decompose"), CPU, "has no FP8 strategy"),
+    (rs.GemmRS, _config(method="signal", transport="p2p"), CPU, "gemm_rs: transport='p2p' needs CUDA tensors"),
+    (ar.GemmAR, _config(method="off"), CUDA, ar.GemmAROffFp8),
+    (ar.GemmAR, _config(method="signal"), CUDA, ar.GemmARSignaledNcclFp8),
+    (ar.GemmAR, _config(method="signal", transport="p2p"), CUDA, ar.GemmAROverP2PFp8),
+    (ar.GemmAR, _config(method="decompose"), CUDA, "has no FP8 strategy"),
+]
+
+
+@pytest.mark.parametrize("fp8", [TENSORWISE, BLOCKWISE], ids=["tensorwise", "blockwise"])
+@pytest.mark.parametrize("op, config, device, expected", FP8_CASES)
+def test_fp8_operands_pick_the_fp8_counterpart_or_say_what_to_use(op, config, device, expected, fp8):
+    plan = _resolved(op, config, device)
+    plan.fp8 = fp8
+    if isinstance(expected, str):
+        with pytest.raises(ValueError, match=expected):
+            plan.strategy_for()
+    else:
+        strategy = plan.strategy_for()
+        assert strategy is expected and issubclass(expected, op) and issubclass(expected, Fp8Plan)
+        plan.__class__ = strategy   # a plan names its recipe after its strategy's label
+        assert plan.describe().endswith(f", {fp8})") and str(fp8).startswith("fp8 e4m3 ")
+
+
+def test_every_fp8_strategy_follows_a_bf16_strategy_and_launches_the_fp8_gemm():
+    for table in (ag.FP8_STRATEGIES, rs.FP8_STRATEGIES, ar.FP8_STRATEGIES):
+        for bf16, fp8 in table.items():
+            if isinstance(fp8, str):
+                continue
+            assert fp8.__mro__[1:3] == (Fp8Plan, bf16) and fp8.variant == bf16.variant
+            assert fp8.launcher is Fp8SignaledGemm and bf16.launcher is SignaledGemm
+
+
+def test_an_fp8_gather_buffer_of_its_own_is_refused():
+    plan = _resolved(ag.AgGemm, _config(method="signal", transport="p2p", comm_sms=0))
+    plan.fp8 = TENSORWISE
+    with pytest.raises(ValueError, match="pass no gather buffer"):
+        plan.strategy_for(gather=object())
+
+
+def test_an_fp8_config_gets_the_fp8_tile_of_its_scaling_and_names_its_method_on_cuda():
+    for operands, tile in ((TENSORWISE, (128, 256, 128, 3, 8)), (BLOCKWISE, (64, 128, 128, 3, 4))):
+        filled = fp8_config(OverlapConfig(method="signal"), "gemm_rs", CPU, operands)
+        assert (filled.block_m, filled.block_n, filled.block_k, filled.num_stages, filled.num_warps) == tile
+        assert {name: getattr(filled, name) for name in FP8_TILES[operands.a_scaling]} == \
+            FP8_TILES[operands.a_scaling]
+    kept = fp8_config(OverlapConfig(method="signal", block_n=256), "gemm_rs", CUDA, BLOCKWISE)
+    assert (kept.block_m, kept.block_n, kept.block_k) == (64, 256, 128)   # a field set is kept
+    for config in (OverlapConfig(), OverlapConfig(method="auto")):
+        with pytest.raises(ValueError, match="method 'auto' is not tuned for FP8"):
+            fp8_config(config, "ag_gemm", CUDA, TENSORWISE)
+    # the resolver runs it as 'off' on CPU
+    assert fp8_config(OverlapConfig(), "ag_gemm", CPU, TENSORWISE).method is None
+    plan = _resolved(rs.GemmRS, _config(method="signal", block_k=64), k=256)
+    plan.fp8 = BLOCKWISE
+    assert "needs block_k=128" in plan._signal_unsupported_reason(plan.config)
+    plan.fp8, plan.k = TENSORWISE, 40
+    assert "K=40 is not a multiple of 16" in plan._signal_unsupported_reason(plan.config)

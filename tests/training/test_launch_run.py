@@ -345,9 +345,11 @@ def test_adam_steps_are_separated_after_a_checkpoint_load(monkeypatch):
 
 @pytest.fixture
 def no_training_hooks(monkeypatch):
-    """main() installs the throughput log and the optimizer patch, which need megatron-core (not the stand-in)."""
+    """main() installs the throughput log, the FP8 weight steps and the optimizer patch, which need megatron-core (not
+    the stand-in)."""
     from overlap_tp.launch import pretrain
-    from overlap_tp.training import throughput
+    from overlap_tp.training import fp8_steps, throughput
+    monkeypatch.setattr(fp8_steps, "install_fp8_weight_steps", lambda: None)
     monkeypatch.setattr(pretrain, "use_prebuilt_dataset_helpers", lambda: None)
     monkeypatch.setattr(pretrain, "separate_adam_steps", lambda: None)
     monkeypatch.setattr(throughput, "install_training_log_hook", lambda: None)

@@ -274,6 +274,15 @@ def test_a_short_run_warms_up_for_less_than_its_length(name, recipe_argv):
     assert 0 < int(flag(argv, "--lr-warmup-iters")) < int(flag(argv, "--train-iters"))
 
 
+def test_fp8_passes_megatrons_own_flags(recipe_argv, fakes):
+    argv = recipe_argv("llama3-8b", FP8="hybrid/blockwise")
+    assert (flag(argv, "--fp8-format"), flag(argv, "--fp8-recipe")) == ("hybrid", "blockwise")
+    assert flag(argv, "--tensorboard-dir").startswith("runs/llama3-8b-auto-fp8-hybrid-blockwise/")
+    assert "--fp8-format" not in recipe_argv("llama3-8b")
+    bad = run_recipe("smoke", fakes_folder=fakes, DRY_RUN="1", FP8="e5m2/delayed")
+    assert bad.returncode == 2 and bad.stdout == "" and "FP8=e5m2/delayed: expected FORMAT/RECIPE" in bad.stderr
+
+
 def test_recipe_flags_in_megatrons_parser(monkeypatch, recipe_argv):
     arguments = pytest.importorskip(
         "megatron.training.arguments",

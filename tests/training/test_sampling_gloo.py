@@ -90,14 +90,25 @@ def test_sample_iteration_is_the_logged_step():
     assert not sample_iteration(None, 1)
 
 
-def test_install_routes_the_layers_op_calls_through_the_sampler():
+def test_attach_routes_the_models_op_calls_through_the_sampler():
     pytest.importorskip("megatron.core", reason="the layers need megatron-core")
-    from overlap_tp.megatron import linear_functions as layers
-    try:
-        SAMPLER.install()
-        assert layers._op_observer == SAMPLER.observe
-        calls = []
-        assert layers._observed("gemm_rs", lambda: calls.append(1) or "out", None, None, None) == "out"
-        assert calls == [1] and SAMPLER.samples == []   # disarmed: called straight through
-    finally:
-        layers.set_op_observer(None)
+    from overlap_tp.megatron import linear_functions
+    from overlap_tp.megatron.layers import OverlapRowParallelLinear
+    linear = OverlapRowParallelLinear.__new__(OverlapRowParallelLinear)   # the class is what the walk matches
+    torch.nn.Module.__init__(linear)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), linear)
+    other = torch.nn.Sequential(OverlapRowParallelLinear.__new__(OverlapRowParallelLinear))
+    torch.nn.Module.__init__(other[0])
+    assert linear.op_observer is None
+    assert SAMPLER.attach([model]) == 1 and linear.op_observer == SAMPLER.observe
+    assert SAMPLER.attach(model) == 0                  # a chunk once
+    assert other[0].op_observer is None                # another model is not observed
+    calls = []
+    args = linear_functions._LinearArgs.__new__(linear_functions._LinearArgs)
+    args.observer, args.group = linear.op_observer, None
+    assert args.observe("gemm_rs", lambda: calls.append(1) or "out", None, None) == "out"
+    assert calls == [1] and SAMPLER.samples == []      # disarmed: called straight through
+    args.observer = None
+    assert args.observe("gemm_rs", lambda: "direct", None, None) == "direct"
+
+

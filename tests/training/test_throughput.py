@@ -4,6 +4,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from overlap_tp.training import throughput as tp
 from overlap_tp.training.report import parse_log
@@ -268,6 +269,14 @@ def test_a_sampled_step_without_op_calls_says_why():
     assert "overlap stats: left out (--cuda-graph-impl local: graph replays" in lines[-1]
 
 
+def _megatron() -> bool:
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def test_hook_arms_the_sampler_for_the_logged_step():
     from overlap_tp.training.sampling import SAMPLER
     armed = []
@@ -285,11 +294,14 @@ def test_hook_arms_the_sampler_for_the_logged_step():
     wrapped = module.train_step
     tp.install_training_log_hook(args, module=module)
     assert module.train_step is wrapped    # idempotent
-    assert [module.train_step(None, iteration=k) for k in range(6)] == ["step"] * 6
+    model = [torch.nn.Linear(2, 2)]        # Megatron's train_step(forward_step_func, data_iterator, model, ...)
+    assert [module.train_step(None, None, model, iteration=k) for k in range(6)] == ["step"] * 6
     assert armed == [False, False, True, False, False, True] and SAMPLER.armed is False
+    if _megatron():   # without megatron-core there are no layers to observe
+        assert model[0] in SAMPLER._attached   # the sampled step's model observes through the sampler
     armed.clear()
     args.overlap_tp_stats = False          # --no-overlap-tp-stats
-    module.train_step(None, iteration=2)
+    module.train_step(None, None, model=model, iteration=2)
     assert armed == [False]
 
 
