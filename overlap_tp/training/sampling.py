@@ -18,8 +18,9 @@ takes its interval stamp after `collect`, so the measurement stays out of the lo
 
 What is not sampled: calls with async_op=True (the column-parallel backward's dgrad reduction, whose end
 is joined behind the wgrad GEMM, so the call has no time of its own), the MoE expert ops (their
-all-to-all shapes differ between ranks, so a per-shape reference would not be measured in step), and
-anything a CUDA graph replays (the layers' Python does not run; the step's figures are then left out).
+all-to-all shapes differ between ranks, so a per-shape reference would not be measured in step), calls on a
+group of one rank (TP 1: nothing crosses ranks, so there is no communication to time), and anything a CUDA graph
+replays (the layers' Python does not run; the step's figures are then left out).
 Off (`--overlap-tp off` with overlap_tp's layers) is sampled like the rest: GEMM then collective, so its
 exposed communication is about its collectives' time and nothing is hidden.
 
@@ -170,6 +171,8 @@ class OpSampler:
             # querying an event inside a capture is an error)
             return call()
         group = comm.resolve_group(group)
+        if dist.get_world_size(group) == 1:   # nothing crosses ranks: no communication to set against the GEMM
+            return call()
         start = _stamp(a.device)
         out = call()
         end = _stamp(a.device)

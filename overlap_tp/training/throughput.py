@@ -31,7 +31,8 @@ the same shapes (cuBLAS / torch.distributed, measured once per shape outside the
 written in total and per op kind (overlap_tp/<kind>/exposed_comm_ms, .../comm_hidden), with op_ms,
 gemm_ms and comm_ms (the sums) for context. They are left out, with the reason in the `[overlap_tp]`
 line (`overlap stats: left out (...)`), where they would mean nothing: no op call ran eagerly in the
-step (Megatron's own layers, or CUDA graphs replaying the layers, whose Python does not run), or the
+step (Megatron's own layers, CUDA graphs replaying the layers, whose Python does not run, or TP 1, where
+no op call moves anything between ranks), or the
 step was host-bound (in most sampled calls the GPU had already reached the call's start before the host
 had finished issuing it, so the call's time includes the host's launch time, not only GPU work).
 
@@ -313,6 +314,8 @@ def no_samples_reason(args):
         return f"{flag}: graph replays run the layers without their Python, so no op call can be timed"
     if getattr(args, "overlap_tp", "off") == "off" and not getattr(args, "overlap_tp_layers", False):
         return "Megatron's own layers (--overlap-tp off): no overlap_tp op to time"
+    if getattr(args, "tensor_model_parallel_size", 2) == 1:
+        return "TP 1: the layers' ops move nothing between ranks, so there is no communication to time"
     return "no overlapped op call ran in the sampled step"
 
 

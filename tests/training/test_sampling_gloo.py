@@ -1,8 +1,9 @@
 """Overlap statistics sampling (overlap_tp.training.sampling) under gloo: armed calls are stamped and recorded
 against a reference measured once per shape on every rank; results are unchanged; calls that do not come
-through the observer (async ones) and disarmed calls are not stamped."""
+through the observer (async ones), disarmed calls and calls on a group of one rank are not stamped."""
 import pytest
 import torch
+import torch.distributed as dist
 
 from overlap_tp import OverlapConfig, ag_gemm, gemm_ar, gemm_rs
 from overlap_tp.training.sampling import SAMPLER, OpSampler, OpShape, Reference, Sample, measure_reference, sample_iteration
@@ -55,6 +56,14 @@ def _check_sampling(rank, world):
         assert totals["exposed_comm_ms"] >= 0 and 0 <= totals["comm_hidden"] <= 1, kind
     assert all(not record[4] for record in stats.records)   # host clocks: no GPU to wait
     assert SAMPLER.collect(stats) == 0   # the stamps were consumed
+    # a call on a group of one rank (TP 1) moves nothing between ranks: run, not stamped
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    SAMPLER.armed = True
+    try:
+        got = observe("gemm_rs", lambda: torch.mm(a_k, w_k.t()), a_k, w_k, alone)
+    finally:
+        SAMPLER.armed = False
+    assert torch.equal(got, torch.mm(a_k, w_k.t())) and SAMPLER.samples == []
 
 
 @pytest.mark.parametrize("world", [2])

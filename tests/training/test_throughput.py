@@ -144,6 +144,8 @@ def test_no_samples_reasons():
     assert "Megatron's own layers" in tp.no_samples_reason(SimpleNamespace(overlap_tp="off"))
     assert tp.no_samples_reason(SimpleNamespace(overlap_tp="signal", cuda_graph_impl="none")) == (
         "no overlapped op call ran in the sampled step")
+    tp1 = SimpleNamespace(overlap_tp="off", overlap_tp_layers=True, tensor_model_parallel_size=1)
+    assert tp.no_samples_reason(tp1).startswith("TP 1: ")
 
 
 class FakeWriter:
