@@ -16,6 +16,11 @@ loop per tile that promotes each 128-wide K step's product into the fp32 accumul
               tensor cores have the second while the first is promoted
   ws          rowscale in a warp-specialised loop (tl.range(warp_specialize=True): a producer warp for the loads,
               the math warps consuming), where this Triton supports it on this GPU
+In every variant Triton (3.6) waits for each K step's MMAs to finish before promoting them (wgmma.wait_group 0 in
+the loop: an MMA result read by anything but the next MMA's accumulator cannot stay in flight), so within one CTA
+the tensor cores idle while the promotion runs. --programs-per-sm 2 launches two persistent programs per SM: where
+registers and shared memory let two CTAs share the SM (64x128x128/3/4: about 74 KB and 193 registers a thread),
+one's MMAs run while the other promotes, the overlap a warp-specialised ping-pong kernel builds by hand.
 Each is checked against the float64 product of the dequantized operands (relative error <= 2**-6, else reported and
 not timed), then timed with CUDA-graph replays in interleaved rounds (overlap_tp/bench/gemm.py's `interleaved`) beside
 cuBLAS (torch.nn.functional.scaled_mm, BlockWise1x128 x BlockWise128x128) and the library kernel, on the forward and
@@ -200,6 +205,7 @@ def gpu_bench(args):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     tiles = [parse_tile(t) for t in args.tiles.split(",")]
+    programs_per_sm = [int(p) for p in args.programs_per_sm.split(",")]
     commit = os.environ.get("OVERLAP_TP_GIT_COMMIT", "unknown")
     card = torch.cuda.get_device_name(0)
     date = datetime.date.today().isoformat()
@@ -215,23 +221,24 @@ def gpu_bench(args):
                     a.q, w.q.t(), Q.scale_view_1x128(a.ds), F.ScalingType.BlockWise1x128, Q.scale_view_128x128(w.ds),
                     F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16))
                 calls, labels = [cublas], ["cuBLAS blockwise"]
-                for tile in tiles:
+                for tile, per_sm in ((tile, per_sm) for tile in tiles for per_sm in programs_per_sm):
                     bm, bn, bk, stages, warps = tile
                     config = OverlapConfig(method="signal", block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
                                            num_warps=warps, tile_by_shape=False, comm_sms=0)
                     plan_tiles = plan_for("plain", gm, gn, gk, 1, config)[0]
+                    label = f"{args_label(tile)} x{per_sm}"
 
-                    def library(a=a, w=w, out=out, plan_tiles=plan_tiles, config=config):
-                        fp8_signaled_gemm(a, w, out, plan_tiles, None, sms, config)
+                    def library(a=a, w=w, out=out, plan_tiles=plan_tiles, config=config, programs=sms * per_sm):
+                        fp8_signaled_gemm(a, w, out, plan_tiles, None, programs, config)
                     calls.append(library)
-                    labels.append(f"library {args_label(tile)}")
+                    labels.append(f"library {label}")
                     for variant in args.variants.split(","):
-                        err, call = check(variant, a, w, tile, sms)
+                        err, call = check(variant, a, w, tile, sms * per_sm)
                         if call is None:
-                            lines.append(f"{layer} t{tp} {name} {variant} {args_label(tile)}: {err}")
+                            lines.append(f"{layer} t{tp} {name} {variant} {label}: {err}")
                             continue
                         calls.append(call)
-                        labels.append(f"{variant} {args_label(tile)}")
+                        labels.append(f"{variant} {label}")
                 times = [statistics.median(r) for r in interleaved(calls, [()], args.rounds, args.reps)]
                 base = times[0]
                 for label, ms in zip(labels, times):
@@ -260,8 +267,11 @@ def args_label(tile):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--variants", default="rowscale,unroll2,ws")
     p.add_argument("--tiles", default="64x128x128/3/4,128x128x128/3/8", help="BMxBNxBK/stages/warps, comma list")
+    p.add_argument("--programs-per-sm", default="1,2",
+                   help="persistent programs per SM, comma list: 2 lets two CTAs share an SM where registers and "
+                        "shared memory allow, so one's promotion runs while the other's MMAs do")
     p.add_argument("--layers", default="l8b")
     p.add_argument("--tp", default="2")
     p.add_argument("--seq", default="8192")
