@@ -14,7 +14,7 @@ from a fixed random table over 1024 ids, 10% noise), the same for every run. Tra
 0.95) on fp32 master copies, --steps 300, the same seed for every run, so the runs differ only in the linears' FP8.
 Runs: bf16; e4m3 and hybrid with --fp8-recipe tensorwise; the same with blockwise (--runs to choose).
 
-Writes $OUT/fp8_curves.partial.jsonl as each run ends (its losses), then $OUT/fp8_curves.jsonl (one row per run:
+Writes $OUT/fp8_curves.partial.jsonl as each run ends (its losses; `--render` makes the rest from it), then $OUT/fp8_curves.jsonl (one row per run:
 its losses, and its final loss, the mean of the last 20 steps, relative to bf16's) and $OUT/fp8_curves.svg (the curves). The target: each FP8 run's final loss within 1% of bf16's.
 """
 import argparse
@@ -41,6 +41,11 @@ def parse_args(argv):
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     p.add_argument("--cpu", action="store_true", help="a smoke run on the CPU (gloo, the Triton interpreter, the "
                    "ops on their NCCL transport over gloo): the script's own check, not a measurement")
+    p.add_argument("--render", metavar="PARTIAL", help="run nothing: write fp8_curves.jsonl and .svg into --out from "
+                   "the runs a fp8_curves.partial.jsonl holds (a call whose time limit ended the script); --commit "
+                   "and --cards name the measurement")
+    p.add_argument("--commit", default=os.environ.get("OVERLAP_TP_GIT_COMMIT", "unknown"))
+    p.add_argument("--cards", default=None)
     return p.parse_args(argv)
 
 
@@ -188,6 +193,11 @@ def _svg(rows, path, width=720, height=420):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.render:
+        os.makedirs(args.out, exist_ok=True)
+        with open(args.render) as f:
+            write_results([json.loads(line) for line in f if line.strip()], args, args.cards or "unknown")
+        return
     sys.path[:0] = [os.path.join(ROOT, "tests")]
     import torch.multiprocessing as mp
     from distributed import run_distributed
@@ -199,17 +209,21 @@ def main(argv=None):
     rows = []
     while not queue.empty():
         rows.append(queue.get())
-    rows.sort(key=lambda r: args.runs.split(",").index(r["run"]))
+    write_results(rows, args, "cpu" if args.cpu else torch.cuda.get_device_name(0))
+
+
+def write_results(rows, args, cards):
+    """fp8_curves.jsonl (one row per run, its final loss and that over bf16's) and fp8_curves.svg, in --out."""
+    order = args.runs.split(",")
+    rows.sort(key=lambda r: order.index(r["run"]) if r["run"] in order else len(order))
     for row in rows:
         row["final"] = sum(row["losses"][-TAIL:]) / len(row["losses"][-TAIL:])
     base = next((r["final"] for r in rows if r["run"] == "bf16"), None)
-    commit = os.environ.get("OVERLAP_TP_GIT_COMMIT", "unknown")
-    cards = "cpu" if args.cpu else torch.cuda.get_device_name(0)
     with open(os.path.join(args.out, "fp8_curves.jsonl"), "w") as f:
         for row in rows:
-            row.update(final_vs_bf16=None if base is None else row["final"] / base, steps=args.steps,
-                       layers=args.layers, commit=commit, cards=cards,
-                       date=time.strftime("%Y-%m-%d", time.gmtime()))
+            row.update(final_vs_bf16=None if base is None else row["final"] / base, steps=len(row["losses"]),
+                       layers=args.layers, commit=args.commit, cards=cards,
+                       date=row.get("date") or time.strftime("%Y-%m-%d", time.gmtime()))
             f.write(json.dumps(row) + "\n")
             print(f"{row['run']:>18}: final {row['final']:.4f}"
                   + ("" if base is None else f" ({100 * (row['final'] / base - 1):+.2f}% of bf16)")
