@@ -14,8 +14,9 @@ from a fixed random table over 1024 ids, 10% noise), the same for every run. Tra
 0.95) on fp32 master copies, --steps 300, the same seed for every run, so the runs differ only in the linears' FP8.
 Runs: bf16; e4m3 and hybrid with --fp8-recipe tensorwise; the same with blockwise (--runs to choose).
 
-Writes $OUT/fp8_curves.partial.jsonl as each run ends (its losses; `--render` makes the rest from it), then $OUT/fp8_curves.jsonl (one row per run:
-its losses, and its final loss, the mean of the last 20 steps, relative to bf16's) and $OUT/fp8_curves.svg (the curves). The target: each FP8 run's final loss within 1% of bf16's.
+Writes $OUT/fp8_curves.partial.jsonl as each run ends (its losses; `--render` makes the rest from it), then
+$OUT/fp8_curves.jsonl (one row per run: its losses, and its final loss, the mean of the last 20 steps, relative to
+bf16's) and $OUT/fp8_curves.svg (the curves). The target: each FP8 run's final loss within 1% of bf16's.
 """
 import argparse
 import json
