@@ -15,7 +15,8 @@ loop per tile that promotes each 128-wide K step's product into the fp32 accumul
   unroll2     rowscale over two K steps per iteration, both products issued before either is promoted, so the
               tensor cores have the second while the first is promoted
   ws          rowscale in a warp-specialised loop (tl.range(warp_specialize=True): a producer warp for the loads,
-              the math warps consuming), where this Triton supports it on this GPU
+              the math warps consuming), where this Triton supports it on this GPU (Triton 3.6 for sm_90 keeps the
+              loop whole: the attribute stays on the loop and no partitions are made, so ws runs as rowscale)
 In every variant Triton (3.6) waits for each K step's MMAs to finish before promoting them (wgmma.wait_group 0 in
 the loop: an MMA result read by anything but the next MMA's accumulator cannot stay in flight), so within one CTA
 the tensor cores idle while the promotion runs. --programs-per-sm 2 launches two persistent programs per SM: where
