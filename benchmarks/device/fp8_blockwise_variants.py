@@ -14,6 +14,8 @@ loop per tile that promotes each 128-wide K step's product into the fp32 accumul
               weight scale per K step, a scalar, so the promotion is one multiply-add per element instead of three
   unroll2     rowscale over two K steps per iteration, both products issued before either is promoted, so the
               tensor cores have the second while the first is promoted
+  gluon       fp8_blockwise_gluon.py: two K steps' MMAs issued asynchronously, the first promoted while the
+              second runs (Gluon's explicit wgmma waits; GPU only, not in the interpreter)
   ws          rowscale in a warp-specialised loop (tl.range(warp_specialize=True): a producer warp for the loads,
               the math warps consuming), where this Triton supports it on this GPU (Triton 3.6 for sm_90 keeps the
               loop whole: the attribute stays on the loop and no partitions are made, so ws runs as rowscale)
@@ -49,7 +51,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from overlap_tp.kernels import fp8_quant as Q  # noqa: E402
 
-VARIANTS = {"outer": 0, "rowscale": 1, "unroll2": 2, "ws": 3}
+VARIANTS = {"outer": 0, "rowscale": 1, "unroll2": 2, "ws": 3, "gluon": None}   # gluon: fp8_blockwise_gluon.py
 MAX_REL_ERR = 2 ** -6
 
 
@@ -134,6 +136,12 @@ def parse_tile(text):
 
 def variant_call(variant, a, w, out, tile, num_programs):
     """A callable that runs `variant` of the kernel on ScaledFp8 a (1x128) and w (128x128) into out."""
+    if variant == "gluon":
+        if CPU:
+            raise ValueError("gluon does not run in Triton's interpreter")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from fp8_blockwise_gluon import launch
+        return launch(a, w, out, tile, num_programs)
     bm, bn, bk, stages, warps = tile
     m, k = a.q.shape
     n = w.q.shape[0]
@@ -187,6 +195,8 @@ def cpu_check(args):
     for m, n, k in ((64, 128, 256), (128, 256, 512), (64, 192, 256)):
         a, w = operands(m, n, k, "cpu", gen)
         for variant in args.variants.split(","):
+            if variant == "gluon":   # not in the interpreter: tests/bench/test_fp8_blockwise_gluon.py compiles it
+                continue
             for tile in ((64, 128, 128, 1, 4), (64, 64, 128, 1, 4)):
                 err, call = check(variant, a, w, tile, num_programs=3)
                 print(f"{m}x{n}x{k} {variant} {tile[:2]}: {err}")
@@ -268,8 +278,9 @@ def args_label(tile):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="rowscale,unroll2,ws")
-    p.add_argument("--tiles", default="64x128x128/3/4,128x128x128/3/8", help="BMxBNxBK/stages/warps, comma list")
+    p.add_argument("--variants", default="rowscale,unroll2,gluon")
+    p.add_argument("--tiles", default="64x128x128/3/4,64x128x128/4/4,128x128x128/3/8",
+                   help="BMxBNxBK/stages/warps, comma list")
     p.add_argument("--programs-per-sm", default="1,2",
                    help="persistent programs per SM, comma list: 2 lets two CTAs share an SM where registers and "
                         "shared memory allow, so one's promotion runs while the other's MMAs do")
