@@ -28,6 +28,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+# TMA's global-to-shared load: async_load from Triton 3.7, async_copy_global_to_shared before (the device's 3.6)
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+
 
 @gluon.jit
 def _issue_load(a_desc, w_desc, a_smem, w_smem, ready, row0, col0, ks, i, STAGES: gl.constexpr,
@@ -36,8 +39,8 @@ def _issue_load(a_desc, w_desc, a_smem, w_smem, ready, row0, col0, ks, i, STAGES
     s = i % STAGES
     bar = ready.index(s)
     mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [row0, ks * BLOCK_K], bar, a_smem.index(s))
-    tma.async_copy_global_to_shared(w_desc, [col0, ks * BLOCK_K], bar, w_smem.index(s))
+    _tma_load(a_desc, [row0, ks * BLOCK_K], bar, a_smem.index(s))
+    _tma_load(w_desc, [col0, ks * BLOCK_K], bar, w_smem.index(s))
 
 
 @gluon.jit
