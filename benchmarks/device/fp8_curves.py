@@ -46,7 +46,7 @@ def parse_args(argv):
                    "the runs a fp8_curves.partial.jsonl holds (a call whose time limit ended the script); --commit "
                    "and --cards name the measurement")
     p.add_argument("--commit", default=os.environ.get("OVERLAP_TP_GIT_COMMIT", "unknown"))
-    p.add_argument("--cards", default=None)
+    p.add_argument("--cards", default="unknown")
     return p.parse_args(argv)
 
 
@@ -197,7 +197,7 @@ def main(argv=None):
     if args.render:
         os.makedirs(args.out, exist_ok=True)
         with open(args.render) as f:
-            write_results([json.loads(line) for line in f if line.strip()], args, args.cards or "unknown")
+            write_results([json.loads(line) for line in f if line.strip()], args, args.cards)
         return
     sys.path[:0] = [os.path.join(ROOT, "tests")]
     import torch.multiprocessing as mp
