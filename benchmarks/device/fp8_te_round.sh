@@ -5,13 +5,15 @@
 #     .te/torch-ext/ when there is one, else built and returned in $OUT as transformer_engine_torch-*.whl.part-*,
 #     for .te/torch-ext/ here);
 #   - on the GPU meanwhile: the blockwise FP8 GEMM's main-loop variants (the Gluon kernel among them) against
-#     cuBLAS, one and two programs per SM
-#     (fp8_blockwise_variants.py, at most VARIANTS_S = 180 s), then the FP8 loss curves (fp8_curves.py: bf16, e4m3
-#     blockwise and tensorwise; at most CURVES_S = 170 s; `fp8_curves.py --render` here makes the rows and the plot
-#     from fp8_curves.partial.jsonl if the limit ended it);
-#   - once TE imports: tests/gpu/test_te_gpu.py and the MLA layer's CUDA-graph replay, until DEADLINE_S (586).
+#     cuBLAS, one and two programs per SM (fp8_blockwise_variants.py, at most VARIANTS_S = 180 s);
+#   - then the FP8 loss curves (fp8_curves.py: bf16, e4m3 blockwise and tensorwise; at most CURVES_S = 170 s;
+#     `fp8_curves.py --render` here makes the rows and the plot from fp8_curves.partial.jsonl if the limit ended it),
+#     losses and no timing, so beside them, once TE imports: tests/gpu/test_te_gpu.py and the MLA layer's CUDA-graph
+#     replay;
+#   - then, alone on the GPU, TE's timings: the FP8 GEMM anchor (bench te_gemm) and the TE layers at t = 1
+#     (bench layer, as te_checks.sh runs them), each skipped where it would end after DEADLINE_S (586).
 # Back in $OUT: res.tgz (every output and log: fp8_blockwise_variants.jsonl, fp8_curves.*, te_build.log,
-# te_gpu.out), cards.txt, and the wheel parts of a fresh TE build.
+# te_gpu.out, te_gemm.*, layer_te_t1.*), cards.txt, and the wheel parts of a fresh TE build.
 COMMIT=${COMMIT:?set COMMIT to the commit under test}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export OUT COMMIT
 R=/tmp/res; rm -rf "$R"; mkdir -p "$R"
@@ -25,14 +27,29 @@ echo "setup done at ${SECONDS}s"
 timeout "${VARIANTS_S:-180}" python3 "$REPO/benchmarks/device/fp8_blockwise_variants.py" --out "$R" 2>&1 \
   | grep -v -i warn | tail -24
 echo "variants done at ${SECONDS}s"
+# the curves (losses, no timing) beside the Transformer Engine tests once the build is done; the timings after both
 timeout "${CURVES_S:-170}" python3 "$REPO/benchmarks/device/fp8_curves.py" --out "$R" \
-  --runs bf16,e4m3/blockwise,e4m3/tensorwise 2>&1 | grep -v -i warn | tail -6
-echo "curves done at ${SECONDS}s"
-timeout $(( SECONDS < DEADLINE_S - 120 ? DEADLINE_S - 120 - SECONDS : 1 )) tail --pid=$build -f /dev/null
+  --runs bf16,e4m3/blockwise,e4m3/tensorwise > "$R/fp8_curves.out" 2>&1 &
+curves=$!
+timeout $(( SECONDS < DEADLINE_S - 300 ? DEADLINE_S - 300 - SECONDS : 1 )) tail --pid=$build -f /dev/null
 tail -10 "$R/te_build.log"
-if kill -0 $build 2> /dev/null; then echo "Transformer Engine still building at ${SECONDS}s: its checks skipped"; exit 0; fi
 W=$R
 export PYTHONPATH=/tmp/te-site:$PYTHONPATH UB_SKIPMC=1
-tests te_gpu $(( DEADLINE_S - 4 - SECONDS )) "$REPO/tests/gpu/test_te_gpu.py" \
-  "$REPO/tests/gpu/test_mla_gpu.py::test_mla_layer_captured_replays_bit_for_bit_at_t2_on_one_gpu"
+te_ok=0; python3 -c "import transformer_engine.pytorch" > /dev/null 2>&1 && te_ok=1
+if (( ! te_ok )); then
+  echo "Transformer Engine does not import at ${SECONDS}s (still building, or the build failed): its checks skipped"
+else
+  tests te_gpu 170 "$REPO/tests/gpu/test_te_gpu.py" \
+    "$REPO/tests/gpu/test_mla_gpu.py::test_mla_layer_captured_replays_bit_for_bit_at_t2_on_one_gpu"
+fi
+wait $curves
+grep -v -i warn "$R/fp8_curves.out" | tail -6
+echo "curves done at ${SECONDS}s"
+if (( te_ok )); then
+  step te_gemm 100 python3 -m overlap_tp.bench te_gemm --out "$R" --jsonl "$R/te_gemm.jsonl"
+  grep -E "^\S+ \| " "$R/te_gemm.out" | cut -c1-150 | head -30
+  step layer_te 90 torchrun --nproc-per-node 1 -m overlap_tp.bench layer --models smoke --seq 2048 --micro-batch 2 \
+    --graphs --configs megatron,te,te-ub,off,signal --reps 20 --rounds 2 --out "$R" --name layer_te_t1
+  grep -E "config=|^- " "$R/layer_te.out" | cut -c1-200 | tail -12
+fi
 echo "ended at ${SECONDS}s"
