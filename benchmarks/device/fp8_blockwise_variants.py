@@ -28,7 +28,8 @@ Each is checked against the float64 product of the dequantized operands (relativ
 not timed), then timed with CUDA-graph replays in interleaved rounds (overlap_tp/bench/gemm.py's `interleaved`) beside
 cuBLAS (torch.nn.functional.scaled_mm, BlockWise1x128 x BlockWise128x128) and the library kernel, on the forward and
 dgrad GEMMs of the chosen layers (fp8_gemm.py's list). Writes $OUT/fp8_blockwise_variants.jsonl (results.jsonl's
-fields) and prints a table with each variant's time over cuBLAS's.
+fields; each GEMM's rows as soon as it is timed, so a time limit keeps what ran) and prints a table with each
+variant's time over cuBLAS's.
 
 --cpu: the check alone, in Triton's CPU interpreter, on small shapes (the script's own test).
 """
@@ -221,11 +222,14 @@ def gpu_bench(args):
     date = datetime.date.today().isoformat()
     record = f"benchmarks/fp8-gemm_{card.split()[1].lower() if len(card.split()) > 1 else card}x1_{date}.md"
     rows, lines = [], []
+    os.makedirs(args.out, exist_ok=True)
+    jsonl = open(os.path.join(args.out, "fp8_blockwise_variants.jsonl"), "w")   # a GEMM's rows once it is timed
     for layer in args.layers.split(","):
         for tp in (int(t) for t in args.tp.split(",")):
             m = int(args.seq)
             for name, _, gm, gn, gk in gemms(layer, m, tp, ("fwd", "dgrad")):
                 a, w = operands(gm, gn, gk, "cuda", gen)
+                first_line = len(lines)
                 out = torch.empty(gm, gn, device="cuda", dtype=torch.bfloat16)
                 cublas = lambda a=a, w=w, out=out: out.copy_(F.scaled_mm(   # noqa: E731
                     a.q, w.q.t(), Q.scale_view_1x128(a.ds), F.ScalingType.BlockWise1x128, Q.scale_view_128x128(w.ds),
@@ -258,10 +262,10 @@ def gpu_bench(args):
                                      what=f"kernel fp8 blockwise {layer} {name} s{m}", config={"variant": label},
                                      metric="ms", value=round(ms, 4), vs_cublas=round(base / ms, 4),
                                      record=record, logs=[]))
-                print("\n".join(lines[-len(labels):]), flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "fp8_blockwise_variants.jsonl"), "w") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+                    jsonl.write(json.dumps(rows[-1]) + "\n")
+                jsonl.flush()
+                print("\n".join(lines[first_line:]), flush=True)   # with the variants that failed their check
+    jsonl.close()
     by_label = {}
     for row in rows:
         by_label.setdefault(row["config"]["variant"], []).append(row["vs_cublas"])

@@ -25,6 +25,7 @@ export DEADLINE_S=${DEADLINE_S:-586}
 source benchmarks/device/setup.sh
 echo "setup done at ${SECONDS}s"
 timeout "${VARIANTS_S:-180}" python3 "$REPO/benchmarks/device/fp8_blockwise_variants.py" --out "$R" 2>&1 \
+  | tee "$R/fp8_blockwise_variants.out" \
   | grep -v -i warn | tail -24
 echo "variants done at ${SECONDS}s"
 # the curves (losses, no timing) beside the Transformer Engine tests once the build is done; the timings after both
