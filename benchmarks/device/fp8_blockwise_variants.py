@@ -15,7 +15,8 @@ loop per tile that promotes each 128-wide K step's product into the fp32 accumul
   unroll2     rowscale over two K steps per iteration, both products issued before either is promoted, so the
               tensor cores have the second while the first is promoted
   gluon       fp8_blockwise_gluon.py: two K steps' MMAs issued asynchronously, the first promoted while the
-              second runs (Gluon's explicit wgmma waits; GPU only, not in the interpreter)
+              second runs (Gluon's explicit wgmma waits; GPU only, not in the interpreter); the library's
+              candidate, so it walks the library's plan table and has its epilogue (signal, wait, bias)
   ws          rowscale in a warp-specialised loop (tl.range(warp_specialize=True): a producer warp for the loads,
               the math warps consuming), where this Triton supports it on this GPU (Triton 3.6 for sm_90 keeps the
               loop whole: the attribute stays on the loop and no partitions are made, so ws runs as rowscale)
@@ -135,13 +136,14 @@ def parse_tile(text):
     return bm, bn, bk, int(stages), int(warps)
 
 
-def variant_call(variant, a, w, out, tile, num_programs):
-    """A callable that runs `variant` of the kernel on ScaledFp8 a (1x128) and w (128x128) into out."""
+def variant_call(variant, a, w, out, tile, num_programs, plan_tiles=None):
+    """A callable that runs `variant` of the kernel on ScaledFp8 a (1x128) and w (128x128) into out (gluon: over
+    the library's plan table `plan_tiles`, as kernels/fp8_gemm.py runs it)."""
     if variant == "gluon":
         if CPU:
             raise ValueError("gluon does not run in Triton's interpreter")
         from fp8_blockwise_gluon import launch   # beside this script, on sys.path from gpu_bench
-        return launch(a, w, out, tile, num_programs)
+        return launch(a, w, out, tile, num_programs, plan_tiles)
     bm, bn, bk, stages, warps = tile
     m, k = a.q.shape
     n = w.q.shape[0]
@@ -174,11 +176,11 @@ def rel_err(got, ref):
     return float((got.double() - ref).norm() / ref.norm())
 
 
-def check(variant, a, w, tile, num_programs):
+def check(variant, a, w, tile, num_programs, plan_tiles=None):
     """Run `variant` once: (its relative error against the float64 reference, the call) or (an error text, None)."""
     out = torch.empty(a.q.shape[0], w.q.shape[0], device=a.q.device, dtype=torch.bfloat16)
     try:
-        call = variant_call(variant, a, w, out, tile, num_programs)
+        call = variant_call(variant, a, w, out, tile, num_programs, plan_tiles)
         call()
         if out.is_cuda:
             torch.cuda.synchronize()
@@ -247,7 +249,7 @@ def gpu_bench(args):
                     calls.append(library)
                     labels.append(f"library {label}")
                     for variant in args.variants.split(","):
-                        err, call = check(variant, a, w, tile, sms * per_sm)
+                        err, call = check(variant, a, w, tile, sms * per_sm, plan_tiles)
                         if call is None:
                             lines.append(f"{layer} t{tp} {name} {variant} {label}: {err}")
                             continue

@@ -1,7 +1,9 @@
 """benchmarks/device/fp8_blockwise_gluon.py compiled for sm_90 on the CPU (Triton's own ptxas and cuobjdump): its
 SASS keeps the second K step's MMAs in flight while the first is promoted (one wait for at most one group, one wait
 for none, per loop iteration, and no other), with no register spills; a loop that waits for every MMA at once
-fails the check. Its numbers against float64 and cuBLAS come from fp8_blockwise_variants.py on a GPU."""
+fails the check. Its epilogue is the library's: the CTA barrier before the release signal, the acquire spin and the
+async-proxy fence before the TMA loads, and the tile stored two bf16 per store at least. Its numbers against float64
+and cuBLAS come from fp8_blockwise_variants.py on a GPU."""
 import importlib.util
 import os
 import subprocess
@@ -25,7 +27,7 @@ def _sass(path, tmp_path, **tile):
     cubin.write_bytes(kernel.asm["cubin"])
     sass = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
     usage = subprocess.run([CUOBJDUMP, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    return sass, usage
+    return sass, usage, kernel.asm["ptx"]
 
 
 def _overlapped(sass):
@@ -37,7 +39,7 @@ def _overlapped(sass):
 @pytest.mark.parametrize("tile", [dict(block_m=64, block_n=128, stages=4, num_warps=4),
                                   dict(block_m=128, block_n=128, stages=3, num_warps=8)])
 def test_the_promotion_runs_while_the_next_mmas_are_in_flight(tmp_path, tile):
-    sass, usage = _sass(SOURCE, tmp_path, **tile)
+    sass, usage, _ = _sass(SOURCE, tmp_path, **tile)
     assert _overlapped(sass), [line.strip() for line in sass.splitlines() if "WARPGROUP" in line]
     assert "LOCAL:0" in usage, usage   # no spills
 
@@ -50,5 +52,16 @@ def test_a_loop_that_waits_for_every_mma_fails_the_check(tmp_path):
     assert broken != source
     path = tmp_path / "broken.py"
     path.write_text(broken)
-    sass, _ = _sass(path, tmp_path)
+    sass, _, _ = _sass(path, tmp_path)
     assert not _overlapped(sass)
+
+
+@pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton ships no cuobjdump")
+def test_the_epilogue_and_the_wait_are_the_librarys(tmp_path):
+    _, _, ptx = _sass(SOURCE, tmp_path)
+    release = ptx.find("atom.global.gpu.release.add")
+    last_store, barrier = ptx.rfind("st.global", 0, release), ptx.rfind("bar.sync", 0, release)
+    assert 0 <= last_store < barrier < release, "the tile's stores are ordered before the signal by a CTA barrier"
+    acquire, fence = ptx.find("ld.global.acquire.gpu.b32"), ptx.find("fence.proxy.async.global")
+    assert 0 <= acquire < fence, "the wait acquires, then fences the async proxy"
+    assert "st.global.b16" not in ptx and "st.global.b32" in ptx, "the tile is stored two bf16 per store"
