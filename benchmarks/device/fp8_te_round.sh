@@ -11,7 +11,8 @@
 #     losses and no timing, so beside them, once TE imports: tests/gpu/test_te_gpu.py and the MLA layer's CUDA-graph
 #     replay;
 #   - then, alone on the GPU, TE's timings: the FP8 GEMM anchor (bench te_gemm) and the TE layers at t = 1
-#     (bench layer, as te_checks.sh runs them), each skipped where it would end after DEADLINE_S (586).
+#     (bench layer, as te_checks.sh runs them), each skipped where it would end after DEADLINE_S (586; a shorter
+#     call sets a smaller one and VARIANTS_S, the TE build waited for until DEADLINE_S - 270).
 # Back in $OUT: res.tgz (every output and log: fp8_blockwise_variants.jsonl, fp8_curves.*, te_build.log,
 # te_gpu.out, te_gemm.*, layer_te_t1.*), cards.txt, and the wheel parts of a fresh TE build.
 COMMIT=${COMMIT:?set COMMIT to the commit under test}
@@ -32,7 +33,7 @@ echo "variants done at ${SECONDS}s"
 timeout "${CURVES_S:-170}" python3 "$REPO/benchmarks/device/fp8_curves.py" --out "$R" \
   --runs bf16,e4m3/blockwise,e4m3/tensorwise > "$R/fp8_curves.out" 2>&1 &
 curves=$!
-timeout $(( SECONDS < DEADLINE_S - 300 ? DEADLINE_S - 300 - SECONDS : 1 )) tail --pid=$build -f /dev/null
+timeout $(( SECONDS < DEADLINE_S - 270 ? DEADLINE_S - 270 - SECONDS : 1 )) tail --pid=$build -f /dev/null   # 270: the TE steps
 tail -10 "$R/te_build.log"
 W=$R
 export PYTHONPATH=/tmp/te-site:$PYTHONPATH UB_SKIPMC=1
@@ -40,7 +41,7 @@ te_ok=0; python3 -c "import transformer_engine.pytorch" > /dev/null 2>&1 && te_o
 if (( ! te_ok )); then
   echo "Transformer Engine does not import at ${SECONDS}s (still building, or the build failed): its checks skipped"
 else
-  tests te_gpu 170 "$REPO/tests/gpu/test_te_gpu.py" \
+  tests te_gpu 165 "$REPO/tests/gpu/test_te_gpu.py" \
     "$REPO/tests/gpu/test_mla_gpu.py::test_mla_layer_captured_replays_bit_for_bit_at_t2_on_one_gpu"
 fi
 wait $curves
