@@ -30,7 +30,9 @@ not timed), then timed with CUDA-graph replays in interleaved rounds (overlap_tp
 cuBLAS (torch.nn.functional.scaled_mm, BlockWise1x128 x BlockWise128x128) and the library kernel, on the forward and
 dgrad GEMMs of the chosen layers (fp8_gemm.py's list). Writes $OUT/fp8_blockwise_variants.jsonl (results.jsonl's
 fields; each GEMM's rows as soon as it is timed, so a time limit keeps what ran) and prints a table with each
-variant's time over cuBLAS's.
+variant's time over cuBLAS's and the rate at which it loads its operands (`operand_bytes`: a 64x128 tile loads 1.5
+times the bytes of a 128x128 tile and twice those of a 128x256 tile for the same product, so a small tile can be
+bound by L2's bandwidth before its promotion matters).
 
 --cpu: the check alone, in Triton's CPU interpreter, on small shapes (the script's own test).
 """
@@ -239,6 +241,8 @@ def gpu_bench(args):
                 calls, labels = [cublas], ["cuBLAS blockwise"]
                 for tile, per_sm in ((tile, per_sm) for tile in tiles for per_sm in programs_per_sm):
                     bm, bn, bk, stages, warps = tile
+                    if per_sm > 1 and warps > 4:   # two CTAs of 8 warps at ~250 registers a thread: over 64K
+                        continue
                     config = OverlapConfig(method="signal", block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
                                            num_warps=warps, tile_by_shape=False, comm_sms=0)
                     plan_tiles = plan_for("plain", gm, gn, gk, 1, config)[0]
@@ -258,12 +262,14 @@ def gpu_bench(args):
                 times = [statistics.median(r) for r in interleaved(calls, [()], args.rounds, args.reps)]
                 base = times[0]
                 for label, ms in zip(labels, times):
+                    tile = parse_tile(label.split()[-2]) if label != "cuBLAS blockwise" else None
+                    rate = operand_bytes(gm, gn, gk, tile) / ms / 1e9 if tile else None
                     lines.append(f"{layer} t{tp} {name} [{gm}x{gn}x{gk}] {label}: {ms:.3f} ms, "
-                                 f"{base / ms:.3f} of cuBLAS")
+                                 f"{base / ms:.3f} of cuBLAS" + (f", operands {rate:.1f} TB/s" if rate else ""))
                     rows.append(dict(date=date, commit=commit, cards=f"1x {card}", t=tp,
                                      what=f"kernel fp8 blockwise {layer} {name} s{m}", config={"variant": label},
                                      metric="ms", value=round(ms, 4), vs_cublas=round(base / ms, 4),
-                                     record=record, logs=[]))
+                                     operand_tb_s=round(rate, 2) if rate else None, record=record, logs=[]))
                     jsonl.write(json.dumps(rows[-1]) + "\n")
                 jsonl.flush()
                 print("\n".join(lines[first_line:]), flush=True)   # with the variants that failed their check
@@ -276,6 +282,14 @@ def gpu_bench(args):
         print(f"  {label}: {statistics.median(ratios):.3f} over {len(ratios)} GEMMs")
 
 
+def operand_bytes(m, n, k, tile):
+    """The FP8 operand bytes a kernel with output tile BM x BN loads (every tile reads its BM rows of A and BN rows
+    of W over the whole K, one byte each; scales left out): the traffic from L2 into shared memory, which bounds a
+    tile's speed by L2's bandwidth whatever its main loop does (2 BM BN / (BM + BN) flops per byte)."""
+    bm, bn = tile[0], tile[1]
+    return -(-m // bm) * -(-n // bn) * (bm + bn) * k
+
+
 def args_label(tile):
     bm, bn, bk, stages, warps = tile
     return f"{bm}x{bn}x{bk}/{stages}/{warps}"
@@ -284,11 +298,12 @@ def args_label(tile):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default="rowscale,unroll2,gluon")
-    p.add_argument("--tiles", default="64x128x128/3/4,64x128x128/4/4,128x128x128/3/8",
+    p.add_argument("--tiles", default="64x128x128/3/4,64x128x128/4/4,128x128x128/4/8,128x128x128/6/8",
                    help="BMxBNxBK/stages/warps, comma list")
     p.add_argument("--programs-per-sm", default="1,2",
                    help="persistent programs per SM, comma list: 2 lets two CTAs share an SM where registers and "
-                        "shared memory allow, so one's promotion runs while the other's MMAs do")
+                        "shared memory allow, so one's promotion runs while the other's MMAs do (tiles of 4 warps "
+                        "only: two CTAs of 8 warps need more than the SM's 64K registers)")
     p.add_argument("--layers", default="l8b")
     p.add_argument("--tp", default="2")
     p.add_argument("--seq", default="8192")

@@ -29,3 +29,17 @@ def test_a_variant_that_drops_the_weight_scale_fails(tmp_path):
     script.write_text(broken)
     run = _run(str(script), "--variants", "rowscale")
     assert run.returncode != 0 and "variants failed their check" in run.stderr, run.stdout[-1000:] + run.stderr[-1000:]
+
+
+def test_operand_bytes_count_each_tiles_rows_of_a_and_w_over_k():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("variants_for_bytes", SCRIPT)
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    # the 8B layer's qkv forward at t = 2: 128 x 24 tiles of 64x128, each (64 + 128) rows x K bytes
+    assert variants.operand_bytes(8192, 3072, 4096, (64, 128, 128, 3, 4)) == 128 * 24 * 192 * 4096
+    # a ragged edge counts as a whole tile (the kernel loads it whole); 128x128 loads 2/3 of 64x128's bytes
+    assert variants.operand_bytes(100, 130, 256, (64, 128, 128, 3, 4)) == 2 * 2 * 192 * 256
+    small = variants.operand_bytes(8192, 3072, 4096, (64, 128, 128, 3, 4))
+    assert variants.operand_bytes(8192, 3072, 4096, (128, 128, 128, 4, 8)) * 3 == small * 2
+    assert variants.parse_tile("128x128x128/4/8") == (128, 128, 128, 4, 8)
