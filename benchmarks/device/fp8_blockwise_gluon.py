@@ -175,7 +175,7 @@ def launch(a, w, dst, tile, num_programs, tiles, *, counters=None, flags=None, w
     num_warps) with BLOCK_K 128, BLOCK_N dividing 128, BLOCK_M = 16 * num_warps, STAGES >= 3; K a multiple of
     256 with K / 128 >= STAGES - 2."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from overlap_tp.kernels.fp8_gemm import check_fp8_operands
+    from overlap_tp.kernels.fp8_gemm import check_scaled_operands
     from overlap_tp.kernels.fp8_quant import shard_count
     from overlap_tp.kernels.signaled_gemm import TILE_FIELDS, default_offsets
     bm, bn, bk, stages, warps = tile
@@ -185,7 +185,7 @@ def launch(a, w, dst, tile, num_programs, tiles, *, counters=None, flags=None, w
             or k % (2 * bk) or k // bk < stages - 2 or stages < 3):
         raise ValueError(f"gluon does not take {a.scaling} x {w.scaling}, tile {bm}x{bn}x{bk}/{stages}/{warps} "
                          f"at K={k}")
-    check_fp8_operands(a, w, type("Tile", (), {"block_k": bk})(), bias)
+    check_scaled_operands(a, w, bias)
     a_desc = TensorDescriptor(a.q, list(a.q.shape), list(a.q.stride()), [bm, bk],
                               gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv))
     w_desc = TensorDescriptor(w.q, list(w.q.shape), list(w.q.stride()), [bn, bk],
