@@ -30,28 +30,15 @@ def add_rmsnorm_fp8(x, residual, weight, bias=None, *, eps=1e-5, scaling="1x128"
     m, n = check_forward(x, residual, weight, bias, eps=eps, dropout_p=dropout_p, residual_dtype=residual_dtype,
                          x_order=x_order)
     out = empty_forward_outputs(x, residual, residual_dtype)
-    fp8 = fp8_target(m, n, scaling, fmt, x.device, q_out=q_out)
+    dtype = fp8_dtype(fmt)
+    if scaling == "1x128":
+        q = q_out if q_out is not None else torch.empty(m, n, dtype=dtype, device=x.device)
+        fp8 = NormFp8Out("1x128", q=q, scales=torch.empty(n // BLOCK, m, dtype=torch.float32, device=x.device))
+    else:
+        fp8 = NormFp8Out("amax", amax=torch.zeros(1, dtype=torch.float32, device=x.device))
     check_fp8_out(fp8, out.y)
     launch_forward(x, residual, weight, bias, out, eps=eps, zero_centered_gamma=zero_centered_gamma,
                    dropout_p=dropout_p, seed=seed, x_order=x_order, fp8=fp8)
-    return out, fp8_result(out.y.reshape(m, n), fp8, fmt, q_out=q_out)
-
-
-def fp8_target(rows, n, scaling, fmt, device, q_out=None) -> NormFp8Out:
-    """Where the norm kernel writes the FP8 output of its [rows, n] output y: "1x128", the rows (q_out, else a new
-    tensor) and their scales; "tensorwise", the one fp32 word the rows' amax is gathered in."""
     if scaling == "1x128":
-        q = q_out if q_out is not None else torch.empty(rows, n, dtype=fp8_dtype(fmt), device=device)
-        return NormFp8Out("1x128", q=q, scales=torch.empty(n // BLOCK, rows, dtype=torch.float32, device=device))
-    if scaling == "tensorwise":
-        return NormFp8Out("amax", amax=torch.zeros(1, dtype=torch.float32, device=device))
-    raise ValueError(f"scaling must be one of {SCALINGS}; got {scaling!r}")
-
-
-def fp8_result(y, target: NormFp8Out, fmt, q_out=None) -> ScaledFp8:
-    """The ScaledFp8 of the [rows, n] output y once the kernel has written `target` (fp8_target's): "1x128", the
-    rows and scales it wrote; tensorwise, the quantizing pass over y with the amax it gathered (into q_out, else a
-    new tensor)."""
-    if target.scaling == "1x128":
-        return ScaledFp8(target.q, target.scales, "1x128")
-    return quantize_tensorwise(y, fmt, amax=target.amax, q_out=q_out)
+        return out, ScaledFp8(fp8.q, fp8.scales, "1x128")
+    return out, quantize_tensorwise(out.y.reshape(m, n), fmt, amax=fp8.amax, q_out=q_out)

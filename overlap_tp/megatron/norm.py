@@ -19,8 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from overlap_tp.kernels.fp8_norm import fp8_result, fp8_target
-from overlap_tp.kernels.fp8_quant import ScaledFp8
+from overlap_tp.kernels.fp8_quant import BLOCK, ScaledFp8, fp8_dtype, quantize_tensorwise
 from overlap_tp.kernels.fused_add_rmsnorm import FusedAddRMSNormFunction, NormFp8Out, RMSNormFunction, TileOrder
 
 __all__ = ["Fp8Output", "OverlapRMSNorm", "TileOrder", "fp8_rows", "fused_add_rmsnorm", "rmsnorm"]
@@ -50,13 +49,22 @@ def _fp8_target(fp8: Optional[Fp8Output], like: torch.Tensor) -> Optional[NormFp
     """Where the kernel writes the FP8 copy of an output shaped like `like` [.., N] (as [rows, N])."""
     if fp8 is None:
         return None
-    return fp8_target(like.numel() // like.shape[-1], like.shape[-1], fp8.scaling, fp8.format, like.device)
+    rows, n = like.numel() // like.shape[-1], like.shape[-1]
+    if fp8.scaling == "1x128":
+        return NormFp8Out("1x128", q=torch.empty(rows, n, dtype=fp8_dtype(fp8.format), device=like.device),
+                          scales=torch.empty(n // BLOCK, rows, dtype=torch.float32, device=like.device))
+    if fp8.scaling == "tensorwise":
+        return NormFp8Out("amax", amax=torch.zeros(1, dtype=torch.float32, device=like.device))
+    raise ValueError(f"Fp8Output.scaling must be '1x128' or 'tensorwise'; got {fp8.scaling!r}")
 
 
 def _keep_fp8(y: torch.Tensor, fp8: Optional[Fp8Output], target: Optional[NormFp8Out]) -> torch.Tensor:
-    """Attach y's FP8 copy to y, once the kernel has written `target`."""
+    """Attach y's FP8 copy to y (tensorwise: its quantizing pass, with the amax the kernel gathered)."""
     if fp8 is not None:
-        rows8 = fp8_result(y.detach().reshape(-1, y.shape[-1]), target, fp8.format)
+        if target.scaling == "1x128":
+            rows8 = ScaledFp8(target.q, target.scales, "1x128")
+        else:
+            rows8 = quantize_tensorwise(y.detach().reshape(-1, y.shape[-1]), fp8.format, amax=target.amax)
         setattr(y, FP8_ROWS, (y._version, fp8, rows8))
     return y
 
