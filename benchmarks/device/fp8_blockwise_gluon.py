@@ -31,6 +31,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.language.core import _aggregate as aggregate
 
 # TMA's global-to-shared load: async_load from Triton 3.7, async_copy_global_to_shared before (the device's 3.6)
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
@@ -91,7 +92,6 @@ def blockwise_gluon_kernel(a_desc, w_desc, dst_ptr, ld_dst, dst_offsets_ptr, bia
         mbarrier.init(ready.index(i), count=1)
 
     k_steps = K // BLOCK_K
-    zero = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
     loaded = 0     # loads issued by this program so far: stage and phase of each
     consumed = 0
     for e in range(gl.program_id(0), num_tiles, NUM_PROGRAMS):
@@ -122,7 +122,7 @@ def blockwise_gluon_kernel(a_desc, w_desc, dst_ptr, ld_dst, dst_offsets_ptr, bia
             _issue_load(a_desc, w_desc, a_smem, w_smem, ready, src_row, col0, ks, loaded + ks, STAGES, BLOCK_K)
         loaded += STAGES - 2
 
-        acc = zero
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma)
         for ks in range(0, k_steps, 2):
             if ks + STAGES - 2 < k_steps:   # into the stage K step ks - 2 used (finished last iteration)
                 _issue_load(a_desc, w_desc, a_smem, w_smem, ready, src_row, col0, ks + STAGES - 2, loaded, STAGES,
@@ -134,12 +134,12 @@ def blockwise_gluon_kernel(a_desc, w_desc, dst_ptr, ld_dst, dst_offsets_ptr, bia
                 loaded += 1
             first = consumed % STAGES
             mbarrier.wait(ready.index(first), (consumed // STAGES) & 1)
-            x = warpgroup_mma(a_smem.index(first), w_smem.index(first).permute((1, 0)), zero, use_acc=False,
-                              is_async=True)
+            x = warpgroup_mma(a_smem.index(first), w_smem.index(first).permute((1, 0)),
+                              gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma), use_acc=False, is_async=True)
             second = (consumed + 1) % STAGES
             mbarrier.wait(ready.index(second), ((consumed + 1) // STAGES) & 1)
-            y = warpgroup_mma(a_smem.index(second), w_smem.index(second).permute((1, 0)), zero, use_acc=False,
-                              is_async=True)
+            y = warpgroup_mma(a_smem.index(second), w_smem.index(second).permute((1, 0)),
+                              gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma), use_acc=False, is_async=True)
             consumed += 2
             x_scale = gl.load(sa_ptrs + ks * rows_per_scale, mask=sa_mask, other=0.0) * gl.load(sw_row_ptr + ks)
             y_scale = (gl.load(sa_ptrs + (ks + 1) * rows_per_scale, mask=sa_mask, other=0.0)
@@ -165,6 +165,184 @@ def blockwise_gluon_kernel(a_desc, w_desc, dst_ptr, ld_dst, dst_offsets_ptr, bia
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
+
+
+@aggregate
+class _WsArgs:
+    """What the warp-specialised kernel's partitions share."""
+    a_desc: tma.tensor_descriptor
+    w_desc: tma.tensor_descriptor
+    a_smem: gl.shared_memory_descriptor
+    w_smem: gl.shared_memory_descriptor
+    ready: gl.shared_memory_descriptor   # per stage: the producer's loads landed
+    empty: gl.shared_memory_descriptor   # per stage: both consumers' MMAs on it finished
+    dst_ptr: gl.tensor
+    ld_dst: gl.tensor
+    tiles_ptr: gl.tensor
+    num_tiles: gl.tensor
+    sa_ptr: gl.tensor
+    rows_per_scale: gl.tensor
+    sw_ptr: gl.tensor
+    sw_ld: gl.tensor
+    M: gl.tensor
+    N: gl.tensor
+    K: gl.tensor
+    TILE_FIELDS: gl.constexpr
+    NUM_PROGRAMS: gl.constexpr
+    STAGES: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, a_desc, w_desc, a_smem, w_smem, ready, empty, dst_ptr, ld_dst, tiles_ptr, num_tiles, sa_ptr,
+                 rows_per_scale, sw_ptr, sw_ld, M, N, K, TILE_FIELDS, NUM_PROGRAMS, STAGES):
+        self.a_desc, self.w_desc, self.a_smem, self.w_smem = a_desc, w_desc, a_smem, w_smem
+        self.ready, self.empty, self.dst_ptr, self.ld_dst = ready, empty, dst_ptr, ld_dst
+        self.tiles_ptr, self.num_tiles, self.sa_ptr, self.rows_per_scale = tiles_ptr, num_tiles, sa_ptr, rows_per_scale
+        self.sw_ptr, self.sw_ld, self.M, self.N, self.K = sw_ptr, sw_ld, M, N, K
+        self.TILE_FIELDS = gl.constexpr(TILE_FIELDS)
+        self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
+        self.STAGES = gl.constexpr(STAGES)
+
+
+@gluon.jit
+def _ws_load_step(p, j, k_steps):
+    """Load the program's j-th K step (its tile j // k_steps, K step j % k_steps) into stage j % STAGES once both
+    consumers finished the step that used it last (a fresh barrier's phase 1 counts as finished)."""
+    BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
+    entry = p.tiles_ptr + (gl.program_id(0) + (j // k_steps) * p.NUM_PROGRAMS) * p.TILE_FIELDS
+    ks = j % k_steps
+    s = j % p.STAGES
+    mbarrier.wait(p.empty.index(s), ((j // p.STAGES) & 1) ^ 1)
+    bar = p.ready.index(s)
+    mbarrier.expect(bar, p.a_desc.block_type.nbytes + p.w_desc.block_type.nbytes)
+    _tma_load(p.a_desc, [gl.load(entry + 0), ks * BLOCK_K], bar, p.a_smem.index(s))
+    _tma_load(p.w_desc, [gl.load(entry + 2), ks * BLOCK_K], bar, p.w_smem.index(s))
+
+
+@gluon.jit
+def _ws_consume(p, WG: gl.constexpr):
+    """One warpgroup: rows [64 WG, 64 WG + 64) of each 128 x 256 tile, in two 128-column halves, each half's K-step
+    product promoted while the other warpgroup's MMAs run (a warpgroup holds its 64 x 256 accumulator and one
+    64 x 128 product: 192 fp32 registers a thread). Warpgroup 0 also issues the loads, STAGES - 1 K steps ahead."""
+    BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
+    HALF: gl.constexpr = p.w_desc.block_type.shape[0] // 2
+    ROWS: gl.constexpr = p.a_desc.block_type.shape[0] // 2
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 32])
+    rows_layout: gl.constexpr = gl.SliceLayout(1, mma)
+    cols_layout: gl.constexpr = gl.SliceLayout(0, mma)
+    k_steps = p.K // BLOCK_K
+    steps = gl.cdiv(p.num_tiles - gl.program_id(0), p.NUM_PROGRAMS) * k_steps   # this program's K steps, all tiles
+    if WG == 0:
+        for j in range(gl.minimum(p.STAGES - 1, steps)):
+            _ws_load_step(p, j, k_steps)
+    i = 0
+    for e in range(gl.program_id(0), p.num_tiles, p.NUM_PROGRAMS):
+        entry = p.tiles_ptr + e * p.TILE_FIELDS
+        src_row = gl.load(entry + 0)
+        src_row_end = gl.load(entry + 1)
+        col0 = gl.load(entry + 2)
+        dst_row = gl.load(entry + 3)
+        dst_col = gl.load(entry + 4)
+        rows = src_row + WG * ROWS + gl.arange(0, ROWS, layout=rows_layout)
+        shard = rows // p.rows_per_scale
+        sa_ptrs = p.sa_ptr + shard * (k_steps * p.rows_per_scale) + (rows - shard * p.rows_per_scale)
+        sa_mask = rows < p.M
+        sw_left = p.sw_ptr + (col0 // 128) * p.sw_ld       # a 128-column half lies in one 128x128 weight block
+        right_in = col0 + HALF < p.N
+        acc_left = gl.zeros((ROWS, HALF), dtype=gl.float32, layout=mma)
+        acc_right = gl.zeros((ROWS, HALF), dtype=gl.float32, layout=mma)
+        for ks in range(k_steps):
+            if WG == 0:
+                if i + p.STAGES - 1 < steps:   # into the stage step i - 1 used
+                    _ws_load_step(p, i + p.STAGES - 1, k_steps)
+            s = i % p.STAGES
+            mbarrier.wait(p.ready.index(s), (i // p.STAGES) & 1)
+            a_rows = p.a_smem.index(s).slice(WG * ROWS, ROWS)
+            w_stage = p.w_smem.index(s)
+            x = warpgroup_mma(a_rows, w_stage.slice(0, HALF).permute((1, 0)),
+                              gl.zeros((ROWS, HALF), dtype=gl.float32, layout=mma), use_acc=False, is_async=True)
+            sa = gl.load(sa_ptrs + ks * p.rows_per_scale, mask=sa_mask, other=0.0)
+            left_scale = sa * gl.load(sw_left + ks)
+            right_scale = sa * gl.load(sw_left + p.sw_ld + ks, mask=right_in, other=0.0)
+            x = warpgroup_mma_wait(num_outstanding=0, deps=(x, ))
+            acc_left += x * left_scale[:, None]
+            y = warpgroup_mma(a_rows, w_stage.slice(HALF, HALF).permute((1, 0)),
+                              gl.zeros((ROWS, HALF), dtype=gl.float32, layout=mma), use_acc=False, is_async=True)
+            y = warpgroup_mma_wait(num_outstanding=0, deps=(y, ))
+            mbarrier.arrive(p.empty.index(s), count=1)   # this warpgroup's MMAs on stage s are done
+            acc_right += y * right_scale[:, None]
+            i += 1
+        out_rows = (dst_row + WG * ROWS + gl.arange(0, ROWS, layout=rows_layout)).to(gl.int64)
+        cols = col0 + gl.arange(0, HALF, layout=cols_layout)
+        out_cols = dst_col + gl.arange(0, HALF, layout=cols_layout)
+        base = p.dst_ptr + out_rows[:, None] * p.ld_dst + out_cols[None, :]
+        keep = rows < src_row_end
+        gl.store(base, acc_left.to(gl.bfloat16), mask=keep[:, None] & (cols < p.N)[None, :])
+        gl.store(base + HALF, acc_right.to(gl.bfloat16), mask=keep[:, None] & (cols + HALF < p.N)[None, :])
+
+
+@gluon.jit
+def _ws_consumer0(p):
+    _ws_consume(p, 0)
+
+
+@gluon.jit
+def _ws_consumer1(p):
+    _ws_consume(p, 1)
+
+
+@gluon.jit
+def blockwise_ws_kernel(a_desc, w_desc, dst_ptr, ld_dst, tiles_ptr, num_tiles, sa_ptr, rows_per_scale, sw_ptr, sw_ld,
+                        M, N, K, TILE_FIELDS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr,
+                        CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
+    """128 x 256 tiles (BLOCK_M 128, BLOCK_N 256, BLOCK_K 128) on two consumer warpgroups, each its own partition
+    (gl.warp_specialize) so that no CTA barrier ties them: each multiplies and promotes its 64 rows, and the tensor
+    cores run one warpgroup's MMAs while the other promotes, as in DeepGEMM's Hopper kernel. Warpgroup 0 also fills
+    the ring (mbarriers ready / empty per stage; a separate producer warp would round the CTA up to 12 warps, whose
+    registers ptxas then caps at 168 a thread, so the consumers spill). The tile's L2 traffic per flop is half a
+    64x128 tile's. No signal, no wait, no bias yet: the experiment is the main loop."""
+    a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    p = _WsArgs(a_desc, w_desc, a_smem, w_smem, ready, empty, dst_ptr, ld_dst, tiles_ptr, num_tiles, sa_ptr,
+                rows_per_scale, sw_ptr, sw_ld, M, N, K, TILE_FIELDS, NUM_PROGRAMS, STAGES)
+    gl.warp_specialize([(_ws_consumer0, (p, )), (_ws_consumer1, (p, ))], [4], [CONSUMER_REGS])
+
+
+WS_MAXNREG = 256      # 8 warps (2 warpgroups) x 32 x 256 = 64K registers: no producer partition to feed
+WS_CONSUMER_REGS = 256
+
+
+def launch_ws(a, w, dst, tile, num_programs, tiles):
+    """A callable running blockwise_ws_kernel over `tiles` (the plan table for 128 x 256 tiles) into dst; tile is
+    (128, 256, 128, STAGES, 4): the default partition's 4 warps are the first consumer."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from overlap_tp.kernels.fp8_gemm import check_scaled_operands
+    from overlap_tp.kernels.fp8_quant import shard_count
+    from overlap_tp.kernels.signaled_gemm import TILE_FIELDS
+    bm, bn, bk, stages, warps = tile
+    m, k = a.q.shape
+    if ((a.scaling, w.scaling) != ("1x128", "128x128") or (bm, bn, bk, warps) != (128, 256, 128, 4)
+            or k // bk < 1 or k % bk or stages < 2):
+        raise ValueError(f"gluon-ws does not take {a.scaling} x {w.scaling}, tile {bm}x{bn}x{bk}/{stages}/{warps} "
+                         f"at K={k}")
+    check_scaled_operands(a, w)
+    a_desc = TensorDescriptor(a.q, list(a.q.shape), list(a.q.stride()), [bm, bk],
+                              gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv))
+    w_desc = TensorDescriptor(w.q, list(w.q.shape), list(w.q.stride()), [bn, bk],
+                              gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv))
+    num_tiles = tiles.shape[0]
+    grid = (max(1, min(num_programs, num_tiles)),)
+
+    def call():
+        blockwise_ws_kernel[grid](a_desc, w_desc, dst, dst.stride(0), tiles, num_tiles, a.ds, m // shard_count(a),
+                                  w.ds, w.ds.shape[1], m, w.q.shape[0], k, TILE_FIELDS=TILE_FIELDS,
+                                  NUM_PROGRAMS=grid[0], STAGES=stages, CONSUMER_REGS=WS_CONSUMER_REGS, num_warps=4,
+                                  maxnreg=WS_MAXNREG)
+    return call
 
 
 def launch(a, w, dst, tile, num_programs, tiles, *, counters=None, flags=None, wait_target=0, bias=None,
@@ -227,3 +405,24 @@ def compile_sm90(block_m=64, block_n=128, stages=4, num_warps=4, signal=True, wa
                          constexprs={(names.index(name),): value for name, value in constexprs.items()},
                          attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def compile_ws_sm90(stages=4):
+    """blockwise_ws_kernel compiled for sm_90 without a GPU (the CPU test reads its SASS and registers)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    def desc(rows):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)
+        return f"tensordesc<fp8e4nv[{rows}, 128],{layout!r}>"
+    signature = {"a_desc": desc(128), "w_desc": desc(256), "dst_ptr": "*bf16", "ld_dst": "i32", "tiles_ptr": "*i32",
+                 "num_tiles": "i32", "sa_ptr": "*fp32", "rows_per_scale": "i32", "sw_ptr": "*fp32", "sw_ld": "i32",
+                 "M": "i32", "N": "i32", "K": "i32", "TILE_FIELDS": "constexpr", "NUM_PROGRAMS": "constexpr",
+                 "STAGES": "constexpr", "CONSUMER_REGS": "constexpr", "num_warps": "constexpr"}
+    constexprs = {"TILE_FIELDS": 9, "NUM_PROGRAMS": 132, "STAGES": stages, "CONSUMER_REGS": WS_CONSUMER_REGS,
+                  "num_warps": 4}
+    names = list(signature)
+    aligned = ("dst_ptr", "tiles_ptr", "sa_ptr", "sw_ptr", "ld_dst", "M", "N", "K")
+    src = GluonASTSource(blockwise_ws_kernel, signature,
+                         constexprs={(names.index(name),): value for name, value in constexprs.items()},
+                         attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": WS_MAXNREG})

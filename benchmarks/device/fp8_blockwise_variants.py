@@ -17,6 +17,8 @@ loop per tile that promotes each 128-wide K step's product into the fp32 accumul
   gluon       fp8_blockwise_gluon.py: two K steps' MMAs issued asynchronously, the first promoted while the
               second runs (Gluon's explicit wgmma waits; GPU only, not in the interpreter); the library's
               candidate, so it walks the library's plan table and has its epilogue (signal, wait, bias)
+  gluon-ws    fp8_blockwise_gluon.py's 128x256 tile on two warpgroups, each its own warp-specialised partition,
+              one promoting while the other's MMAs run (tile 128x256x128/STAGES/4 only; no epilogue yet)
   ws          rowscale in a warp-specialised loop (tl.range(warp_specialize=True): a producer warp for the loads,
               the math warps consuming), where this Triton supports it on this GPU (Triton 3.6 for sm_90 keeps the
               loop whole: the attribute stays on the loop and no partitions are made, so ws runs as rowscale)
@@ -55,7 +57,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from overlap_tp.kernels import fp8_quant as Q  # noqa: E402
 
-VARIANTS = {"outer": 0, "rowscale": 1, "unroll2": 2, "ws": 3, "gluon": None}   # gluon: fp8_blockwise_gluon.py
+VARIANTS = {"outer": 0, "rowscale": 1, "unroll2": 2, "ws": 3, "gluon": None, "gluon-ws": None}   # gluon*: Gluon
 MAX_REL_ERR = 2 ** -6
 
 
@@ -141,11 +143,11 @@ def parse_tile(text):
 def variant_call(variant, a, w, out, tile, num_programs, plan_tiles=None):
     """A callable that runs `variant` of the kernel on ScaledFp8 a (1x128) and w (128x128) into out (gluon: over
     the library's plan table `plan_tiles`, as kernels/fp8_gemm.py runs it)."""
-    if variant == "gluon":
+    if variant.startswith("gluon"):
         if CPU:
-            raise ValueError("gluon does not run in Triton's interpreter")
-        from fp8_blockwise_gluon import launch   # beside this script, on sys.path from gpu_bench
-        return launch(a, w, out, tile, num_programs, plan_tiles)
+            raise ValueError(f"{variant} does not run in Triton's interpreter")
+        from fp8_blockwise_gluon import launch, launch_ws   # beside this script, on sys.path from gpu_bench
+        return (launch_ws if variant == "gluon-ws" else launch)(a, w, out, tile, num_programs, plan_tiles)
     bm, bn, bk, stages, warps = tile
     m, k = a.q.shape
     n = w.q.shape[0]
@@ -199,8 +201,8 @@ def cpu_check(args):
     for m, n, k in ((64, 128, 256), (128, 256, 512), (64, 192, 256)):
         a, w = operands(m, n, k, "cpu", gen)
         for variant in args.variants.split(","):
-            if variant == "gluon":   # not in the interpreter: tests/bench/test_fp8_blockwise_gluon.py compiles it
-                continue
+            if variant.startswith("gluon"):   # not in the interpreter: tests/bench/test_fp8_blockwise_gluon.py
+                continue                         # compiles them
             for tile in ((64, 128, 128, 1, 4), (64, 64, 128, 1, 4)):
                 err, call = check(variant, a, w, tile, num_programs=3)
                 print(f"{m}x{n}x{k} {variant} {tile[:2]}: {err}")
@@ -241,7 +243,7 @@ def gpu_bench(args):
                 calls, labels = [cublas], ["cuBLAS blockwise"]
                 for tile, per_sm in ((tile, per_sm) for tile in tiles for per_sm in programs_per_sm):
                     bm, bn, bk, stages, warps = tile
-                    if per_sm > 1 and warps > 4:   # two CTAs of 8 warps at ~250 registers a thread: over 64K
+                    if per_sm > 1 and bm * bn > 64 * 128:   # two CTAs of a larger tile: over the 64K registers
                         continue
                     config = OverlapConfig(method="signal", block_m=bm, block_n=bn, block_k=bk, num_stages=stages,
                                            num_warps=warps, tile_by_shape=False, comm_sms=0)
@@ -250,8 +252,9 @@ def gpu_bench(args):
 
                     def library(a=a, w=w, out=out, plan_tiles=plan_tiles, config=config, programs=sms * per_sm):
                         fp8_signaled_gemm(a, w, out, plan_tiles, None, programs, config)
-                    calls.append(library)
-                    labels.append(f"library {label}")
+                    if bn <= 128:   # the library's blockwise tiles (wider ones hold two accumulators of 128 x 256)
+                        calls.append(library)
+                        labels.append(f"library {label}")
                     for variant in args.variants.split(","):
                         err, call = check(variant, a, w, tile, sms * per_sm, plan_tiles)
                         if call is None:
@@ -297,13 +300,13 @@ def args_label(tile):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="rowscale,unroll2,gluon")
-    p.add_argument("--tiles", default="64x128x128/3/4,64x128x128/4/4,128x128x128/4/8,128x128x128/6/8",
-                   help="BMxBNxBK/stages/warps, comma list")
+    p.add_argument("--variants", default="rowscale,unroll2,gluon,gluon-ws")
+    p.add_argument("--tiles", default="64x128x128/3/4,64x128x128/4/4,128x128x128/4/8,128x128x128/6/8,"
+                                      "128x256x128/4/4", help="BMxBNxBK/stages/warps, comma list")
     p.add_argument("--programs-per-sm", default="1,2",
                    help="persistent programs per SM, comma list: 2 lets two CTAs share an SM where registers and "
-                        "shared memory allow, so one's promotion runs while the other's MMAs do (tiles of 4 warps "
-                        "only: two CTAs of 8 warps need more than the SM's 64K registers)")
+                        "shared memory allow, so one's promotion runs while the other's MMAs do (tiles up to 64x128: "
+                        "two CTAs of a larger tile need more than the SM's 64K registers)")
     p.add_argument("--layers", default="l8b")
     p.add_argument("--tp", default="2")
     p.add_argument("--seq", default="8192")

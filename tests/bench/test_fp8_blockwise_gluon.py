@@ -3,9 +3,11 @@ SASS keeps the second K step's MMAs in flight while the first is promoted (one w
 for none, per loop iteration, and no other), with no register spills; a loop that waits for every MMA at once
 fails the check. Its epilogue is the library's: the CTA barrier before the release signal, the acquire spin and the
 async-proxy fence before the TMA loads, and the tile stored two bf16 per store at least. Its numbers against float64
-and cuBLAS come from fp8_blockwise_variants.py on a GPU."""
+and cuBLAS come from fp8_blockwise_variants.py on a GPU. The warp-specialised 128x256 kernel (gluon-ws) compiles
+to two consumer partitions tied by no CTA barrier."""
 import importlib.util
 import os
+import re
 import subprocess
 
 import pytest
@@ -65,3 +67,27 @@ def test_the_epilogue_and_the_wait_are_the_librarys(tmp_path):
     acquire, fence = ptx.find("ld.global.acquire.gpu.b32"), ptx.find("fence.proxy.async.global")
     assert 0 <= acquire < fence, "the wait acquires, then fences the async proxy"
     assert "st.global.b16" not in ptx and "st.global.b32" in ptx, "the tile is stored two bf16 per store"
+
+
+@pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton ships no cuobjdump")
+def test_the_warp_specialised_consumers_share_no_cta_barrier(tmp_path):
+    """gluon-ws: two consumer partitions of one warpgroup each (8 warps, so 255 registers a thread), each with its
+    own 128-thread barriers and one arrive per stage on the ring's empty barrier (count 2), 16 QGMMA (two
+    partitions x two 128-column halves x four k32 steps); ptxas keeps one half's product in flight while the other
+    is promoted, a few registers past the file, so a little spills (under 256 bytes of stack a thread)."""
+    spec = importlib.util.spec_from_file_location("gluon_ws", SOURCE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    kernel = module.compile_ws_sm90()
+    cubin = tmp_path / "ws.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([CUOBJDUMP, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ptx = kernel.asm["ptx"]
+    assert sass.count("QGMMA") == 16
+    assert ptx.count("mbarrier.arrive.shared::cta.b64") == 2
+    partition_barriers = re.findall(r"\bbar\.sync\s+(\d+)(?:,\s*(\d+))?;", ptx)
+    assert partition_barriers and all(count == "128" for _, count in partition_barriers), partition_barriers
+    assert {ident for ident, _ in partition_barriers} == {"0", "2"}   # one per consumer partition
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    assert stack < 256, usage
