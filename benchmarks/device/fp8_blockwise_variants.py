@@ -300,7 +300,7 @@ def args_label(tile):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", default="rowscale,unroll2,gluon,gluon-ws")
+    p.add_argument("--variants", default="rowscale,gluon,gluon-ws")
     p.add_argument("--tiles", default="64x128x128/3/4,64x128x128/4/4,128x128x128/4/8,128x128x128/6/8,"
                                       "128x256x128/4/4", help="BMxBNxBK/stages/warps, comma list")
     p.add_argument("--programs-per-sm", default="1,2",
