@@ -26,6 +26,11 @@ with STAGES = 4 the ring takes 96 KB, so two programs fit an SM (--programs-per-
 other's MMAs run, as DeepGEMM's two math warpgroups do. `compile_sm90` builds the kernel for sm_90 without a GPU
 (the CPU test reads its SASS: no serialised wgmma, the promotion of X between the wait for one group and the wait
 for none).
+
+`blockwise_ws_kernel` (the variant `gluon-ws`) is the wide-tile experiment: 128x256 tiles, whose L2 traffic per
+flop is half a 64x128 tile's, on two consumer warpgroups that are separate warp-specialised partitions, so no CTA
+barrier ties their steps and one promotes while the other's MMAs run. A warpgroup holds its 64x256 accumulator and
+a 64x128 product, so it promotes in 128-column halves. Main loop only (no signal, wait or bias).
 """
 import triton
 from triton.experimental import gluon
@@ -316,33 +321,13 @@ WS_MAXNREG = 256      # 8 warps (2 warpgroups) x 32 x 256 = 64K registers: no pr
 WS_CONSUMER_REGS = 256
 
 
-def launch_ws(a, w, dst, tile, num_programs, tiles):
-    """A callable running blockwise_ws_kernel over `tiles` (the plan table for 128 x 256 tiles) into dst; tile is
-    (128, 256, 128, STAGES, 4): the default partition's 4 warps are the first consumer."""
+def _descriptors(a, w, bm, bn, bk):
+    """TMA descriptors of the FP8 operands a [M, K] in [bm, bk] boxes and w [N, K] in [bn, bk] boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from overlap_tp.kernels.fp8_gemm import check_scaled_operands
-    from overlap_tp.kernels.fp8_quant import shard_count
-    from overlap_tp.kernels.signaled_gemm import TILE_FIELDS
-    bm, bn, bk, stages, warps = tile
-    m, k = a.q.shape
-    if ((a.scaling, w.scaling) != ("1x128", "128x128") or (bm, bn, bk, warps) != (128, 256, 128, 4)
-            or k // bk < 1 or k % bk or stages < 2):
-        raise ValueError(f"gluon-ws does not take {a.scaling} x {w.scaling}, tile {bm}x{bn}x{bk}/{stages}/{warps} "
-                         f"at K={k}")
-    check_scaled_operands(a, w)
-    a_desc = TensorDescriptor(a.q, list(a.q.shape), list(a.q.stride()), [bm, bk],
-                              gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv))
-    w_desc = TensorDescriptor(w.q, list(w.q.shape), list(w.q.stride()), [bn, bk],
-                              gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv))
-    num_tiles = tiles.shape[0]
-    grid = (max(1, min(num_programs, num_tiles)),)
-
-    def call():
-        blockwise_ws_kernel[grid](a_desc, w_desc, dst, dst.stride(0), tiles, num_tiles, a.ds, m // shard_count(a),
-                                  w.ds, w.ds.shape[1], m, w.q.shape[0], k, TILE_FIELDS=TILE_FIELDS,
-                                  NUM_PROGRAMS=grid[0], STAGES=stages, CONSUMER_REGS=WS_CONSUMER_REGS, num_warps=4,
-                                  maxnreg=WS_MAXNREG)
-    return call
+    def descriptor(q, rows):
+        return TensorDescriptor(q, list(q.shape), list(q.stride()), [rows, bk],
+                                gl.NVMMASharedLayout.get_default_for([rows, bk], gl.float8e4nv))
+    return descriptor(a.q, bm), descriptor(w.q, bn)
 
 
 def launch(a, w, dst, tile, num_programs, tiles, *, counters=None, flags=None, wait_target=0, bias=None,
@@ -352,7 +337,6 @@ def launch(a, w, dst, tile, num_programs, tiles, *, counters=None, flags=None, w
     waiting on `flags` as kernels/fp8_gemm.py's fp8_signaled_gemm does; tile is (BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
     num_warps) with BLOCK_K 128, BLOCK_N dividing 128, BLOCK_M = 16 * num_warps, STAGES >= 3; K a multiple of
     256 with K / 128 >= STAGES - 2."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from overlap_tp.kernels.fp8_gemm import check_scaled_operands
     from overlap_tp.kernels.fp8_quant import shard_count
     from overlap_tp.kernels.signaled_gemm import TILE_FIELDS, default_offsets
@@ -364,10 +348,7 @@ def launch(a, w, dst, tile, num_programs, tiles, *, counters=None, flags=None, w
         raise ValueError(f"gluon does not take {a.scaling} x {w.scaling}, tile {bm}x{bn}x{bk}/{stages}/{warps} "
                          f"at K={k}")
     check_scaled_operands(a, w, bias)
-    a_desc = TensorDescriptor(a.q, list(a.q.shape), list(a.q.stride()), [bm, bk],
-                              gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv))
-    w_desc = TensorDescriptor(w.q, list(w.q.shape), list(w.q.stride()), [bn, bk],
-                              gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv))
+    a_desc, w_desc = _descriptors(a, w, bm, bn, bk)
     num_tiles = tiles.shape[0]
     grid = (max(1, min(num_programs, num_tiles)),)
     offsets = dst_offsets if dst_offsets is not None else default_offsets(dst.device)
@@ -382,14 +363,51 @@ def launch(a, w, dst, tile, num_programs, tiles, *, counters=None, flags=None, w
     return call
 
 
-def compile_sm90(block_m=64, block_n=128, stages=4, num_warps=4, signal=True, wait=True, bias=True):
-    """The kernel compiled for sm_90 without a GPU: Triton's CompiledKernel (its .asm holds ttgir, ptx, cubin)."""
+def launch_ws(a, w, dst, tile, num_programs, tiles):
+    """A callable running blockwise_ws_kernel over `tiles` (the plan table for 128 x 256 tiles) into dst; tile is
+    (128, 256, 128, STAGES, 4): the default partition's 4 warps are the first consumer."""
+    from overlap_tp.kernels.fp8_gemm import check_scaled_operands
+    from overlap_tp.kernels.fp8_quant import shard_count
+    from overlap_tp.kernels.signaled_gemm import TILE_FIELDS
+    bm, bn, bk, stages, warps = tile
+    m, k = a.q.shape
+    if ((a.scaling, w.scaling) != ("1x128", "128x128") or (bm, bn, bk, warps) != (128, 256, 128, 4)
+            or k // bk < 1 or k % bk or stages < 2):
+        raise ValueError(f"gluon-ws does not take {a.scaling} x {w.scaling}, tile {bm}x{bn}x{bk}/{stages}/{warps} "
+                         f"at K={k}")
+    check_scaled_operands(a, w)
+    a_desc, w_desc = _descriptors(a, w, bm, bn, bk)
+    num_tiles = tiles.shape[0]
+    grid = (max(1, min(num_programs, num_tiles)),)
+
+    def call():
+        blockwise_ws_kernel[grid](a_desc, w_desc, dst, dst.stride(0), tiles, num_tiles, a.ds, m // shard_count(a),
+                                  w.ds, w.ds.shape[1], m, w.q.shape[0], k, TILE_FIELDS=TILE_FIELDS,
+                                  NUM_PROGRAMS=grid[0], STAGES=stages, CONSUMER_REGS=WS_CONSUMER_REGS, num_warps=4,
+                                  maxnreg=WS_MAXNREG)
+    return call
+
+
+def _compile_sm90(kernel, signature, constexprs, aligned, options):
+    """`kernel` compiled for sm_90 without a GPU (Triton's CompiledKernel: .asm holds ttgir, ptx, cubin), with the
+    16-divisibility Triton's launcher finds in `aligned` at the layers' shapes. A TensorDescriptor argument's
+    signature is "desc:ROWS": tensordesc<fp8e4nv[ROWS, 128],layout>."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
-    def desc(rows):   # the signature of a TensorDescriptor argument: tensordesc<dtype[block],layout>
+    def desc(rows):
         layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)
         return f"tensordesc<fp8e4nv[{rows}, 128],{layout!r}>"
-    signature = {"a_desc": desc(block_m), "w_desc": desc(block_n), "dst_ptr": "*bf16", "ld_dst": "i32",
+    signature = {name: desc(int(kind[5:])) if kind.startswith("desc:") else kind for name, kind in signature.items()}
+    names = list(signature)
+    src = GluonASTSource(kernel, signature,
+                         constexprs={(names.index(name),): value for name, value in constexprs.items()},
+                         attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_sm90(block_m=64, block_n=128, stages=4, num_warps=4, signal=True, wait=True, bias=True):
+    """blockwise_gluon_kernel compiled for sm_90 without a GPU (the CPU test reads its SASS)."""
+    signature = {"a_desc": f"desc:{block_m}", "w_desc": f"desc:{block_n}", "dst_ptr": "*bf16", "ld_dst": "i32",
                  "dst_offsets_ptr": "*i64", "bias_ptr": "*bf16", "bias_row_lo": "i32", "bias_row_hi": "i32",
                  "tiles_ptr": "*i32", "num_tiles": "i32", "counters_ptr": "*i32", "flags_ptr": "*i32",
                  "wait_target": "i32", "sa_ptr": "*fp32", "rows_per_scale": "i32", "sw_ptr": "*fp32", "sw_ld": "i32",
@@ -398,31 +416,19 @@ def compile_sm90(block_m=64, block_n=128, stages=4, num_warps=4, signal=True, wa
                  "num_warps": "constexpr"}
     constexprs = {"HAS_BIAS": bias, "SIGNAL": signal, "WAIT": wait, "TILE_FIELDS": 9, "NUM_PROGRAMS": 132,
                   "STAGES": stages, "num_warps": num_warps}
-    names = list(signature)
     aligned = ("dst_ptr", "dst_offsets_ptr", "bias_ptr", "tiles_ptr", "counters_ptr", "flags_ptr", "sa_ptr", "sw_ptr",
-               "ld_dst", "M", "N", "K")   # what Triton's launcher specialises at the layers' shapes: 16-divisible
-    src = GluonASTSource(blockwise_gluon_kernel, signature,
-                         constexprs={(names.index(name),): value for name, value in constexprs.items()},
-                         attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+               "ld_dst", "M", "N", "K")
+    return _compile_sm90(blockwise_gluon_kernel, signature, constexprs, aligned, {"num_warps": num_warps})
 
 
 def compile_ws_sm90(stages=4):
     """blockwise_ws_kernel compiled for sm_90 without a GPU (the CPU test reads its SASS and registers)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    def desc(rows):
-        layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)
-        return f"tensordesc<fp8e4nv[{rows}, 128],{layout!r}>"
-    signature = {"a_desc": desc(128), "w_desc": desc(256), "dst_ptr": "*bf16", "ld_dst": "i32", "tiles_ptr": "*i32",
+    signature = {"a_desc": "desc:128", "w_desc": "desc:256", "dst_ptr": "*bf16", "ld_dst": "i32", "tiles_ptr": "*i32",
                  "num_tiles": "i32", "sa_ptr": "*fp32", "rows_per_scale": "i32", "sw_ptr": "*fp32", "sw_ld": "i32",
                  "M": "i32", "N": "i32", "K": "i32", "TILE_FIELDS": "constexpr", "NUM_PROGRAMS": "constexpr",
                  "STAGES": "constexpr", "CONSUMER_REGS": "constexpr", "num_warps": "constexpr"}
     constexprs = {"TILE_FIELDS": 9, "NUM_PROGRAMS": 132, "STAGES": stages, "CONSUMER_REGS": WS_CONSUMER_REGS,
                   "num_warps": 4}
-    names = list(signature)
     aligned = ("dst_ptr", "tiles_ptr", "sa_ptr", "sw_ptr", "ld_dst", "M", "N", "K")
-    src = GluonASTSource(blockwise_ws_kernel, signature,
-                         constexprs={(names.index(name),): value for name, value in constexprs.items()},
-                         attrs={(names.index(name),): [["tt.divisibility", 16]] for name in aligned})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": WS_MAXNREG})
+    return _compile_sm90(blockwise_ws_kernel, signature, constexprs, aligned,
+                         {"num_warps": 4, "maxnreg": WS_MAXNREG})
