@@ -31,7 +31,7 @@ Each is checked against the float64 product of the dequantized operands (relativ
 not timed), then timed with CUDA-graph replays in interleaved rounds (overlap_tp/bench/gemm.py's `interleaved`) beside
 cuBLAS (torch.nn.functional.scaled_mm, BlockWise1x128 x BlockWise128x128) and the library kernel, on the forward and
 dgrad GEMMs of the chosen layers (fp8_gemm.py's list). Writes $OUT/fp8_blockwise_variants.jsonl (results.jsonl's
-fields; each GEMM's rows as soon as it is timed, so a time limit keeps what ran) and prints a table with each
+fields, appended; each GEMM's rows as soon as it is timed, so a time limit keeps what ran) and prints a table with each
 variant's time over cuBLAS's and the rate at which it loads its operands (`operand_bytes`: a 64x128 tile loads 1.5
 times the bytes of a 128x128 tile and twice those of a 128x256 tile for the same product, so a small tile can be
 bound by L2's bandwidth before its promotion matters).
@@ -229,13 +229,13 @@ def gpu_bench(args):
     record = f"benchmarks/fp8-gemm_{card.split()[1].lower() if len(card.split()) > 1 else card}x1_{date}.md"
     rows, lines = [], []
     os.makedirs(args.out, exist_ok=True)
-    jsonl = open(os.path.join(args.out, "fp8_blockwise_variants.jsonl"), "w")   # a GEMM's rows once it is timed
+    # a GEMM's rows once it is timed, appended (several runs, e.g. one per variant, fill one file)
+    jsonl = open(os.path.join(args.out, "fp8_blockwise_variants.jsonl"), "a")
     for layer in args.layers.split(","):
         for tp in (int(t) for t in args.tp.split(",")):
             m = int(args.seq)
             for name, _, gm, gn, gk in gemms(layer, m, tp, ("fwd", "dgrad")):
                 a, w = operands(gm, gn, gk, "cuda", gen)
-                first_line = len(lines)
                 out = torch.empty(gm, gn, device="cuda", dtype=torch.bfloat16)
                 cublas = lambda a=a, w=w, out=out: out.copy_(F.scaled_mm(   # noqa: E731
                     a.q, w.q.t(), Q.scale_view_1x128(a.ds), F.ScalingType.BlockWise1x128, Q.scale_view_128x128(w.ds),
@@ -259,6 +259,7 @@ def gpu_bench(args):
                         err, call = check(variant, a, w, tile, sms * per_sm, plan_tiles)
                         if call is None:
                             lines.append(f"{layer} t{tp} {name} {variant} {label}: {err}")
+                            print(lines[-1], flush=True)
                             continue
                         calls.append(call)
                         labels.append(f"{variant} {label}")
@@ -275,7 +276,7 @@ def gpu_bench(args):
                                      operand_tb_s=round(rate, 2) if rate else None, record=record, logs=[]))
                     jsonl.write(json.dumps(rows[-1]) + "\n")
                 jsonl.flush()
-                print("\n".join(lines[first_line:]), flush=True)   # with the variants that failed their check
+                print("\n".join(lines[-len(labels):]), flush=True)   # the failed checks printed as they ran
     jsonl.close()
     by_label = {}
     for row in rows:

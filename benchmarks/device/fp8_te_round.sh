@@ -4,8 +4,9 @@
 #   - in the background, at a lower priority: Transformer Engine's PyTorch extension (te_build.sh: the kept build in
 #     .te/torch-ext/ when there is one, else built and returned in $OUT as transformer_engine_torch-*.whl.part-*,
 #     for .te/torch-ext/ here);
-#   - on the GPU meanwhile: the blockwise FP8 GEMM's main-loop variants (the Gluon kernel among them) against
-#     cuBLAS, one and two programs per SM (fp8_blockwise_variants.py, at most VARIANTS_S = 180 s);
+#   - on the GPU meanwhile: the blockwise FP8 GEMM's main-loop variants against cuBLAS, one and two programs per SM
+#     (fp8_blockwise_variants.py: rowscale and the Gluon kernel, at most VARIANTS_S = 180 s; then the
+#     warp-specialised 128x256 Gluon kernel, at most WS_S = 50 s);
 #   - then the FP8 loss curves (fp8_curves.py: bf16, e4m3 blockwise and tensorwise; at most CURVES_S = 170 s;
 #     `fp8_curves.py --render` here makes the rows and the plot from fp8_curves.partial.jsonl if the limit ended it),
 #     losses and no timing, so beside them, once TE imports: tests/gpu/test_te_gpu.py and the MLA layer's CUDA-graph
@@ -25,9 +26,13 @@ trap 'cp -f "$OUT/cards.txt" "$R/" 2>/dev/null; tar czf "$OUT/res.tgz" -C /tmp r
 export DEADLINE_S=${DEADLINE_S:-586}
 source benchmarks/device/setup.sh
 echo "setup done at ${SECONDS}s"
-timeout "${VARIANTS_S:-180}" python3 "$REPO/benchmarks/device/fp8_blockwise_variants.py" --out "$R" 2>&1 \
-  | tee "$R/fp8_blockwise_variants.out" \
-  | grep -v -i warn | tail -24
+# the warp-specialised kernel in a run of its own, after the others: a hang there costs only its own rows
+timeout "${VARIANTS_S:-180}" python3 "$REPO/benchmarks/device/fp8_blockwise_variants.py" --out "$R" \
+  --variants rowscale,gluon --tiles 64x128x128/3/4,64x128x128/4/4,128x128x128/4/8,128x128x128/6/8 2>&1 \
+  | tee "$R/fp8_blockwise_variants.out" | grep -v -i warn | tail -24
+timeout "${WS_S:-50}" python3 "$REPO/benchmarks/device/fp8_blockwise_variants.py" --out "$R" \
+  --variants gluon-ws --tiles 128x256x128/4/4 --programs-per-sm 1 2>&1 \
+  | tee -a "$R/fp8_blockwise_variants.out" | grep -v -i warn | tail -10
 echo "variants done at ${SECONDS}s"
 # the curves (losses, no timing) beside the Transformer Engine tests once the build is done; the timings after both
 timeout "${CURVES_S:-170}" python3 "$REPO/benchmarks/device/fp8_curves.py" --out "$R" \
