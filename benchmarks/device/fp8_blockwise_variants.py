@@ -3,7 +3,7 @@ stand-alone Triton kernels, against cuBLAS's blockwise GEMM and the library's ke
 change to the library's main loop closes its gap to cuBLAS. Not part of the library: the winner moves into
 kernels/fp8_gemm.py behind the same plan interface.
 
-On the device (one H100 or H200, about a minute):
+On the device (one H100 or H200; a few minutes for every layer GEMM, most of it compiling):
 
     source benchmarks/device/setup.sh && python3 $REPO/benchmarks/device/fp8_blockwise_variants.py --out $OUT
 
