@@ -30,7 +30,8 @@ for none).
 `blockwise_ws_kernel` (the variant `gluon-ws`) is the wide-tile experiment: 128x256 tiles, whose L2 traffic per
 flop is half a 64x128 tile's, on two consumer warpgroups that are separate warp-specialised partitions, so no CTA
 barrier ties their steps and one promotes while the other's MMAs run. A warpgroup holds its 64x256 accumulator and
-a 64x128 product, so it promotes in 128-column halves. Main loop only (no signal, wait or bias).
+a 64x128 product, so it promotes in 128-column halves. It has the same arguments and epilogue as the first (its
+one CTA-wide step, the barrier before the signal, is a named barrier of the two consumers).
 """
 import triton
 from triton.experimental import gluon
@@ -174,17 +175,24 @@ def blockwise_gluon_kernel(a_desc, w_desc, dst_ptr, ld_dst, dst_offsets_ptr, bia
 
 @aggregate
 class _WsArgs:
-    """What the warp-specialised kernel's partitions share."""
+    """What the warp-specialised kernel's partitions share: blockwise_gluon_kernel's arguments, and the ring."""
     a_desc: tma.tensor_descriptor
     w_desc: tma.tensor_descriptor
     a_smem: gl.shared_memory_descriptor
     w_smem: gl.shared_memory_descriptor
-    ready: gl.shared_memory_descriptor   # per stage: the producer's loads landed
+    ready: gl.shared_memory_descriptor   # per stage: its loads landed
     empty: gl.shared_memory_descriptor   # per stage: both consumers' MMAs on it finished
     dst_ptr: gl.tensor
     ld_dst: gl.tensor
+    dst_offsets_ptr: gl.tensor
+    bias_ptr: gl.tensor
+    bias_row_lo: gl.tensor
+    bias_row_hi: gl.tensor
     tiles_ptr: gl.tensor
     num_tiles: gl.tensor
+    counters_ptr: gl.tensor
+    flags_ptr: gl.tensor
+    wait_target: gl.tensor
     sa_ptr: gl.tensor
     rows_per_scale: gl.tensor
     sw_ptr: gl.tensor
@@ -192,20 +200,36 @@ class _WsArgs:
     M: gl.tensor
     N: gl.tensor
     K: gl.tensor
+    HAS_BIAS: gl.constexpr
+    SIGNAL: gl.constexpr
+    WAIT: gl.constexpr
     TILE_FIELDS: gl.constexpr
     NUM_PROGRAMS: gl.constexpr
     STAGES: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, a_desc, w_desc, a_smem, w_smem, ready, empty, dst_ptr, ld_dst, tiles_ptr, num_tiles, sa_ptr,
-                 rows_per_scale, sw_ptr, sw_ld, M, N, K, TILE_FIELDS, NUM_PROGRAMS, STAGES):
+    def __init__(self, a_desc, w_desc, a_smem, w_smem, ready, empty, dst_ptr, ld_dst, dst_offsets_ptr, bias_ptr,
+                 bias_row_lo, bias_row_hi, tiles_ptr, num_tiles, counters_ptr, flags_ptr, wait_target, sa_ptr,
+                 rows_per_scale, sw_ptr, sw_ld, M, N, K, HAS_BIAS, SIGNAL, WAIT, TILE_FIELDS, NUM_PROGRAMS, STAGES):
         self.a_desc, self.w_desc, self.a_smem, self.w_smem = a_desc, w_desc, a_smem, w_smem
         self.ready, self.empty, self.dst_ptr, self.ld_dst = ready, empty, dst_ptr, ld_dst
-        self.tiles_ptr, self.num_tiles, self.sa_ptr, self.rows_per_scale = tiles_ptr, num_tiles, sa_ptr, rows_per_scale
-        self.sw_ptr, self.sw_ld, self.M, self.N, self.K = sw_ptr, sw_ld, M, N, K
-        self.TILE_FIELDS = gl.constexpr(TILE_FIELDS)
-        self.NUM_PROGRAMS = gl.constexpr(NUM_PROGRAMS)
-        self.STAGES = gl.constexpr(STAGES)
+        self.dst_offsets_ptr, self.bias_ptr, self.bias_row_lo, self.bias_row_hi = (dst_offsets_ptr, bias_ptr,
+                                                                                  bias_row_lo, bias_row_hi)
+        self.tiles_ptr, self.num_tiles, self.counters_ptr = tiles_ptr, num_tiles, counters_ptr
+        self.flags_ptr, self.wait_target = flags_ptr, wait_target
+        self.sa_ptr, self.rows_per_scale, self.sw_ptr, self.sw_ld = sa_ptr, rows_per_scale, sw_ptr, sw_ld
+        self.M, self.N, self.K = M, N, K
+        for name, value in (("HAS_BIAS", HAS_BIAS), ("SIGNAL", SIGNAL), ("WAIT", WAIT), ("TILE_FIELDS", TILE_FIELDS),
+                            ("NUM_PROGRAMS", NUM_PROGRAMS), ("STAGES", STAGES)):
+            setattr(self, name, gl.constexpr(value))
+
+
+@gluon.jit
+def _consumers_barrier_then(value):
+    """bar.sync on named barrier 8 across the two consumer warpgroups (256 threads), then `value`: the warp-specialised
+    kernel's CTA barrier before its signal (the partitions' own barriers are 0 to 2)."""
+    return gl.inline_asm_elementwise("bar.sync 8, 256;\n\tmov.u32 $0, $1;", "=r,r", [value], dtype=gl.int32,
+                                     is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -215,11 +239,19 @@ def _ws_load_step(p, j, k_steps):
     BLOCK_K: gl.constexpr = p.a_desc.block_type.shape[1]
     entry = p.tiles_ptr + (gl.program_id(0) + (j // k_steps) * p.NUM_PROGRAMS) * p.TILE_FIELDS
     ks = j % k_steps
+    src_row = gl.load(entry + 0)
+    if p.WAIT:
+        if ks == 0:
+            flag = gl.load(entry + 7)
+            if flag >= 0:   # the tile's rows have arrived once flags[flag] reaches the call's target (cyclic)
+                while _load_acquire(p.flags_ptr + flag) - p.wait_target < 0:
+                    pass
+                src_row = _fence_async_proxy_then(src_row)   # the TMA loads below are addressed after the fence
     s = j % p.STAGES
     mbarrier.wait(p.empty.index(s), ((j // p.STAGES) & 1) ^ 1)
     bar = p.ready.index(s)
     mbarrier.expect(bar, p.a_desc.block_type.nbytes + p.w_desc.block_type.nbytes)
-    _tma_load(p.a_desc, [gl.load(entry + 0), ks * BLOCK_K], bar, p.a_smem.index(s))
+    _tma_load(p.a_desc, [src_row, ks * BLOCK_K], bar, p.a_smem.index(s))
     _tma_load(p.w_desc, [gl.load(entry + 2), ks * BLOCK_K], bar, p.w_smem.index(s))
 
 
@@ -244,9 +276,11 @@ def _ws_consume(p, WG: gl.constexpr):
         entry = p.tiles_ptr + e * p.TILE_FIELDS
         src_row = gl.load(entry + 0)
         src_row_end = gl.load(entry + 1)
-        col0 = gl.load(entry + 2)
+        col0 = gl.multiple_of(gl.load(entry + 2), 2 * HALF)
         dst_row = gl.load(entry + 3)
-        dst_col = gl.load(entry + 4)
+        dst_col = gl.multiple_of(gl.load(entry + 4), 2 * HALF)
+        group = gl.load(entry + 5)
+        dst_base = p.dst_ptr + gl.multiple_of(gl.load(p.dst_offsets_ptr + gl.load(entry + 6)), 16)
         rows = src_row + WG * ROWS + gl.arange(0, ROWS, layout=rows_layout)
         shard = rows // p.rows_per_scale
         sa_ptrs = p.sa_ptr + shard * (k_steps * p.rows_per_scale) + (rows - shard * p.rows_per_scale)
@@ -276,13 +310,25 @@ def _ws_consume(p, WG: gl.constexpr):
             mbarrier.arrive(p.empty.index(s), count=1)   # this warpgroup's MMAs on stage s are done
             acc_right += y * right_scale[:, None]
             i += 1
-        out_rows = (dst_row + WG * ROWS + gl.arange(0, ROWS, layout=rows_layout)).to(gl.int64)
+        # the epilogue of kernels/signaled_gemm.py's store_tile_then_signal, each warpgroup its rows
         cols = col0 + gl.arange(0, HALF, layout=cols_layout)
+        if p.HAS_BIAS:
+            owns = ((rows >= p.bias_row_lo) & (rows < p.bias_row_hi))[:, None]
+            acc_left += gl.where(owns, gl.load(p.bias_ptr + cols, mask=cols < p.N, other=0.0).to(gl.float32)[None, :],
+                                 0.0)
+            acc_right += gl.where(owns, gl.load(p.bias_ptr + cols + HALF, mask=cols + HALF < p.N,
+                                                other=0.0).to(gl.float32)[None, :], 0.0)
+        out_rows = (dst_row + WG * ROWS + gl.arange(0, ROWS, layout=rows_layout)).to(gl.int64)
         out_cols = dst_col + gl.arange(0, HALF, layout=cols_layout)
-        base = p.dst_ptr + out_rows[:, None] * p.ld_dst + out_cols[None, :]
+        out = dst_base + out_rows[:, None] * p.ld_dst + out_cols[None, :]
         keep = rows < src_row_end
-        gl.store(base, acc_left.to(gl.bfloat16), mask=keep[:, None] & (cols < p.N)[None, :])
-        gl.store(base + HALF, acc_right.to(gl.bfloat16), mask=keep[:, None] & (cols + HALF < p.N)[None, :])
+        gl.store(out, acc_left.to(p.dst_ptr.dtype.element_ty), mask=keep[:, None] & (cols < p.N)[None, :])
+        gl.store(out + HALF, acc_right.to(p.dst_ptr.dtype.element_ty),
+                 mask=keep[:, None] & (cols + HALF < p.N)[None, :])
+        if p.SIGNAL:
+            group = _consumers_barrier_then(group)   # both warpgroups' stores before the release
+            if WG == 0:
+                gl.atomic_add(p.counters_ptr + group, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
@@ -296,15 +342,20 @@ def _ws_consumer1(p):
 
 
 @gluon.jit
-def blockwise_ws_kernel(a_desc, w_desc, dst_ptr, ld_dst, tiles_ptr, num_tiles, sa_ptr, rows_per_scale, sw_ptr, sw_ld,
-                        M, N, K, TILE_FIELDS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr,
+def blockwise_ws_kernel(a_desc, w_desc, dst_ptr, ld_dst, dst_offsets_ptr, bias_ptr, bias_row_lo, bias_row_hi,
+                        tiles_ptr, num_tiles, counters_ptr, flags_ptr, wait_target,
+                        sa_ptr, rows_per_scale, sw_ptr, sw_ld, M, N, K,
+                        HAS_BIAS: gl.constexpr, SIGNAL: gl.constexpr, WAIT: gl.constexpr,
+                        TILE_FIELDS: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr,
                         CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr):
     """128 x 256 tiles (BLOCK_M 128, BLOCK_N 256, BLOCK_K 128) on two consumer warpgroups, each its own partition
     (gl.warp_specialize) so that no CTA barrier ties them: each multiplies and promotes its 64 rows, and the tensor
     cores run one warpgroup's MMAs while the other promotes, as in DeepGEMM's Hopper kernel. Warpgroup 0 also fills
     the ring (mbarriers ready / empty per stage; a separate producer warp would round the CTA up to 12 warps, whose
     registers ptxas then caps at 168 a thread, so the consumers spill). The tile's L2 traffic per flop is half a
-    64x128 tile's. No signal, no wait, no bias yet: the experiment is the main loop."""
+    64x128 tile's. The epilogue is the library's: each warpgroup's bias and stores, a barrier of both warpgroups,
+    then one release signal; warpgroup 0 spins on a tile's ready flag (acquire, then the async-proxy fence) before
+    loading its first K step."""
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -312,8 +363,9 @@ def blockwise_ws_kernel(a_desc, w_desc, dst_ptr, ld_dst, tiles_ptr, num_tiles, s
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
-    p = _WsArgs(a_desc, w_desc, a_smem, w_smem, ready, empty, dst_ptr, ld_dst, tiles_ptr, num_tiles, sa_ptr,
-                rows_per_scale, sw_ptr, sw_ld, M, N, K, TILE_FIELDS, NUM_PROGRAMS, STAGES)
+    p = _WsArgs(a_desc, w_desc, a_smem, w_smem, ready, empty, dst_ptr, ld_dst, dst_offsets_ptr, bias_ptr, bias_row_lo,
+                bias_row_hi, tiles_ptr, num_tiles, counters_ptr, flags_ptr, wait_target, sa_ptr, rows_per_scale, sw_ptr,
+                sw_ld, M, N, K, HAS_BIAS, SIGNAL, WAIT, TILE_FIELDS, NUM_PROGRAMS, STAGES)
     gl.warp_specialize([(_ws_consumer0, (p, )), (_ws_consumer1, (p, ))], [4], [CONSUMER_REGS])
 
 
@@ -330,62 +382,58 @@ def _descriptors(a, w, bm, bn, bk):
     return descriptor(a.q, bm), descriptor(w.q, bn)
 
 
-def launch(a, w, dst, tile, num_programs, tiles, *, counters=None, flags=None, wait_target=0, bias=None,
-           bias_rows=(0, 0), dst_offsets=None):
-    """A callable running the kernel on ScaledFp8 a (1x128, or a gathered a's G shards) and w (128x128) over
-    `tiles` (an expanded plan table on the GPU, kernels/signaled_gemm.py's fields) into dst, raising `counters` and
-    waiting on `flags` as kernels/fp8_gemm.py's fp8_signaled_gemm does; tile is (BLOCK_M, BLOCK_N, BLOCK_K, STAGES,
-    num_warps) with BLOCK_K 128, BLOCK_N dividing 128, BLOCK_M = 16 * num_warps, STAGES >= 3; K a multiple of
-    256 with K / 128 >= STAGES - 2."""
+def _bind(kernel, options, a, w, dst, tile, num_programs, tiles, counters, flags, wait_target, bias, bias_rows,
+          dst_offsets):
+    """A callable launching `kernel` (blockwise_gluon_kernel's arguments) with launch `options`."""
     from overlap_tp.kernels.fp8_gemm import check_scaled_operands
     from overlap_tp.kernels.fp8_quant import shard_count
     from overlap_tp.kernels.signaled_gemm import TILE_FIELDS, default_offsets
-    bm, bn, bk, stages, warps = tile
-    m, k = a.q.shape
-    n = w.q.shape[0]
-    if ((a.scaling, w.scaling) != ("1x128", "128x128") or bk != 128 or 128 % bn or bm != 16 * warps
-            or k % (2 * bk) or k // bk < stages - 2 or stages < 3):
-        raise ValueError(f"gluon does not take {a.scaling} x {w.scaling}, tile {bm}x{bn}x{bk}/{stages}/{warps} "
-                         f"at K={k}")
     check_scaled_operands(a, w, bias)
+    bm, bn, bk, stages, _ = tile
+    (m, k), n = a.q.shape, w.q.shape[0]
     a_desc, w_desc = _descriptors(a, w, bm, bn, bk)
     num_tiles = tiles.shape[0]
     grid = (max(1, min(num_programs, num_tiles)),)
     offsets = dst_offsets if dst_offsets is not None else default_offsets(dst.device)
 
     def call():
-        blockwise_gluon_kernel[grid](
-            a_desc, w_desc, dst, dst.stride(0), offsets, bias if bias is not None else dst, bias_rows[0],
-            bias_rows[1], tiles, num_tiles, counters if counters is not None else tiles,
-            flags if flags is not None else tiles, wait_target, a.ds, m // shard_count(a), w.ds, w.ds.shape[1],
-            m, n, k, HAS_BIAS=bias is not None, SIGNAL=counters is not None, WAIT=flags is not None,
-            TILE_FIELDS=TILE_FIELDS, NUM_PROGRAMS=grid[0], STAGES=stages, num_warps=warps)
+        kernel[grid](a_desc, w_desc, dst, dst.stride(0), offsets, bias if bias is not None else dst, bias_rows[0],
+                     bias_rows[1], tiles, num_tiles, counters if counters is not None else tiles,
+                     flags if flags is not None else tiles, wait_target, a.ds, m // shard_count(a), w.ds,
+                     w.ds.shape[1], m, n, k, HAS_BIAS=bias is not None, SIGNAL=counters is not None,
+                     WAIT=flags is not None, TILE_FIELDS=TILE_FIELDS, NUM_PROGRAMS=grid[0], STAGES=stages, **options)
     return call
 
 
-def launch_ws(a, w, dst, tile, num_programs, tiles):
-    """A callable running blockwise_ws_kernel over `tiles` (the plan table for 128 x 256 tiles) into dst; tile is
-    (128, 256, 128, STAGES, 4): the default partition's 4 warps are the first consumer."""
-    from overlap_tp.kernels.fp8_gemm import check_scaled_operands
-    from overlap_tp.kernels.fp8_quant import shard_count
-    from overlap_tp.kernels.signaled_gemm import TILE_FIELDS
+def launch(a, w, dst, tile, num_programs, tiles, *, counters=None, flags=None, wait_target=0, bias=None,
+           bias_rows=(0, 0), dst_offsets=None):
+    """A callable running blockwise_gluon_kernel on ScaledFp8 a (1x128, or a gathered a's G shards) and w (128x128)
+    over `tiles` (an expanded plan table on the GPU, kernels/signaled_gemm.py's fields) into dst, raising `counters`
+    and waiting on `flags` as kernels/fp8_gemm.py's fp8_signaled_gemm does; tile is (BLOCK_M, BLOCK_N, BLOCK_K,
+    STAGES, num_warps) with BLOCK_K 128, BLOCK_N dividing 128, BLOCK_M = 16 * num_warps, STAGES >= 3; K a multiple
+    of 256 with K / 128 >= STAGES - 2."""
     bm, bn, bk, stages, warps = tile
-    m, k = a.q.shape
-    if ((a.scaling, w.scaling) != ("1x128", "128x128") or (bm, bn, bk, warps) != (128, 256, 128, 4)
-            or k // bk < 1 or k % bk or stages < 2):
+    k = a.q.shape[1]
+    if ((a.scaling, w.scaling) != ("1x128", "128x128") or bk != 128 or 128 % bn or bm != 16 * warps
+            or k % (2 * bk) or k // bk < stages - 2 or stages < 3):
+        raise ValueError(f"gluon does not take {a.scaling} x {w.scaling}, tile {bm}x{bn}x{bk}/{stages}/{warps} "
+                         f"at K={k}")
+    return _bind(blockwise_gluon_kernel, dict(num_warps=warps), a, w, dst, tile, num_programs, tiles, counters,
+                 flags, wait_target, bias, bias_rows, dst_offsets)
+
+
+def launch_ws(a, w, dst, tile, num_programs, tiles, *, counters=None, flags=None, wait_target=0, bias=None,
+              bias_rows=(0, 0), dst_offsets=None):
+    """launch's contract for blockwise_ws_kernel: tile (128, 256, 128, STAGES, 4), the 4 warps being the first
+    consumer's (the CTA has 8); K a multiple of 128, STAGES >= 2."""
+    bm, bn, bk, stages, warps = tile
+    k = a.q.shape[1]
+    if ((a.scaling, w.scaling) != ("1x128", "128x128") or (bm, bn, bk, warps) != (128, 256, 128, 4) or k % bk
+            or stages < 2):
         raise ValueError(f"gluon-ws does not take {a.scaling} x {w.scaling}, tile {bm}x{bn}x{bk}/{stages}/{warps} "
                          f"at K={k}")
-    check_scaled_operands(a, w)
-    a_desc, w_desc = _descriptors(a, w, bm, bn, bk)
-    num_tiles = tiles.shape[0]
-    grid = (max(1, min(num_programs, num_tiles)),)
-
-    def call():
-        blockwise_ws_kernel[grid](a_desc, w_desc, dst, dst.stride(0), tiles, num_tiles, a.ds, m // shard_count(a),
-                                  w.ds, w.ds.shape[1], m, w.q.shape[0], k, TILE_FIELDS=TILE_FIELDS,
-                                  NUM_PROGRAMS=grid[0], STAGES=stages, CONSUMER_REGS=WS_CONSUMER_REGS, num_warps=4,
-                                  maxnreg=WS_MAXNREG)
-    return call
+    return _bind(blockwise_ws_kernel, dict(CONSUMER_REGS=WS_CONSUMER_REGS, num_warps=4, maxnreg=WS_MAXNREG), a, w,
+                 dst, tile, num_programs, tiles, counters, flags, wait_target, bias, bias_rows, dst_offsets)
 
 
 def _compile_sm90(kernel, signature, constexprs, aligned, options):
@@ -405,30 +453,28 @@ def _compile_sm90(kernel, signature, constexprs, aligned, options):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+# blockwise_gluon_kernel's and blockwise_ws_kernel's arguments before their constexprs, and those aligned (the
+# 16-divisibility Triton's launcher finds at the layers' shapes)
+_SIGNATURE = {"dst_ptr": "*bf16", "ld_dst": "i32", "dst_offsets_ptr": "*i64", "bias_ptr": "*bf16", "bias_row_lo": "i32",
+              "bias_row_hi": "i32", "tiles_ptr": "*i32", "num_tiles": "i32", "counters_ptr": "*i32",
+              "flags_ptr": "*i32", "wait_target": "i32", "sa_ptr": "*fp32", "rows_per_scale": "i32", "sw_ptr": "*fp32",
+              "sw_ld": "i32", "M": "i32", "N": "i32", "K": "i32"}
+_ALIGNED = ("dst_ptr", "dst_offsets_ptr", "bias_ptr", "tiles_ptr", "counters_ptr", "flags_ptr", "sa_ptr", "sw_ptr",
+            "ld_dst", "M", "N", "K")
+
+
 def compile_sm90(block_m=64, block_n=128, stages=4, num_warps=4, signal=True, wait=True, bias=True):
     """blockwise_gluon_kernel compiled for sm_90 without a GPU (the CPU test reads its SASS)."""
-    signature = {"a_desc": f"desc:{block_m}", "w_desc": f"desc:{block_n}", "dst_ptr": "*bf16", "ld_dst": "i32",
-                 "dst_offsets_ptr": "*i64", "bias_ptr": "*bf16", "bias_row_lo": "i32", "bias_row_hi": "i32",
-                 "tiles_ptr": "*i32", "num_tiles": "i32", "counters_ptr": "*i32", "flags_ptr": "*i32",
-                 "wait_target": "i32", "sa_ptr": "*fp32", "rows_per_scale": "i32", "sw_ptr": "*fp32", "sw_ld": "i32",
-                 "M": "i32", "N": "i32", "K": "i32", "HAS_BIAS": "constexpr", "SIGNAL": "constexpr",
-                 "WAIT": "constexpr", "TILE_FIELDS": "constexpr", "NUM_PROGRAMS": "constexpr", "STAGES": "constexpr",
-                 "num_warps": "constexpr"}
     constexprs = {"HAS_BIAS": bias, "SIGNAL": signal, "WAIT": wait, "TILE_FIELDS": 9, "NUM_PROGRAMS": 132,
                   "STAGES": stages, "num_warps": num_warps}
-    aligned = ("dst_ptr", "dst_offsets_ptr", "bias_ptr", "tiles_ptr", "counters_ptr", "flags_ptr", "sa_ptr", "sw_ptr",
-               "ld_dst", "M", "N", "K")
-    return _compile_sm90(blockwise_gluon_kernel, signature, constexprs, aligned, {"num_warps": num_warps})
+    signature = {"a_desc": f"desc:{block_m}", "w_desc": f"desc:{block_n}", **_SIGNATURE,
+                 **{name: "constexpr" for name in constexprs}}
+    return _compile_sm90(blockwise_gluon_kernel, signature, constexprs, _ALIGNED, {"num_warps": num_warps})
 
 
-def compile_ws_sm90(stages=4):
+def compile_ws_sm90(stages=4, signal=True, wait=True, bias=True):
     """blockwise_ws_kernel compiled for sm_90 without a GPU (the CPU test reads its SASS and registers)."""
-    signature = {"a_desc": "desc:128", "w_desc": "desc:256", "dst_ptr": "*bf16", "ld_dst": "i32", "tiles_ptr": "*i32",
-                 "num_tiles": "i32", "sa_ptr": "*fp32", "rows_per_scale": "i32", "sw_ptr": "*fp32", "sw_ld": "i32",
-                 "M": "i32", "N": "i32", "K": "i32", "TILE_FIELDS": "constexpr", "NUM_PROGRAMS": "constexpr",
-                 "STAGES": "constexpr", "CONSUMER_REGS": "constexpr", "num_warps": "constexpr"}
-    constexprs = {"TILE_FIELDS": 9, "NUM_PROGRAMS": 132, "STAGES": stages, "CONSUMER_REGS": WS_CONSUMER_REGS,
-                  "num_warps": 4}
-    aligned = ("dst_ptr", "tiles_ptr", "sa_ptr", "sw_ptr", "ld_dst", "M", "N", "K")
-    return _compile_sm90(blockwise_ws_kernel, signature, constexprs, aligned,
-                         {"num_warps": 4, "maxnreg": WS_MAXNREG})
+    constexprs = {"HAS_BIAS": bias, "SIGNAL": signal, "WAIT": wait, "TILE_FIELDS": 9, "NUM_PROGRAMS": 132,
+                  "STAGES": stages, "CONSUMER_REGS": WS_CONSUMER_REGS, "num_warps": 4}
+    signature = {"a_desc": "desc:128", "w_desc": "desc:256", **_SIGNATURE, **{name: "constexpr" for name in constexprs}}
+    return _compile_sm90(blockwise_ws_kernel, signature, constexprs, _ALIGNED, {"num_warps": 4, "maxnreg": WS_MAXNREG})

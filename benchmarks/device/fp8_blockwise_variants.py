@@ -18,7 +18,7 @@ loop per tile that promotes each 128-wide K step's product into the fp32 accumul
               second runs (Gluon's explicit wgmma waits; GPU only, not in the interpreter); the library's
               candidate, so it walks the library's plan table and has its epilogue (signal, wait, bias)
   gluon-ws    fp8_blockwise_gluon.py's 128x256 tile on two warpgroups, each its own warp-specialised partition,
-              one promoting while the other's MMAs run (tile 128x256x128/STAGES/4 only; no epilogue yet)
+              one promoting while the other's MMAs run (tile 128x256x128/STAGES/4 only), with the same epilogue
   ws          rowscale in a warp-specialised loop (tl.range(warp_specialize=True): a producer warp for the loads,
               the math warps consuming), where this Triton supports it on this GPU (Triton 3.6 for sm_90 keeps the
               loop whole: the attribute stays on the loop and no partitions are made, so ws runs as rowscale)

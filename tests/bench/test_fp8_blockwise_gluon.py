@@ -70,11 +70,13 @@ def test_the_epilogue_and_the_wait_are_the_librarys(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.exists(CUOBJDUMP), reason="this Triton ships no cuobjdump")
-def test_the_warp_specialised_consumers_share_no_cta_barrier(tmp_path):
+def test_the_warp_specialised_consumers_share_no_barrier_but_the_signals(tmp_path):
     """gluon-ws: two consumer partitions of one warpgroup each (8 warps, so 255 registers a thread), each with its
     own 128-thread barriers and one arrive per stage on the ring's empty barrier (count 2), 16 QGMMA (two
-    partitions x two 128-column halves x four k32 steps); ptxas keeps one half's product in flight while the other
-    is promoted, a few registers past the file, so a little spills (under 256 bytes of stack a thread)."""
+    partitions x two 128-column halves x four k32 steps); the only barrier of both (256 threads) comes after a
+    tile's stores and before its one release signal; the flag wait acquires, then fences the async proxy. ptxas
+    keeps one half's product in flight while the other is promoted, a few registers past the file, so a little
+    spills (under 256 bytes of stack a thread)."""
     spec = importlib.util.spec_from_file_location("gluon_ws", SOURCE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -86,8 +88,14 @@ def test_the_warp_specialised_consumers_share_no_cta_barrier(tmp_path):
     ptx = kernel.asm["ptx"]
     assert sass.count("QGMMA") == 16
     assert ptx.count("mbarrier.arrive.shared::cta.b64") == 2
-    partition_barriers = re.findall(r"\bbar\.sync\s+(\d+)(?:,\s*(\d+))?;", ptx)
-    assert partition_barriers and all(count == "128" for _, count in partition_barriers), partition_barriers
-    assert {ident for ident, _ in partition_barriers} == {"0", "2"}   # one per consumer partition
+    barriers = re.findall(r"\bbar\.sync\s+(\d+)(?:,\s*(\d+))?;", ptx)
+    assert {b for b in barriers if b[1] == "128"} == {("0", "128"), ("2", "128")}   # one per consumer partition
+    assert [b for b in barriers if b[1] != "128"] == [("8", "256")] * 2, barriers   # both consumers, once each
+    release = re.search(r"(atom|red)\.global\.gpu\.release\.add", ptx).start()
+    assert len(re.findall(r"(atom|red)\.global\.gpu\.release\.add", ptx)) == 1
+    last_store, barrier = ptx.rfind("st.global", 0, release), ptx.rfind("bar.sync 8, 256", 0, release)
+    assert 0 <= last_store < barrier < release
+    acquire = ptx.find("ld.global.acquire.gpu.b32")
+    assert 0 <= acquire < ptx.find("fence.proxy.async.global", acquire)
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     assert stack < 256, usage
