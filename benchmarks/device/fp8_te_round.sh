@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call on one GPU for the FP8 and Transformer Engine measurements that need no gate, from the repository
 # root:   COMMIT=<sha> bash benchmarks/device/fp8_te_round.sh          carry: [".te", ".whl"]; call timeout 598
+#   (with a kept build in .te/torch-ext/, carry one_gpu_round.sh's list instead)
 #   - in the background, at a lower priority: Transformer Engine's PyTorch extension (te_build.sh: the kept build in
 #     .te/torch-ext/ when there is one, else built and returned in $OUT as transformer_engine_torch-*.whl.part-*,
 #     for .te/torch-ext/ here);
