@@ -39,7 +39,8 @@ echo "variants done at ${SECONDS}s"
 timeout "${CURVES_S:-170}" python3 "$REPO/benchmarks/device/fp8_curves.py" --out "$R" \
   --runs bf16,e4m3/blockwise,e4m3/tensorwise > "$R/fp8_curves.out" 2>&1 &
 curves=$!
-timeout $(( SECONDS < DEADLINE_S - 270 ? DEADLINE_S - 270 - SECONDS : 1 )) tail --pid=$build -f /dev/null   # 270: the TE steps
+# the TE build waited for until 270 s (its steps' limits) before the deadline
+timeout $(( SECONDS < DEADLINE_S - 270 ? DEADLINE_S - 270 - SECONDS : 1 )) tail --pid=$build -f /dev/null
 tail -10 "$R/te_build.log"
 W=$R
 export PYTHONPATH=/tmp/te-site:$PYTHONPATH UB_SKIPMC=1

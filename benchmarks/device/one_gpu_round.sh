@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call on one GPU that does what needs one GPU, in order of what depends on it, from the repository root:
 #   COMMIT=<sha> bash benchmarks/device/one_gpu_round.sh          carry: [".whl", ".te"], call timeout 598
-#   (once .te/torch-ext/ holds a kept build, carry its parts without the build inputs, as te_build.sh says:
-#   [".whl", ".te/wheels", ".te/torch-ext", ".te/te-core-sm90.tar.xz", ".te/transformer_engine-2.20.2-py3-none-any.whl"],
-#   which keeps the call under its 64 MiB)
+#   (once .te/torch-ext/ holds a kept build, carry its parts without the build inputs, as te_build.sh says, which
+#   keeps the call under its 64 MiB: [".whl", ".te/wheels", ".te/torch-ext", ".te/te-core-sm90.tar.xz",
+#   ".te/transformer_engine-2.20.2-py3-none-any.whl"])
 #   1. the whole one-GPU suite (the gate: tests/gpu/gpu_suite.py run, at most SUITE_S = 390 s), while Transformer
 #      Engine's PyTorch extension builds in the background at a lower priority (te_build.sh; skipped when
 #      .te/torch-ext/ holds a kept build);
