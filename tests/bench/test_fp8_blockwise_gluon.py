@@ -99,3 +99,25 @@ def test_the_warp_specialised_consumers_share_no_barrier_but_the_signals(tmp_pat
     assert 0 <= acquire < ptx.find("fence.proxy.async.global", acquire)
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     assert stack < 256, usage
+
+
+def test_each_launcher_refuses_the_tiles_its_kernel_does_not_take():
+    spec = importlib.util.spec_from_file_location("gluon_launch", SOURCE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from overlap_tp.kernels import fp8_quant as Q
+    import torch
+    a = Q.quantize_1x128_reference(torch.randn(128, 512).bfloat16())
+    w = Q.quantize_128x128_reference(torch.randn(256, 512).bfloat16())
+    out, tiles = torch.empty(128, 256, dtype=torch.bfloat16), torch.zeros(1, 9, dtype=torch.int32)
+    for launch, tile in ((module.launch, (64, 256, 128, 4, 4)),       # wider than one weight block
+                         (module.launch, (128, 128, 128, 4, 4)),      # BLOCK_M is 16 per warp
+                         (module.launch, (64, 128, 128, 2, 4)),       # the ring needs 3 stages
+                         (module.launch_ws, (64, 128, 128, 4, 4)),    # gluon-ws takes 128x256x128 only
+                         (module.launch_ws, (128, 256, 128, 1, 4))):  # and 2 stages at least
+        with pytest.raises(ValueError, match="does not take"):
+            launch(a, w, out, tile, 4, tiles)
+    t = Q.quantize_tensorwise_reference(torch.randn(128, 512).bfloat16())
+    with pytest.raises(ValueError, match="does not take tensorwise"):
+        module.launch(t, Q.quantize_tensorwise_reference(torch.randn(256, 512).bfloat16()), out,
+                      (64, 128, 128, 4, 4), 4, tiles)
