@@ -17,6 +17,8 @@ tokens). Every GEMM is C[M, N] = A[M, K] @ B[N, K].T with both FP8 operands K-ma
                           (fp8_linear.quantize_grad) beside that quantizer alone: what the FP8 wgrad adds in a layer
   ours tensorwise / blockwise, per tile config, sync on and off: "on" runs the op's synchronisation (gemm_rs plan:
                           the signal atomics; ag_gemm plan: every tile waits on its raised ready flag), "off" neither
+  gluon blockwise (--gluon) the Gluon candidates of fp8_blockwise_gluon.py on the same plans and synchronisation,
+                          on the blockwise configs they take (add 128x256x128/4/4 for the warp-specialised one)
 Each variant's output is checked first against the float64 product of the dequantized operands on 256 sampled rows
 (relative Frobenius error, recorded; a variant above 2**-6 is recorded as failed and not timed). Times: CUDA graph
 replays in interleaved rounds (overlap_tp/bench/gemm.py's `interleaved`), the median over rounds.
@@ -60,6 +62,10 @@ def parse_args(argv):
     p.add_argument("--passes", default="fwd,dgrad,wgrad")
     p.add_argument("--tensorwise-configs", default=TENSORWISE_CONFIGS, help="BMxBNxBK/stages/warps, comma list")
     p.add_argument("--blockwise-configs", default=BLOCKWISE_CONFIGS, help="block_k must be 128")
+    p.add_argument("--gluon", action="store_true",
+                   help="also the Gluon candidates of fp8_blockwise_gluon.py on the blockwise configs they take "
+                        "(gluon: BN <= 128, two programs per SM where the tile is 64x128; gluon-ws: 128x256x128/S/4), "
+                        "sync on and off as ours")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--input-sets", type=int, default=2)
@@ -214,6 +220,10 @@ def bench_one(name, op, m, n, k, tp, args, configs, gen):
                     fp8_signaled_gemm(qa, qb, dst, tiles, counters, programs, config, flags=flags, wait_target=1)
                 add(f"ours {scaling} sync {'on' if sync and op != 'plain' else 'off'}", scaling, label(config), ours,
                     lambda dst=dst, row_of=row_of: dst[row_of[rows]])
+                if args.gluon and scaling == "blockwise" and not wgrad:
+                    add_gluon(add, qa, qb, dst, tiles, counters if sync else None, flags if sync else None, programs,
+                              config, "on" if sync else "off", scaling,
+                              lambda dst=dst, row_of=row_of: dst[row_of[rows]])
 
     timed = [v for v in variants if v[3] is not None]
     per_round = interleaved([lambda call=v[3]: call() for v in timed], sets, args.rounds, args.reps)
@@ -226,6 +236,22 @@ def bench_one(name, op, m, n, k, tp, args, configs, gen):
                             rel_err=err if isinstance(err, float) else None,
                             note=err if isinstance(err, str) else ""))
     return results
+
+
+def add_gluon(add, qa, qb, dst, tiles, counters, flags, programs, config, sync, scaling, out_rows):
+    """The Gluon candidate (benchmarks/device/fp8_blockwise_gluon.py) that takes `config`'s tile, on the library's
+    plan and synchronisation: blockwise_gluon_kernel where BN divides 128 (two programs per SM at 64x128, where two
+    CTAs fit), blockwise_ws_kernel at 128x256x128/S/4; a tile neither takes is recorded as unavailable."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import fp8_blockwise_gluon as G
+    tile = (config.block_m, config.block_n, config.block_k, config.num_stages, config.num_warps)
+    name, launch = ("gluon-ws", G.launch_ws) if config.block_n > 128 else ("gluon", G.launch)
+    per_sm = 2 if (config.block_m, config.block_n) == (64, 128) else 1
+
+    def call():   # the launcher's checks raise ValueError for a tile it does not take: add() records it
+        launch(qa, qb, dst, tile, programs * per_sm, tiles, counters=counters, flags=flags, wait_target=1)()
+    add(f"{name} {scaling} sync {sync}", scaling, label(config) + (f" x{per_sm}" if per_sm > 1 else ""), call,
+        out_rows)
 
 
 def best(results, prefix):
