@@ -355,7 +355,8 @@ def blockwise_ws_kernel(a_desc, w_desc, dst_ptr, ld_dst, dst_offsets_ptr, bias_p
     registers ptxas then caps at 168 a thread, so the consumers spill). The tile's L2 traffic per flop is half a
     64x128 tile's. The epilogue is the library's: each warpgroup's bias and stores, a barrier of both warpgroups,
     then one release signal; warpgroup 0 spins on a tile's ready flag (acquire, then the async-proxy fence) before
-    loading its first K step."""
+    loading its first K step. The ring's protocol is checked in random interleavings by
+    tests/bench/test_fp8_blockwise_ws_ring.py."""
     a_smem = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
