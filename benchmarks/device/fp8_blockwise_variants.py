@@ -30,11 +30,12 @@ one's MMAs run while the other promotes, the overlap a warp-specialised ping-pon
 Each is checked against the float64 product of the dequantized operands (relative error <= 2**-6, else reported and
 not timed), then timed with CUDA-graph replays in interleaved rounds (overlap_tp/bench/gemm.py's `interleaved`) beside
 cuBLAS (torch.nn.functional.scaled_mm, BlockWise1x128 x BlockWise128x128) and the library kernel, on the forward and
-dgrad GEMMs of the chosen layers (fp8_gemm.py's list). Writes $OUT/fp8_blockwise_variants.jsonl (results.jsonl's
-fields, appended; each GEMM's rows as soon as it is timed, so a time limit keeps what ran) and prints a table with each
-variant's time over cuBLAS's and the rate at which it loads its operands (`operand_bytes`: a 64x128 tile loads 1.5
-times the bytes of a 128x128 tile and twice those of a 128x256 tile for the same product, so a small tile can be
-bound by L2's bandwidth before its promotion matters).
+dgrad GEMMs of the chosen layers (fp8_gemm.py's list). Writes $OUT/fp8_blockwise_variants.jsonl (one row per GEMM
+and variant: results.jsonl's fields with the card's full name, plus vs_cublas and operand_tb_s; a campaign file's
+summary rows are what go into results.jsonl), appended, each GEMM's rows as soon as it is timed, so a time limit
+keeps what ran; and prints a table with each variant's time over cuBLAS's and the rate at which it loads its
+operands (`operand_bytes`: a 64x128 tile loads 1.5 times the bytes of a 128x128 tile and twice those of a 128x256
+tile for the same product, so a small tile can be bound by L2's bandwidth before its promotion matters).
 
 --cpu: the check alone, in Triton's CPU interpreter, on small shapes (the script's own test).
 """
