@@ -54,6 +54,9 @@ def _issue_load(a_desc, w_desc, a_smem, w_smem, ready, row0, col0, ks, i, STAGES
     _tma_load(w_desc, [col0, ks * BLOCK_K], bar, w_smem.index(s))
 
 
+# The library's synchronisation helpers (kernels/signaled_gemm.py), as Gluon functions: the same PTX. Gluon calls the
+# library's Triton jit functions on a GPU, but not under the CPU interpreter the tests run in (there they are
+# interpreted objects), and the CPU tests compile this file.
 @gluon.jit
 def _cta_barrier_then(value):
     """bar.sync across the CTA, then `value` (kernels/signaled_gemm.py's cta_barrier_then)."""

@@ -242,8 +242,7 @@ def add_gluon(add, qa, qb, dst, tiles, counters, flags, programs, config, sync, 
     """The Gluon candidate (benchmarks/device/fp8_blockwise_gluon.py) that takes `config`'s tile, on the library's
     plan and synchronisation: blockwise_gluon_kernel where BN divides 128 (two programs per SM at 64x128, where two
     CTAs fit), blockwise_ws_kernel at 128x256x128/S/4; a tile neither takes is recorded as unavailable."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import fp8_blockwise_gluon as G
+    import fp8_blockwise_gluon as G   # beside this script, on sys.path as the script's directory
     tile = (config.block_m, config.block_n, config.block_k, config.num_stages, config.num_warps)
     name, launch = ("gluon-ws", G.launch_ws) if config.block_n > 128 else ("gluon", G.launch)
     per_sm = 2 if (config.block_m, config.block_n) == (64, 128) else 1
